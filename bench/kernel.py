@@ -1,0 +1,220 @@
+"""Benchmark the widen+scatter kernel against a device copy and a naive path.
+
+    python -m bench.kernel [--layers 48 --topk 8 --tokens N --samples 64
+                            --dtype uint8|uint16|int32|all --json]
+
+For each staging dtype it builds a realistic shard (ragged samples of
+fragments of hundreds to thousands of rows, shuffled sources and plan
+order, a few fill fragments) and times, with CUDA events after warm-up,
+rotating among three input sets so the 60 MB L2 holds none of them:
+
+- kernel: ``kernels.widen_scatter`` on CUDA torch tensors (the CuPy kernel,
+  or the torch fallback when CuPy cannot run), validation included;
+- copy: a device-to-device ``copy_`` moving the same bytes (read + written);
+- naive: ``staging.to(torch.int32)`` then ``index_copy_`` of the rows.
+
+GB/s count the bytes read plus written by the kernel (``plan_bytes``) for
+all three, so the ratios are ratios of times. Without a CUDA device it
+prints why and exits 0 (``{"skipped": ...}`` with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import kernels
+from kernels import plan_bytes, widen_scatter
+from kernels.plan import row_gather_indices
+
+__all__ = ["main", "make_shard_plan"]
+
+SETS = 3  # input sets rotated through, each far larger than L2
+GOAL_VS_COPY = 0.85
+GOAL_VS_NAIVE = 3.0
+
+
+def make_shard_plan(rng, tokens: int, samples: int) -> tuple[np.ndarray, int]:
+    """A plan for one trainer shard: ragged samples back to back in the output.
+
+    Returns the plan and the staging rows it reads. Each sample is cut into
+    fragments of 200-4000 rows; about 2% are fill fragments; staging holds
+    the copied fragments in shuffled order, and the plan rows are shuffled.
+    """
+    weights = rng.lognormal(0.0, 0.6, samples)
+    counts = np.maximum(1, np.floor(weights / weights.sum() * tokens)).astype(np.int64)
+    counts[-1] += tokens - counts.sum()
+    frag_rows = []
+    for c in counts.tolist():
+        while c > 0:
+            n = min(c, int(rng.integers(200, 4001)))
+            frag_rows.append(n)
+            c -= n
+    frag_rows = np.array(frag_rows, np.int64)
+    dst = np.cumsum(frag_rows) - frag_rows
+    is_fill = rng.random(len(frag_rows)) < 0.02
+    copy = np.flatnonzero(~is_fill)
+    order = rng.permutation(copy)
+    src = np.full(len(frag_rows), -1, np.int64)
+    src[order] = np.cumsum(frag_rows[order]) - frag_rows[order]
+    plan = np.stack([src, dst, frag_rows], axis=1)
+    return plan[rng.permutation(len(plan))], int(frag_rows[copy].sum())
+
+
+def _median_ms(torch, calls, iters: int) -> float:
+    """Median per-call GPU time of back-to-back calls, rotating inputs."""
+    for i in range(SETS):
+        calls[i % len(calls)]()
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
+        calls[i % len(calls)]()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(iters))
+
+
+def _random_staging(torch, dtype: str, n: int):
+    if dtype == "uint8":
+        return torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    if dtype == "uint16":  # few CUDA ops accept uint16: draw int16 bits
+        return torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device="cuda").view(torch.uint16)
+    return torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+
+
+def _widen_naive(torch, staging):
+    if staging.dtype == torch.uint16:
+        return staging.view(torch.int16).to(torch.int32) & 0xFFFF
+    return staging.to(torch.int32)
+
+
+def bench_dtype(torch, dtype, plan, src_rows, width, iters, chunks) -> dict:
+    dst_rows = int((plan[:, 1] + plan[:, 2]).max())
+    nbytes = plan_bytes(dtype, "int32", plan, width)
+    stagings = [_random_staging(torch, dtype, src_rows * width) for _ in range(SETS)]
+    outs = [torch.empty(dst_rows * width, dtype=torch.int32, device="cuda") for _ in range(SETS)]
+
+    kernel = [lambda s=s, o=o: widen_scatter(s, plan, width, o) for s, o in zip(stagings, outs)]
+    kernel[0]()  # compile and load the module outside every timing
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        kernel[0]()
+    host_us = (time.perf_counter() - start) / 10 * 1e6  # enqueue cost, GPU runs behind
+    kernel_ms = _median_ms(torch, kernel, iters)
+
+    chunk_ms = {}
+    if chunks:
+        from kernels.cupy_backend import torch_widen_scatter_cupy
+
+        for c in chunks:
+            calls = [lambda s=s, o=o, c=c: torch_widen_scatter_cupy(s, plan, width, o, chunk=c)
+                     for s, o in zip(stagings, outs)]
+            chunk_ms[c] = _median_ms(torch, calls, iters)
+
+    src_idx, dst_idx, fill_idx = (torch.from_numpy(a).cuda() for a in row_gather_indices(plan))
+
+    def naive(s, o):
+        o2 = o.view(-1, width)
+        o2.index_copy_(0, dst_idx, _widen_naive(torch, s).view(-1, width).index_select(0, src_idx))
+        o2.index_fill_(0, fill_idx, 0)
+
+    check = torch.empty_like(outs[0])
+    naive(stagings[0], check)
+    widen_scatter(stagings[0], plan, width, outs[0])
+    match = bool(torch.equal(check, outs[0]))
+    del check
+    naive_ms = _median_ms(torch, [lambda s=s, o=o: naive(s, o) for s, o in zip(stagings, outs)], iters)
+    del stagings, outs
+
+    half = nbytes // 2  # copy_ reads and writes this many bytes
+    srcs = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(SETS)]
+    dsts = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(SETS)]
+    copy_ms = _median_ms(torch, [lambda a=a, b=b: b.copy_(a) for a, b in zip(srcs, dsts)], iters)
+    del srcs, dsts
+    torch.cuda.empty_cache()
+
+    gbps = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731 - local shorthand
+    return {
+        "bytes": nbytes,
+        "kernel_ms": kernel_ms,
+        "copy_ms": copy_ms,
+        "naive_ms": naive_ms,
+        "kernel_gbps": gbps(kernel_ms),
+        "copy_gbps": gbps(copy_ms),
+        "naive_gbps": gbps(naive_ms),
+        "ratio_vs_copy": copy_ms / kernel_ms,
+        "speedup_vs_naive": naive_ms / kernel_ms,
+        "host_us_per_call": host_us,
+        "matches_naive": match,
+        "chunk_gbps": {str(c): gbps(ms) for c, ms in chunk_ms.items()},
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.kernel", description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2**20, help="rows in the shard's output")
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--dtype", choices=["uint8", "uint16", "int32", "all"], default="all")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--chunks", default="", help="also time these elements-per-block, e.g. 4096,16384")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = p.parse_args(argv)
+
+    try:
+        import torch
+
+        has_cuda = kernels.cuda_available() and torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        msg = "bench.kernel needs a CUDA device with torch; none found, nothing measured"
+        print(json.dumps({"bench": "kernel", "skipped": msg}) if args.json else msg)
+        return 0
+
+    from kernels.cupy_backend import DEFAULT_CHUNK, cupy_usable
+
+    width = args.layers * args.topk
+    rng = np.random.default_rng(0)
+    plan, src_rows = make_shard_plan(rng, args.tokens, args.samples)
+    dtypes = ["uint8", "uint16", "int32"] if args.dtype == "all" else [args.dtype]
+    chunks = [int(c) for c in args.chunks.split(",") if c] if cupy_usable() else []
+    header = {
+        "bench": "kernel",
+        "device": torch.cuda.get_device_name(),
+        "backend": f"cupy (chunk {DEFAULT_CHUNK})" if cupy_usable() else "torch fallback",
+        "layers": args.layers, "topk": args.topk, "width": width, "tokens": args.tokens,
+        "samples": args.samples, "fragments": len(plan), "iters": args.iters, "sets": SETS,
+        "out_gib": args.tokens * width * 4 / 2**30,
+    }
+    print(f"widen+scatter on {header['device']} via {header['backend']}: {args.tokens} rows x "
+          f"W={width} ({header['out_gib']:.2f} GiB int32 out), {len(plan)} fragments, "
+          f"{args.samples} samples; median of {args.iters} after warm-up, {SETS} input sets")
+    print(f"{'dtype':7} {'kernel GB/s':>11} {'copy GB/s':>10} {'naive GB/s':>10} "
+          f"{'vs copy':>8} {'vs naive':>9} {'host us':>8} match")
+    results = {}
+    for dtype in dtypes:
+        r = bench_dtype(torch, dtype, plan, src_rows, width, args.iters, chunks)
+        results[dtype] = r
+        print(f"{dtype:7} {r['kernel_gbps']:11.0f} {r['copy_gbps']:10.0f} {r['naive_gbps']:10.0f} "
+              f"{r['ratio_vs_copy']:8.2f} {r['speedup_vs_naive']:8.1f}x {r['host_us_per_call']:8.0f} "
+              f"{r['matches_naive']}")
+        for c, g in r["chunk_gbps"].items():
+            print(f"        chunk {c}: {g:.0f} GB/s")
+    print(f"goals: kernel/copy >= {GOAL_VS_COPY}, kernel/naive >= {GOAL_VS_NAIVE}x")
+    if args.json:
+        print(json.dumps({**header, "goal_vs_copy": GOAL_VS_COPY, "goal_vs_naive": GOAL_VS_NAIVE,
+                          "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

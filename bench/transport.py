@@ -1,0 +1,183 @@
+"""Batched reads through every transport path, against their raw baselines.
+
+Run: ``python -m bench.transport [--json] [--repeats N]``.
+
+One StorageUnit (in this process) holds three R3-shaped shards; each shard
+is read, as one batched read, through:
+
+- ``rdma``: :meth:`NixlChannel.read` into a registered staging view (the
+  way the Reader uses it: no copy after the READ);
+- ``rdma+copy``: the same read into a plain numpy array (one extra memcpy);
+- ``nixl``: the baseline for rdma: a raw NIXL READ of the same regions from
+  the same serving agent, descriptors prepared once, no lease, no gputq;
+- ``tcp``: :meth:`TcpChannel.read` into a numpy array;
+- ``socket``: the baseline for tcp, :class:`bench.common.SocketBaseline`.
+
+Ratios: ``rdma / nixl`` and ``tcp / socket`` per shape; the JSON line has
+their minima over shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table
+from gputq.storage_unit import StorageUnit
+from transport.nixl import NixlTransport, import_nixl
+from transport.tcp import TcpTransport
+
+__all__ = ["SHAPES", "main"]
+
+#: (name, keys, bytes per key): R3 shards as a trainer reads them.
+SHAPES = (
+    ("64x256KiB", 64, 256 << 10),
+    ("1024x16KiB", 1024, 16 << 10),
+    ("1x256MiB", 1, 256 << 20),
+)
+TOKEN = "bench"
+MAX_FRAME = 1 << 30
+
+
+class RawNixl:
+    """The baseline: one NIXL READ of known regions, descriptors prepared once."""
+
+    def __init__(self, address: dict, max_bytes: int):
+        nixl_agent, nixl_agent_config, sync = import_nixl()
+        self.agent = nixl_agent(f"bench-raw-{os.getpid()}", nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"], sync_mode=sync.NIXL_THREAD_SYNC_RW))
+        self.dest = np.empty(max_bytes, dtype=np.uint8)
+        self._reg = self.agent.register_memory(
+            np.array([[self.dest.ctypes.data, max_bytes, 0]], dtype=np.uint64), "DRAM")
+        self.remote = self.agent.add_remote_agent(address["agent_metadata"])
+        self.base = int(address["arena_base"])
+
+    def prepare(self, regions: np.ndarray):
+        """Prepared local and remote descriptor lists for ``regions`` (offset, length)."""
+        lengths = regions[:, 1].astype(np.uint64)
+        local = np.stack([self.dest.ctypes.data + np.cumsum(lengths) - lengths, lengths,
+                          np.zeros_like(lengths)], axis=1).astype(np.uint64)
+        remote = np.stack([self.base + regions[:, 0].astype(np.uint64), lengths,
+                           np.zeros_like(lengths)], axis=1).astype(np.uint64)
+        return (self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"),
+                self.agent.prep_xfer_dlist(self.remote, remote, "DRAM"),
+                np.arange(len(regions), dtype=np.int32))
+
+    def read(self, prepared) -> None:
+        local, remote, indices = prepared
+        handle = self.agent.make_prepped_xfer("READ", local, indices, remote, indices)
+        state = self.agent.transfer(handle)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(handle)
+        handle.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ failed: {state}")
+
+    def close(self) -> None:
+        self.agent.remove_remote_agent(self.remote)
+        self.agent.deregister_memory(self._reg)
+
+
+def interleaved_medians(paths: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each callable, timed round-robin after one warm-up each.
+
+    Round-robin rather than one path after another: on a shared box a burst
+    of background load then hits every path alike instead of one of them.
+    """
+    for fn in paths.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _fill(unit_channel, shapes) -> dict[str, list[str]]:
+    rng = np.random.default_rng(0)
+    keys = {}
+    for name, count, size in shapes:
+        keys[name] = [f"{name}/{i}" for i in range(count)]
+        for key in keys[name]:
+            unit_channel.write(key, rng.integers(0, 256, size=size, dtype=np.uint8), {})
+    return keys
+
+
+def run(repeats: int) -> tuple[list[dict], dict]:
+    total_max = max(count * size for _, count, size in SHAPES)
+    capacity = sum(count * size for _, count, size in SHAPES) + (64 << 20)
+    rows = []
+    with StorageUnit("bench-su", capacity) as unit, \
+            NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as server, \
+            SocketBaseline(total_max) as sock:
+        address = server.address
+        rdma = NixlTransport().connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
+        tcp = TcpTransport().connect(address["control"], token=TOKEN, max_frame_bytes=MAX_FRAME)
+        raw = RawNixl(address, total_max)
+        try:
+            keys = _fill(tcp, SHAPES)
+            dest = np.empty(total_max, dtype=np.uint8)
+            for name, count, size in SHAPES:
+                nbytes = count * size
+                shard = keys[name]
+                lease = unit.lease(shard)
+                regions = np.array([[r.offset, r.nbytes] for r in lease.regions], dtype=np.int64)
+                unit.end_lease(lease.lease_id)
+                prepared = raw.prepare(regions)
+                with rdma.staging(nbytes) as staged:
+                    t = interleaved_medians({
+                        "rdma": lambda: rdma.read(shard, staged),
+                        "rdma+copy": lambda: rdma.read(shard, dest),
+                        "nixl": lambda: raw.read(prepared),
+                        "tcp": lambda: tcp.read(shard, dest),
+                        "socket": lambda: sock.read(nbytes),
+                    }, repeats)
+                    assert np.array_equal(staged[:nbytes], raw.dest[:nbytes])
+                t_rdma, t_copy, t_nixl, t_tcp, t_sock = (t[k] for k in ("rdma", "rdma+copy", "nixl", "tcp", "socket"))
+                rows.append({
+                    "shape": name, "MiB": nbytes / (1 << 20),
+                    "rdma GB/s": gbps(nbytes, t_rdma), "rdma+copy GB/s": gbps(nbytes, t_copy),
+                    "nixl GB/s": gbps(nbytes, t_nixl), "tcp GB/s": gbps(nbytes, t_tcp),
+                    "socket GB/s": gbps(nbytes, t_sock),
+                    "rdma/nixl": t_nixl / t_rdma, "tcp/socket": t_sock / t_tcp,
+                    "rdma ms": t_rdma * 1e3, "nixl ms": t_nixl * 1e3,
+                })
+        finally:
+            raw.close()
+            tcp.close()
+            rdma.close()
+    summary = {
+        "rdma_vs_nixl_min_ratio": min(r["rdma/nixl"] for r in rows),
+        "tcp_vs_socket_min_ratio": min(r["tcp/socket"] for r in rows),
+        "rdma_vs_tcp_min_ratio": min(r["rdma GB/s"] / r["tcp GB/s"] for r in rows),
+    }
+    return rows, summary
+
+
+def main(argv=None) -> int:
+    parser = add_json_flag(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per path and shape (median)")
+    args = parser.parse_args(argv)
+    ucx_tls = os.environ.get("UCX_TLS", "(unset: UCX chooses)")
+    print_header("gputq transport: batched reads", cpus=os.cpu_count(), UCX_TLS=ucx_tls,
+                 repeats=args.repeats, storage="StorageUnit in-process, channels in-process")
+    started = time.perf_counter()
+    rows, summary = run(args.repeats)
+    print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma+copy GB/s", "nixl GB/s", "tcp GB/s",
+                       "socket GB/s", "rdma/nixl", "tcp/socket", "rdma ms", "nixl ms"])
+    for key, value in summary.items():
+        print(f"  {key}: {value:.3f}")
+    print(f"  elapsed: {time.perf_counter() - started:.1f} s")
+    if args.json:
+        emit_json({"bench": "transport", "rows": rows, **summary, "UCX_TLS": ucx_tls})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

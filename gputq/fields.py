@@ -1,0 +1,264 @@
+"""Field specs: what a per-token payload looks like stored and restored.
+
+A field is a per-token payload that gputq can offload. Its :class:`FieldSpec`
+says how one token's row is shaped, which compact dtype holds it in a
+StorageUnit, which dtype the trainer gets back, what fills rows no step
+produced, and which tokens of a sample carry it (``span``):
+
+- ``"output"``: one row per generated token; the trainer wants it for the
+  response only (``rollout_log_probs``), non-generated response tokens get
+  ``fill``.
+- ``"context"``: one row per context token except the last; the trainer
+  wants ``[T-1, *row_shape]`` per sample (``rollout_routed_experts``).
+
+:func:`canonicalize` is the gate every payload passes before it is stored:
+it checks shape, dtype, NaNs and range, and converts to the compact dtype
+without ever truncating (DESIGN.md §3 rule 4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import ConfigError, FieldValueError, InvalidInputError
+
+__all__ = [
+    "LOGPROBS",
+    "ROUTED_EXPERTS",
+    "ROUTED_EXPERTS_DTYPES",
+    "SPANS",
+    "FieldRegistry",
+    "FieldSpec",
+    "canonicalize",
+    "logprobs_spec",
+    "routed_experts_spec",
+    "row_nbytes",
+]
+
+LOGPROBS = "logprobs"
+ROUTED_EXPERTS = "routed_experts"
+ROUTED_EXPERTS_DTYPES = ("uint8", "uint16", "int32")
+SPANS = ("output", "context")
+_SPEC_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """How one field is stored and restored.
+
+    Parameters
+    ----------
+    name:
+        Field name (``"logprobs"``, ``"routed_experts"``, ...).
+    row_shape:
+        Shape of one token's row; ``()`` for a scalar per token.
+    dtype:
+        Stored (compact) numpy dtype name.
+    restored_dtype:
+        Dtype the trainer receives; the stored dtype must cast to it safely.
+    fill:
+        Value of target rows that no stored fragment covers.
+    span:
+        ``"output"`` or ``"context"`` (see the module docstring).
+    sample_key:
+        Name of the restored tensor in a trainer sample; defaults to
+        ``"rollout_<name>"``.
+    """
+
+    name: str
+    row_shape: tuple[int, ...]
+    dtype: str
+    restored_dtype: str
+    fill: float | int
+    span: str = "output"
+    sample_key: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"field name must be a non-empty string, got {self.name!r}")
+        shape = tuple(self.row_shape)
+        if not all(isinstance(d, (int, np.integer)) and d > 0 for d in shape):
+            raise ConfigError(f"field {self.name!r}: row_shape must hold positive ints, got {self.row_shape!r}")
+        object.__setattr__(self, "row_shape", tuple(int(d) for d in shape))
+        try:
+            stored, restored = np.dtype(self.dtype), np.dtype(self.restored_dtype)
+        except TypeError as exc:
+            raise ConfigError(f"field {self.name!r}: unknown dtype ({exc})") from None
+        if stored.kind not in "iuf" or restored.kind not in "iuf":
+            raise ConfigError(f"field {self.name!r}: dtypes must be integer or float, got {stored}/{restored}")
+        if not np.can_cast(stored, restored, "safe"):
+            raise ConfigError(f"field {self.name!r}: stored dtype {stored} does not widen safely to {restored}")
+        object.__setattr__(self, "dtype", stored.name)
+        object.__setattr__(self, "restored_dtype", restored.name)
+        object.__setattr__(self, "fill", _check_fill(self.name, self.fill, restored))
+        if self.span not in SPANS:
+            raise ConfigError(f"field {self.name!r}: span must be one of {SPANS}, got {self.span!r}")
+        if not self.sample_key:
+            object.__setattr__(self, "sample_key", f"rollout_{self.name}")
+
+    @property
+    def integral(self) -> bool:
+        """True when the field holds integer IDs (floats are then rejected)."""
+        return np.dtype(self.dtype).kind in "iu"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe description (schema-versioned)."""
+        return {"schema": _SPEC_SCHEMA, "name": self.name, "row_shape": list(self.row_shape),
+                "dtype": self.dtype, "restored_dtype": self.restored_dtype, "fill": self.fill,
+                "span": self.span, "sample_key": self.sample_key}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FieldSpec:
+        """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record."""
+        from .refs import read_record
+
+        rec = read_record(data, "FieldSpec", _SPEC_SCHEMA,
+                          ("name", "row_shape", "dtype", "restored_dtype", "fill", "span", "sample_key"))
+        return cls(rec["name"], tuple(rec["row_shape"]), rec["dtype"], rec["restored_dtype"],
+                   rec["fill"], rec["span"], rec["sample_key"])
+
+
+def _check_fill(name: str, fill: Any, restored: np.dtype) -> float | int:
+    if isinstance(fill, (bool, np.bool_)) or not isinstance(fill, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"field {name!r}: fill must be a number, got {fill!r}")
+    if restored.kind == "f":
+        return float(fill)
+    if isinstance(fill, (float, np.floating)) and not float(fill).is_integer():
+        raise ConfigError(f"field {name!r}: fill {fill!r} is not an integer for dtype {restored}")
+    info = np.iinfo(restored)
+    if not info.min <= int(fill) <= info.max:
+        raise ConfigError(f"field {name!r}: fill {fill!r} does not fit {restored}")
+    return int(fill)
+
+
+def logprobs_spec() -> FieldSpec:
+    """The built-in ``logprobs`` field: float32 per generated token, fill 0.0."""
+    return FieldSpec(LOGPROBS, (), "float32", "float32", 0.0, span="output",
+                     sample_key="rollout_log_probs")
+
+
+def routed_experts_spec(num_layers: int, topk: int, dtype: str = "int32") -> FieldSpec:
+    """The built-in ``routed_experts`` field: ``[num_layers, topk]`` IDs per token.
+
+    Parameters
+    ----------
+    num_layers, topk:
+        Recorded MoE layers and routing top-k.
+    dtype:
+        Stored dtype, one of ``uint8``, ``uint16``, ``int32``; always restored
+        as int32.
+    """
+    if dtype not in ROUTED_EXPERTS_DTYPES:
+        raise ConfigError(f"routed_experts dtype must be one of {ROUTED_EXPERTS_DTYPES}, got {dtype!r}")
+    return FieldSpec(ROUTED_EXPERTS, (num_layers, topk), dtype, "int32", 0, span="context",
+                     sample_key="rollout_routed_experts")
+
+
+def row_nbytes(spec: FieldSpec) -> int:
+    """Stored bytes of one token's row of ``spec``."""
+    return math.prod(spec.row_shape) * np.dtype(spec.dtype).itemsize
+
+
+class FieldRegistry:
+    """An open set of field specs, looked up by name.
+
+    Parameters
+    ----------
+    specs:
+        Initial specs (registered in order).
+    """
+
+    def __init__(self, specs: tuple[FieldSpec, ...] | list[FieldSpec] = ()):
+        self._specs: dict[str, FieldSpec] = {}
+        for spec in specs:
+            self.register(spec)
+
+    @classmethod
+    def builtin(cls, num_layers: int, topk: int, routed_experts_dtype: str = "int32") -> FieldRegistry:
+        """A registry holding ``logprobs`` and ``routed_experts``."""
+        return cls([logprobs_spec(), routed_experts_spec(num_layers, topk, routed_experts_dtype)])
+
+    def register(self, spec: FieldSpec) -> FieldSpec:
+        """Add ``spec``; re-registering an identical spec is a no-op, a different one an error."""
+        if not isinstance(spec, FieldSpec):
+            raise InvalidInputError(f"register() takes a FieldSpec, got {type(spec).__name__}")
+        known = self._specs.get(spec.name)
+        if known is not None and known != spec:
+            raise ConfigError(f"field {spec.name!r} is already registered as {known}, not {spec}")
+        self._specs[spec.name] = spec
+        return spec
+
+    def get(self, name: str) -> FieldSpec:
+        """The spec of ``name``; raises ``InvalidInputError`` listing the known fields."""
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise InvalidInputError(f"unknown field {name!r}; known fields: {list(self._specs)}") from None
+
+    def names(self) -> tuple[str, ...]:
+        """Registered field names, in registration order."""
+        return tuple(self._specs)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __iter__(self):
+        return iter(self._specs.values())
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+def canonicalize(key: str, spec: FieldSpec, array: Any) -> np.ndarray:
+    """Check ``array`` against ``spec`` and return it in the stored dtype.
+
+    Returns a C-contiguous array of ``spec.dtype`` with shape
+    ``[rows, *spec.row_shape]``; no copy when the input already is one.
+    Raises :class:`~gputq.errors.FieldValueError` naming ``key`` and the
+    field for a wrong shape, a float array for an integer field, a NaN
+    (first index) or an ID the stored dtype cannot hold (value and index).
+    Values are never truncated.
+    """
+    where = f"key {key!r} field {spec.name!r}"
+    arr = np.asarray(array)
+    expected = ("rows", *spec.row_shape)
+    if arr.ndim != 1 + len(spec.row_shape) or tuple(arr.shape[1:]) != spec.row_shape:
+        raise FieldValueError(f"{where}: expected shape [{', '.join(map(str, expected))}], got {arr.shape}")
+    stored = np.dtype(spec.dtype)
+    if spec.integral:
+        if arr.dtype.kind not in "iu":
+            raise FieldValueError(f"{where}: expected an integer array, got dtype {arr.dtype}")
+        if arr.size and not np.can_cast(arr.dtype, stored, "safe"):
+            _check_range(where, arr, stored)
+    else:
+        if arr.dtype.kind != "f":
+            raise FieldValueError(f"{where}: expected a floating-point array, got dtype {arr.dtype}")
+        # One reduction first: the sum is NaN if any element is (or if +inf and -inf mix).
+        with np.errstate(all="ignore"):
+            suspect = arr.size and np.isnan(np.add.reduce(arr, axis=None))
+        if suspect:
+            nans = np.flatnonzero(np.isnan(arr))
+            if nans.size:
+                index = np.unravel_index(nans[0], arr.shape)
+                raise FieldValueError(f"{where}: NaN at index {_fmt_index(index)}")
+    return np.ascontiguousarray(arr, dtype=stored)
+
+
+def _check_range(where: str, arr: np.ndarray, stored: np.dtype) -> None:
+    info = np.iinfo(stored)
+    lo, hi = arr.min(), arr.max()
+    if lo >= info.min and hi <= info.max:
+        return
+    bad = np.flatnonzero((arr < info.min) | (arr > info.max))[0]
+    index = np.unravel_index(bad, arr.shape)
+    value = int(arr.reshape(-1)[bad])
+    raise FieldValueError(f"{where}: value {value} at index {_fmt_index(index)} does not fit {stored} "
+                          f"(range [{info.min}, {info.max}])")
+
+
+def _fmt_index(index: tuple) -> str:
+    return "[" + ", ".join(str(int(i)) for i in index) + "]"

@@ -1,0 +1,260 @@
+"""Trainer-side reader: pull one data-parallel shard and restore its fields.
+
+For a shard (the layouts of its samples) the reader
+
+1. deduplicates the referenced blobs, so a step shared by many segments is
+   fetched once;
+2. lays each field's blobs out in one compact staging buffer, grouped by unit;
+3. issues one batched read per unit and field, units in parallel, straight
+   into that buffer (host memory, or GPU memory with ``device="cuda"``);
+4. runs one widen-and-scatter per field over the whole shard, into one
+   output buffer; each sample's tensor is a view of it.
+
+The restored fields are exactly what the non-offloaded path gives (rule 5):
+``rollout_log_probs`` float32 and ``rollout_routed_experts`` int32.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .clients import UnitClients
+from .config import GputqConfig
+from .errors import ClosedError, InvalidInputError, LayoutError, TransferError
+from .refs import FieldRef, Layout
+
+__all__ = ["Reader", "FetchStats", "OUTPUT_NAMES", "build_plan"]
+
+# slime's names for the restored fields.
+OUTPUT_NAMES = {"logprobs": "rollout_log_probs", "routed_experts": "rollout_routed_experts"}
+
+
+@dataclass
+class FetchStats:
+    """What the last :meth:`Reader.fetch` moved."""
+
+    samples: int = 0
+    unique_keys: int = 0
+    referenced_keys: int = 0
+    unique_keys_per_unit: dict = field(default_factory=dict)
+    bytes_fetched: int = 0
+    fetch_seconds: float = 0.0
+    restore_seconds: float = 0.0
+
+    @property
+    def fetch_gbps(self) -> float:
+        return self.bytes_fetched / self.fetch_seconds / 1e9 if self.fetch_seconds else 0.0
+
+
+@dataclass
+class _FieldStage:
+    """The staging layout of one field over one shard."""
+
+    name: str
+    dtype: np.dtype
+    row_shape: tuple
+    width: int
+    ref_row: dict  # (unit, key) -> first staging row
+    by_unit: dict  # unit -> ([keys], first byte, end byte)
+    rows: int
+
+
+def _stage_field(name: str, layouts: Sequence[Layout]) -> _FieldStage:
+    refs: dict[tuple[str, str], FieldRef] = {}
+    for layout in layouts:
+        for ref in layout.refs():
+            refs.setdefault((ref.unit, ref.key), ref)
+    specs = {(ref.dtype, tuple(ref.row_shape)) for ref in refs.values()}
+    if len(specs) > 1:
+        raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one shard: {sorted(specs)}")
+    dtype, row_shape = specs.pop() if specs else ("float32", ())
+    dtype = np.dtype(dtype)
+    width = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
+    row_bytes = width * dtype.itemsize
+    ref_row, by_unit, row = {}, {}, 0
+    for (unit, key), ref in sorted(refs.items()):
+        start = row * row_bytes
+        ref_row[(unit, key)] = row
+        row += ref.rows
+        keys, first, _ = by_unit.get(unit, ([], start, start))
+        keys.append(key)
+        by_unit[unit] = (keys, first, row * row_bytes)
+    return _FieldStage(name, dtype, tuple(row_shape), width, ref_row, by_unit, row)
+
+
+def build_plan(stage: _FieldStage, layouts: Sequence[Layout]) -> tuple[np.ndarray, list[int], int]:
+    """The widen-and-scatter plan of one field over a shard.
+
+    Returns the ``[n, 3]`` int64 plan (source row, target row, rows; source
+    -1 marks fill rows), each sample's first target row, and the total rows.
+    """
+    plan: list[tuple[int, int, int]] = []
+    offsets: list[int] = []
+    base = 0
+    for layout in layouts:
+        offsets.append(base)
+        covered = []
+        for frag in layout.fragments:
+            src = stage.ref_row[(frag.ref.unit, frag.ref.key)] + frag.src_row
+            plan.append((src, base + frag.dst_row, frag.rows))
+            covered.append((frag.dst_row, frag.rows))
+        cursor = 0
+        for start, rows in sorted(covered):
+            if start > cursor:
+                plan.append((-1, base + cursor, start - cursor))
+            cursor = start + rows
+        if cursor < layout.rows:
+            plan.append((-1, base + cursor, layout.rows - cursor))
+        base += layout.rows
+    array = np.asarray(plan, dtype=np.int64).reshape(-1, 3)
+    return array, offsets, base
+
+
+class Reader:
+    """Fetches shards for one trainer rank.
+
+    Parameters
+    ----------
+    clients:
+        Channels to the units (one per unit, reused across fetches).
+    config:
+        Supplies the read timeout.
+    device:
+        ``"cpu"`` restores into numpy arrays; ``"cuda"`` (or ``"cuda:N"``)
+        stages in GPU memory and returns CUDA torch tensors.
+    """
+
+    def __init__(self, clients: UnitClients, config: GputqConfig, device: str = "cpu"):
+        if not (device == "cpu" or device.startswith("cuda")):
+            raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        self._clients = clients
+        self._config = config
+        self._device = device
+        self._pool = ThreadPoolExecutor(max(2, len(clients.units) * 2), thread_name_prefix="gputq-reader")
+        self._lock = threading.Lock()
+        self._closed = False
+        self.last_stats = FetchStats()
+
+    # -- buffers ---------------------------------------------------------
+    def _empty(self, nbytes: int):
+        if self._device == "cpu":
+            return np.empty(nbytes, dtype=np.uint8)
+        cp = _cupy()
+        with cp.cuda.Device(_device_index(self._device)):
+            return cp.empty(nbytes, dtype=cp.uint8)
+
+    def _to_output(self, array):
+        if self._device == "cpu":
+            return array
+        import torch
+
+        return torch.from_dlpack(array)
+
+    # -- fetching --------------------------------------------------------
+    def fetch(self, shard: Sequence[Mapping[str, Layout]]) -> list[dict]:
+        """Restore every field of every sample of ``shard``.
+
+        ``shard`` holds, per sample, a mapping of field name to its
+        :class:`Layout`. Returns, per sample, slime's field names mapped to
+        arrays (numpy on CPU, torch on CUDA) of shape ``[rows, *row_shape]``.
+        """
+        if self._closed:
+            raise ClosedError("Reader is closed")
+        from kernels import widen_scatter
+
+        stats = FetchStats(samples=len(shard))
+        names = sorted({name for sample in shard for name in sample})
+        per_field = {}
+        for name in names:
+            layouts = [sample[name] for sample in shard if name in sample]
+            if len(layouts) != len(shard):
+                raise LayoutError(f"field {name!r} is missing from some samples of the shard")
+            per_field[name] = (layouts, _stage_field(name, layouts))
+        stats.referenced_keys = sum(len(layout.refs()) for layouts, _ in per_field.values()
+                                    for layout in layouts)
+
+        started = time.perf_counter()
+        staging = {name: self._empty(stage.rows * stage.width * stage.dtype.itemsize)
+                   for name, (_, stage) in per_field.items()}
+        jobs = []
+        for name, (_, stage) in per_field.items():
+            for unit, (keys, first, end) in stage.by_unit.items():
+                stats.unique_keys += len(keys)
+                stats.unique_keys_per_unit[unit] = stats.unique_keys_per_unit.get(unit, 0) + len(keys)
+                stats.bytes_fetched += end - first
+                jobs.append(self._pool.submit(self._read, unit, keys, staging[name][first:end]))
+        for job in jobs:
+            job.result()
+        stats.fetch_seconds = time.perf_counter() - started
+
+        started = time.perf_counter()
+        results: list[dict] = [{} for _ in shard]
+        for name, (layouts, stage) in per_field.items():
+            plan, offsets, total = build_plan(stage, layouts)
+            fills = {layout.fill for layout in layouts}
+            if len(fills) > 1:
+                raise LayoutError(f"field {name!r} has several fill values in one shard: {fills}")
+            restored = np.dtype(layouts[0].dtype) if layouts else np.dtype(np.float32)
+            out = self._empty(total * stage.width * restored.itemsize).view(restored)
+            compact = staging[name].view(stage.dtype)
+            widen_scatter(compact, plan, stage.width, out, fill=fills.pop() if fills else 0)
+            out_name = OUTPUT_NAMES.get(name, name)
+            for i, (layout, offset) in enumerate(zip(layouts, offsets)):
+                view = out[offset * stage.width:(offset + layout.rows) * stage.width]
+                results[i][out_name] = self._to_output(view.reshape((layout.rows, *layout.row_shape)))
+        if self._device != "cpu":
+            _cupy().cuda.get_current_stream().synchronize()
+        stats.restore_seconds = time.perf_counter() - started
+        self.last_stats = stats
+        return results
+
+    def _read(self, unit: str, keys: list[str], dest) -> None:
+        channel = self._clients.channel(unit)
+        lengths = channel.read(keys, dest, timeout=self._config.read_timeout_s)
+        if sum(lengths) != dest.nbytes:
+            raise TransferError(f"unit {unit} returned {sum(lengths)} bytes for {len(keys)} keys, "
+                                f"expected {dest.nbytes}", unit=unit, keys=keys)
+
+    def release(self, shard: Sequence[Mapping[str, Layout]], partition: str) -> None:
+        """Drop ``partition``'s references to every blob of ``shard`` (consumed)."""
+        by_unit: dict[str, set[str]] = {}
+        for sample in shard:
+            for layout in sample.values():
+                for ref in layout.refs():
+                    by_unit.setdefault(ref.unit, set()).add(ref.key)
+        for unit, keys in by_unit.items():
+            self._clients.channel(unit).call("release", timeout=self._config.control_timeout_s,
+                                             keys=sorted(keys), partition=partition, missing_ok=True)
+
+    def close(self) -> None:
+        """Stop the read threads. Idempotent; the clients stay open."""
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        from .errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            "device='cuda' needs CuPy: pip install cupy-cuda12x (or cupy-cuda13x)") from None
+    return cupy
+
+
+def _device_index(device: str) -> int:
+    return int(device.split(":", 1)[1]) if ":" in device else 0

@@ -1,0 +1,315 @@
+"""References to stored blobs and layouts composed from them, without data.
+
+A :class:`FieldRef` addresses one stored blob. A :class:`Fragment` copies a
+row range of a ref into a row range of a target tensor. A :class:`Layout` is
+the recipe for one target tensor: its rows, its fill (for rows no fragment
+covers) and its fragments. Segments are built by composing layouts
+(:meth:`Layout.concat`, :meth:`Layout.slice`, :meth:`Layout.shift`), which
+never touches payload bytes (DESIGN.md §3 rule 2).
+
+All three are frozen and serialise to plain dicts carrying a ``schema``
+version; a reader rejects versions it does not know.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import InvalidInputError, LayoutError
+
+__all__ = ["SCHEMA_VERSION", "FieldRef", "Fragment", "Layout", "read_record"]
+
+SCHEMA_VERSION = 1
+
+
+def read_record(data: Mapping[str, Any], kind: str, schema: int, keys: Sequence[str]) -> Mapping[str, Any]:
+    """Check a serialised record's schema version and keys; return it.
+
+    Raises ``InvalidInputError`` for a non-mapping, an unknown schema version,
+    missing keys or unexpected keys (a record from a different version).
+    """
+    if not isinstance(data, Mapping):
+        raise InvalidInputError(f"{kind} record must be a mapping, got {type(data).__name__}")
+    version = data.get("schema")
+    if version != schema:
+        raise InvalidInputError(f"{kind} record has schema version {version!r}; this gputq reads {schema}")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise InvalidInputError(f"{kind} record is missing {missing}; got keys {sorted(data)}")
+    extra = sorted(set(data) - set(keys) - {"schema"})
+    if extra:
+        raise InvalidInputError(f"{kind} record has unexpected keys {extra}")
+    return data
+
+
+def _nonneg_int(kind: str, name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise LayoutError(f"{kind}.{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class FieldRef:
+    """The address of one stored blob.
+
+    Parameters
+    ----------
+    key:
+        Storage key, unique within its unit.
+    field:
+        Field name of the payload.
+    unit:
+        Name of the StorageUnit holding it.
+    rows:
+        Number of token rows stored.
+    dtype:
+        Stored numpy dtype name.
+    row_shape:
+        Shape of one row (``()`` for scalars).
+    partition:
+        Rollout the key belongs to.
+    """
+
+    key: str
+    field: str
+    unit: str
+    rows: int
+    dtype: str
+    row_shape: tuple[int, ...]
+    partition: str
+
+    def __post_init__(self) -> None:
+        for name in ("key", "field", "unit", "partition"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidInputError(f"FieldRef.{name} must be a str, got {getattr(self, name)!r}")
+        object.__setattr__(self, "rows", _nonneg_int("FieldRef", "rows", self.rows))
+        shape = tuple(self.row_shape)
+        if not all(isinstance(d, (int, np.integer)) and d > 0 for d in shape):
+            raise InvalidInputError(f"FieldRef.row_shape must hold positive ints, got {self.row_shape!r}")
+        object.__setattr__(self, "row_shape", tuple(int(d) for d in shape))
+        try:
+            object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+        except TypeError:
+            raise InvalidInputError(f"FieldRef.dtype {self.dtype!r} is not a numpy dtype") from None
+
+    @property
+    def row_nbytes(self) -> int:
+        """Stored bytes of one row."""
+        return math.prod(self.row_shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of the whole blob."""
+        return self.rows * self.row_nbytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict with ``"schema": 1``."""
+        return {"schema": SCHEMA_VERSION, "key": self.key, "field": self.field, "unit": self.unit,
+                "rows": self.rows, "dtype": self.dtype, "row_shape": list(self.row_shape),
+                "partition": self.partition}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FieldRef:
+        """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record."""
+        rec = read_record(data, "FieldRef", SCHEMA_VERSION,
+                          ("key", "field", "unit", "rows", "dtype", "row_shape", "partition"))
+        return cls(rec["key"], rec["field"], rec["unit"], rec["rows"], rec["dtype"],
+                   tuple(rec["row_shape"]), rec["partition"])
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Copy ``rows`` rows of ``ref`` from ``src_row`` to target row ``dst_row``."""
+
+    ref: FieldRef
+    src_row: int
+    dst_row: int
+    rows: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ref, FieldRef):
+            raise LayoutError(f"Fragment.ref must be a FieldRef, got {type(self.ref).__name__}")
+        for name in ("src_row", "dst_row", "rows"):
+            object.__setattr__(self, name, _nonneg_int("Fragment", name, getattr(self, name)))
+        if self.rows == 0:
+            raise LayoutError("Fragment.rows must be positive")
+        if self.src_row + self.rows > self.ref.rows:
+            raise LayoutError(f"fragment rows [{self.src_row}, {self.src_row + self.rows}) are outside "
+                              f"ref {self.ref.key!r} ({self.ref.rows} rows)")
+
+    @property
+    def dst_end(self) -> int:
+        """One past the last target row."""
+        return self.dst_row + self.rows
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The recipe for one target tensor ``[rows, *row_shape]`` of ``dtype``.
+
+    Fragments are kept sorted by target row and never overlap; rows no
+    fragment covers hold ``fill``. Construction validates everything and
+    raises :class:`~gputq.errors.LayoutError`.
+
+    Parameters
+    ----------
+    field:
+        Field name; every fragment's ref must be of this field.
+    rows:
+        Target rows.
+    fill:
+        Value of uncovered rows.
+    fragments:
+        The copies that make up the target.
+    dtype:
+        Restored dtype; every ref's stored dtype must widen to it safely.
+    row_shape:
+        Shape of one row; every ref must share it.
+    """
+
+    field: str
+    rows: int
+    fill: float | int
+    fragments: tuple[Fragment, ...]
+    dtype: str
+    row_shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", _nonneg_int("Layout", "rows", self.rows))
+        object.__setattr__(self, "row_shape", tuple(int(d) for d in self.row_shape))
+        try:
+            restored = np.dtype(self.dtype)
+        except TypeError:
+            raise LayoutError(f"Layout.dtype {self.dtype!r} is not a numpy dtype") from None
+        object.__setattr__(self, "dtype", restored.name)
+        if isinstance(self.fill, (bool, np.bool_)) or not isinstance(self.fill, (int, float, np.number)):
+            raise LayoutError(f"Layout.fill must be a number, got {self.fill!r}")
+        object.__setattr__(self, "fill", float(self.fill) if restored.kind == "f" else int(self.fill))
+        frags = tuple(sorted(self.fragments, key=lambda f: f.dst_row))
+        object.__setattr__(self, "fragments", frags)
+        checked: set[tuple[str, tuple[int, ...]]] = set()
+        end = 0
+        for frag in frags:
+            if not isinstance(frag, Fragment):
+                raise LayoutError(f"Layout.fragments must hold Fragments, got {type(frag).__name__}")
+            ref = frag.ref
+            if ref.field != self.field or ref.row_shape != self.row_shape:
+                raise LayoutError(f"layout of field {self.field!r} rows {self.row_shape} got a fragment of "
+                                  f"ref {ref.key!r} (field {ref.field!r}, rows {ref.row_shape})")
+            if (ref.dtype, ref.row_shape) not in checked:
+                if not np.can_cast(ref.dtype, restored, "safe"):
+                    raise LayoutError(f"ref {ref.key!r} dtype {ref.dtype} does not widen safely to {restored}")
+                checked.add((ref.dtype, ref.row_shape))
+            if frag.dst_row < end:
+                raise LayoutError(f"fragments overlap at target row {frag.dst_row} in layout of {self.field!r}")
+            end = frag.dst_end
+        if end > self.rows:
+            raise LayoutError(f"fragment ends at target row {end}, past the layout's {self.rows} rows")
+
+    # -- construction ----------------------------------------------------
+    @classmethod
+    def empty(cls, field: str, rows: int, *, fill: float | int, dtype: str,
+              row_shape: tuple[int, ...]) -> Layout:
+        """A layout of ``rows`` fill rows and no fragments."""
+        return cls(field, rows, fill, (), dtype, tuple(row_shape))
+
+    @classmethod
+    def from_ref(cls, ref: FieldRef, *, fill: float | int = 0, dtype: str | None = None) -> Layout:
+        """The whole of ``ref`` as one fragment.
+
+        ``dtype`` defaults to the widened form of the stored dtype: int32 for
+        integer IDs, float32 for floats (the built-in restoration rule).
+        """
+        if dtype is None:
+            dtype = "int32" if np.dtype(ref.dtype).kind in "iu" else "float32"
+        frags = (Fragment(ref, 0, 0, ref.rows),) if ref.rows else ()
+        return cls(ref.field, ref.rows, fill, frags, dtype, ref.row_shape)
+
+    @staticmethod
+    def concat(layouts: Iterable[Layout]) -> Layout:
+        """Stack ``layouts`` along rows; each one's targets shift past the previous ones.
+
+        All must share field, dtype, row shape and fill.
+        """
+        layouts = list(layouts)
+        if not layouts:
+            raise LayoutError("Layout.concat needs at least one layout")
+        first = layouts[0]
+        frags: list[Fragment] = []
+        offset = 0
+        for layout in layouts:
+            if (layout.field, layout.dtype, layout.row_shape, layout.fill) != \
+                    (first.field, first.dtype, first.row_shape, first.fill):
+                raise LayoutError(f"cannot concat layouts of different field/dtype/row shape/fill: "
+                                  f"{first.describe()} vs {layout.describe()}")
+            frags.extend(Fragment(f.ref, f.src_row, f.dst_row + offset, f.rows) for f in layout.fragments)
+            offset += layout.rows
+        return Layout(first.field, offset, first.fill, tuple(frags), first.dtype, first.row_shape)
+
+    def slice(self, start: int, stop: int) -> Layout:
+        """Target rows ``[start, stop)`` as a layout of ``stop - start`` rows."""
+        if not 0 <= start <= stop <= self.rows:
+            raise LayoutError(f"slice [{start}, {stop}) is outside the layout's {self.rows} rows")
+        frags = []
+        for f in self.fragments:
+            lo, hi = max(f.dst_row, start), min(f.dst_end, stop)
+            if lo < hi:
+                frags.append(Fragment(f.ref, f.src_row + lo - f.dst_row, lo - start, hi - lo))
+        return Layout(self.field, stop - start, self.fill, tuple(frags), self.dtype, self.row_shape)
+
+    def shift(self, offset: int, total_rows: int) -> Layout:
+        """Place this layout at row ``offset`` of a ``total_rows`` target (the rest is fill)."""
+        if offset < 0 or offset + self.rows > total_rows:
+            raise LayoutError(f"cannot place {self.rows} rows at offset {offset} of a {total_rows}-row target")
+        frags = tuple(Fragment(f.ref, f.src_row, f.dst_row + offset, f.rows) for f in self.fragments)
+        return Layout(self.field, total_rows, self.fill, frags, self.dtype, self.row_shape)
+
+    # -- inspection ------------------------------------------------------
+    def refs(self) -> list[FieldRef]:
+        """The distinct refs this layout reads, in first-use (target row) order."""
+        return list(dict.fromkeys(f.ref for f in self.fragments))
+
+    @property
+    def covered_rows(self) -> int:
+        """Target rows filled from stored data (the rest are fill)."""
+        return sum(f.rows for f in self.fragments)
+
+    @property
+    def nbytes(self) -> int:
+        """Restored bytes of the target tensor."""
+        return self.rows * math.prod(self.row_shape) * np.dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        """A one-line summary for error messages."""
+        return (f"Layout({self.field!r}, rows={self.rows}, dtype={self.dtype}, row_shape={self.row_shape}, "
+                f"fill={self.fill}, fragments={len(self.fragments)})")
+
+    # -- serialisation ---------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict; each ref is written once and fragments point at it by index."""
+        index: dict[FieldRef, int] = {}
+        frags = []
+        for f in self.fragments:
+            i = index.setdefault(f.ref, len(index))
+            frags.append([i, f.src_row, f.dst_row, f.rows])
+        return {"schema": SCHEMA_VERSION, "field": self.field, "rows": self.rows, "fill": self.fill,
+                "dtype": self.dtype, "row_shape": list(self.row_shape),
+                "refs": [ref.to_dict() for ref in index], "fragments": frags}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Layout:
+        """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record."""
+        rec = read_record(data, "Layout", SCHEMA_VERSION,
+                          ("field", "rows", "fill", "dtype", "row_shape", "refs", "fragments"))
+        refs = [FieldRef.from_dict(r) for r in rec["refs"]]
+        frags = []
+        for entry in rec["fragments"]:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 4 \
+                    or not isinstance(entry[0], int) or not 0 <= entry[0] < len(refs):
+                raise LayoutError(f"Layout record has a bad fragment {entry!r} ({len(refs)} refs)")
+            frags.append(Fragment(refs[entry[0]], entry[1], entry[2], entry[3]))
+        return cls(rec["field"], rec["rows"], rec["fill"], tuple(frags), rec["dtype"], tuple(rec["row_shape"]))

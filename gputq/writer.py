@@ -1,0 +1,209 @@
+"""Rollout-side writer: canonicalise, place, and send fields in the background.
+
+``put`` validates and compacts each field in the caller's thread (so a bad
+expert ID fails right there, naming the key), returns the
+:class:`~gputq.refs.FieldRef` of every field at once, and hands the bytes to
+sender threads. The bytes go to the unit over the transport, never through
+Ray (rule 1). Queued bytes are bounded: ``put`` blocks while
+``writer_inflight_bytes`` are still unsent (rule 6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from .clients import UnitClients
+from .config import GputqConfig
+from .errors import ClosedError, GputqTimeoutError, InvalidInputError, TransferError
+from .fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec
+from .placement import rendezvous_unit
+from .refs import FieldRef
+
+__all__ = ["Writer", "CommitRegion", "stored_key"]
+
+
+def stored_key(step_key: str, field: str) -> str:
+    """The unit-side key of one field of one step."""
+    return f"{step_key}/{field}"
+
+
+class Writer:
+    """Puts the large fields of each step into StorageUnits.
+
+    Parameters
+    ----------
+    clients:
+        Channels to the deployment's units; placement uses their names.
+    config:
+        Supplies ``routed_experts_dtype``, timeouts and the in-flight bound.
+    registry:
+        Field specs beyond the built-in ``logprobs`` and ``routed_experts``.
+    """
+
+    def __init__(self, clients: UnitClients, config: GputqConfig,
+                 registry: FieldRegistry | None = None):
+        self._clients = clients
+        self._config = config
+        self._registry = registry
+        self._pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="gputq-writer")
+        self._cond = threading.Condition()
+        self._inflight_bytes = 0
+        self._pending: dict[str, Future] = {}
+        self._failures: dict[str, BaseException] = {}
+        self._closed = False
+        self.bytes_written = 0
+
+    # -- specs -----------------------------------------------------------
+    def _spec(self, field: str, array: np.ndarray):
+        if self._registry is not None and field in self._registry.names():
+            return self._registry.get(field)
+        if field == "logprobs":
+            return logprobs_spec()
+        if field == "routed_experts":
+            if np.ndim(array) != 3:
+                raise InvalidInputError(
+                    f"routed_experts must be [rows, num_layers, topk], got shape {np.shape(array)}")
+            return routed_experts_spec(array.shape[1], array.shape[2], self._config.routed_experts_dtype)
+        raise InvalidInputError(f"no field spec for {field!r}; register it in a FieldRegistry")
+
+    # -- writing ---------------------------------------------------------
+    def put(self, key: str, partition: str, fields: Mapping[str, np.ndarray]) -> dict[str, FieldRef]:
+        """Store ``fields`` of step ``key`` in rollout ``partition``.
+
+        Returns the references at once; bytes are sent in the background.
+        Raises ``FieldValueError`` (a ValueError) before anything is sent if
+        any field cannot be stored exactly.
+        """
+        if self._closed:
+            raise ClosedError("Writer is closed")
+        if not fields:
+            raise InvalidInputError(f"{key}: no fields to put")
+        units = self._clients.units
+        unit = rendezvous_unit(key, units)
+        prepared = []
+        for field, array in fields.items():
+            spec = self._spec(field, array)
+            compact = canonicalize(key, spec, array)
+            ref = FieldRef(key=stored_key(key, field), field=field, unit=unit,
+                           rows=int(compact.shape[0]), dtype=str(compact.dtype),
+                           row_shape=tuple(int(d) for d in compact.shape[1:]), partition=partition)
+            prepared.append((ref, compact))
+        refs = {}
+        for ref, compact in prepared:
+            self._submit(ref, compact)
+            refs[ref.field] = ref
+        return refs
+
+    def _submit(self, ref: FieldRef, compact: np.ndarray) -> None:
+        nbytes = compact.nbytes
+        with self._cond:
+            # One oversized put may go alone; otherwise wait until it fits the bound.
+            while self._inflight_bytes and self._inflight_bytes + nbytes > self._config.writer_inflight_bytes:
+                self._cond.wait()
+            self._inflight_bytes += nbytes
+            future = self._pool.submit(self._send, ref, compact)
+            self._pending[ref.key] = future
+
+    def _send(self, ref: FieldRef, compact: np.ndarray) -> None:
+        meta = {"field": ref.field, "dtype": ref.dtype, "rows": ref.rows,
+                "row_shape": list(ref.row_shape), "partition": ref.partition}
+        try:
+            self._clients.channel(ref.unit).write(ref.key, memoryview(compact).cast("B"), meta,
+                                                  timeout=self._config.put_timeout_s)
+        except BaseException as exc:
+            with self._cond:
+                self._failures[ref.key] = exc
+            raise
+        else:
+            with self._cond:
+                self.bytes_written += compact.nbytes
+        finally:
+            with self._cond:
+                self._inflight_bytes -= compact.nbytes
+                self._pending.pop(ref.key, None)
+                self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued write has landed.
+
+        Raises ``TransferError`` naming the keys that failed (and forgets
+        them), or ``GputqTimeoutError`` if writes are still pending.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._pending, timeout):
+                raise GputqTimeoutError(f"{len(self._pending)} writes still pending after {timeout}s")
+            failures, self._failures = self._failures, {}
+        if failures:
+            first = next(iter(failures.values()))
+            raise TransferError(f"{len(failures)} writes failed, first: {first!r}; keys: "
+                                f"{sorted(failures)[:8]}", keys=sorted(failures)) from first
+
+    def wait(self, keys, timeout: float | None = None) -> None:
+        """Wait for the writes of ``keys`` only (failures stay recorded)."""
+        keys = set(keys)
+        with self._cond:
+            self._cond.wait_for(lambda: not keys.intersection(self._pending), timeout)
+
+    def delete(self, refs) -> None:
+        """Remove the stored blobs of ``refs`` regardless of who references them."""
+        by_unit: dict[str, list[str]] = {}
+        for ref in refs:
+            by_unit.setdefault(ref.unit, []).append(ref.key)
+        self.wait([k for keys in by_unit.values() for k in keys])
+        for unit, keys in by_unit.items():
+            self._clients.channel(unit).call("delete", timeout=self._config.control_timeout_s, keys=keys)
+        with self._cond:
+            for keys in by_unit.values():
+                for key in keys:
+                    self._failures.pop(key, None)
+
+    @contextlib.contextmanager
+    def commit_region(self) -> Iterator["CommitRegion"]:
+        """Writes and the caller's local commit, all or nothing (rule 3).
+
+        Put through the yielded region, then do the local commit in the
+        body. If the body raises, every key written in it is deleted from
+        its unit before the exception propagates.
+        """
+        region = CommitRegion(self)
+        try:
+            yield region
+        except BaseException:
+            region.rollback()
+            raise
+
+    def close(self) -> None:
+        """Send what is queued, then stop the sender threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class CommitRegion:
+    """The keys written inside one :meth:`Writer.commit_region`."""
+
+    def __init__(self, writer: Writer):
+        self._writer = writer
+        self.refs: list[FieldRef] = []
+
+    def put(self, key: str, partition: str, fields: Mapping[str, np.ndarray]) -> dict[str, FieldRef]:
+        refs = self._writer.put(key, partition, fields)
+        self.refs.extend(refs.values())
+        return refs
+
+    def rollback(self) -> None:
+        if self.refs:
+            self._writer.delete(self.refs)
+            self.refs = []

@@ -1,0 +1,125 @@
+"""Widen+scatter: restore compact per-token fields into int32/float32 tensors.
+
+``widen_scatter(staging, plan, width, out, fill)`` copies row ranges of a
+compact staging buffer (uint8/uint16/int32 IDs or float32 values) into an
+int32 (or float32) output, widening each element, and writes ``fill`` into
+the rows of fill plan rows. It dispatches on the array type:
+
+- numpy arrays: the vectorised numpy reference (the semantics);
+- CuPy arrays: the CUDA kernel, one launch per call;
+- CUDA torch tensors: the CUDA kernel through CuPy when CuPy has a working
+  device, else the torch fallback; CPU torch tensors: the torch fallback.
+
+Nothing here knows about RL, and only numpy is needed to import it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .plan import PlanError, plan_bytes, validate_plan
+from .reference import reference_widen_scatter
+
+__all__ = [
+    "widen_scatter",
+    "reference_widen_scatter",
+    "validate_plan",
+    "plan_bytes",
+    "PlanError",
+    "cuda_available",
+]
+
+
+def _array_kind(x) -> str:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    return type(x).__module__.split(".", 1)[0]
+
+
+def widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stream=None):
+    """Widen rows of ``staging`` and scatter them into ``out``, in place.
+
+    Parameters
+    ----------
+    staging : numpy.ndarray, cupy.ndarray or torch.Tensor
+        ``src_rows * width`` compact elements (uint8, uint16, int32 or
+        float32), read in C order.
+    plan : array-like of int, shape [n, 3]
+        Rows ``(src_row, dst_row, rows)``: staging rows ``[src_row, src_row
+        + rows)`` go to out rows ``[dst_row, dst_row + rows)``;
+        ``src_row == -1`` writes ``fill`` there instead. Destination ranges
+        must not overlap; source ranges may.
+    width : int
+        Elements per row (``L * K`` for expert IDs, 1 for logprobs).
+    out : same array type as ``staging``
+        Contiguous int32 (integer staging) or float32 (float32 staging)
+        buffer of ``dst_rows * width`` elements. Rows no plan row covers are
+        left untouched.
+    fill : int or float, optional
+        Value for fill rows; must fit int32 for int32 output.
+    validate : bool, optional
+        Check the plan's bounds and overlaps (dtypes, lengths and fill are
+        always checked). Skip only for plans built by trusted code.
+    stream : optional
+        CUDA stream for GPU arrays (CuPy or torch stream, or a raw handle);
+        default: CuPy's current stream for CuPy arrays, torch's current
+        stream for torch tensors. Ignored for host arrays.
+
+    Returns
+    -------
+    The ``out`` object.
+
+    Raises
+    ------
+    PlanError
+        On an invalid plan or buffers, or ``staging`` and ``out`` of
+        different array types.
+    """
+    kind = _array_kind(staging)
+    if kind != _array_kind(out):
+        raise PlanError(
+            f"staging ({type(staging).__name__}) and out ({type(out).__name__}) "
+            "must be the same array type"
+        )
+    if kind == "numpy":
+        return reference_widen_scatter(staging, plan, width, out, fill, validate=validate)
+    if kind == "cupy":
+        from .cupy_backend import cupy_widen_scatter
+
+        return cupy_widen_scatter(staging, plan, width, out, fill, validate=validate, stream=stream)
+    if kind == "torch":
+        from .cupy_backend import cupy_usable
+
+        if out.is_cuda and cupy_usable():
+            from .cupy_backend import torch_widen_scatter_cupy
+
+            return torch_widen_scatter_cupy(
+                staging, plan, width, out, fill, validate=validate, stream=stream
+            )
+        from .torch_backend import torch_widen_scatter
+
+        return torch_widen_scatter(staging, plan, width, out, fill, validate=validate, stream=stream)
+    raise PlanError(f"unsupported array type {type(staging).__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_available() -> bool:
+    """Return True when a CUDA device is usable through CuPy or torch.
+
+    Quietly False where CuPy imports but finds no driver, or neither
+    library is installed.
+    """
+    from .cupy_backend import cupy_usable
+
+    if cupy_usable():
+        return True
+    try:
+        import torch
+    except ImportError:
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken CUDA setup means "not usable"
+        return False

@@ -1,0 +1,22 @@
+"""Packaging for gputq: the library plus its two lower layers, transport and kernels."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="gputq",
+    version="0.1.0",
+    description="Tensor-native transfer layer for large per-token RL rollout fields (R3 expert IDs, logprobs)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["gputq", "gputq.*", "transport", "transport.*", "kernels", "kernels.*"]),
+    package_data={"kernels": ["*.cu"]},
+    install_requires=["numpy>=1.24", "msgpack>=1.0", "pyyaml>=6"],
+    extras_require={
+        "ray": ["ray>=2.40"],
+        "rdma": ["nixl-cu12==1.5.1"],
+        "gpu": ["cupy-cuda12x"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ray>=2.40"],
+    },
+    entry_points={"console_scripts": ["gputq=gputq.cli:main"]},
+)

@@ -1,0 +1,50 @@
+"""Shared fixtures: in-process StorageUnits served over a real transport."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from gputq.clients import UnitClients
+from gputq.config import GputqConfig
+from gputq.deploy import UnitService
+
+
+def nixl_usable() -> str | None:
+    """None when a NIXL agent can be created here, else the reason it cannot."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config  # noqa: F401
+    except Exception as exc:  # ImportError, or a missing native library
+        return f"NIXL not importable: {exc}"
+    return None
+
+
+TRANSPORT_PARAMS = [
+    "tcp",
+    pytest.param("rdma", marks=[pytest.mark.rdma,
+                                pytest.mark.skipif(nixl_usable() is not None, reason=str(nixl_usable()))]),
+]
+
+
+@contextlib.contextmanager
+def local_units(transport: str = "tcp", *, units: int = 2, capacity: int = 64 << 20, **overrides):
+    """``units`` StorageUnits in this process and clients to them."""
+    config = GputqConfig(enabled=True, use_rollout_routing_replay=True, transport=transport,
+                         num_units=units, unit_capacity_bytes=capacity, host="127.0.0.1",
+                         **overrides).with_token()
+    services = []
+    try:
+        for i in range(units):
+            services.append(UnitService(f"su-{i}", config))
+        membership = {s.name: s.address() for s in services}
+        with UnitClients(membership, config) as clients:
+            yield config, services, clients
+    finally:
+        for service in services:
+            service.close()
+
+
+@pytest.fixture(params=TRANSPORT_PARAMS)
+def transport_name(request):
+    return request.param

@@ -1,0 +1,319 @@
+"""The numpy reference, plan validation, the kernel's fragment table and the
+torch fallback, checked on the host against a naive per-row oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kernels
+from kernels import PlanError, plan_bytes, reference_widen_scatter, validate_plan, widen_scatter
+from kernels.cupy_backend import DEFAULT_CHUNK, THREADS, fragment_table
+
+DTYPES = ["uint8", "uint16", "int32", "float32"]
+WIDTHS = [1, 3, 7, 8, 600]
+POISON_INT = -123456789  # no uint8/uint16 value widens to it
+POISON_BITS = 0x7FC0DEAD  # a NaN payload the random floats never take
+
+
+def out_dtype(in_dtype: str) -> np.dtype:
+    return np.dtype(np.float32 if in_dtype == "float32" else np.int32)
+
+
+def random_staging(rng, dtype: str, n: int) -> np.ndarray:
+    """Random compact elements; floats include -0.0, inf and a NaN payload."""
+    if dtype == "float32":
+        x = rng.standard_normal(n).astype(np.float32)
+        specials = np.array([-0.0, np.inf, -np.inf], np.float32)
+        specials = np.concatenate([specials, np.array([0x7FC00001], np.int32).view(np.float32)])
+        x[rng.integers(0, n, size=min(n, 4))] = specials[: min(n, 4)]
+        return x
+    hi = {"uint8": 2**8, "uint16": 2**16, "int32": 2**31}[dtype]
+    return rng.integers(0, hi, size=n).astype(dtype)
+
+
+def poisoned_out(dtype: str, n: int) -> np.ndarray:
+    out = np.empty(n, out_dtype(dtype))
+    out.view(np.int32)[:] = POISON_BITS if dtype == "float32" else POISON_INT
+    return out
+
+
+def random_plan(rng, src_rows: int, dst_rows: int, max_frag: int = 50) -> np.ndarray:
+    """Ragged fragments tiling part of [0, dst_rows): copies, fills and gaps, shuffled."""
+    rows = []
+    pos = 0
+    while pos < dst_rows:
+        n = int(rng.integers(1, max_frag + 1))
+        n = min(n, dst_rows - pos)
+        kind = rng.random()
+        if kind < 0.15:
+            pass  # a gap: rows left untouched
+        elif kind < 0.3 or src_rows < n:
+            rows.append((-1, pos, n))
+        else:
+            rows.append((int(rng.integers(0, src_rows - n + 1)), pos, n))
+        pos += n
+    plan = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return plan[rng.permutation(len(plan))]
+
+
+def naive_widen_scatter(staging, plan, width, out, fill):
+    """The oracle: one element at a time, straight from the definition."""
+    for src, dst, rows in plan.tolist():
+        for r in range(rows):
+            for c in range(width):
+                o = (dst + r) * width + c
+                out[o] = fill if src == -1 else staging[(src + r) * width + c]
+    return out
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.int32)
+
+
+# --- the reference --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_reference_matches_naive_oracle(dtype, width):
+    rng = np.random.default_rng(1000 * DTYPES.index(dtype) + width)
+    src_rows, dst_rows = int(rng.integers(1, 60)), int(rng.integers(1, 120))
+    if width == 600:
+        src_rows, dst_rows = 7, 11
+    staging = random_staging(rng, dtype, src_rows * width)
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=9)
+    fill = -7 if dtype != "float32" else 2.5
+    got = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), fill)
+    want = naive_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), fill)
+    assert got.dtype == out_dtype(dtype)
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reference_random_shapes(seed):
+    rng = np.random.default_rng(seed)
+    dtype = DTYPES[seed % 4]
+    width = int(rng.integers(1, 20))
+    src_rows, dst_rows = int(rng.integers(0, 40)), int(rng.integers(1, 80))
+    staging = random_staging(rng, dtype, src_rows * width) if src_rows else np.zeros(0, dtype)
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=12)
+    got = widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), fill=3)
+    want = naive_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), 3)
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_uncovered_rows_untouched_and_covered_rows_written():
+    staging = np.arange(1, 13, dtype=np.uint8)  # 4 rows of 3, no zeros
+    out = np.full(6 * 3, POISON_INT, np.int32)
+    plan = np.array([[2, 4, 2], [-1, 0, 1], [0, 2, 1]])
+    widen_scatter(staging, plan, 3, out, fill=0)
+    np.testing.assert_array_equal(
+        out.reshape(6, 3),
+        [[0, 0, 0], [POISON_INT] * 3, [1, 2, 3], [POISON_INT] * 3, [7, 8, 9], [10, 11, 12]],
+    )
+
+
+def test_widening_keeps_high_unsigned_values():
+    staging = np.array([255, 0, 128], np.uint8)
+    out = widen_scatter(staging, [[0, 0, 3]], 1, np.zeros(3, np.int32))
+    assert out.tolist() == [255, 0, 128]
+    staging16 = np.array([65535, 32768, 1], np.uint16)
+    out = widen_scatter(staging16, [[0, 0, 3]], 1, np.zeros(3, np.int32))
+    assert out.tolist() == [65535, 32768, 1]
+
+
+def test_empty_plan_and_zero_row_entries_write_nothing():
+    out = poisoned_out("uint8", 12)
+    staging = np.arange(12, dtype=np.uint8)
+    for plan in (np.zeros((0, 3), np.int64), [], [[0, 1, 0], [-1, 2, 0]]):
+        widen_scatter(staging, plan, 4, out)
+        assert (out == POISON_INT).all()
+
+
+def test_one_row_plan():
+    staging = np.array([1.5, -2.0], np.float32)
+    out = np.zeros(6, np.float32)
+    widen_scatter(staging, np.array([[0, 2, 1]]), 2, out)
+    assert out.tolist() == [0, 0, 0, 0, 1.5, -2.0]
+
+
+def test_returns_out_and_accepts_shaped_staging():
+    staging = np.arange(6, dtype=np.uint16).reshape(3, 2)
+    out = np.zeros((2, 2), np.int32)
+    assert widen_scatter(staging, [[1, 0, 2]], 2, out) is out
+    assert out.tolist() == [[2, 3], [4, 5]]
+
+
+def test_validate_false_skips_plan_checks_only():
+    staging = np.arange(4, dtype=np.uint8)
+    out = np.zeros(4, np.int32)
+    # Overlapping destinations are the caller's business without validation.
+    widen_scatter(staging, [[0, 0, 2], [2, 1, 2]], 1, out, validate=False)
+    assert out.tolist() == [0, 2, 3, 0]
+    with pytest.raises(PlanError, match="widens into int32"):
+        widen_scatter(staging, [[0, 0, 2]], 1, np.zeros(4, np.float32), validate=False)
+
+
+def test_plan_bytes_counts_reads_and_writes():
+    plan = np.array([[0, 0, 3], [-1, 3, 2], [5, 5, 0]])
+    assert plan_bytes(np.uint8, np.int32, plan, 10) == 3 * 10 * 5 + 2 * 10 * 4
+    assert plan_bytes("float32", "float32", plan, 1) == 3 * 8 + 2 * 4
+    assert plan_bytes(np.uint16, np.int32, [], 7) == 0
+
+
+# --- validation -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        ([[0, 0, 2], [5, 2, 2]], r"plan row 1 \(src_row=5, dst_row=2, rows=2\) reads past"),
+        ([[0, 9, 2]], r"plan row 0 .* writes past the output buffer \(10 rows\)"),
+        ([[-1, 9, 2]], r"plan row 0 .* writes past"),
+        ([[0, 0, 3], [1, 2, 2]], r"plan row 1 .* overlaps the destination rows of plan row 0"),
+        ([[0, 5, 1], [0, 0, 2], [2, 4, 2]], r"plan row 0 .* overlaps .* plan row 2"),
+        ([[0, 0, -1]], r"plan row 0 .* negative rows"),
+        ([[0, -1, 1]], r"negative dst_row"),
+        ([[-2, 0, 1]], r"src_row below -1"),
+        ([[0, 0]], r"shape \[n, 3\]"),
+        ([[[0, 0, 1]]], r"shape \[n, 3\]"),
+        ([[0.0, 0.0, 1.0]], r"integers"),
+    ],
+)
+def test_invalid_plans_raise_plan_error(plan, message):
+    with pytest.raises(PlanError, match=message):
+        validate_plan(plan, src_rows=6, dst_rows=10)
+    with pytest.raises(PlanError, match=message):
+        widen_scatter(np.zeros(12, np.uint8), plan, 2, np.zeros(20, np.int32))
+
+
+def test_plan_error_is_a_value_error():
+    assert issubclass(PlanError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "staging, out, width, fill, message",
+    [
+        (np.zeros(4, np.uint8), np.zeros(4, np.float32), 1, 0, "widens into int32"),
+        (np.zeros(4, np.float32), np.zeros(4, np.int32), 1, 0, "widens into float32"),
+        (np.zeros(4, np.int64), np.zeros(4, np.int32), 1, 0, "not one of"),
+        (np.zeros(4, np.uint8), np.zeros(4, np.int64), 1, 0, "widens into int32"),
+        (np.zeros(4, np.uint8), np.zeros(5, np.int32), 2, 0, "out holds 5 elements"),
+        (np.zeros(5, np.uint8), np.zeros(4, np.int32), 2, 0, "staging holds 5 elements"),
+        (np.zeros(4, np.uint8), np.zeros(4, np.int32), 0, 0, "width must be"),
+        (np.zeros(4, np.uint8), np.zeros(4, np.int32), 1, 2**31, "not representable"),
+        (np.zeros(4, np.uint8), np.zeros(4, np.int32), 1, 0.5, "not representable"),
+        (np.zeros(4, np.uint8), np.zeros(8, np.int32)[::2], 1, 0, "C-contiguous"),
+    ],
+)
+def test_bad_buffers_raise_plan_error(staging, out, width, fill, message):
+    with pytest.raises(PlanError, match=message):
+        widen_scatter(staging, [[0, 0, 1]], width, out, fill)
+
+
+def test_too_small_out_names_the_plan_row():
+    with pytest.raises(PlanError, match=r"plan row 0 .* writes past the output buffer \(3 rows\)"):
+        widen_scatter(np.zeros(8, np.uint8), [[0, 0, 4]], 2, np.zeros(6, np.int32))
+
+
+def test_mixed_array_types_raise():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(PlanError, match="same array type"):
+        widen_scatter(np.zeros(2, np.uint8), [[0, 0, 1]], 1, torch.zeros(2, dtype=torch.int32))
+
+
+def test_cuda_available_is_a_quiet_bool():
+    assert isinstance(kernels.cuda_available(), bool)
+
+
+# --- the CUDA kernel's fragment table, emulated on the host ---------------------
+
+
+def emulate_kernel(table, nfrag, nblocks, staging, out, fill, src_ptr, dst_ptr, chunk):
+    """Run widen_scatter.cu's block logic in Python; check alignment and coverage."""
+    frags = table[: 4 * nfrag].reshape(nfrag, 4)
+    first = table[4 * nfrag:]
+    written = np.zeros(out.size, np.int64)
+    isz = staging.itemsize
+    for b in range(nblocks):
+        f = int(np.searchsorted(first, b, side="right") - 1)
+        s_off, d_off, n, meta = (int(v) for v in frags[f])
+        head, is_fill, aligned = meta & 3, bool(meta & 4), bool(meta & 8)
+        c = b - int(first[f])
+        parts = [(0, head)] if c == 0 else []
+        begin = head + c * chunk
+        length = min(n - begin, chunk)
+        assert length >= 0 and (length > 0 or c == 0)
+        nvec = length >> 2
+        assert (dst_ptr + 4 * (d_off + begin)) % 16 == 0 or nvec == 0
+        if aligned and nvec:
+            assert (src_ptr + isz * (s_off + begin)) % (4 * isz) == 0
+        parts.append((begin, begin + length))
+        for lo, hi in parts:
+            dst = slice(d_off + lo, d_off + hi)
+            out[dst] = fill if is_fill else staging[s_off + lo: s_off + hi]
+            written[dst] += 1
+    return written
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fragment_table_covers_every_element_once(seed):
+    rng = np.random.default_rng(100 + seed)
+    dtype = DTYPES[seed % 4]
+    width = int(rng.choice([1, 3, 7, 8, 37]))
+    chunk = 4 * THREADS * int(rng.choice([1, 2]))
+    src_rows, dst_rows = int(rng.integers(1, 400)), int(rng.integers(1, 900))
+    staging = random_staging(rng, dtype, src_rows * width)
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=int(rng.choice([3, 300])))
+    # Device addresses whose misalignment the table must absorb.
+    src_ptr = 256 * 1024 + staging.itemsize * int(rng.integers(0, 16))
+    dst_ptr = 512 * 1024 + 4 * int(rng.integers(0, 4))
+    table, nfrag, nblocks = fragment_table(plan, width, src_ptr, staging.itemsize, dst_ptr, chunk)
+    out = poisoned_out(dtype, dst_rows * width)
+    written = emulate_kernel(table, nfrag, nblocks, staging, out, 9, src_ptr, dst_ptr, chunk)
+    want = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), 9)
+    np.testing.assert_array_equal(bits(out), bits(want))
+    covered = np.zeros(dst_rows, bool)
+    for _, d, r in plan.tolist():
+        covered[d: d + r] = True
+    np.testing.assert_array_equal(written, np.repeat(covered, width).astype(np.int64))
+
+
+def test_default_chunk_is_whole_steps_of_a_block():
+    assert DEFAULT_CHUNK % (4 * THREADS) == 0
+
+
+# --- the torch fallback ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 7, 600])
+def test_torch_fallback_on_cpu_matches_reference(dtype, width):
+    torch = pytest.importorskip("torch")
+    from kernels.torch_backend import torch_widen_scatter
+
+    rng = np.random.default_rng(width * 10 + DTYPES.index(dtype))
+    src_rows, dst_rows = (9, 13) if width == 600 else (50, 90)
+    staging = random_staging(rng, dtype, src_rows * width)
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=8)
+    fill = -3 if dtype != "float32" else float("nan")
+    want = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), fill)
+    out = torch.from_numpy(poisoned_out(dtype, dst_rows * width))
+    got = torch_widen_scatter(torch.from_numpy(staging), plan, width, out, fill)
+    assert got is out
+    np.testing.assert_array_equal(bits(got.numpy()), bits(want))
+    # The dispatcher sends CPU tensors to the same fallback.
+    out2 = torch.from_numpy(poisoned_out(dtype, dst_rows * width))
+    widen_scatter(torch.from_numpy(staging), torch.from_numpy(plan), width, out2, fill)
+    np.testing.assert_array_equal(bits(out2.numpy()), bits(want))
+
+
+def test_torch_fallback_validates():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(PlanError, match="overlaps"):
+        widen_scatter(torch.zeros(4, dtype=torch.uint8), [[0, 0, 2], [0, 1, 1]], 1,
+                      torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(PlanError, match="widens into int32"):
+        widen_scatter(torch.zeros(4, dtype=torch.uint8), [[0, 0, 2]], 1,
+                      torch.zeros(4, dtype=torch.float32))

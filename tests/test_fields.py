@@ -1,0 +1,119 @@
+import json
+
+import numpy as np
+import pytest
+
+from gputq.errors import ConfigError, FieldValueError, InvalidInputError
+from gputq.fields import (FieldRegistry, FieldSpec, canonicalize, logprobs_spec, routed_experts_spec,
+                          row_nbytes)
+
+
+def test_builtin_specs():
+    lp = logprobs_spec()
+    assert (lp.name, lp.row_shape, lp.dtype, lp.restored_dtype, lp.fill) == ("logprobs", (), "float32", "float32", 0.0)
+    assert lp.span == "output" and lp.sample_key == "rollout_log_probs"
+    re = routed_experts_spec(3, 2, "uint8")
+    assert (re.name, re.row_shape, re.dtype, re.restored_dtype, re.fill) == ("routed_experts", (3, 2), "uint8", "int32", 0)
+    assert re.span == "context" and re.sample_key == "rollout_routed_experts"
+    assert routed_experts_spec(3, 2).dtype == "int32"
+    with pytest.raises(ConfigError, match="uint8"):
+        routed_experts_spec(3, 2, "int16")
+
+
+def test_row_nbytes():
+    assert row_nbytes(logprobs_spec()) == 4
+    assert row_nbytes(routed_experts_spec(75, 8, "uint16")) == 75 * 8 * 2
+    assert row_nbytes(routed_experts_spec(75, 8, "uint8")) == 600
+
+
+def test_spec_validation_and_roundtrip():
+    spec = FieldSpec("entropy", (), "float16", "float32", 0.0)
+    assert spec.sample_key == "rollout_entropy" and spec.span == "output"
+    assert FieldSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    with pytest.raises(ConfigError, match="widen"):
+        FieldSpec("x", (2,), "int32", "uint8", 0)
+    with pytest.raises(ConfigError, match="span"):
+        FieldSpec("x", (), "float32", "float32", 0.0, span="tokens")
+    with pytest.raises(ConfigError, match="fill"):
+        FieldSpec("x", (), "int32", "int32", 0.5)
+    with pytest.raises(ConfigError, match="row_shape"):
+        FieldSpec("x", (0,), "int32", "int32", 0)
+    bad = spec.to_dict() | {"schema": 7}
+    with pytest.raises(InvalidInputError, match="schema version 7"):
+        FieldSpec.from_dict(bad)
+
+
+def test_registry():
+    reg = FieldRegistry.builtin(4, 2, "uint16")
+    assert reg.names() == ("logprobs", "routed_experts")
+    assert reg.get("routed_experts").dtype == "uint16"
+    assert "logprobs" in reg and len(reg) == 2
+    with pytest.raises(InvalidInputError, match=r"unknown field 'entropy'.*logprobs.*routed_experts"):
+        reg.get("entropy")
+    reg.register(logprobs_spec())  # identical: no-op
+    with pytest.raises(ConfigError, match="already registered"):
+        reg.register(routed_experts_spec(4, 2, "int32"))
+    reg.register(FieldSpec("entropy", (), "float32", "float32", 0.0))
+    assert reg.names()[-1] == "entropy"
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_canonicalize_experts_in_range(dtype):
+    spec = routed_experts_spec(3, 2, dtype)
+    top = min(np.iinfo(dtype).max, 2**31 - 1)
+    src = np.random.default_rng(0).integers(0, top, (5, 3, 2), dtype=np.int64)
+    src[0, 0, 0], src[4, 2, 1] = 0, top
+    out = canonicalize("k", spec, src)
+    assert out.dtype == np.dtype(dtype) and out.flags.c_contiguous and out.shape == (5, 3, 2)
+    np.testing.assert_array_equal(out.astype(np.int64), src)
+
+
+def test_canonicalize_no_copy_and_contiguous():
+    spec = routed_experts_spec(3, 2, "uint8")
+    ready = np.zeros((4, 3, 2), np.uint8)
+    assert canonicalize("k", spec, ready) is ready
+    strided = np.arange(48, dtype=np.int32).reshape(8, 3, 2)[::2]
+    out = canonicalize("k", spec, strided)
+    assert out.flags.c_contiguous and np.array_equal(out, strided)
+    assert canonicalize("k", spec, np.zeros((0, 3, 2), np.int32)).shape == (0, 3, 2)
+
+
+@pytest.mark.parametrize("dtype,value", [("uint8", 256), ("uint8", -1), ("uint16", 65536),
+                                         ("uint16", -3), ("int32", 2**31)])
+def test_canonicalize_out_of_range_names_key_field_value(dtype, value):
+    spec = routed_experts_spec(3, 2, dtype)
+    src = np.zeros((4, 3, 2), np.int64)
+    src[2, 1, 0] = value
+    with pytest.raises(FieldValueError) as info:
+        canonicalize("p/s1/3", spec, src)
+    msg = str(info.value)
+    assert "'p/s1/3'" in msg and "'routed_experts'" in msg and str(value) in msg and "[2, 1, 0]" in msg
+    assert isinstance(info.value, ValueError)
+
+
+def test_canonicalize_rejects_bad_shape_and_dtype():
+    spec = routed_experts_spec(3, 2, "uint16")
+    with pytest.raises(FieldValueError, match=r"'k1'.*'routed_experts'.*expected shape \[rows, 3, 2\]"):
+        canonicalize("k1", spec, np.zeros((4, 6), np.int32))
+    with pytest.raises(FieldValueError, match=r"expected shape \[rows, 3, 2\], got \(4, 3, 3\)"):
+        canonicalize("k1", spec, np.zeros((4, 3, 3), np.int32))
+    with pytest.raises(FieldValueError, match="integer array.*float32"):
+        canonicalize("k1", spec, np.ones((4, 3, 2), np.float32))  # integral floats are still floats
+    with pytest.raises(FieldValueError, match="integer array.*bool"):
+        canonicalize("k1", spec, np.ones((4, 3, 2), bool))
+    with pytest.raises(FieldValueError, match="floating-point"):
+        canonicalize("k1", logprobs_spec(), np.zeros(4, np.int32))
+    with pytest.raises(FieldValueError, match=r"expected shape \[rows\]"):
+        canonicalize("k1", logprobs_spec(), np.zeros((4, 1), np.float32))
+
+
+def test_canonicalize_logprobs():
+    spec = logprobs_spec()
+    src = np.array([-0.5, -1.25, -np.inf, 0.0])  # float64 from a JSON list
+    out = canonicalize("k", spec, src)
+    assert out.dtype == np.float32 and np.array_equal(out, src.astype(np.float32))
+    mixed = np.array([np.inf, -np.inf], np.float32)  # sums to NaN but holds none
+    assert np.array_equal(canonicalize("k", spec, mixed), mixed)
+    bad = np.array([-1.0, -2.0, -3.0, np.nan, np.nan], np.float32)
+    with pytest.raises(FieldValueError, match=r"'k'.*'logprobs'.*NaN at index \[3\]"):
+        canonicalize("k", spec, bad)

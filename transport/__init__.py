@@ -1,0 +1,87 @@
+"""Moving bytes between processes and devices: one interface, one module per backend.
+
+``transport`` imports neither ``gputq`` nor Ray. Backends are loaded by
+name with :func:`get_transport`, lazily, so a backend whose native library
+is missing costs nothing until it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from transport.base import ArenaHandler, Channel, Lease, Region, Server, TransportType, is_device_buffer
+from transport.errors import (
+    AuthenticationError,
+    CapacityError,
+    ClosedError,
+    DuplicateKeyError,
+    GputqError,
+    GputqTimeoutError,
+    InvalidInputError,
+    MissingDependencyError,
+    PeerLostError,
+    ProtocolError,
+    RequestTooLargeError,
+    StaleReadError,
+    TransferError,
+    UnknownKeyError,
+    error_from_wire,
+    error_to_wire,
+)
+
+__all__ = [
+    "Region",
+    "Lease",
+    "ArenaHandler",
+    "Channel",
+    "Server",
+    "TransportType",
+    "is_device_buffer",
+    "GputqError",
+    "GputqTimeoutError",
+    "PeerLostError",
+    "ProtocolError",
+    "AuthenticationError",
+    "TransferError",
+    "UnknownKeyError",
+    "DuplicateKeyError",
+    "CapacityError",
+    "RequestTooLargeError",
+    "StaleReadError",
+    "InvalidInputError",
+    "MissingDependencyError",
+    "ClosedError",
+    "error_to_wire",
+    "error_from_wire",
+    "TRANSPORTS",
+    "get_transport",
+]
+
+# name -> (module, class); modules are imported on first use.
+TRANSPORTS: dict[str, tuple[str, str]] = {
+    "tcp": ("transport.tcp", "TcpTransport"),
+    "rdma": ("transport.nixl", "NixlTransport"),
+}
+
+
+def get_transport(name: str) -> TransportType:
+    """Return a backend by name (``"tcp"`` or ``"rdma"``).
+
+    Raises
+    ------
+    InvalidInputError
+        ``name`` is not a known backend (``auto`` is resolved by the caller).
+    MissingDependencyError
+        The backend's module or its native library is not installed.
+    """
+    try:
+        module_name, class_name = TRANSPORTS[name]
+    except KeyError:
+        raise InvalidInputError(f"unknown transport {name!r}; choose one of {sorted(TRANSPORTS)}") from None
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise MissingDependencyError(f"transport {name!r} needs {exc.name!r}: {exc}") from exc
+        raise MissingDependencyError(f"transport {name!r} is not available in this build ({module_name})") from exc
+    return getattr(module, class_name)()

@@ -1,0 +1,291 @@
+"""The tcp backend's framing: headers, msgpack bodies and raw payloads.
+
+A frame is a fixed 20-byte header, a msgpack body (control data) and
+optional raw payload bytes::
+
+    magic "GPTQ" | version u8 | opcode u8 | 2 pad | body length u32 | payload length u64
+
+All integers are big-endian. Bodies are bounded by :data:`MAX_BODY_BYTES`,
+payloads by the ``max_payload`` a :class:`FrameReader` is built with, so a
+corrupt or hostile length can never make a peer allocate or wait for
+gigabytes it did not agree to.
+
+:class:`FrameReader` and :class:`FrameWriter` work over any socket-like
+object (``sendall``, ``recv_into``, ``recv``, ``settimeout``, ``close``), so
+tests can drive them with in-memory sockets. They translate socket failures
+into the gputq error tree: a socket timeout becomes
+:class:`~transport.errors.GputqTimeoutError`, a reset or closed peer
+:class:`~transport.errors.PeerLostError`, a malformed frame
+:class:`~transport.errors.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import msgpack
+
+from transport.errors import GputqTimeoutError, InvalidInputError, PeerLostError, ProtocolError
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "HEADER",
+    "MAX_BODY_BYTES",
+    "Op",
+    "Header",
+    "Deadline",
+    "byte_view",
+    "encode_header",
+    "decode_header",
+    "pack_body",
+    "unpack_body",
+    "FrameReader",
+    "FrameWriter",
+]
+
+MAGIC = b"GPTQ"
+VERSION = 1
+HEADER = struct.Struct("!4sBBxxIQ")
+MAX_BODY_BYTES = 1 << 20
+
+# Below this size a payload is joined to its header in one send: one syscall
+# instead of two, and no small-packet round trip with TCP_NODELAY.
+_COALESCE_BYTES = 64 << 10
+_DRAIN_CHUNK = 1 << 20
+
+
+class Op:
+    """Frame opcodes. Requests come from clients, replies from servers."""
+
+    HELLO = 1
+    WRITE = 2
+    READ = 3
+    CALL = 4
+    OK = 16
+    ERROR = 17
+
+    ALL = frozenset({HELLO, WRITE, READ, CALL, OK, ERROR})
+
+
+@dataclass(frozen=True)
+class Header:
+    """A decoded frame header."""
+
+    opcode: int
+    body_len: int
+    payload_len: int
+
+
+def encode_header(opcode: int, body_len: int, payload_len: int) -> bytes:
+    """Return the 20-byte header of a frame."""
+    return HEADER.pack(MAGIC, VERSION, opcode, body_len, payload_len)
+
+
+def decode_header(raw, max_payload: int) -> Header:
+    """Parse and validate a header.
+
+    Raises
+    ------
+    ProtocolError
+        Bad magic or version, unknown opcode, a body longer than
+        :data:`MAX_BODY_BYTES` or a payload longer than ``max_payload``.
+    """
+    magic, version, opcode, body_len, payload_len = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported wire version {version} (this side speaks {VERSION})")
+    if opcode not in Op.ALL:
+        raise ProtocolError(f"unknown opcode {opcode}")
+    if body_len > MAX_BODY_BYTES:
+        raise ProtocolError(f"frame body of {body_len} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    if payload_len > max_payload:
+        raise ProtocolError(f"frame payload of {payload_len} bytes exceeds max_frame_bytes={max_payload}")
+    return Header(opcode, body_len, payload_len)
+
+
+def pack_body(body: dict) -> bytes:
+    """Serialise a control body (raises ``TypeError`` for non-msgpack values)."""
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def unpack_body(raw) -> dict:
+    """Deserialise a control body; anything but a msgpack map is a ``ProtocolError``."""
+    try:
+        body = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"malformed frame body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"frame body is a {type(body).__name__}, expected a map")
+    return body
+
+
+def byte_view(buf, *, writable: bool = False) -> memoryview:
+    """Return ``buf`` as a flat, C-contiguous byte memoryview (no copy).
+
+    Raises
+    ------
+    InvalidInputError
+        ``buf`` is not a contiguous buffer, or is read-only when
+        ``writable`` is requested.
+    """
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise InvalidInputError(f"expected a bytes-like buffer, got {type(buf).__name__}") from None
+    if writable and view.readonly:
+        raise InvalidInputError("destination buffer is read-only")
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if not view.c_contiguous:
+        raise InvalidInputError("buffer must be C-contiguous")
+    return view.cast("B")
+
+
+class Deadline:
+    """An absolute expiry shared by the reader and writer of one request."""
+
+    __slots__ = ("expires",)
+
+    def __init__(self, timeout: float):
+        self.expires = time.monotonic() + timeout
+
+    def remaining(self) -> float:
+        """Seconds left; raises ``GputqTimeoutError`` once expired."""
+        left = self.expires - time.monotonic()
+        if left <= 0:
+            raise GputqTimeoutError("timed out")
+        return left
+
+
+def _arm(sock, deadline: Deadline | None) -> None:
+    if deadline is not None:
+        sock.settimeout(deadline.remaining())
+
+
+class FrameReader:
+    """Reads frames from a socket-like object.
+
+    Parameters
+    ----------
+    sock
+        Anything with ``recv_into`` and ``settimeout``.
+    max_payload
+        The largest payload length accepted in a header.
+    truncated_error
+        What a connection closed inside a frame raises: a server treats it
+        as a protocol violation, a client as a lost peer.
+
+    Attributes
+    ----------
+    deadline
+        When set, every receive is bounded by it.
+    """
+
+    def __init__(self, sock, max_payload: int, truncated_error: type[Exception] = ProtocolError):
+        self._sock = sock
+        self.max_payload = int(max_payload)
+        self.truncated_error = truncated_error
+        self.deadline: Deadline | None = None
+        self._header = bytearray(HEADER.size)
+        self._scratch: bytearray | None = None
+
+    def _recv_into(self, view: memoryview) -> int:
+        _arm(self._sock, self.deadline)
+        try:
+            return self._sock.recv_into(view)
+        except (socket.timeout, TimeoutError):
+            raise GputqTimeoutError("timed out waiting for the peer") from None
+        except OSError as exc:
+            raise PeerLostError(f"connection lost: {exc}") from None
+
+    def recv_exact(self, view) -> None:
+        """Fill ``view`` (a writable byte memoryview) completely."""
+        view = memoryview(view)
+        got, want = 0, view.nbytes
+        while got < want:
+            n = self._recv_into(view[got:])
+            if n == 0:
+                raise self.truncated_error(f"truncated frame: connection closed after {got} of {want} bytes")
+            got += n
+
+    def drain(self, nbytes: int) -> None:
+        """Receive and discard ``nbytes`` so the stream stays in sync."""
+        if self._scratch is None:
+            self._scratch = bytearray(_DRAIN_CHUNK)
+        scratch = memoryview(self._scratch)
+        while nbytes > 0:
+            step = min(nbytes, len(scratch))
+            self.recv_exact(scratch[:step])
+            nbytes -= step
+
+    def read_header(self) -> Header:
+        """Read the next header.
+
+        Raises ``PeerLostError`` when the peer closed cleanly between frames
+        and ``truncated_error`` when it closed inside the header.
+        """
+        view = memoryview(self._header)
+        n = self._recv_into(view)
+        if n == 0:
+            raise PeerLostError("connection closed by peer")
+        if n < HEADER.size:
+            self.recv_exact(view[n:])
+        return decode_header(self._header, self.max_payload)
+
+    def read_body(self, header: Header) -> dict:
+        """Read and decode the body that follows ``header``."""
+        raw = bytearray(header.body_len)
+        self.recv_exact(raw)
+        return unpack_body(raw)
+
+    def read_frame(self) -> tuple[Header, dict]:
+        """Read a header and its body; the payload is left for the caller."""
+        header = self.read_header()
+        return header, self.read_body(header)
+
+
+class FrameWriter:
+    """Writes frames to a socket-like object (``sendall``, ``settimeout``).
+
+    Attributes
+    ----------
+    deadline
+        When set, every send is bounded by it.
+    """
+
+    def __init__(self, sock):
+        self._sock = sock
+        self.deadline: Deadline | None = None
+
+    def _sendall(self, data) -> None:
+        _arm(self._sock, self.deadline)
+        try:
+            self._sock.sendall(data)
+        except (socket.timeout, TimeoutError):
+            raise GputqTimeoutError("timed out sending to the peer") from None
+        except OSError as exc:
+            raise PeerLostError(f"connection lost: {exc}") from None
+
+    def send(self, opcode: int, body: dict, payloads: Iterable = ()) -> None:
+        """Send one frame; ``payloads`` are byte buffers sent back to back, uncopied.
+
+        The body is serialised before anything is sent, so a body that
+        cannot be packed raises ``TypeError`` with the stream still in sync.
+        """
+        raw = pack_body(body)
+        views = [byte_view(p) for p in payloads]
+        total = sum(v.nbytes for v in views)
+        head = encode_header(opcode, len(raw), total) + raw
+        if total <= _COALESCE_BYTES:
+            self._sendall(b"".join([head, *views]))
+            return
+        self._sendall(head)
+        for view in views:
+            if view.nbytes:
+                self._sendall(view)
