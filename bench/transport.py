@@ -14,7 +14,9 @@ is read, as one batched read, through:
 - ``socket``: the baseline for tcp, :class:`bench.common.SocketBaseline`.
 
 Ratios: ``rdma / nixl`` and ``tcp / socket`` per shape; the JSON line has
-their minima over shapes.
+their minima over shapes. A second table times writes through the rdma
+channel's two write paths (tcp WRITE frame, NIXL push), the measurement
+behind ``transport.nixl.PUSH_MIN_BYTES``.
 """
 
 from __future__ import annotations
@@ -83,18 +85,21 @@ class RawNixl:
 
 
 def interleaved_medians(paths: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each callable, timed round-robin after one warm-up each.
+    """Median seconds of each callable, timed round-robin (rotating) after one warm-up each.
 
     Round-robin rather than one path after another: on a shared box a burst
     of background load then hits every path alike instead of one of them.
     """
     for fn in paths.values():
         fn()
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(repeats):
-        for name, fn in paths.items():
+    names = list(paths)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        # Rotate the order so no path always runs after the one that warmed
+        # (or flushed) the caches for it.
+        for name in names[i % len(names):] + names[:i % len(names)]:
             start = time.perf_counter()
-            fn()
+            paths[name]()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -109,7 +114,35 @@ def _fill(unit_channel, shapes) -> dict[str, list[str]]:
     return keys
 
 
-def run(repeats: int) -> tuple[list[dict], dict]:
+#: Payload sizes for the write comparison (tcp WRITE frame vs NIXL push).
+WRITE_SIZES = (256 << 10, 1 << 20, 4 << 20, 64 << 20)
+
+
+def write_rows(unit: StorageUnit, address: dict, repeats: int) -> list[dict]:
+    """Time one write per path and size (each key deleted again), for the write-path choice."""
+    channels = {path: NixlTransport(path).connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
+                for path in ("tcp", "push")}
+    counter = iter(range(1 << 30))
+    rows = []
+    try:
+        for size in WRITE_SIZES:
+            payload = np.ones(size, dtype=np.uint8)
+
+            def write(channel):
+                key = f"write/{next(counter)}"
+                channel.write(key, payload, {})
+                unit.delete([key])
+
+            t = interleaved_medians({path: (lambda c=ch: write(c)) for path, ch in channels.items()}, repeats)
+            rows.append({"write": f"{size >> 10} KiB", "tcp GB/s": gbps(size, t["tcp"]),
+                         "push GB/s": gbps(size, t["push"]), "push/tcp": t["tcp"] / t["push"]})
+    finally:
+        for ch in channels.values():
+            ch.close()
+    return rows
+
+
+def run(repeats: int) -> tuple[list[dict], list[dict], dict]:
     total_max = max(count * size for _, count, size in SHAPES)
     capacity = sum(count * size for _, count, size in SHAPES) + (64 << 20)
     rows = []
@@ -152,12 +185,13 @@ def run(repeats: int) -> tuple[list[dict], dict]:
             raw.close()
             tcp.close()
             rdma.close()
+        writes = write_rows(unit, address, repeats)
     summary = {
         "rdma_vs_nixl_min_ratio": min(r["rdma/nixl"] for r in rows),
         "tcp_vs_socket_min_ratio": min(r["tcp/socket"] for r in rows),
         "rdma_vs_tcp_min_ratio": min(r["rdma GB/s"] / r["tcp GB/s"] for r in rows),
     }
-    return rows, summary
+    return rows, writes, summary
 
 
 def main(argv=None) -> int:
@@ -168,14 +202,16 @@ def main(argv=None) -> int:
     print_header("gputq transport: batched reads", cpus=os.cpu_count(), UCX_TLS=ucx_tls,
                  repeats=args.repeats, storage="StorageUnit in-process, channels in-process")
     started = time.perf_counter()
-    rows, summary = run(args.repeats)
+    rows, writes, summary = run(args.repeats)
     print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma+copy GB/s", "nixl GB/s", "tcp GB/s",
                        "socket GB/s", "rdma/nixl", "tcp/socket", "rdma ms", "nixl ms"])
+    print()
+    print_table(writes, ["write", "tcp GB/s", "push GB/s", "push/tcp"])
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
     print(f"  elapsed: {time.perf_counter() - started:.1f} s")
     if args.json:
-        emit_json({"bench": "transport", "rows": rows, **summary, "UCX_TLS": ucx_tls})
+        emit_json({"bench": "transport", "rows": rows, "writes": writes, **summary, "UCX_TLS": ucx_tls})
     return 0
 
 

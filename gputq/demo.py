@@ -81,7 +81,7 @@ class TrainerRank:
         self._clients = UnitClients(membership, config)
         self._reader = Reader(self._clients, config, device=device)
 
-    def train_step(self, manager, world: int, partition: str) -> dict:
+    def train_step(self, manager, world: int) -> dict:
         import ray
 
         from .trajectory import Segment
@@ -92,7 +92,6 @@ class TrainerRank:
         restored = self._reader.fetch(shard)
         stats = self._reader.last_stats
         digests = {seg.segment_id: digest_fields(fields) for seg, fields in zip(segments, restored)}
-        self._reader.release(shard, partition)
         return {"rank": self.rank, "digests": digests, "unique_keys": stats.unique_keys,
                 "referenced_keys": stats.referenced_keys, "bytes_fetched": stats.bytes_fetched,
                 "fetch_seconds": stats.fetch_seconds, "restore_seconds": stats.restore_seconds,
@@ -158,8 +157,10 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
         trainers = [trainer_cls.remote(rank, membership, config, options.device)
                     for rank in range(options.ranks)]
         _say(progress, f"[5/6] {options.ranks} trainer ranks fetching their shards")
-        reports = ray.get([t.train_step.remote(manager, options.ranks, partition) for t in trainers])
+        reports = ray.get([t.train_step.remote(manager, options.ranks) for t in trainers])
         ray.get([t.close.remote() for t in trainers])
+        # Ranks share steps (branches, timeline prefixes): the rollout is released as a
+        # whole once every rank has consumed it, not per rank.
         _say(progress, "[6/6] comparing with the inline (non-offloaded) path")
         expected = {seg.segment_id: digest_fields(inline_fields(seg)) for seg in segments}
         got = {sid: d for report in reports for sid, d in report["digests"].items()}

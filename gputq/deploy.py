@@ -11,14 +11,16 @@ Ray carries control only: addresses, stats, lifecycle calls (rule 1).
 from __future__ import annotations
 
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from .config import GputqConfig
 from .controller import Controller
 from .errors import MissingDependencyError
 from .storage_unit import StorageUnit
 
-__all__ = ["UnitService", "Deployment", "serving_transport", "import_ray"]
+__all__ = ["UnitService", "Deployment", "local_cluster", "serving_transport", "import_ray"]
 
 
 def import_ray():
@@ -207,3 +209,24 @@ class Deployment:
         self.shutdown()
 
 
+
+
+@contextlib.contextmanager
+def local_cluster(config: GputqConfig) -> Iterator[tuple[GputqConfig, list[UnitService], "UnitClients"]]:
+    """``config.num_units`` units in this process, without Ray, and clients to them.
+
+    For tests, benchmarks and single-process tools. Yields the config (with
+    its token), the services and a :class:`~gputq.clients.UnitClients`.
+    """
+    from .clients import UnitClients
+
+    config = config.with_token()
+    services: list[UnitService] = []
+    try:
+        for i in range(config.num_units):
+            services.append(UnitService(f"su-{i}", config))
+        with UnitClients({s.name: s.address() for s in services}, config) as clients:
+            yield config, services, clients
+    finally:
+        for service in services:
+            service.close()

@@ -133,6 +133,11 @@ class Reader:
     def __init__(self, clients: UnitClients, config: GputqConfig, device: str = "cpu"):
         if not (device == "cpu" or device.startswith("cuda")):
             raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        if device != "cpu":
+            from kernels import cuda_available
+
+            if not cuda_available():
+                raise InvalidInputError(f"device={device!r}, but no usable CUDA device (CuPy sees none)")
         self._clients = clients
         self._config = config
         self._device = device
@@ -222,7 +227,12 @@ class Reader:
                                 f"expected {dest.nbytes}", unit=unit, keys=keys)
 
     def release(self, shard: Sequence[Mapping[str, Layout]], partition: str) -> None:
-        """Drop ``partition``'s references to every blob of ``shard`` (consumed)."""
+        """Drop ``partition``'s reference to every blob of ``shard``.
+
+        For consumers that hold the last use of these blobs (e.g. a single
+        reader streaming a rollout). When several ranks share steps, release
+        the whole partition through the controller after all have read.
+        """
         by_unit: dict[str, set[str]] = {}
         for sample in shard:
             for layout in sample.values():

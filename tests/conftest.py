@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
-from gputq.clients import UnitClients
 from gputq.config import GputqConfig
-from gputq.deploy import UnitService
+from gputq.deploy import local_cluster
 
 
 def nixl_usable() -> str | None:
@@ -27,22 +24,11 @@ TRANSPORT_PARAMS = [
 ]
 
 
-@contextlib.contextmanager
 def local_units(transport: str = "tcp", *, units: int = 2, capacity: int = 64 << 20, **overrides):
-    """``units`` StorageUnits in this process and clients to them."""
-    config = GputqConfig(enabled=True, use_rollout_routing_replay=True, transport=transport,
-                         num_units=units, unit_capacity_bytes=capacity, host="127.0.0.1",
-                         **overrides).with_token()
-    services = []
-    try:
-        for i in range(units):
-            services.append(UnitService(f"su-{i}", config))
-        membership = {s.name: s.address() for s in services}
-        with UnitClients(membership, config) as clients:
-            yield config, services, clients
-    finally:
-        for service in services:
-            service.close()
+    """``units`` in-process StorageUnits over ``transport`` and clients to them."""
+    return local_cluster(GputqConfig(enabled=True, use_rollout_routing_replay=True, transport=transport,
+                                     num_units=units, unit_capacity_bytes=capacity, host="127.0.0.1",
+                                     **overrides))
 
 
 @pytest.fixture(params=TRANSPORT_PARAMS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -137,6 +138,10 @@ def test_back_pressure_with_readers_releasing_as_they_consume():
 
         producer = threading.Thread(target=produce)
         producer.start()
+        # Let the producer run into the full arena before anything is consumed.
+        deadline = time.monotonic() + 20
+        while services[0].stats()["writers_waiting"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         consumed = 0
         with Reader(clients, config) as reader:
             while consumed < synth.sessions and not errors:

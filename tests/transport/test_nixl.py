@@ -8,6 +8,7 @@ as an InfiniBand cluster, minus the NIC.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -74,6 +75,15 @@ def _connect(server, write_path="tcp"):
                                                   timeout=10)
 
 
+def _wait_until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _store(channel, items: dict) -> None:
     for key, value in items.items():
         receipt = channel.write(key, value, {"field": "test"})
@@ -96,6 +106,8 @@ def test_many_regions_in_one_read_are_bit_exact(server, handler):
         dest = np.full(expected.size + 100, 0xEE, dtype=np.uint8)
         leases_before = handler.calls.get("lease", 0)
         lengths = ch.read(order, dest, timeout=10)
+        # the lease ends off the read path, soon, without waiting for close()
+        assert _wait_until(lambda: handler.active_leases() == 0)
     assert lengths == [items[k].nbytes for k in order]
     assert np.array_equal(dest[:expected.size], expected)
     assert (dest[expected.size:] == 0xEE).all()  # nothing written past the keys
@@ -182,11 +194,12 @@ def test_read_racing_release_never_returns_another_keys_bytes(server, handler):
         else:
             assert np.array_equal(out, victim)
         assert handler._committed["intruder"][0] != victim_offset  # the lease kept the region
-        assert handler.active_leases() == 0
         with pytest.raises(UnknownKeyError):
             ch.read(["victim"], out)
         ch.read(["intruder"], out)
         assert np.array_equal(out, intruder)
+    assert handler.active_leases() == 0  # close() ended every lease
+    assert handler.used_bytes() == intruder.nbytes  # and the victim's bytes were freed then
 
 
 def test_transfer_failure_names_unit_and_keys(server, handler):
@@ -202,14 +215,71 @@ def test_transfer_failure_names_unit_and_keys(server, handler):
     assert handler.active_leases() == 0
 
 
-def test_push_write_path_round_trips(server, handler):
+def test_push_write_path_round_trips(server, handler, monkeypatch):
+    nixl = _nixl_or_skip()
+    monkeypatch.setattr(nixl, "PUSH_CHUNK_BYTES", 4096)  # several chunks per blob
     items = _payloads(5, seed=3)
     with _connect(server, write_path="push") as ch:
         _store(ch, items)
+        assert ch.pool.registrations == 1  # one bounded staging buffer for every push
         out = np.zeros(sum(v.nbytes for v in items.values()), np.uint8)
         ch.read(list(items), out)
     assert np.array_equal(out, np.concatenate(list(items.values())))
     assert handler.calls["commit_write"] == len(items)
+
+
+def test_auto_write_path_pushes_only_large_payloads(server):
+    nixl = _nixl_or_skip()
+    small = np.full(1000, 7, np.uint8)
+    large = np.arange(nixl.PUSH_MIN_BYTES + 3, dtype=np.uint64).astype(np.uint8)
+    with _connect(server, write_path="auto") as ch:
+        ch.write("small", small, {})
+        assert ch.pool.registrations == 0  # the tcp path registers nothing
+        ch.write("large", large, {})
+        assert ch.pool.registrations == 1
+        out = np.zeros(small.size + large.size, np.uint8)
+        assert ch.read(["small", "large"], out) == [small.size, large.size]
+    assert np.array_equal(out, np.concatenate([small, large]))
+
+
+class _FakeDeviceArray:
+    """Host memory posing as a CUDA buffer: exercises the device plumbing without a GPU."""
+
+    def __init__(self, host: np.ndarray):
+        self.host = host
+        self.device = type("Device", (), {"id": 0})()
+        self.__cuda_array_interface__ = {"shape": (host.size,), "typestr": "|u1",
+                                         "data": (host.ctypes.data, False), "version": 3}
+
+
+class _HostCuda:
+    """Stands in for the CUDA helper: no device memory, copies with memmove."""
+
+    def __init__(self):
+        self.copies = []
+
+    def alloc(self, nbytes, device):
+        raise RuntimeError("no device memory in this test")
+
+    def copy(self, dst, src, nbytes, device, src_host):
+        import ctypes
+        ctypes.memmove(dst, src, nbytes)
+        self.copies.append((nbytes, device, src_host))
+
+
+def test_device_destination_falls_back_to_host_staging(server, monkeypatch):
+    nixl = _nixl_or_skip()
+    fake_cuda = _HostCuda()
+    monkeypatch.setattr(nixl, "_Cuda", lambda: fake_cuda)
+    items = _payloads(12, seed=5)
+    expected = np.concatenate(list(items.values()))
+    dest = _FakeDeviceArray(np.zeros(expected.size + 8, np.uint8))
+    with _connect(server) as ch:
+        _store(ch, items)
+        assert ch.read(list(items), dest) == [v.nbytes for v in items.values()]
+        ch.read(list(items), dest)
+    assert np.array_equal(dest.host[:expected.size], expected)
+    assert fake_cuda.copies == [(expected.size, 0, True)] * 2  # host pool -> device, once per read
 
 
 def test_channels_share_the_remote_agent(server):

@@ -1,0 +1,43 @@
+"""The reader restoring into GPU memory, checked against the inline path (needs a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kernels
+from gputq.fields import FieldRegistry
+from gputq.reader import Reader
+from gputq.synthetic import SyntheticConfig, build_sessions
+from gputq.trajectory import inline_fields, lineage_segments, timeline_segments
+from gputq.writer import Writer
+
+from .conftest import local_units
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not kernels.cuda_available(), reason="no CUDA device")]
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_gpu_restore_matches_inline_path(transport_name, dtype):
+    torch = pytest.importorskip("torch")
+    synth = SyntheticConfig(sessions=4, steps_per_session=3, layers=6, topk=8, num_experts=250,
+                            prompt_tokens=300, tokens_per_step=400, tool_tokens=17, branch_prob=0.5,
+                            rewrite_prob=0.3, seed=11)
+    with local_units(transport_name, routed_experts_dtype=dtype) as (config, _, clients):
+        fields = FieldRegistry.builtin(synth.layers, synth.topk, dtype)
+        with Writer(clients, config) as writer:
+            sessions = build_sessions(synth, fields=fields, writer=writer)
+            writer.flush()
+        with Reader(clients, config, device="cuda") as reader:
+            for view in (timeline_segments, lineage_segments):
+                segments = [seg for s in sessions for seg in view(s)]
+                restored = reader.fetch([seg.layouts for seg in segments])
+                for seg, got in zip(segments, restored):
+                    expected = inline_fields(seg)
+                    assert set(got) == set(expected)
+                    for name, want in expected.items():
+                        tensor = got[name]
+                        assert tensor.is_cuda and tuple(tensor.shape) == want.shape
+                        assert tensor.dtype == {np.int32: torch.int32, np.float32: torch.float32}[want.dtype.type]
+                        assert np.array_equal(tensor.cpu().numpy(), want), (seg.segment_id, name)

@@ -1,0 +1,76 @@
+"""``gputq info``: the probes answer with or without NIXL, and say what auto would do."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+
+from gputq import info
+from transport import policy
+
+
+@pytest.fixture
+def no_nixl(monkeypatch):
+    """Make every ``import nixl...`` fail, as on a machine without the wheel."""
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "nixl" or name.startswith("nixl."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    policy.nixl_import_error.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.delenv(policy.ENV_VAR, raising=False)
+    yield
+    policy.nixl_import_error.cache_clear()
+
+
+def test_without_nixl_reports_everything_else(no_nixl):
+    data = info.collect_info()
+    assert data["nixl"]["available"] is False and "nixl" in data["nixl"]["error"]
+    assert data["nixl"]["plugins"] == []
+    assert data["versions"]["numpy"] not in ("unknown", "not installed")
+    assert data["transport"]["same_host"]["choice"] == "tcp"
+    assert data["transport"]["remote"]["choice"] == "tcp"
+    json.dumps(data)  # `gputq info --json` must serialise it
+    text = info.format_info(data)
+    assert "nixl: unavailable" in text and "remote peer: tcp" in text
+
+
+def test_rdma_forced_without_lanes_warns(no_nixl, monkeypatch):
+    monkeypatch.setattr(info, "infiniband_devices", lambda: [])
+    monkeypatch.setenv(policy.ENV_VAR, "rdma")
+    data = info.collect_info()
+    assert data["transport"]["remote"]["choice"] == "rdma"
+    assert any("no InfiniBand" in w for w in data["warnings"])
+    assert any("does not import" in w for w in data["warnings"])
+    assert "warning:" in info.format_info(data)
+
+
+def test_bad_env_value_is_reported_not_raised(no_nixl, monkeypatch):
+    monkeypatch.setenv(policy.ENV_VAR, "ib")
+    data = info.collect_info()
+    assert data["transport"]["remote"]["choice"] is None
+    assert any(policy.ENV_VAR in w for w in data["warnings"])
+
+
+def test_with_nixl_lists_plugins_and_auto_choices():
+    policy.nixl_import_error.cache_clear()
+    if policy.nixl_import_error() is not None:
+        pytest.skip("nixl does not import here")
+    data = info.collect_info()
+    assert "UCX" in data["nixl"]["plugins"]
+    assert data["ucx"]["bundled_version"]  # read from the wheel's libucp
+    assert "cma" in data["ucx"]["bundled_modules"]
+    expected = "tcp" if not data["infiniband"] else "rdma"
+    if not data["transport"]["env"]:
+        assert data["transport"]["same_host"]["choice"] == "rdma"
+        assert data["transport"]["remote"]["choice"] == expected
+
+
+def test_gpudirect_needs_gpu_and_infiniband():
+    assert info._gpudirect([], ["mlx5_0"])["possible"] is False
+    assert info._gpudirect(["GPU 0"], [])["reason"] == "no InfiniBand/RoCE device"
