@@ -25,15 +25,15 @@ nvidia-smi -L | tee "$OUT/gpu"
 step() { echo; echo "=== $1"; }
 
 step "GPU tests"
-timeout 240 $PY -m pytest -q -p no:cacheprovider -m "gpu or rdma" tests/kernels tests/transport \
+timeout 150 $PY -m pytest -q -p no:cacheprovider -m "gpu or rdma" tests/kernels tests/transport \
     tests/test_storage_unit.py tests/test_gpu_restore.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 
 step "kernel benchmark"
-timeout 120 $PY -m bench.kernel --json 2>&1 | tee "$OUT/kernel.log" | tail -8
+timeout 60 $PY -m bench.kernel --json 2>&1 | tee "$OUT/kernel.log" | tail -8
 
 for transport in tcp rdma; do
   step "shard fetch into GPU over $transport"
-  timeout 120 $PY -m bench.fetch --device cuda --transport "$transport" --sizes 64,256 --repeats 3 --json \
+  timeout 60 $PY -m bench.fetch --device cuda --transport "$transport" --sizes 64,256 --repeats 3 --json \
       2>&1 | tee "$OUT/fetch_$transport.log" | tail -6
 done
 

@@ -2,7 +2,8 @@
 
 Run: ``python -m bench.transport [--json] [--repeats N]``.
 
-One StorageUnit (in this process) holds three R3-shaped shards; each shard
+One StorageUnit, in its own process as in a deployment, holds three
+R3-shaped shards; each shard
 is read, as one batched read, through:
 
 - ``rdma``: :meth:`NixlChannel.read` into a registered staging view (the
@@ -22,6 +23,7 @@ behind ``transport.nixl.PUSH_MIN_BYTES``.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import time
@@ -118,7 +120,7 @@ def _fill(unit_channel, shapes) -> dict[str, list[str]]:
 WRITE_SIZES = (256 << 10, 1 << 20, 4 << 20, 64 << 20)
 
 
-def write_rows(unit: StorageUnit, address: dict, repeats: int) -> list[dict]:
+def write_rows(control, address: dict, repeats: int) -> list[dict]:
     """Time one write per path and size (each key deleted again), for the write-path choice."""
     channels = {path: NixlTransport(path).connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
                 for path in ("tcp", "push")}
@@ -131,7 +133,7 @@ def write_rows(unit: StorageUnit, address: dict, repeats: int) -> list[dict]:
             def write(channel):
                 key = f"write/{next(counter)}"
                 channel.write(key, payload, {})
-                unit.delete([key])
+                control.call("delete", keys=[key])
 
             t = interleaved_medians({path: (lambda c=ch: write(c)) for path, ch in channels.items()}, repeats)
             rows.append({"write": f"{size >> 10} KiB", "tcp GB/s": gbps(size, t["tcp"]),
@@ -142,26 +144,30 @@ def write_rows(unit: StorageUnit, address: dict, repeats: int) -> list[dict]:
     return rows
 
 
-def run(repeats: int) -> tuple[list[dict], list[dict], dict]:
-    total_max = max(count * size for _, count, size in SHAPES)
-    capacity = sum(count * size for _, count, size in SHAPES) + (64 << 20)
-    rows = []
+def _serve_unit(conn, capacity: int) -> None:
+    """The unit's process: a StorageUnit served over rdma until told to stop."""
     with StorageUnit("bench-su", capacity) as unit, \
-            NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as server, \
-            SocketBaseline(total_max) as sock:
-        address = server.address
-        rdma = NixlTransport().connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
-        tcp = TcpTransport().connect(address["control"], token=TOKEN, max_frame_bytes=MAX_FRAME)
-        raw = RawNixl(address, total_max)
-        try:
+            NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as server:
+        conn.send(server.address)
+        conn.recv()
+
+
+def read_rows(address: dict, repeats: int) -> list[dict]:
+    """Time every read path on every shape; the unit lives at ``address``."""
+    total_max = max(count * size for _, count, size in SHAPES)
+    rows = []
+    rdma = NixlTransport().connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
+    tcp = TcpTransport().connect(address["control"], token=TOKEN, max_frame_bytes=MAX_FRAME)
+    raw = RawNixl(address, total_max)
+    try:
+        with SocketBaseline(total_max) as sock:
             keys = _fill(tcp, SHAPES)
             dest = np.empty(total_max, dtype=np.uint8)
             for name, count, size in SHAPES:
                 nbytes = count * size
                 shard = keys[name]
-                lease = unit.lease(shard)
-                regions = np.array([[r.offset, r.nbytes] for r in lease.regions], dtype=np.int64)
-                unit.end_lease(lease.lease_id)
+                regions = np.array([[e["offset"], e["nbytes"]] for e in tcp.call("lookup", keys=shard)],
+                                   dtype=np.int64)
                 prepared = raw.prepare(regions)
                 with rdma.staging(nbytes) as staged:
                     t = interleaved_medians({
@@ -172,20 +178,39 @@ def run(repeats: int) -> tuple[list[dict], list[dict], dict]:
                         "socket": lambda: sock.read(nbytes),
                     }, repeats)
                     assert np.array_equal(staged[:nbytes], raw.dest[:nbytes])
-                t_rdma, t_copy, t_nixl, t_tcp, t_sock = (t[k] for k in ("rdma", "rdma+copy", "nixl", "tcp", "socket"))
+                    assert np.array_equal(staged[:nbytes], dest[:nbytes])
                 rows.append({
                     "shape": name, "MiB": nbytes / (1 << 20),
-                    "rdma GB/s": gbps(nbytes, t_rdma), "rdma+copy GB/s": gbps(nbytes, t_copy),
-                    "nixl GB/s": gbps(nbytes, t_nixl), "tcp GB/s": gbps(nbytes, t_tcp),
-                    "socket GB/s": gbps(nbytes, t_sock),
-                    "rdma/nixl": t_nixl / t_rdma, "tcp/socket": t_sock / t_tcp,
-                    "rdma ms": t_rdma * 1e3, "nixl ms": t_nixl * 1e3,
+                    "rdma GB/s": gbps(nbytes, t["rdma"]), "rdma+copy GB/s": gbps(nbytes, t["rdma+copy"]),
+                    "nixl GB/s": gbps(nbytes, t["nixl"]), "tcp GB/s": gbps(nbytes, t["tcp"]),
+                    "socket GB/s": gbps(nbytes, t["socket"]),
+                    "rdma/nixl": t["nixl"] / t["rdma"], "tcp/socket": t["socket"] / t["tcp"],
+                    "rdma ms": t["rdma"] * 1e3, "nixl ms": t["nixl"] * 1e3,
                 })
-        finally:
-            raw.close()
-            tcp.close()
-            rdma.close()
-        writes = write_rows(unit, address, repeats)
+        return rows
+    finally:
+        raw.close()
+        tcp.close()
+        rdma.close()
+
+
+def run(repeats: int) -> tuple[list[dict], list[dict], dict]:
+    """Start the unit in its own process (as in a deployment), then time reads and writes."""
+    capacity = sum(count * size for _, count, size in SHAPES) + (256 << 20)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    unit = ctx.Process(target=_serve_unit, args=(child, capacity), daemon=True)
+    unit.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("the StorageUnit process did not start within 60 s")
+        address = parent.recv()
+        rows = read_rows(address, repeats)
+        with TcpTransport().connect(address["control"], token=TOKEN, max_frame_bytes=MAX_FRAME) as control:
+            writes = write_rows(control, address, repeats)
+    finally:
+        parent.send("stop")
+        unit.join(30)
     summary = {
         "rdma_vs_nixl_min_ratio": min(r["rdma/nixl"] for r in rows),
         "tcp_vs_socket_min_ratio": min(r["tcp/socket"] for r in rows),
@@ -200,7 +225,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     ucx_tls = os.environ.get("UCX_TLS", "(unset: UCX chooses)")
     print_header("gputq transport: batched reads", cpus=os.cpu_count(), UCX_TLS=ucx_tls,
-                 repeats=args.repeats, storage="StorageUnit in-process, channels in-process")
+                 repeats=args.repeats, storage="StorageUnit in a child process, channels here")
     started = time.perf_counter()
     rows, writes, summary = run(args.repeats)
     print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma+copy GB/s", "nixl GB/s", "tcp GB/s",

@@ -89,7 +89,7 @@ def _connect(address: dict, config: GputqConfig):
     name, reason = choose_transport(config.transport, address)
     kwargs = dict(token=config.token, max_frame_bytes=config.max_frame_bytes,
                   timeout=config.control_timeout_s)
-    if name == "tcp" and address.get("transport") != "tcp":
-        # An rdma unit also serves tcp; take that lane when policy says tcp.
-        address = address["tcp"]
+    if name == "tcp" and address.get("transport") == "rdma":
+        # An rdma unit also serves tcp (its control plane); take that lane when policy says tcp.
+        address = address["control"]
     return get_transport(name).connect(address, **kwargs), (name, reason)

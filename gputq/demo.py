@@ -80,6 +80,8 @@ class TrainerRank:
         self.rank = rank
         self._clients = UnitClients(membership, config)
         self._reader = Reader(self._clients, config, device=device)
+        for unit in self._clients.units:  # connect now, so fetch timings are transfers only
+            self._clients.channel(unit)
 
     def train_step(self, manager, world: int) -> dict:
         import ray
@@ -179,7 +181,7 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
         "bytes_offloaded": bytes_offloaded,
         "bytes_fetched": sum(r["bytes_fetched"] for r in reports),
         "sample_bytes_through_ray": sample_bytes,
-        "write_gbps": bytes_offloaded / write_seconds / 1e9 if write_seconds else 0.0,
+        "rollout_seconds": round(write_seconds, 3),
         "fetch_gbps": sum(r["bytes_fetched"] for r in reports) / fetch_seconds / 1e9 if fetch_seconds else 0.0,
         "transport": sorted({t for r in reports for t in r["transports"]}),
         "dtype": options.dtype,
@@ -197,6 +199,7 @@ def _print_summary(r: dict) -> None:
     print(f"  offloaded {r['bytes_offloaded'] / 1e6:.1f} MB; through Ray {r['sample_bytes_through_ray'] / 1e6:.2f} MB")
     print(f"  unique keys fetched per rank {r['unique_keys_fetched_per_rank']} "
           f"(referenced {r['referenced_keys_per_rank']})")
-    print(f"  write {r['write_gbps']:.2f} GB/s, fetch {r['fetch_gbps']:.2f} GB/s over {r['transport']}")
+    print(f"  rollout (generate + write) {r['rollout_seconds']} s; fetch {r['fetch_gbps']:.2f} GB/s "
+          f"over {r['transport']}")
     print(f"  keys freed on release {r['keys_freed']}, left {r['keys_left_after_release']}; "
           f"{r['seconds']} s in all")

@@ -17,7 +17,14 @@ import platform
 import shutil
 import subprocess
 
-from transport.policy import ENV_VAR, choose_transport, infiniband_devices, local_hostname, nixl_import_error
+from transport.policy import (
+    ENV_VAR,
+    choose_transport,
+    gpudirect_support,
+    infiniband_devices,
+    local_hostname,
+    nixl_import_error,
+)
 
 __all__ = ["collect_info", "format_info"]
 
@@ -121,31 +128,11 @@ def _gpus() -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob("/proc/driver/nvidia/gpus/*"))
 
 
-def _gpudirect(gpus: list[str], ib: list[str]) -> dict:
-    try:
-        with open("/proc/modules", encoding="ascii", errors="replace") as f:
-            modules = {line.split()[0] for line in f if line.strip()}
-    except OSError:
-        modules = set()
-    peermem = bool(modules & {"nvidia_peermem", "nv_peer_mem"})
-    # dma-buf export of GPU memory needs the open kernel module, which says so
-    # in its version line ("NVIDIA UNIX Open Kernel Module ...").
-    try:
-        with open("/proc/driver/nvidia/version", encoding="ascii", errors="replace") as f:
-            dmabuf = "Open Kernel Module" in f.read()
-    except OSError:
-        dmabuf = False
+def _gpudirect(gpus: list[str]) -> dict:
     if not gpus:
-        possible, reason = False, "no GPU"
-    elif not ib:
-        possible, reason = False, "no InfiniBand/RoCE device"
-    elif peermem:
-        possible, reason = True, "nvidia_peermem is loaded"
-    elif dmabuf:
-        possible, reason = True, "dma-buf: the open GPU kernel module is loaded (no nvidia_peermem)"
-    else:
-        possible, reason = False, "neither nvidia_peermem nor the open GPU kernel module (dma-buf) is loaded"
-    return {"possible": possible, "reason": reason, "nvidia_peermem": peermem, "dmabuf": dmabuf}
+        return {"possible": False, "reason": "no GPU"}
+    possible, reason = gpudirect_support()
+    return {"possible": possible, "reason": reason}
 
 
 def collect_info() -> dict:
@@ -185,7 +172,7 @@ def collect_info() -> dict:
         "ucx": _ucx_info(),
         "infiniband": ib,
         "gpus": gpus,
-        "gpudirect": _gpudirect(gpus, ib),
+        "gpudirect": _gpudirect(gpus),
         "transport": transport,
         "warnings": warnings,
     }

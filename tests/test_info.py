@@ -71,6 +71,7 @@ def test_with_nixl_lists_plugins_and_auto_choices():
         assert data["transport"]["remote"]["choice"] == expected
 
 
-def test_gpudirect_needs_gpu_and_infiniband():
-    assert info._gpudirect([], ["mlx5_0"])["possible"] is False
-    assert info._gpudirect(["GPU 0"], [])["reason"] == "no InfiniBand/RoCE device"
+def test_gpudirect_needs_gpu_and_infiniband(monkeypatch):
+    assert info._gpudirect([]) == {"possible": False, "reason": "no GPU"}
+    monkeypatch.setattr(policy, "infiniband_devices", lambda: [])
+    assert info._gpudirect(["GPU 0"]) == {"possible": False, "reason": "no InfiniBand/RoCE device"}

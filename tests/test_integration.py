@@ -175,3 +175,23 @@ def test_full_arena_without_consumer_raises_capacity_error():
             with pytest.raises(Exception) as info:
                 writer.flush()
             assert isinstance(info.value.__cause__, CapacityError)
+
+
+@pytest.mark.rdma
+def test_tcp_client_reads_from_a_unit_serving_rdma():
+    from gputq.clients import UnitClients
+
+    from .conftest import nixl_usable
+
+    if nixl_usable() is not None:
+        pytest.skip(nixl_usable())
+    with local_units("rdma", units=1) as (config, services, clients):
+        assert services[0].address()["transport"] == "rdma"
+        with Writer(clients, config) as writer:
+            refs = writer.put("k/0", "p", {"logprobs": np.arange(7, dtype=np.float32)})
+            writer.flush()
+        with UnitClients(clients.membership, config.replace(transport="tcp")) as tcp_clients:
+            assert tcp_clients.transport_of("su-0")[0] == "tcp"
+            with Reader(tcp_clients, config) as reader:
+                (got,) = reader.fetch([{"logprobs": Layout.from_ref(refs["logprobs"])}])
+        assert np.array_equal(got["rollout_log_probs"], np.arange(7, dtype=np.float32))

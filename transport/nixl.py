@@ -10,24 +10,38 @@ Control plane: the tcp backend. The unit serves tcp beside NIXL, and a
 :class:`NixlChannel` reaches the unit's lease/end-lease and writes through a
 :class:`~transport.tcp.TcpChannel`. The server wraps the handler so that
 ``nixl_lease`` / ``nixl_end_lease`` control calls reach
-:meth:`ArenaHandler.lease` / :meth:`ArenaHandler.end_lease`: a read holds a
-lease for the whole transfer, so the unit never frees or reuses a region
-while NIXL reads it, and a read racing a release returns the right bytes or
-a typed error, never another key's bytes.
+:meth:`ArenaHandler.lease` / :meth:`ArenaHandler.end_lease` (any handler
+works; the StorageUnit needs no NIXL-specific control method). A read holds
+a lease from before the READ is posted until it completed, so the unit
+never frees or reuses a region while NIXL reads it, and a read racing a
+release returns the right bytes or a typed error, never another key's
+bytes. The lease's generations are not re-checked after the transfer: the
+handler protocol has no generation lookup, so it would cost another round
+trip, and the lease already rules the reuse out. Leases end on a background
+thread, off the read's latency.
+
+GPU destinations: where a NIC can DMA into GPU memory (GPUDirect, see
+:func:`transport.policy.gpudirect_support`) the READ lands in a registered
+device buffer; elsewhere it lands in host memory and one copy moves it to
+the device (on one H200 host: 4 GB/s that way, 0.7 GB/s when UCX stages
+device destinations itself).
 
 Writes take the tcp path below :data:`PUSH_MIN_BYTES` and are pushed
 above it: the push copies the payload into a registered staging buffer and
 NIXL-WRITEs it into the region reserved by a control call, then commits. It
 costs two more control round trips than tcp's single WRITE frame
 (``recv_into`` straight into the arena), which loses for small payloads,
-but moves bytes ~2x faster once the payload reaches a few MiB (measured on
-loopback; docs/operations.md). ``write_path`` forces either.
+but moved bytes ~1.8x faster from 4 MiB on on the 2-core dev box; in the
+gVisor sandbox of the GPU host the push lost at every size, so
+``GPUTQ_RDMA_WRITE_PATH=tcp`` (or ``write_path``) forces the tcp path
+(docs/operations.md has both tables).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import queue
 import threading
@@ -47,7 +61,7 @@ from transport.errors import (
     RequestTooLargeError,
     TransferError,
 )
-from transport.policy import infiniband_devices, local_hostname
+from transport.policy import gpudirect_support, infiniband_devices, local_hostname
 from transport.staging import device_nbytes
 from transport.tcp import TcpTransport
 from transport.wire import byte_view
@@ -55,7 +69,7 @@ from transport.wire import byte_view
 _log = logging.getLogger(__name__)
 
 __all__ = ["NixlTransport", "NixlServer", "NixlChannel", "BufferPool", "import_nixl",
-           "PUSH_MIN_BYTES", "PUSH_CHUNK_BYTES"]
+           "PUSH_MIN_BYTES", "PUSH_CHUNK_BYTES", "WRITE_PATH_ENV"]
 
 #: Control methods the server adds in front of the handler's own.
 LEASE, END_LEASE = "nixl_lease", "nixl_end_lease"
@@ -65,6 +79,8 @@ WRITE_PATHS = ("auto", "tcp", "push")
 #: Measured on loopback (cma): tcp wins below ~1 MiB (one control round trip
 #: against three), push wins above (2 MiB: 6.3 vs 3.2 GB/s; 128 MiB: 5.1 vs 3.0).
 PUSH_MIN_BYTES = 1 << 20
+#: Environment variable choosing the write path of channels built by default.
+WRITE_PATH_ENV = "GPUTQ_RDMA_WRITE_PATH"
 #: Staging chunk of a push: bounds the registered memory a writer holds.
 PUSH_CHUNK_BYTES = 16 << 20
 
@@ -333,6 +349,10 @@ class BufferPool:
 
 # -- server side -------------------------------------------------------------------
 
+_OFFSET = operator.attrgetter("offset")
+_NBYTES = operator.attrgetter("nbytes")
+
+
 class _LeaseControl:
     """The handler as the tcp server sees it: NIXL's control calls added in front.
 
@@ -355,11 +375,13 @@ class _LeaseControl:
         h = self._handler
         if method == LEASE:
             lease = h.lease(list(args["keys"]))
-            # Regions travel as raw little-endian int64 pairs: packing, unpacking
-            # and converting 1024 [offset, length] lists cost ~200 us, bytes ~10.
+            # Regions travel as raw little-endian int64 (offset, length) rows:
+            # packing, unpacking and converting 1024 [offset, length] lists
+            # costs ~200 us, this ~60 us.
             n = len(lease.regions)
-            regions = np.fromiter((v for r in lease.regions for v in (r.offset, r.nbytes)),
-                                  dtype="<i8", count=2 * n)
+            regions = np.empty((n, 2), dtype="<i8")
+            regions[:, 0] = np.fromiter(map(_OFFSET, lease.regions), dtype="<i8", count=n)
+            regions[:, 1] = np.fromiter(map(_NBYTES, lease.regions), dtype="<i8", count=n)
             return {"lease_id": lease.lease_id, "regions": regions.tobytes()}
         if method == END_LEASE:
             for lease_id in args["lease_ids"]:
@@ -556,7 +578,11 @@ class NixlChannel(Channel):
         self._write_path = write_path
         self._base = int(address["arena_base"])
         self._arena_nbytes = int(address["arena_nbytes"])
-        self._vram_direct: bool | None = None  # learnt on the first CUDA read
+        # READ straight into GPU memory only where a NIC can DMA there; else
+        # UCX stages in software (0.7 GB/s on one H200 host, against 4 GB/s
+        # for READ into host memory plus a host-to-device copy). None: try
+        # on the first CUDA read, fall back for good if NIXL refuses.
+        self._vram_direct: bool | None = None if gpudirect_support()[0] else False
         self._tcp = TcpTransport().connect(address["control"], token=token,
                                            max_frame_bytes=max_frame_bytes, timeout=timeout)
         self.unit = self._tcp.unit
@@ -627,9 +653,17 @@ class NixlChannel(Channel):
     def _read_leased(self, keys, regions, total, ptr, device, on_device, deadline):
         """READ the leased regions; return ``(pool buffer, kind)`` when a copy-out is due."""
         direct = self.pool.find(ptr, total)
-        if direct is not None:
-            self._transfer("READ", keys, regions, ptr, direct, deadline)
-            return None
+        if direct is not None and (direct[0] == "DRAM" or self._vram_direct is not False):
+            try:
+                self._transfer("READ", keys, regions, ptr, direct, deadline)
+            except _SetupError:
+                if direct[0] == "DRAM":
+                    raise
+                self._vram_direct = False  # device staging view: go through host memory below
+            else:
+                if direct[0] == "VRAM":
+                    self._vram_direct = True
+                return None
         if on_device and self._vram_direct is not False:
             staged = self._read_into_vram(keys, regions, total, device, deadline)
             if staged is not None:
@@ -805,15 +839,18 @@ class NixlTransport(TransportType):
 
     Parameters
     ----------
-    write_path : str
-        ``"auto"`` (default): tcp below :data:`PUSH_MIN_BYTES`, push above;
+    write_path : str or None
+        ``None`` (default): ``GPUTQ_RDMA_WRITE_PATH``, else ``"auto"``.
+        ``"auto"``: tcp below :data:`PUSH_MIN_BYTES`, push above;
         ``"tcp"``: always the tcp write (``recv_into`` the arena);
         ``"push"``: always NIXL WRITE from a registered staging buffer.
     """
 
     name = "rdma"
 
-    def __init__(self, write_path: str = "auto"):
+    def __init__(self, write_path: str | None = None):
+        if write_path is None:
+            write_path = os.environ.get(WRITE_PATH_ENV, "").strip().lower() or "auto"
         if write_path not in WRITE_PATHS:
             raise InvalidInputError(f"write_path must be one of {WRITE_PATHS}, got {write_path!r}")
         self.write_path = write_path

@@ -332,3 +332,55 @@ def test_rejects_a_tcp_address(server):
         nixl.NixlTransport().connect(server.address["control"], token=TOKEN, max_frame_bytes=MAX_FRAME)
     with pytest.raises(InvalidInputError):
         nixl.NixlTransport(write_path="carrier-pigeon")
+
+
+def test_write_path_from_environment(monkeypatch):
+    nixl = _nixl_or_skip()
+    monkeypatch.setenv(nixl.WRITE_PATH_ENV, "TCP")
+    assert nixl.NixlTransport().write_path == "tcp"
+    monkeypatch.delenv(nixl.WRITE_PATH_ENV)
+    assert nixl.NixlTransport().write_path == "auto"
+    assert nixl.NixlTransport("push").write_path == "push"
+
+
+def _cuda_array_module():
+    from transport.staging import cuda_available
+
+    if not cuda_available():
+        pytest.skip("no CUDA device (CuPy or CUDA torch)")
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+        return "cupy", cupy
+    except Exception:
+        import torch
+
+        return "torch", torch
+
+
+@pytest.mark.gpu
+def test_read_into_cuda_memory(server):
+    kind, lib = _cuda_array_module()
+    items = _payloads(40, seed=6)
+    expected = np.concatenate(list(items.values()))
+
+    def to_host(arr):
+        return lib.asnumpy(arr) if kind == "cupy" else arr.cpu().numpy()
+
+    if kind == "cupy":
+        dest = lib.zeros(expected.size + 16, dtype=lib.uint8)
+    else:
+        dest = lib.zeros(expected.size + 16, dtype=lib.uint8, device="cuda:0")
+    with _connect(server) as ch:
+        _store(ch, items)
+        assert ch.read(list(items), dest) == [v.nbytes for v in items.values()]
+        assert np.array_equal(to_host(dest)[:expected.size], expected)
+        registrations = ch.pool.registrations
+        dest[:] = 0
+        ch.read(list(items), dest)  # second read: same pool buffer, no registration
+        assert np.array_equal(to_host(dest)[:expected.size], expected)
+        assert ch.pool.registrations == registrations
+        with ch.staging(expected.size, device=0) as view:  # device memory from the pool
+            ch.read(list(items), view)
+            assert np.array_equal(to_host(view), expected)
