@@ -143,6 +143,8 @@ class Reader:
         self._device = device
         self._pool = ThreadPoolExecutor(max(2, len(clients.units) * 2), thread_name_prefix="gputq-reader")
         self._lock = threading.Lock()
+        # Staging is reused across fetches: fresh pages would fault in during the receive.
+        self._staging: dict[str, object] = {}
         self._closed = False
         self.last_stats = FetchStats()
 
@@ -153,6 +155,13 @@ class Reader:
         cp = _cupy()
         with cp.cuda.Device(_device_index(self._device)):
             return cp.empty(nbytes, dtype=cp.uint8)
+
+    def _staging_for(self, name: str, nbytes: int):
+        """This reader's staging buffer for field ``name``, grown geometrically."""
+        buf = self._staging.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._staging[name] = self._empty(max(nbytes, int(1.5 * buf.nbytes) if buf is not None else 0))
+        return buf[:nbytes]
 
     def _to_output(self, array):
         if self._device == "cpu":
@@ -171,6 +180,10 @@ class Reader:
         """
         if self._closed:
             raise ClosedError("Reader is closed")
+        with self._lock:  # one fetch at a time: they share the staging buffers
+            return self._fetch(shard)
+
+    def _fetch(self, shard: Sequence[Mapping[str, Layout]]) -> list[dict]:
         from kernels import widen_scatter
 
         stats = FetchStats(samples=len(shard))
@@ -185,7 +198,7 @@ class Reader:
                                     for layout in layouts)
 
         started = time.perf_counter()
-        staging = {name: self._empty(stage.rows * stage.width * stage.dtype.itemsize)
+        staging = {name: self._staging_for(name, stage.rows * stage.width * stage.dtype.itemsize)
                    for name, (_, stage) in per_field.items()}
         reads = []
         for name, (_, stage) in per_field.items():

@@ -195,3 +195,40 @@ def test_tcp_client_reads_from_a_unit_serving_rdma():
             with Reader(tcp_clients, config) as reader:
                 (got,) = reader.fetch([{"logprobs": Layout.from_ref(refs["logprobs"])}])
         assert np.array_equal(got["rollout_log_probs"], np.arange(7, dtype=np.float32))
+
+
+def test_read_racing_a_release_returns_the_right_bytes(transport_name):
+    """A release (and a new write) landing between lease and transfer never leaks other bytes."""
+    from transport import get_transport
+
+    from gputq.storage_unit import StorageUnit
+
+    size = 64 << 10
+
+    class RacingUnit(StorageUnit):
+        race = True
+
+        def lease(self, keys):
+            lease = super().lease(keys)
+            if self.race:
+                self.race = False
+                self.release(keys)  # the key's last reference goes while it is leased
+                self.put("intruder", np.full(size, 0xEE, np.uint8), {"partition": "p"}, timeout=1)
+            return lease
+
+    original = np.random.default_rng(5).integers(0, 255, size, dtype=np.uint8)
+    with RacingUnit("su-race", 3 * size, put_timeout_s=1) as unit:
+        unit.put("victim", original, {"partition": "p"})
+        server = get_transport(transport_name).serve(unit, host="127.0.0.1", port=0, token="t" * 32,
+                                                     max_frame_bytes=1 << 30)
+        try:
+            with get_transport(transport_name).connect(server.address, token="t" * 32,
+                                                       max_frame_bytes=1 << 30, timeout=10) as channel:
+                dest = np.zeros(size, np.uint8)
+                assert channel.read(["victim"], dest, timeout=10) == [size]
+                assert np.array_equal(dest, original)  # never the intruder's 0xEE
+                with pytest.raises(UnknownKeyError, match="victim"):
+                    channel.read(["victim"], dest, timeout=10)
+        finally:
+            server.close()
+        assert np.array_equal(unit.read(["intruder"])[0], np.full(size, 0xEE, np.uint8))

@@ -48,3 +48,21 @@ def test_one_unit_per_node_with_hard_affinity():
         stats = deployment.stats()
         assert stats["totals"]["capacity"] == len(alive) * (8 << 20)
         assert stats["totals"]["keys"] == 0
+
+
+def test_readme_example_runs_and_restores_exactly():
+    import pathlib
+    import re
+
+    import numpy as np
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"## In ten lines\s+```python\n(.*?)```", readme, re.S).group(1)
+    rng = np.random.default_rng(0)
+    scope = {"logprobs": -rng.random(50, dtype=np.float32),
+             "experts": rng.integers(0, 300, size=(50, 4, 2), dtype=np.int32)}
+    exec(compile(code, "README.md", "exec"), scope)
+    fields = scope["fields"]
+    assert np.array_equal(fields["rollout_routed_experts"], scope["experts"])
+    assert fields["rollout_routed_experts"].dtype == np.int32
+    assert np.array_equal(fields["rollout_log_probs"], scope["logprobs"])
