@@ -6,16 +6,22 @@ One StorageUnit, in its own process as in a deployment, holds three
 R3-shaped shards; each shard
 is read, as one batched read, through:
 
-- ``rdma``: :meth:`NixlChannel.read` into a registered staging view (the
-  way the Reader uses it: no copy after the READ);
+- ``rdma``: :meth:`NixlChannel.read` into a buffer from
+  :meth:`NixlTransport.destination` (the process-wide registered pool, the
+  way the Reader should stage: no copy after the READ);
 - ``rdma+copy``: the same read into a plain numpy array (one extra memcpy);
 - ``nixl``: the baseline for rdma: a raw NIXL READ of the same regions from
-  the same serving agent, descriptors prepared once, no lease, no gputq;
+  the same serving agent, no lease, no gputq. It builds its descriptor lists
+  for each read (numpy arrays, ``initialize_xfer``), as any reader of
+  changing regions must: a trainer reads new keys at every step;
+- ``nixl prep``: the same READ from descriptor lists prepared once
+  (``prep_xfer_dlist``/``make_prepped_xfer``), only possible when the
+  regions repeat: the floor, shown for reference;
 - ``tcp``: :meth:`TcpChannel.read` into a numpy array;
 - ``socket``: the baseline for tcp, :class:`bench.common.SocketBaseline`.
 
-Ratios: ``rdma / nixl`` and ``tcp / socket`` per shape; the JSON line has
-their minima over shapes. A second table times writes through the rdma
+Ratios: ``rdma / nixl``, ``rdma / nixl prep`` and ``tcp / socket`` per
+shape; the JSON line has their minima over shapes. A second table times writes through the rdma
 channel's two write paths (tcp WRITE frame, NIXL push), the measurement
 behind ``transport.nixl.PUSH_MIN_BYTES``.
 """
@@ -48,7 +54,7 @@ MAX_FRAME = 1 << 30
 
 
 class RawNixl:
-    """The baseline: one NIXL READ of known regions, descriptors prepared once."""
+    """The baseline: one NIXL READ of known regions, with no lease and no gputq."""
 
     def __init__(self, address: dict, max_bytes: int):
         nixl_agent, nixl_agent_config, sync = import_nixl()
@@ -60,20 +66,33 @@ class RawNixl:
         self.remote = self.agent.add_remote_agent(address["agent_metadata"])
         self.base = int(address["arena_base"])
 
-    def prepare(self, regions: np.ndarray):
-        """Prepared local and remote descriptor lists for ``regions`` (offset, length)."""
+    def _descs(self, regions: np.ndarray):
         lengths = regions[:, 1].astype(np.uint64)
         local = np.stack([self.dest.ctypes.data + np.cumsum(lengths) - lengths, lengths,
                           np.zeros_like(lengths)], axis=1).astype(np.uint64)
         remote = np.stack([self.base + regions[:, 0].astype(np.uint64), lengths,
                            np.zeros_like(lengths)], axis=1).astype(np.uint64)
+        return local, remote
+
+    def prepare(self, regions: np.ndarray):
+        """Prepared local and remote descriptor lists for ``regions`` (offset, length)."""
+        local, remote = self._descs(regions)
         return (self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"),
                 self.agent.prep_xfer_dlist(self.remote, remote, "DRAM"),
                 np.arange(len(regions), dtype=np.int32))
 
-    def read(self, prepared) -> None:
+    def read(self, regions: np.ndarray) -> None:
+        """READ ``regions`` with descriptor lists built for this read."""
+        local, remote = self._descs(regions)
+        self._run(self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
+                                             self.agent.get_xfer_descs(remote, "DRAM"), self.remote))
+
+    def read_prepared(self, prepared) -> None:
+        """READ from descriptor lists made by :meth:`prepare`."""
         local, remote, indices = prepared
-        handle = self.agent.make_prepped_xfer("READ", local, indices, remote, indices)
+        self._run(self.agent.make_prepped_xfer("READ", local, indices, remote, indices))
+
+    def _run(self, handle) -> None:
         state = self.agent.transfer(handle)
         while state == "PROC":
             state = self.agent.check_xfer_state(handle)
@@ -156,7 +175,8 @@ def read_rows(address: dict, repeats: int) -> list[dict]:
     """Time every read path on every shape; the unit lives at ``address``."""
     total_max = max(count * size for _, count, size in SHAPES)
     rows = []
-    rdma = NixlTransport().connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
+    transport = NixlTransport()
+    rdma = transport.connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
     tcp = TcpTransport().connect(address["control"], token=TOKEN, max_frame_bytes=MAX_FRAME)
     raw = RawNixl(address, total_max)
     try:
@@ -169,11 +189,12 @@ def read_rows(address: dict, repeats: int) -> list[dict]:
                 regions = np.array([[e["offset"], e["nbytes"]] for e in tcp.call("lookup", keys=shard)],
                                    dtype=np.int64)
                 prepared = raw.prepare(regions)
-                with rdma.staging(nbytes) as staged:
+                with transport.destination(nbytes) as staged:
                     t = interleaved_medians({
                         "rdma": lambda: rdma.read(shard, staged),
                         "rdma+copy": lambda: rdma.read(shard, dest),
-                        "nixl": lambda: raw.read(prepared),
+                        "nixl": lambda: raw.read(regions),
+                        "nixl prep": lambda: raw.read_prepared(prepared),
                         "tcp": lambda: tcp.read(shard, dest),
                         "socket": lambda: sock.read(nbytes),
                     }, repeats)
@@ -182,9 +203,10 @@ def read_rows(address: dict, repeats: int) -> list[dict]:
                 rows.append({
                     "shape": name, "MiB": nbytes / (1 << 20),
                     "rdma GB/s": gbps(nbytes, t["rdma"]), "rdma+copy GB/s": gbps(nbytes, t["rdma+copy"]),
-                    "nixl GB/s": gbps(nbytes, t["nixl"]), "tcp GB/s": gbps(nbytes, t["tcp"]),
-                    "socket GB/s": gbps(nbytes, t["socket"]),
-                    "rdma/nixl": t["nixl"] / t["rdma"], "tcp/socket": t["socket"] / t["tcp"],
+                    "nixl GB/s": gbps(nbytes, t["nixl"]), "nixl prep GB/s": gbps(nbytes, t["nixl prep"]),
+                    "tcp GB/s": gbps(nbytes, t["tcp"]), "socket GB/s": gbps(nbytes, t["socket"]),
+                    "rdma/nixl": t["nixl"] / t["rdma"], "rdma/prep": t["nixl prep"] / t["rdma"],
+                    "tcp/socket": t["socket"] / t["tcp"],
                     "rdma ms": t["rdma"] * 1e3, "nixl ms": t["nixl"] * 1e3,
                 })
         return rows
@@ -213,6 +235,7 @@ def run(repeats: int) -> tuple[list[dict], list[dict], dict]:
         unit.join(30)
     summary = {
         "rdma_vs_nixl_min_ratio": min(r["rdma/nixl"] for r in rows),
+        "rdma_vs_nixl_prep_min_ratio": min(r["rdma/prep"] for r in rows),
         "tcp_vs_socket_min_ratio": min(r["tcp/socket"] for r in rows),
         "rdma_vs_tcp_min_ratio": min(r["rdma GB/s"] / r["tcp GB/s"] for r in rows),
     }
@@ -228,8 +251,8 @@ def main(argv=None) -> int:
                  repeats=args.repeats, storage="StorageUnit in a child process, channels here")
     started = time.perf_counter()
     rows, writes, summary = run(args.repeats)
-    print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma+copy GB/s", "nixl GB/s", "tcp GB/s",
-                       "socket GB/s", "rdma/nixl", "tcp/socket", "rdma ms", "nixl ms"])
+    print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma+copy GB/s", "nixl GB/s", "nixl prep GB/s",
+                       "tcp GB/s", "socket GB/s", "rdma/nixl", "rdma/prep", "tcp/socket", "rdma ms", "nixl ms"])
     print()
     print_table(writes, ["write", "tcp GB/s", "push GB/s", "push/tcp"])
     for key, value in summary.items():

@@ -16,6 +16,7 @@ The restored fields are exactly what the non-offloaded path gives (rule 5):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -184,24 +185,41 @@ class Reader:
             return self._fetch(shard)
 
     def _fetch(self, shard: Sequence[Mapping[str, Layout]]) -> list[dict]:
-        from kernels import widen_scatter
-
         stats = FetchStats(samples=len(shard))
-        names = sorted({name for sample in shard for name in sample})
         per_field = {}
-        for name in names:
+        for name in sorted({name for sample in shard for name in sample}):
             layouts = [sample[name] for sample in shard if name in sample]
             if len(layouts) != len(shard):
                 raise LayoutError(f"field {name!r} is missing from some samples of the shard")
             per_field[name] = (layouts, _stage_field(name, layouts))
         stats.referenced_keys = sum(len(layout.refs()) for layouts, _ in per_field.values()
                                     for layout in layouts)
+        with contextlib.ExitStack() as lent:  # pooled staging goes back once restored
+            started = time.perf_counter()
+            staging = self._read_all(per_field, stats, lent)
+            stats.fetch_seconds = time.perf_counter() - started
+            started = time.perf_counter()
+            results = self._restore(per_field, staging, len(shard))
+            stats.restore_seconds = time.perf_counter() - started
+        self.last_stats = stats
+        return results
 
-        started = time.perf_counter()
-        staging = {name: self._staging_for(name, stage.rows * stage.width * stage.dtype.itemsize)
-                   for name, (_, stage) in per_field.items()}
-        reads = []
+    def _staging_buffer(self, name: str, nbytes: int, units, lent: contextlib.ExitStack):
+        """Where field ``name``'s blobs land: transport-registered memory when every unit is
+        read over a zero-copy transport (rdma), else this reader's reusable buffer."""
+        if self._device == "cpu" and units:
+            transports = {self._clients.transport_of(unit)[0] for unit in units}
+            if transports == {"rdma"}:
+                from transport import get_transport
+
+                return lent.enter_context(get_transport("rdma").destination(nbytes))
+        return self._staging_for(name, nbytes)
+
+    def _read_all(self, per_field: dict, stats: FetchStats, lent: contextlib.ExitStack) -> dict:
+        staging, reads = {}, []
         for name, (_, stage) in per_field.items():
+            nbytes = stage.rows * stage.width * stage.dtype.itemsize
+            staging[name] = self._staging_buffer(name, nbytes, list(stage.by_unit), lent)
             for unit, (keys, first, end) in stage.by_unit.items():
                 stats.unique_keys += len(keys)
                 stats.unique_keys_per_unit[unit] = stats.unique_keys_per_unit.get(unit, 0) + len(keys)
@@ -214,13 +232,15 @@ class Reader:
             if reads:
                 self._read(*reads[-1])
         finally:
-            wait(jobs)  # no read may still be writing into staging when fetch returns
+            wait(jobs)  # no read may still be writing into staging when this returns
         for job in jobs:
             job.result()
-        stats.fetch_seconds = time.perf_counter() - started
+        return staging
 
-        started = time.perf_counter()
-        results: list[dict] = [{} for _ in shard]
+    def _restore(self, per_field: dict, staging: dict, samples: int) -> list[dict]:
+        from kernels import widen_scatter
+
+        results: list[dict] = [{} for _ in range(samples)]
         for name, (layouts, stage) in per_field.items():
             plan, offsets, total = build_plan(stage, layouts)
             fills = {layout.fill for layout in layouts}
@@ -236,8 +256,6 @@ class Reader:
                 results[i][out_name] = self._to_output(view.reshape((layout.rows, *layout.row_shape)))
         if self._device != "cpu":
             _cupy().cuda.get_current_stream().synchronize()
-        stats.restore_seconds = time.perf_counter() - started
-        self.last_stats = stats
         return results
 
     def _read(self, unit: str, keys: list[str], dest) -> None:

@@ -236,6 +236,23 @@ class StorageUnit:
         UnknownKeyError
             Names the first key that is unknown or not yet committed.
         """
+        lease_id, entries = self._pin(keys)
+        return Lease(lease_id, tuple(Region(e.offset, e.nbytes) for e in entries),
+                     tuple(e.generation for e in entries))
+
+    def lease_regions(self, keys: Sequence[str]) -> tuple[int, np.ndarray]:
+        """:meth:`lease` as ``(lease_id, int64 [n, 2] of (offset, nbytes))``.
+
+        The NIXL server's fast path: a 1024-key lease without building
+        1024 ``Region`` objects.
+        """
+        lease_id, entries = self._pin(keys)
+        regions = np.empty((len(entries), 2), dtype=np.int64)
+        regions[:, 0] = np.fromiter((e.offset for e in entries), np.int64, len(entries))
+        regions[:, 1] = np.fromiter((e.nbytes for e in entries), np.int64, len(entries))
+        return lease_id, regions
+
+    def _pin(self, keys: Sequence[str]) -> tuple[int, list]:
         with self._cond:
             self._check_open()
             entries = [self._committed(k) for k in keys]
@@ -245,8 +262,7 @@ class StorageUnit:
             self._leases[lease_id] = entries
             self._counters["reads"] += 1
             self._counters["bytes_read"] += sum(e.nbytes for e in entries)
-        return Lease(lease_id, tuple(Region(e.offset, e.nbytes) for e in entries),
-                     tuple(e.generation for e in entries))
+        return lease_id, entries
 
     def end_lease(self, lease_id: int) -> None:
         """Unpin a lease; regions released meanwhile are freed now. Idempotent."""

@@ -410,3 +410,21 @@ def test_concurrent_put_lease_release_accounting():
         stats = su.stats()
         assert stats["used"] == 0 and stats["keys"] == 0 and stats["leases"] == 0
         assert stats["largest_free"] == stats["capacity"] and stats["free_blocks"] == 1
+
+
+def test_lease_regions_matches_lease_and_pins():
+    with StorageUnit("su-regions", 1 << 20) as unit:
+        for i in range(5):
+            unit.put(f"k{i}", np.full(1000 + i, i, np.uint8), {"partition": "p"})
+        keys = ["k3", "k0", "k4"]
+        lease = unit.lease(keys)
+        lease_id, regions = unit.lease_regions(keys)
+        assert regions.dtype == np.int64 and regions.shape == (3, 2)
+        assert [tuple(r) for r in regions.tolist()] == [(r.offset, r.nbytes) for r in lease.regions]
+        unit.release(["k3"])
+        unit.end_lease(lease.lease_id)
+        assert unit.stats()["pending_free_bytes"] == 1003  # still pinned by the second lease
+        unit.end_lease(lease_id)
+        assert unit.stats()["pending_free_bytes"] == 0
+        with pytest.raises(UnknownKeyError, match="k3"):
+            unit.lease_regions(["k3"])

@@ -18,6 +18,7 @@ Timeouts (seconds, ``None`` means wait forever):
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -157,6 +158,20 @@ class TransportType(abc.ABC):
     def connect(self, address: dict, *, token: str, max_frame_bytes: int,
                 timeout: float | None = None) -> Channel:
         """Open a channel to the server at ``address``."""
+
+    @contextlib.contextmanager
+    def destination(self, nbytes: int):
+        """Lend a host buffer that reads of this transport land in without a copy.
+
+        A context manager yielding a 1-D uint8 numpy array of ``nbytes``.
+        Read several units' keys into disjoint slices of it, from several
+        threads if need be; do not use it after the ``with`` block. This
+        default is plain memory (tcp receives into any buffer); the rdma
+        backend lends registered memory from a process-wide pool.
+        """
+        import numpy as np
+
+        yield np.empty(nbytes, dtype=np.uint8)
 
 
 def is_device_buffer(buf) -> bool:

@@ -1,10 +1,13 @@
 """The rdma backend: one-sided NIXL READs out of a StorageUnit's arena.
 
 Data plane: the unit registers its arena with a NIXL agent once, at start.
-A reader process owns one NIXL agent (shared by all its channels) and a pool
-of registered destination buffers per channel, reused across reads, so no
-memory is registered per request. One read is one NIXL READ whose
-descriptor list covers every region of every key, built with numpy.
+A reader process owns one NIXL agent and one pool of registered destination
+buffers (:mod:`transport.nixl_pool`), both shared by all its channels and
+reused across reads, so no memory is registered per request.
+:meth:`NixlTransport.destination` lends a pool buffer: a read of any
+channel into any slice of it is one NIXL READ straight into it, with no
+copy. One read is one NIXL READ whose descriptor list covers every region
+of every key, built with numpy.
 
 Control plane: the tcp backend. The unit serves tcp beside NIXL, and a
 :class:`NixlChannel` reaches the unit's lease/end-lease and writes through a
@@ -17,8 +20,9 @@ never frees or reuses a region while NIXL reads it, and a read racing a
 release returns the right bytes or a typed error, never another key's
 bytes. The lease's generations are not re-checked after the transfer: the
 handler protocol has no generation lookup, so it would cost another round
-trip, and the lease already rules the reuse out. Leases end on a background
-thread, off the read's latency.
+trip, and the lease already rules the reuse out. Leases end off the read's
+latency: a finished read's lease id rides on the channel's next lease
+request, or a background thread ends it after :data:`END_LEASE_DELAY_S`.
 
 GPU destinations: where a NIC can DMA into GPU memory (GPUDirect, see
 :func:`transport.policy.gpudirect_support`) the READ lands in a registered
@@ -43,11 +47,8 @@ import contextlib
 import logging
 import operator
 import os
-import queue
 import threading
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -57,10 +58,10 @@ from transport.errors import (
     ClosedError,
     GputqTimeoutError,
     InvalidInputError,
-    MissingDependencyError,
     RequestTooLargeError,
     TransferError,
 )
+from transport.nixl_pool import DRAM, LocalAgent, agent_name, cuda_device_of, import_nixl, local_pool
 from transport.policy import gpudirect_support, infiniband_devices, local_hostname
 from transport.staging import device_nbytes
 from transport.tcp import TcpTransport
@@ -68,8 +69,8 @@ from transport.wire import byte_view
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["NixlTransport", "NixlServer", "NixlChannel", "BufferPool", "import_nixl",
-           "PUSH_MIN_BYTES", "PUSH_CHUNK_BYTES", "WRITE_PATH_ENV"]
+__all__ = ["NixlTransport", "NixlServer", "NixlChannel", "import_nixl", "local_pool",
+           "PUSH_MIN_BYTES", "PUSH_CHUNK_BYTES", "WRITE_PATH_ENV", "END_LEASE_DELAY_S"]
 
 #: Control methods the server adds in front of the handler's own.
 LEASE, END_LEASE = "nixl_lease", "nixl_end_lease"
@@ -84,267 +85,20 @@ WRITE_PATH_ENV = "GPUTQ_RDMA_WRITE_PATH"
 #: Staging chunk of a push: bounds the registered memory a writer holds.
 PUSH_CHUNK_BYTES = 16 << 20
 
-# Pool buffers start at this size and at least double, so a reader whose
-# reads grow registers O(log(max read)) times in its lifetime.
-_MIN_POOL_BYTES = 1 << 20
-_PAGE = 4096
+#: A finished read's lease ends with the channel's next lease request, or
+#: after this long on a background thread when no read follows: one control
+#: round trip fewer per read, and no control traffic racing the next READ.
+END_LEASE_DELAY_S = 0.01
 _SERVER_PROGRESS_S = 0.001
-
-
-def import_nixl():
-    """Return ``(nixl_agent, nixl_agent_config, nixl_thread_sync_t)``.
-
-    Raises
-    ------
-    MissingDependencyError
-        NIXL is not installed or its native libraries do not load.
-    """
-    # NIXL logs INFO lines to stdout (one per agent); keep stdout clean for
-    # --json tools unless the operator chose a level.
-    quiet = "NIXL_LOG_LEVEL" not in os.environ
-    if quiet:
-        os.environ["NIXL_LOG_LEVEL"] = "WARN"
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-    except Exception as exc:  # ImportError, or OSError from a native library
-        raise MissingDependencyError(
-            f"the rdma transport needs NIXL ({type(exc).__name__}: {exc}); "
-            "pip install nixl-cu12 (or nixl-cu13), or use --transport tcp") from exc
-    if quiet:  # NIXL may have been imported before the variable was set
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-    return nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-
-def _agent_name(role: str) -> str:
-    return f"gputq-{role}-{local_hostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+# A READ still in flight after this long is polled with the GIL released
+# between polls (time.sleep(0)), so threads reading other units can run.
+_SPIN_S = 0.0002
 
 
 def _host_ptr(buf) -> tuple[int, int]:
     """Address and size of a writable, contiguous host buffer."""
     view = byte_view(buf, writable=True)
     return int(np.frombuffer(view, np.uint8).ctypes.data), view.nbytes
-
-
-# -- CUDA helpers (lazy: only a CUDA destination reaches them) -----------------
-
-class _RawCuda:
-    """A raw device range seen through ``__cuda_array_interface__``."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (ptr, False), "version": 3}
-
-
-def _cuda_device_of(buf, ptr: int) -> int:
-    device = getattr(buf, "device", None)
-    for attr in ("id", "index"):  # CuPy arrays, torch tensors
-        value = getattr(device, attr, None)
-        if isinstance(value, int):
-            return value
-    try:
-        import cupy
-        return int(cupy.cuda.runtime.pointerGetAttributes(ptr).device)
-    except Exception as exc:
-        raise InvalidInputError(f"cannot tell the CUDA device of {type(buf).__name__}: {exc}") from exc
-
-
-class _Cuda:
-    """Allocate device buffers and copy between raw pointers (CuPy, else torch)."""
-
-    def __init__(self):
-        try:
-            import cupy
-            cupy.cuda.runtime.getDeviceCount()
-            self._cp, self._torch = cupy, None
-        except Exception:
-            try:
-                import torch
-            except ImportError as exc:
-                raise MissingDependencyError(
-                    "a CUDA destination needs CuPy or torch: pip install cupy-cuda12x") from exc
-            self._cp, self._torch = None, torch
-
-    def alloc(self, nbytes: int, device: int) -> tuple[Any, int]:
-        if self._cp is not None:
-            with self._cp.cuda.Device(device):
-                arr = self._cp.empty(nbytes, dtype=self._cp.uint8)
-            return arr, int(arr.data.ptr)
-        arr = self._torch.empty(nbytes, dtype=self._torch.uint8, device=f"cuda:{device}")
-        return arr, int(arr.data_ptr())
-
-    def copy(self, dst: int, src: int, nbytes: int, device: int, src_host: bool) -> None:
-        """Blocking copy of ``nbytes`` into device memory ``dst``."""
-        if self._cp is not None:
-            rt = self._cp.cuda.runtime
-            kind = rt.memcpyHostToDevice if src_host else rt.memcpyDeviceToDevice
-            with self._cp.cuda.Device(device):
-                rt.memcpy(dst, src, nbytes, kind)
-                rt.deviceSynchronize()  # cudaMemcpy D2D does not wait for the copy
-            return
-        torch = self._torch
-        out = torch.as_tensor(_RawCuda(dst, nbytes), device=f"cuda:{device}")
-        if src_host:
-            import ctypes
-            host = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(src))
-            out.copy_(torch.from_numpy(host))
-        else:
-            out.copy_(torch.as_tensor(_RawCuda(src, nbytes), device=f"cuda:{device}"))
-        torch.cuda.synchronize(device)
-
-
-# -- the local agent ------------------------------------------------------------
-
-class _LocalAgent:
-    """The reader side's NIXL agent: one per process, shared by all channels.
-
-    Its progress thread is off (the reader polls, which is faster measured
-    here) and its sync mode is RW, so channels may use it from many threads.
-    Remote agents are reference-counted: two channels to one unit share it.
-    """
-
-    _instance: "_LocalAgent | None" = None
-    _create_lock = threading.Lock()
-
-    def __init__(self):
-        nixl_agent, nixl_agent_config, sync = import_nixl()
-        self.name = _agent_name("reader")
-        self.agent = nixl_agent(self.name, nixl_agent_config(
-            enable_prog_thread=False, backends=["UCX"], sync_mode=sync.NIXL_THREAD_SYNC_RW))
-        if "UCX" not in self.agent.backends:
-            raise MissingDependencyError("NIXL has no UCX plugin here; use --transport tcp")
-        self._lock = threading.Lock()
-        self._remotes: dict[str, int] = {}
-
-    @classmethod
-    def get(cls) -> "_LocalAgent":
-        with cls._create_lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
-
-    def add_remote(self, metadata: bytes) -> str:
-        with self._lock:
-            name = self.agent.add_remote_agent(metadata)
-            name = name.decode() if isinstance(name, bytes) else name
-            self._remotes[name] = self._remotes.get(name, 0) + 1
-            return name
-
-    def remove_remote(self, name: str) -> None:
-        with self._lock:
-            left = self._remotes.get(name, 0) - 1
-            if left > 0:
-                self._remotes[name] = left
-                return
-            self._remotes.pop(name, None)
-        try:
-            self.agent.remove_remote_agent(name)
-        except Exception:  # the agent may already be gone at interpreter exit
-            pass
-
-
-@dataclass(eq=False)  # identity equality: records hold arrays
-class _PoolBuffer:
-    ptr: int
-    nbytes: int
-    kind: tuple[str, int]
-    obj: Any  # the numpy / CuPy / torch array that owns the memory
-    descs: Any  # NIXL registration, for deregister_memory
-
-
-class BufferPool:
-    """Registered destination buffers, reused across reads.
-
-    One free list per memory kind (``("DRAM", 0)`` or ``("VRAM", device)``).
-    :meth:`acquire` hands out the smallest free buffer that fits; when none
-    does, smaller free buffers are dropped and a new one of at least twice
-    the largest size seen is registered. ``registrations`` counts calls to
-    NIXL's ``register_memory``, for tests and stats.
-    """
-
-    def __init__(self, agent):
-        self._agent = agent
-        self._lock = threading.Lock()
-        self._free: dict[tuple[str, int], list[_PoolBuffer]] = {}
-        self._all: list[_PoolBuffer] = []
-        self._largest: dict[tuple[str, int], int] = {}
-        self._cuda: _Cuda | None = None
-        self.registrations = 0
-
-    def acquire(self, nbytes: int, kind: tuple[str, int]) -> _PoolBuffer:
-        """Return a registered buffer of at least ``nbytes``."""
-        with self._lock:
-            free = self._free.setdefault(kind, [])
-            fits = [b for b in free if b.nbytes >= nbytes]
-            if fits:
-                buf = min(fits, key=lambda b: b.nbytes)
-                free.remove(buf)
-                return buf
-            for small in free:
-                self._drop(small)
-            free.clear()
-            size = max(_MIN_POOL_BYTES, 2 * self._largest.get(kind, 0), nbytes)
-            size = 1 << (size - 1).bit_length()
-            buf = self._register(size, kind)
-            self._largest[kind] = max(size, self._largest.get(kind, 0))
-            return buf
-
-    def release(self, buf: _PoolBuffer) -> None:
-        """Return a buffer from :meth:`acquire` to the free list."""
-        with self._lock:
-            free = self._free.setdefault(buf.kind, [])
-            if buf in self._all and buf not in free:
-                free.append(buf)
-
-    def discard(self, buf: _PoolBuffer) -> None:
-        """Deregister a buffer instead of reusing it (a failed transfer may still write it)."""
-        with self._lock:
-            if buf in self._all:
-                self._drop(buf)
-
-    def find(self, ptr: int, nbytes: int) -> tuple[str, int] | None:
-        """The kind of the pool buffer containing ``[ptr, ptr + nbytes)``, else ``None``."""
-        with self._lock:
-            for buf in self._all:
-                if buf.ptr <= ptr and ptr + nbytes <= buf.ptr + buf.nbytes:
-                    return buf.kind
-        return None
-
-    def buffer(self, buf: _PoolBuffer, nbytes: int):
-        """A uint8 view of the first ``nbytes`` of a pool buffer (numpy or device array)."""
-        return buf.obj[:nbytes]
-
-    def cuda(self) -> _Cuda:
-        if self._cuda is None:
-            self._cuda = _Cuda()
-        return self._cuda
-
-    def close(self) -> None:
-        with self._lock:
-            for buf in list(self._all):
-                self._drop(buf)
-            self._free.clear()
-
-    def _register(self, size: int, kind: tuple[str, int]) -> _PoolBuffer:
-        mem, device = kind
-        if mem == "VRAM":
-            obj, ptr = self.cuda().alloc(size, device)
-        else:
-            raw = np.empty(size + _PAGE, dtype=np.uint8)
-            start = (-raw.ctypes.data) % _PAGE
-            obj = raw[start:start + size]
-            ptr = int(obj.ctypes.data)
-        descs = self._agent.register_memory(np.array([[ptr, size, device]], dtype=np.uint64), mem)
-        self.registrations += 1
-        buf = _PoolBuffer(ptr, size, kind, obj, descs)
-        self._all.append(buf)
-        return buf
-
-    def _drop(self, buf: _PoolBuffer) -> None:
-        self._all.remove(buf)
-        try:
-            self._agent.deregister_memory(buf.descs)
-        except Exception:  # deregistering at interpreter exit is best effort
-            pass
 
 
 # -- server side -------------------------------------------------------------------
@@ -363,6 +117,7 @@ class _LeaseControl:
     def __init__(self, handler: ArenaHandler):
         self._handler = handler
         self.name = handler.name
+        self._lease_regions = getattr(handler, "lease_regions", None)
 
     @property
     def arena(self) -> memoryview:
@@ -374,15 +129,11 @@ class _LeaseControl:
     def control(self, method: str, args: dict) -> Any:
         h = self._handler
         if method == LEASE:
-            lease = h.lease(list(args["keys"]))
-            # Regions travel as raw little-endian int64 (offset, length) rows:
-            # packing, unpacking and converting 1024 [offset, length] lists
-            # costs ~200 us, this ~60 us.
-            n = len(lease.regions)
-            regions = np.empty((n, 2), dtype="<i8")
-            regions[:, 0] = np.fromiter(map(_OFFSET, lease.regions), dtype="<i8", count=n)
-            regions[:, 1] = np.fromiter(map(_NBYTES, lease.regions), dtype="<i8", count=n)
-            return {"lease_id": lease.lease_id, "regions": regions.tobytes()}
+            # Leases the client finished with ride on its next request; ended
+            # first, so a unit short of space frees them before leasing more.
+            for lease_id in args.get("end") or ():
+                h.end_lease(int(lease_id))
+            return self._lease(list(args["keys"]))
         if method == END_LEASE:
             for lease_id in args["lease_ids"]:
                 h.end_lease(int(lease_id))
@@ -396,6 +147,22 @@ class _LeaseControl:
             h.abort_write(args["key"])
             return None
         return h.control(method, args)
+
+    def _lease(self, keys: list) -> dict:
+        # Regions travel as raw little-endian int64 (offset, length) rows:
+        # packing, unpacking and converting 1024 [offset, length] lists
+        # costs ~200 us, this ~60 us. A handler with ``lease_regions(keys)
+        # -> (lease_id, int64 array [n, 2])`` skips building n Region
+        # objects (~0.3 us each, most of a 1024-key lease).
+        if self._lease_regions is not None:
+            lease_id, regions = self._lease_regions(keys)
+            return {"lease_id": int(lease_id), "regions": np.asarray(regions, dtype="<i8").tobytes()}
+        lease = self._handler.lease(keys)
+        n = len(lease.regions)
+        regions = np.empty((n, 2), dtype="<i8")
+        regions[:, 0] = np.fromiter(map(_OFFSET, lease.regions), dtype="<i8", count=n)
+        regions[:, 1] = np.fromiter(map(_NBYTES, lease.regions), dtype="<i8", count=n)
+        return {"lease_id": lease.lease_id, "regions": regions.tobytes()}
 
 
 class NixlServer(Server):
@@ -413,7 +180,7 @@ class NixlServer(Server):
         self._closed = False
         self._reg = None
         self._tcp = None
-        name = _agent_name(f"unit-{handler.name}")
+        name = agent_name(f"unit-{handler.name}")
         # The target side must make progress for connection wire-up (and for
         # every transfer on UCX's tcp lane). NIXL's own progress thread spins
         # without pause and holds a full core even when idle (measured: 2.0 s
@@ -485,22 +252,28 @@ def _descriptors(regions: np.ndarray, local_base: int, remote_base: int, device:
     also follow each other in the arena (keys written in sequence usually do)
     become one descriptor: UCX moves one large block faster than many
     adjacent small ones (1024 x 16 KiB: 3.3 ms as 1024 descriptors, 2.3 ms
-    merged, measured here).
+    merged, measured here). Empty runs are dropped.
     """
-    regions = regions[regions[:, 1] > 0]
-    if not len(regions):
-        empty = np.empty((0, 3), dtype=np.uint64)
-        return empty, empty
     offsets, lengths = regions[:, 0], regions[:, 1]
-    starts = np.concatenate(([True], offsets[1:] != offsets[:-1] + lengths[:-1]))
-    first = np.flatnonzero(starts)
-    merged = np.add.reduceat(lengths, first)
-    local = np.empty((len(first), 3), dtype=np.uint64)
-    local[:, 0] = local_base + (np.cumsum(lengths) - lengths)[first]
-    local[:, 1] = merged
+    ends = np.cumsum(lengths)  # packed end of each region in the destination
+    breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
+    if not len(breaks):  # the common case: one run, no fancy indexing
+        total = int(ends[-1]) if len(ends) else 0
+        if not total:
+            empty = np.empty((0, 3), dtype=np.uint64)
+            return empty, empty
+        return (np.array([[local_base, total, device]], dtype=np.uint64),
+                np.array([[remote_base + int(offsets[0]), total, 0]], dtype=np.uint64))
+    first = np.concatenate(([0], breaks))
+    run_ends = np.concatenate((ends[breaks - 1], ends[-1:]))
+    run_starts = ends[first] - lengths[first]
+    keep = run_ends > run_starts
+    local = np.empty((int(keep.sum()), 3), dtype=np.uint64)
+    local[:, 0] = local_base + run_starts[keep]
+    local[:, 1] = (run_ends - run_starts)[keep]
     local[:, 2] = device
     remote = local.copy()
-    remote[:, 0] = remote_base + offsets[first]
+    remote[:, 0] = remote_base + offsets[first][keep]
     remote[:, 2] = 0
     return local, remote
 
@@ -511,62 +284,83 @@ _CLEANUP_TIMEOUT_S = 5.0
 
 
 class _LeaseEnder:
-    """Ends a channel's leases on a background thread, off the read path.
+    """Ends a channel's leases off the read path.
 
     A read's data is complete once its READ is done; waiting for the unit to
-    acknowledge end_lease would add a control round trip to every read.
-    Leases queued meanwhile are ended in one call. :meth:`close` ends every
-    queued lease before returning. A failed end_lease is logged: the unit
-    keeps those regions pinned, which wastes space but never corrupts a read.
+    acknowledge end_lease would add a control round trip to every read, and
+    a background end_lease call races the next read for the CPU and the
+    unit's attention. So finished lease ids wait here: the channel's next
+    lease request carries them (:meth:`take`), and when no read comes within
+    :data:`END_LEASE_DELAY_S` a background thread ends them in one call.
+    :meth:`close` ends every pending lease before returning. A failed
+    end_lease is logged: the unit keeps those regions pinned, which wastes
+    space but never corrupts a read.
     """
 
     def __init__(self, tcp, unit: str):
         self._tcp = tcp
         self._unit = unit
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending: list[int] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"gputq-nixl-end-lease-{unit}", daemon=True)
         self._thread.start()
 
-    def end(self, lease_id: int) -> None:
-        self._queue.put(lease_id)
+    def end(self, *lease_ids: int) -> None:
+        """Queue leases to end; ending twice is harmless (end_lease is idempotent)."""
+        with self._lock:
+            self._pending.extend(lease_ids)
+        self._wake.set()
+
+    def take(self) -> list[int]:
+        """Hand every pending lease id to a request that will end them."""
+        with self._lock:
+            ids, self._pending = self._pending, []
+        return ids
 
     def _run(self) -> None:
-        stop = False
-        while not stop:
-            ids = [self._queue.get()]
-            while True:
-                try:
-                    ids.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = None in ids
-            ids = [i for i in ids if i is not None]
-            if not ids:
-                continue
-            try:
-                self._tcp.call(END_LEASE, timeout=_CLEANUP_TIMEOUT_S, lease_ids=ids)
-            except Exception as exc:
-                _log.warning("unit %s: could not end leases %s: %s", self._unit, ids, exc)
+        while not self._stop.is_set():
+            self._wake.wait()
+            if self._stop.wait(END_LEASE_DELAY_S):
+                return
+            self._wake.clear()  # before take(): an id queued after it sets the event again
+            self._flush()
+
+    def _flush(self) -> None:
+        ids = self.take()
+        if not ids:
+            return
+        try:
+            self._tcp.call(END_LEASE, timeout=_CLEANUP_TIMEOUT_S, lease_ids=ids)
+        except Exception as exc:
+            _log.warning("unit %s: could not end leases %s: %s", self._unit, ids, exc)
 
     def close(self) -> None:
-        """End every queued lease, then stop. Idempotent."""
+        """End every pending lease, then stop. Idempotent."""
         if self._thread.is_alive():
-            self._queue.put(None)
+            self._stop.set()
+            self._wake.set()
             self._thread.join()
+        self._flush()
 
 
 class NixlChannel(Channel):
     """A client of one unit: NIXL READs for data, tcp for control.
 
     Build it with :meth:`NixlTransport.connect`. Thread-safe: each read takes
-    its own pool buffer, the tcp channel pools connections and the shared
-    NIXL agent runs in RW sync mode.
+    its own pool buffer (or READs into a caller's disjoint slice of a lent
+    one), the tcp channel pools connections and the shared NIXL agent runs
+    in RW sync mode.
 
     Attributes
     ----------
     pool : BufferPool
-        The channel's registered destination buffers (``pool.registrations``
-        counts registrations).
+        The process-wide registered buffers, shared by every channel of this
+        process (``pool.registrations`` counts registrations).
+    copies : int
+        Reads of this channel that READ into a pool buffer and then copied
+        into ``dest`` because ``dest`` was not registered memory.
     """
 
     def __init__(self, address: dict, *, token: str, max_frame_bytes: int,
@@ -574,7 +368,7 @@ class NixlChannel(Channel):
         if address.get("transport") != "rdma" or "agent_metadata" not in address:
             raise InvalidInputError(f"not an rdma address (no NIXL agent metadata): {sorted(address)}")
         self._closed = False
-        self._local = _LocalAgent.get()
+        self._local = LocalAgent.get()
         self._write_path = write_path
         self._base = int(address["arena_base"])
         self._arena_nbytes = int(address["arena_nbytes"])
@@ -591,7 +385,9 @@ class NixlChannel(Channel):
         except Exception as exc:
             self._tcp.close()
             raise TransferError(f"cannot add the NIXL agent of unit {self.unit}: {exc}", self.unit) from exc
-        self.pool = BufferPool(self._local.agent)
+        self.pool = self._local.pool
+        self.copies = 0
+        self._copies_lock = threading.Lock()
         self._ender = _LeaseEnder(self._tcp, self.unit)
 
     # -- reads -------------------------------------------------------------------------
@@ -599,8 +395,10 @@ class NixlChannel(Channel):
     def read(self, keys: Sequence[str], dest, timeout: float | None = None) -> list[int]:
         """Read ``keys`` back to back into ``dest`` with one NIXL READ.
 
-        ``dest`` may be host memory, a CUDA buffer, or a view from
-        :meth:`staging` (then the READ lands in it directly, with no copy).
+        ``dest`` may be host memory, a CUDA buffer, or any slice of a buffer
+        from :meth:`NixlTransport.destination` or :meth:`staging`: then the
+        READ lands in it directly, with no copy. Other destinations get one
+        copy from a pool buffer (counted in :attr:`copies`).
 
         Raises
         ------
@@ -620,15 +418,15 @@ class NixlChannel(Channel):
         if on_device:
             ptr = int(dest.__cuda_array_interface__["data"][0])
             capacity = device_nbytes(dest)
-            device = _cuda_device_of(dest, ptr)
+            device = cuda_device_of(dest, ptr)
         else:
             ptr, capacity = _host_ptr(dest)
             device = 0
         if not keys:
             return []
-        lease = self._tcp.call(LEASE, timeout=_left(deadline), keys=keys)
+        lease = self._lease(keys, deadline)
         try:
-            regions = np.frombuffer(lease["regions"], dtype="<i8").reshape(len(keys), 2).astype(np.int64)
+            regions = np.frombuffer(lease["regions"], dtype="<i8").reshape(len(keys), 2)
             lengths = regions[:, 1]
             total = int(lengths.sum())
             if total > capacity:
@@ -638,17 +436,25 @@ class NixlChannel(Channel):
                 raise TransferError(f"unit {self.unit} leased regions outside its arena for keys "
                                     f"{_describe(keys)}", self.unit, keys)
             staged = self._read_leased(keys, regions, total, ptr, device, on_device, deadline)
-        except BaseException:
+        finally:
             self._ender.end(lease["lease_id"])
-            raise
-        self._ender.end(lease["lease_id"])
-        if staged is not None:  # the copy runs after end_lease: the pool buffer is ours
+        if staged is not None:  # the copy runs after the lease: the pool buffer is ours
             buf, kind = staged
             try:
                 self._copy_out(buf, kind, ptr, dest, total, device, on_device)
             finally:
                 self.pool.release(buf)
         return lengths.tolist()
+
+    def _lease(self, keys: list, deadline: float | None) -> dict:
+        """Lease ``keys``; the request also ends this channel's finished leases."""
+        ended = self._ender.take()
+        try:
+            return self._tcp.call(LEASE, timeout=_left(deadline), keys=keys, end=ended)
+        except BaseException:
+            if ended:  # the unit may not have seen them
+                self._ender.end(*ended)
+            raise
 
     def _read_leased(self, keys, regions, total, ptr, device, on_device, deadline):
         """READ the leased regions; return ``(pool buffer, kind)`` when a copy-out is due."""
@@ -668,10 +474,9 @@ class NixlChannel(Channel):
             staged = self._read_into_vram(keys, regions, total, device, deadline)
             if staged is not None:
                 return staged
-        kind = ("DRAM", 0)
-        buf = self.pool.acquire(total, kind)
-        self._read_into(buf, keys, regions, kind, deadline)
-        return buf, kind
+        buf = self.pool.acquire(total, DRAM)
+        self._read_into(buf, keys, regions, DRAM, deadline)
+        return buf, DRAM
 
     def _read_into_vram(self, keys, regions, total, device, deadline):
         """READ straight into device memory, or ``None`` when this UCX cannot.
@@ -697,7 +502,7 @@ class NixlChannel(Channel):
         self._vram_direct = True
         return buf, kind
 
-    def _read_into(self, buf: _PoolBuffer, keys, regions, kind, deadline) -> None:
+    def _read_into(self, buf, keys, regions, kind, deadline) -> None:
         try:
             self._transfer("READ", keys, regions, buf.ptr, kind, deadline)
         except _SetupError:
@@ -721,12 +526,15 @@ class NixlChannel(Channel):
                               f"({kind[0]} destination): {exc}", self.unit, keys) from exc
         done = False
         try:
-            state = agent.transfer(handle)
+            state = agent.transfer(handle)  # over cma the whole copy happens in here
+            spin_until = time.perf_counter() + _SPIN_S
             while state == "PROC":
                 if deadline is not None and time.monotonic() > deadline:
                     raise GputqTimeoutError(
                         f"NIXL {op} of keys {_describe(keys)} from unit {self.unit} timed out")
                 state = agent.check_xfer_state(handle)
+                if state == "PROC" and time.perf_counter() > spin_until:
+                    time.sleep(0)  # let other threads (reads of other units) take the GIL
             if state != "DONE":
                 raise TransferError(f"unit {self.unit}: NIXL {op} of keys {_describe(keys)} failed "
                                     f"(transfer state {state})", self.unit, keys)
@@ -743,7 +551,9 @@ class NixlChannel(Channel):
                 if done:
                     raise
 
-    def _copy_out(self, buf: _PoolBuffer, kind, ptr: int, dest, total: int, device: int, on_device: bool) -> None:
+    def _copy_out(self, buf, kind, ptr: int, dest, total: int, device: int, on_device: bool) -> None:
+        with self._copies_lock:
+            self.copies += 1
         if not on_device:
             out = np.frombuffer(byte_view(dest, writable=True), np.uint8)
             np.copyto(out[:total], buf.obj[:total])
@@ -752,10 +562,12 @@ class NixlChannel(Channel):
 
     @contextlib.contextmanager
     def staging(self, nbytes: int, device: int | None = None):
-        """Lend a registered buffer of ``nbytes`` from the pool.
+        """Lend a registered buffer of ``nbytes`` from the process-wide pool.
 
-        A :meth:`read` into it is one NIXL READ with no copy: read a shard
-        into it, then run the widen+scatter kernel straight from it.
+        A :meth:`read` (of any channel) into it is one NIXL READ with no
+        copy: read a shard into it, then run the widen+scatter kernel
+        straight from it. For host memory this is
+        :meth:`NixlTransport.destination`.
 
         Parameters
         ----------
@@ -766,12 +578,9 @@ class NixlChannel(Channel):
             for a host numpy array.
         """
         self._check_open()
-        kind = ("DRAM", 0) if device is None else ("VRAM", int(device))
-        buf = self.pool.acquire(max(int(nbytes), 1), kind)
-        try:
-            yield self.pool.buffer(buf, nbytes)
-        finally:
-            self.pool.release(buf)
+        kind = DRAM if device is None else ("VRAM", int(device))
+        with self.pool.lend(nbytes, kind) as view:
+            yield view
 
     # -- writes and control ------------------------------------------------------------
 
@@ -800,13 +609,13 @@ class NixlChannel(Channel):
     def _push(self, key: str, data: np.ndarray, offset: int, deadline: float | None) -> None:
         """Copy ``data`` through a bounded registered staging buffer into the arena at ``offset``."""
         chunk = min(data.size, PUSH_CHUNK_BYTES)
-        buf = self.pool.acquire(chunk, ("DRAM", 0))
+        buf = self.pool.acquire(chunk, DRAM)
         try:
             for start in range(0, data.size, chunk):
                 part = data[start:start + chunk]
                 np.copyto(buf.obj[:part.size], part)
                 self._transfer("WRITE", [key], np.array([[offset + start, part.size]], dtype=np.int64),
-                               buf.ptr, ("DRAM", 0), deadline)
+                               buf.ptr, DRAM, deadline)
         except BaseException:
             self.pool.discard(buf)
             raise
@@ -821,7 +630,6 @@ class NixlChannel(Channel):
             return
         self._closed = True
         self._ender.close()
-        self.pool.close()
         self._local.remove_remote(self._remote)
         self._tcp.close()
 
@@ -863,3 +671,22 @@ class NixlTransport(TransportType):
                 timeout: float | None = None) -> NixlChannel:
         return NixlChannel(address, token=token, max_frame_bytes=max_frame_bytes, timeout=timeout,
                            write_path=self.write_path)
+
+    def destination(self, nbytes: int):
+        """Lend a registered host buffer of ``nbytes`` from the process-wide pool.
+
+        A context manager yielding a 1-D uint8 numpy array. A read of any
+        rdma channel of this process into any slice of it is one NIXL READ
+        straight into it, with no copy; reads from several threads into
+        disjoint slices may run at once. Nothing is registered per call:
+        the pool reuses its buffers and grows by doubling. The array must
+        not be used after the ``with`` block (the buffer is lent again).
+
+        Raises
+        ------
+        InvalidInputError
+            ``nbytes`` is not an int >= 0.
+        MissingDependencyError
+            NIXL or its UCX plugin is not available.
+        """
+        return local_pool().lend(nbytes)

@@ -143,19 +143,21 @@ def test_pool_is_reused_and_grows_geometrically(server):
     items = _payloads(20, seed=1)
     with _connect(server) as ch:
         _store(ch, items)
+        before = ch.pool.registrations  # the pool is process-wide: count from here
         dest = np.zeros(1 << 20, np.uint8)
         ch.read(list(items), dest)
-        assert ch.pool.registrations == 1
+        assert ch.pool.registrations == before + 1
         for _ in range(3):
             ch.read(list(items), dest)
-        assert ch.pool.registrations == 1  # nothing registered per request
+        assert ch.pool.registrations == before + 1  # nothing registered per request
         big = np.arange(3 << 20, dtype=np.uint64).view(np.uint8)[: 3 << 20]
         ch.write("big", big, {})
         out = np.zeros(big.size, np.uint8)
         ch.read(["big"], out)
         ch.read(["big"], out)
         assert np.array_equal(out, big)
-        assert ch.pool.registrations == 2  # grew once, to a power of two >= 3 MiB
+        assert ch.pool.registrations == before + 2  # grew once, to a power of two >= 3 MiB
+        assert ch.copies == 6  # plain numpy destinations: one copy per read
 
 
 def test_read_into_staging_view_is_direct(server):
@@ -220,8 +222,9 @@ def test_push_write_path_round_trips(server, handler, monkeypatch):
     monkeypatch.setattr(nixl, "PUSH_CHUNK_BYTES", 4096)  # several chunks per blob
     items = _payloads(5, seed=3)
     with _connect(server, write_path="push") as ch:
+        before = ch.pool.registrations
         _store(ch, items)
-        assert ch.pool.registrations == 1  # one bounded staging buffer for every push
+        assert ch.pool.registrations == before + 1  # one bounded staging buffer for every push
         out = np.zeros(sum(v.nbytes for v in items.values()), np.uint8)
         ch.read(list(items), out)
     assert np.array_equal(out, np.concatenate(list(items.values())))
@@ -233,10 +236,11 @@ def test_auto_write_path_pushes_only_large_payloads(server):
     small = np.full(1000, 7, np.uint8)
     large = np.arange(nixl.PUSH_MIN_BYTES + 3, dtype=np.uint64).astype(np.uint8)
     with _connect(server, write_path="auto") as ch:
+        before = ch.pool.registrations
         ch.write("small", small, {})
-        assert ch.pool.registrations == 0  # the tcp path registers nothing
+        assert ch.pool.registrations == before  # the tcp path registers nothing
         ch.write("large", large, {})
-        assert ch.pool.registrations == 1
+        assert ch.pool.registrations == before + 1
         out = np.zeros(small.size + large.size, np.uint8)
         assert ch.read(["small", "large"], out) == [small.size, large.size]
     assert np.array_equal(out, np.concatenate([small, large]))
@@ -268,13 +272,12 @@ class _HostCuda:
 
 
 def test_device_destination_falls_back_to_host_staging(server, monkeypatch):
-    nixl = _nixl_or_skip()
     fake_cuda = _HostCuda()
-    monkeypatch.setattr(nixl, "_Cuda", lambda: fake_cuda)
     items = _payloads(12, seed=5)
     expected = np.concatenate(list(items.values()))
     dest = _FakeDeviceArray(np.zeros(expected.size + 8, np.uint8))
     with _connect(server) as ch:
+        monkeypatch.setattr(ch.pool, "_cuda", fake_cuda)  # restored after the test: the pool outlives it
         _store(ch, items)
         assert ch.read(list(items), dest) == [v.nbytes for v in items.values()]
         ch.read(list(items), dest)
@@ -384,3 +387,179 @@ def test_read_into_cuda_memory(server):
         with ch.staging(expected.size, device=0) as view:  # device memory from the pool
             ch.read(list(items), view)
             assert np.array_equal(to_host(view), expected)
+
+
+# -- process-wide destination pool -------------------------------------------------------
+
+@pytest.fixture
+def second_server():
+    nixl = _nixl_or_skip()
+    handler = DictArenaHandler(4 << 20, name="unit-nixl-2")
+    srv = nixl.NixlTransport().serve(handler, token=TOKEN, max_frame_bytes=MAX_FRAME)
+    yield srv
+    srv.close()
+
+
+def _two_units(server, second_server, seed: int):
+    """Two channels, each unit holding its own keys; returns (channels, keys, expected bytes)."""
+    first, second = _connect(server), _connect(second_server)
+    items = [_payloads(15, seed=seed), {f"u2-{k}": v for k, v in _payloads(9, seed=seed + 1).items()}]
+    _store(first, items[0])
+    _store(second, items[1])
+    return (first, second), [list(i) for i in items], [np.concatenate(list(i.values())) for i in items]
+
+
+def test_destination_takes_several_units_reads_without_copy(server, second_server):
+    nixl = _nixl_or_skip()
+    channels, keys, expected = _two_units(server, second_server, seed=7)
+    split = expected[0].size
+    try:
+        pool = nixl.local_pool()
+        with nixl.NixlTransport().destination(split + expected[1].size) as buf:
+            assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.shape == (split + expected[1].size,)
+            registrations = pool.registrations
+            assert channels[0].read(keys[0], buf[:split]) == [len(v) for v in _payloads(15, seed=7).values()]
+            channels[1].read(keys[1], buf[split:])
+            assert np.array_equal(buf[:split], expected[0])
+            assert np.array_equal(buf[split:], expected[1])
+        assert pool.registrations == registrations  # the READs registered nothing
+        assert [ch.copies for ch in channels] == [0, 0]  # and copied nothing
+    finally:
+        for ch in channels:
+            ch.close()
+
+
+def test_destination_reuses_pool_buffers_and_grows_by_doubling(server):
+    nixl = _nixl_or_skip()
+    transport = nixl.NixlTransport()
+    with _connect(server):  # an open channel keeps the pool's idle buffers
+        pool = nixl.local_pool()
+        with transport.destination(3 << 20) as first:
+            address = first.ctypes.data
+        before = pool.registrations
+        for nbytes in (3 << 20, 100, 0):
+            with transport.destination(nbytes) as again:
+                assert again.size == nbytes and again.ctypes.data == address  # the same registered buffer
+        assert pool.registrations == before
+        with transport.destination(5 << 20) as bigger:
+            assert bigger.size == 5 << 20
+        assert pool.registrations == before + 1  # one new buffer: 8 MiB, twice the largest
+        with transport.destination(1 << 20), transport.destination(1 << 20) as other:
+            assert other.size == 1 << 20  # two lent at once: two distinct buffers
+        with pytest.raises(InvalidInputError):
+            with transport.destination(-1):
+                pass
+
+
+def test_destination_reads_from_four_threads(server, second_server):
+    nixl = _nixl_or_skip()
+    channels, keys, expected = _two_units(server, second_server, seed=11)
+    layout = [(channels[i % 2], keys[i % 2], expected[i % 2]) for i in range(4)]
+    starts = np.cumsum([0] + [e.size for _, _, e in layout])
+    errors = []
+    try:
+        with nixl.NixlTransport().destination(int(starts[-1])) as buf:
+            registrations = nixl.local_pool().registrations
+
+            def reader(i):
+                channel, ks, want = layout[i]
+                view = buf[starts[i]:starts[i + 1]]
+                for _ in range(10):
+                    view[:] = 0
+                    channel.read(ks, view, timeout=10)
+                    if not np.array_equal(view, want):
+                        errors.append(i)
+
+            threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert nixl.local_pool().registrations == registrations
+        assert errors == []
+        assert [ch.copies for ch in channels] == [0, 0]
+    finally:
+        for ch in channels:
+            ch.close()
+
+
+def test_base_transport_destination_is_plain_memory():
+    from transport.tcp import TcpTransport
+
+    with TcpTransport().destination(12) as buf:
+        assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.shape == (12,)
+        buf[:] = 1  # writable
+
+
+def test_finished_leases_ride_on_the_next_lease(server, handler):
+    items = _payloads(6, seed=12)
+    with _connect(server) as ch:
+        _store(ch, items)
+        out = np.zeros(sum(v.nbytes for v in items.values()), np.uint8)
+        for _ in range(5):
+            ch.read(list(items), out)
+            assert handler.active_leases() <= 1  # each read's lease request ended the previous lease
+        assert _wait_until(lambda: handler.active_leases() == 0)  # the last one ends by itself
+
+
+class RegionLeaseHandler(DictArenaHandler):
+    """A handler with the optional ``lease_regions`` fast path."""
+
+    def lease_regions(self, keys):
+        self._count("lease_regions")
+        lease = self.lease(keys)
+        return lease.lease_id, np.array([[r.offset, r.nbytes] for r in lease.regions], dtype=np.int64)
+
+
+def test_server_uses_lease_regions_when_the_handler_has_it():
+    nixl = _nixl_or_skip()
+    handler = RegionLeaseHandler(1 << 20, name="unit-regions")
+    items = _payloads(8, seed=13)
+    with nixl.NixlTransport().serve(handler, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, _connect(srv) as ch:
+        _store(ch, items)
+        out = np.zeros(sum(v.nbytes for v in items.values()), np.uint8)
+        assert ch.read(list(items), out) == [v.nbytes for v in items.values()]
+    assert np.array_equal(out, np.concatenate(list(items.values())))
+    assert handler.calls["lease_regions"] == 1
+
+
+def test_descriptors_merge_adjacent_regions_and_drop_empty_ones():
+    nixl = _nixl_or_skip()
+    regions = np.array([[0, 0], [100, 10], [110, 0], [110, 6], [500, 5], [0, 0]], dtype=np.int64)
+    local, remote = nixl._descriptors(regions, 1000, 1 << 20, 3)
+    assert local.tolist() == [[1000, 16, 3], [1016, 5, 3]]
+    assert remote.tolist() == [[(1 << 20) + 100, 16, 0], [(1 << 20) + 500, 5, 0]]
+    local, remote = nixl._descriptors(np.array([[64, 8], [72, 8]], dtype=np.int64), 0, 0, 0)
+    assert local.tolist() == [[0, 16, 0]] and remote.tolist() == [[64, 16, 0]]
+    local, _ = nixl._descriptors(np.array([[5, 0]], dtype=np.int64), 0, 0, 0)
+    assert local.shape == (0, 3)
+
+
+def test_pool_page_locks_host_buffers_when_cuda_is_usable(monkeypatch):
+    _nixl_or_skip()
+    from transport import nixl_pool
+
+    calls = []
+    monkeypatch.setattr(nixl_pool, "_page_locker", lambda: (
+        lambda ptr, nbytes: calls.append(("lock", ptr, nbytes)), lambda ptr: calls.append(("unlock", ptr))))
+    pool = nixl_pool.BufferPool(nixl_pool.LocalAgent.get().agent)
+    buf = pool.acquire(1000, nixl_pool.DRAM)
+    assert calls == [("lock", buf.ptr, nixl_pool.MIN_POOL_BYTES)] and pool.pinned == 1
+    pool.release(buf)
+    pool.trim()
+    assert calls[-1] == ("unlock", buf.ptr)
+
+
+def test_pool_works_unpinned_when_page_locking_fails(monkeypatch):
+    _nixl_or_skip()
+    from transport import nixl_pool
+
+    def refuse(ptr, nbytes):
+        raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+
+    monkeypatch.setattr(nixl_pool, "_page_locker", lambda: (refuse, lambda ptr: None))
+    pool = nixl_pool.BufferPool(nixl_pool.LocalAgent.get().agent)
+    with pool.lend(10) as view:
+        view[:] = 7
+    assert pool.pinned == 0 and pool.registrations == 1
+    pool.trim()
