@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import os
 import secrets
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from .errors import ConfigError

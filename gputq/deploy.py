@@ -15,6 +15,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .clients import UnitClients
 from .config import GputqConfig
 from .controller import Controller
 from .errors import MissingDependencyError
@@ -175,8 +176,6 @@ class Deployment:
 
     def clients(self):
         """Channels to this deployment's units, for a writer or reader in this process."""
-        from .clients import UnitClients
-
         return UnitClients(self.membership(), self.config)
 
     def stats(self) -> dict:
@@ -212,14 +211,12 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def local_cluster(config: GputqConfig) -> Iterator[tuple[GputqConfig, list[UnitService], "UnitClients"]]:
+def local_cluster(config: GputqConfig) -> Iterator[tuple[GputqConfig, list[UnitService], UnitClients]]:
     """``config.num_units`` units in this process, without Ray, and clients to them.
 
     For tests, benchmarks and single-process tools. Yields the config (with
     its token), the services and a :class:`~gputq.clients.UnitClients`.
     """
-    from .clients import UnitClients
-
     config = config.with_token()
     services: list[UnitService] = []
     try:

@@ -28,8 +28,9 @@ import numpy as np
 
 from transport.errors import InvalidInputError, MissingDependencyError
 from transport.policy import local_hostname
+from transport.wire import byte_view
 
-__all__ = ["import_nixl", "agent_name", "LocalAgent", "local_pool", "BufferPool", "CudaOps",
+__all__ = ["host_ptr", "import_nixl", "agent_name", "LocalAgent", "local_pool", "BufferPool", "CudaOps",
            "cuda_device_of", "MIN_POOL_BYTES", "DRAM"]
 
 _log = logging.getLogger(__name__)
@@ -40,6 +41,12 @@ MIN_POOL_BYTES = 1 << 20
 #: The memory kind of host buffers: (NIXL memory type, device id).
 DRAM = ("DRAM", 0)
 _PAGE = 4096
+
+
+def host_ptr(buf) -> tuple[int, int]:
+    """Address and size of a writable, contiguous host buffer."""
+    view = byte_view(buf, writable=True)
+    return int(np.frombuffer(view, np.uint8).ctypes.data), view.nbytes
 
 
 def import_nixl():
