@@ -199,7 +199,7 @@ def _print_summary(r: dict) -> None:
     print(f"  offloaded {r['bytes_offloaded'] / 1e6:.1f} MB; through Ray {r['sample_bytes_through_ray'] / 1e6:.2f} MB")
     print(f"  unique keys fetched per rank {r['unique_keys_fetched_per_rank']} "
           f"(referenced {r['referenced_keys_per_rank']})")
-    print(f"  rollout (generate + write) {r['rollout_seconds']} s; fetch {r['fetch_gbps']:.2f} GB/s "
-          f"over {r['transport']}")
+    print(f"  rollout (generate + write) {r['rollout_seconds']} s; cold fetch {r['fetch_gbps']:.2f} GB/s "
+          f"over {r['transport']} (python -m bench.fetch measures warm fetches)")
     print(f"  keys freed on release {r['keys_freed']}, left {r['keys_left_after_release']}; "
           f"{r['seconds']} s in all")
