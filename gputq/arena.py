@@ -20,6 +20,7 @@ import weakref
 
 import numpy as np
 
+from transport.base import Closeable
 from transport.errors import GputqError, InvalidInputError
 
 __all__ = ["Arena", "default_shm_dir"]
@@ -44,7 +45,7 @@ def _remove_file(path: str) -> None:
         pass
 
 
-class Arena:
+class Arena(Closeable):
     """A fixed-size, shared-memory, optionally pinned byte buffer.
 
     Parameters
@@ -138,11 +139,6 @@ class Arena:
             pass  # an outside view keeps the mapping; it is unmapped when that view dies
         self._finalizer()
 
-    def __enter__(self) -> "Arena":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"Arena(name={self.name!r}, capacity={self.capacity}, path={self.path!r}, "

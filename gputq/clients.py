@@ -10,13 +10,15 @@ from __future__ import annotations
 import threading
 from typing import Mapping
 
+from transport.base import Closeable
+
 from .config import GputqConfig
 from .errors import ClosedError, ConfigError, InvalidInputError
 
 __all__ = ["UnitClients"]
 
 
-class UnitClients:
+class UnitClients(Closeable):
     """Lazily connected channels to every unit of a membership.
 
     Parameters
@@ -75,11 +77,6 @@ class UnitClients:
         for chan in channels:
             chan.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _connect(address: dict, config: GputqConfig):

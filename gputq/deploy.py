@@ -10,10 +10,11 @@ Ray carries control only: addresses, stats, lifecycle calls (rule 1).
 
 from __future__ import annotations
 
-
 import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
+
+from transport.base import Closeable
 
 from .clients import UnitClients
 from .config import GputqConfig
@@ -46,7 +47,7 @@ def serving_transport(requested: str) -> str:
     return "rdma"
 
 
-class UnitService:
+class UnitService(Closeable):
     """One StorageUnit plus the transport server that exposes its arena.
 
     Parameters
@@ -89,11 +90,6 @@ class UnitService:
             self._server.close()
             self._unit.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _default_host() -> str:

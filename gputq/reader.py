@@ -25,6 +25,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from transport.base import Closeable
+
 from .clients import UnitClients
 from .config import GputqConfig
 from .errors import ClosedError, InvalidInputError, LayoutError, TransferError
@@ -117,7 +119,7 @@ def build_plan(stage: _FieldStage, layouts: Sequence[Layout]) -> tuple[np.ndarra
     return array, offsets, base
 
 
-class Reader:
+class Reader(Closeable):
     """Fetches shards for one trainer rank.
 
     Parameters
@@ -287,11 +289,6 @@ class Reader:
             self._closed = True
             self._pool.shutdown(wait=True)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _cupy():

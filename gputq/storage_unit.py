@@ -36,7 +36,7 @@ import numpy as np
 
 from gputq.allocator import FreeListAllocator
 from gputq.arena import Arena
-from transport.base import Lease, Region
+from transport.base import Closeable, Lease, Region
 from transport.errors import (
     CapacityError,
     ClosedError,
@@ -72,7 +72,7 @@ class _Entry:
     released: bool = False
 
 
-class StorageUnit:
+class StorageUnit(Closeable):
     """A pinned host arena plus a key table with reference-counted ownership.
 
     Parameters
@@ -469,11 +469,6 @@ class StorageUnit:
             self._cond.notify_all()
         self._arena.close()
 
-    def __enter__(self) -> "StorageUnit":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"StorageUnit(name={self.name!r}, capacity={self._alloc.capacity}, "

@@ -17,6 +17,8 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from transport.base import Closeable
+
 from .clients import UnitClients
 from .config import GputqConfig
 from .errors import ClosedError, GputqTimeoutError, InvalidInputError, TransferError
@@ -32,7 +34,7 @@ def stored_key(step_key: str, field: str) -> str:
     return f"{step_key}/{field}"
 
 
-class Writer:
+class Writer(Closeable):
     """Puts the large fields of each step into StorageUnits.
 
     Parameters
@@ -184,11 +186,6 @@ class Writer:
         self._closed = True
         self._pool.shutdown(wait=True)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class CommitRegion:

@@ -26,6 +26,7 @@ __all__ = [
     "Region",
     "Lease",
     "ArenaHandler",
+    "Closeable",
     "Channel",
     "Server",
     "TransportType",
@@ -88,7 +89,21 @@ class ArenaHandler(Protocol):
         """Answer a control call (release, stats, ...); the result is msgpack-able."""
 
 
-class Channel(abc.ABC):
+class Closeable(abc.ABC):
+    """Something holding sockets, memory or registrations: ``close()`` and ``with``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what is held. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Channel(Closeable):
     """A client connection to one StorageUnit. Thread-safe unless noted."""
 
     unit: str
@@ -118,14 +133,8 @@ class Channel(abc.ABC):
     def close(self) -> None:
         """Release sockets and registrations. Idempotent."""
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self.close()
-
-
-class Server(abc.ABC):
+class Server(Closeable):
     """The serving side of one arena."""
 
     @property
@@ -136,12 +145,6 @@ class Server(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop serving and release registrations. Idempotent."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class TransportType(abc.ABC):
