@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import tempfile
 import weakref
 
@@ -22,6 +23,8 @@ import numpy as np
 
 from transport.base import Closeable
 from transport.errors import GputqError, InvalidInputError
+
+from .errors import ConfigError
 
 __all__ = ["Arena", "default_shm_dir"]
 
@@ -91,6 +94,16 @@ class Arena(Closeable):
         self._finalizer = weakref.finalize(self, _remove_file, self.path)
         try:
             os.ftruncate(fd, self.capacity)
+            # A sparse file on a small tmpfs maps fine and then kills the process
+            # with SIGBUS on the first write past the free space: reserve it all now.
+            try:
+                os.posix_fallocate(fd, 0, self.capacity)
+            except OSError as exc:
+                folder = shm_dir or default_shm_dir()
+                raise ConfigError(
+                    f"cannot reserve a {self.capacity} byte arena in {folder}: {exc.strerror} "
+                    f"({shutil.disk_usage(folder).free} bytes free); lower unit_capacity_bytes "
+                    f"or set shm_dir / GPUTQ_SHM_DIR to a larger tmpfs") from None
             flags = mmap.MAP_SHARED
             if prefault and hasattr(mmap, "MAP_POPULATE"):
                 flags |= mmap.MAP_POPULATE

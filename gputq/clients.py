@@ -36,6 +36,7 @@ class UnitClients(Closeable):
         self._config = config
         self._channels: dict = {}
         self._choices: dict[str, tuple[str, str]] = {}
+        self._connecting: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -55,8 +56,7 @@ class UnitClients(Closeable):
     def channel(self, unit: str):
         """The channel to ``unit``, opened on first use."""
         with self._lock:
-            if self._closed:
-                raise ClosedError("UnitClients is closed")
+            self._check_open()
             chan = self._channels.get(unit)
             if chan is not None:
                 return chan
@@ -65,10 +65,25 @@ class UnitClients(Closeable):
             except KeyError:
                 raise InvalidInputError(
                     f"unknown StorageUnit {unit!r}; members: {self.units}") from None
+            connecting = self._connecting.setdefault(unit, threading.Lock())
+        # Connect outside the shared lock: a slow unit must not stall the others' channels.
+        with connecting:
+            with self._lock:
+                self._check_open()
+                if unit in self._channels:
+                    return self._channels[unit]
             chan, choice = _connect(address, self._config)
-            self._channels[unit] = chan
-            self._choices[unit] = choice
+            with self._lock:
+                if self._closed:
+                    chan.close()
+                    self._check_open()
+                self._channels[unit] = chan
+                self._choices[unit] = choice
             return chan
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("UnitClients is closed")
 
     def close(self) -> None:
         with self._lock:

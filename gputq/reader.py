@@ -34,6 +34,8 @@ from .refs import FieldRef, Layout
 
 __all__ = ["Reader", "FetchStats", "OUTPUT_NAMES", "build_plan"]
 
+#: Keys per read request: ~200 KiB of key names, well inside one control frame.
+READ_BATCH_KEYS = 4096
 # slime's names for the restored fields.
 OUTPUT_NAMES = {"logprobs": "rollout_log_probs", "routed_experts": "rollout_routed_experts"}
 
@@ -64,7 +66,7 @@ class _FieldStage:
     row_shape: tuple
     width: int
     ref_row: dict  # (unit, key) -> first staging row
-    by_unit: dict  # unit -> ([keys], first byte, end byte)
+    by_unit: dict  # unit -> ([keys], [bytes per key], first byte, end byte)
     rows: int
 
 
@@ -76,7 +78,8 @@ def _stage_field(name: str, layouts: Sequence[Layout]) -> _FieldStage:
     specs = {(ref.dtype, tuple(ref.row_shape)) for ref in refs.values()}
     if len(specs) > 1:
         raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one shard: {sorted(specs)}")
-    dtype, row_shape = specs.pop() if specs else ("float32", ())
+    # A field whose samples are all fill rows still has a dtype and row shape: its layouts'.
+    dtype, row_shape = specs.pop() if specs else (layouts[0].dtype, tuple(layouts[0].row_shape))
     dtype = np.dtype(dtype)
     width = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
     row_bytes = width * dtype.itemsize
@@ -85,9 +88,10 @@ def _stage_field(name: str, layouts: Sequence[Layout]) -> _FieldStage:
         start = row * row_bytes
         ref_row[(unit, key)] = row
         row += ref.rows
-        keys, first, _ = by_unit.get(unit, ([], start, start))
+        keys, sizes, first, _ = by_unit.get(unit, ([], [], start, start))
         keys.append(key)
-        by_unit[unit] = (keys, first, row * row_bytes)
+        sizes.append(ref.rows * row_bytes)
+        by_unit[unit] = (keys, sizes, first, row * row_bytes)
     return _FieldStage(name, dtype, tuple(row_shape), width, ref_row, by_unit, row)
 
 
@@ -222,11 +226,15 @@ class Reader(Closeable):
         for name, (_, stage) in per_field.items():
             nbytes = stage.rows * stage.width * stage.dtype.itemsize
             staging[name] = self._staging_buffer(name, nbytes, list(stage.by_unit), lent)
-            for unit, (keys, first, end) in stage.by_unit.items():
+            for unit, (keys, sizes, first, end) in stage.by_unit.items():
                 stats.unique_keys += len(keys)
                 stats.unique_keys_per_unit[unit] = stats.unique_keys_per_unit.get(unit, 0) + len(keys)
                 stats.bytes_fetched += end - first
-                reads.append((unit, keys, staging[name][first:end]))
+                # Key lists travel in one control frame: bound them (thousands of keys per unit).
+                for i in range(0, len(keys), READ_BATCH_KEYS):
+                    start = first + sum(sizes[:i])
+                    stop = start + sum(sizes[i:i + READ_BATCH_KEYS])
+                    reads.append((unit, keys[i:i + READ_BATCH_KEYS], staging[name][start:stop]))
         # The largest read runs in this thread: one hand-off fewer on small shards.
         reads.sort(key=lambda read: read[2].nbytes)
         jobs = [self._pool.submit(self._read, *read) for read in reads[:-1]]

@@ -300,11 +300,17 @@ class StorageUnit(Closeable):
         UnknownKeyError
             A key is not stored (unless ``missing_ok``).
         InvalidInputError
-            ``partition`` holds fewer references to a key than requested.
+            ``partition`` holds fewer references to a key than requested
+            (unless ``missing_ok``: then the references it does not hold,
+            e.g. of keys transferred away, are skipped).
         """
         with self._cond:
             self._check_open()
             wanted = Counter(k for k in keys if self._visible(k) or not missing_ok)
+            if missing_ok and partition is not None:
+                wanted = Counter({key: min(count, self._table[key].holders[str(partition)])
+                                  for key, count in wanted.items()})
+                wanted = +wanted  # drop keys the partition holds no reference to
             for key, count in wanted.items():
                 entry = self._committed(key)
                 if partition is not None and entry.holders[str(partition)] < count:

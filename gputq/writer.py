@@ -17,11 +17,11 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from transport.base import Closeable
+from transport.base import Closeable, byte_view
 
 from .clients import UnitClients
 from .config import GputqConfig
-from .errors import ClosedError, GputqTimeoutError, InvalidInputError, TransferError
+from .errors import ClosedError, DuplicateKeyError, GputqTimeoutError, InvalidInputError, TransferError
 from .fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec
 from .placement import rendezvous_unit
 from .refs import FieldRef
@@ -91,6 +91,9 @@ class Writer(Closeable):
         for field, array in fields.items():
             spec = self._spec(field, array)
             compact = canonicalize(key, spec, array)
+            if np.may_share_memory(compact, array):
+                # Sent after put returns: the engine may reuse its buffer by then.
+                compact = compact.copy()
             ref = FieldRef(key=stored_key(key, field), field=field, unit=unit,
                            rows=int(compact.shape[0]), dtype=str(compact.dtype),
                            row_shape=tuple(int(d) for d in compact.shape[1:]), partition=partition)
@@ -107,6 +110,10 @@ class Writer(Closeable):
             # One oversized put may go alone; otherwise wait until it fits the bound.
             while self._inflight_bytes and self._inflight_bytes + nbytes > self._config.writer_inflight_bytes:
                 self._cond.wait()
+            if self._closed:
+                raise ClosedError("Writer is closed")
+            if ref.key in self._pending:
+                raise DuplicateKeyError(f"{ref.key} is already being written")
             self._inflight_bytes += nbytes
             future = self._pool.submit(self._send, ref, compact)
             self._pending[ref.key] = future
@@ -115,7 +122,7 @@ class Writer(Closeable):
         meta = {"field": ref.field, "dtype": ref.dtype, "rows": ref.rows,
                 "row_shape": list(ref.row_shape), "partition": ref.partition}
         try:
-            self._clients.channel(ref.unit).write(ref.key, memoryview(compact).cast("B"), meta,
+            self._clients.channel(ref.unit).write(ref.key, byte_view(compact), meta,
                                                   timeout=self._config.put_timeout_s)
         except BaseException as exc:
             with self._cond:
@@ -139,6 +146,10 @@ class Writer(Closeable):
         with self._cond:
             if not self._cond.wait_for(lambda: not self._pending, timeout):
                 raise GputqTimeoutError(f"{len(self._pending)} writes still pending after {timeout}s")
+        self._raise_failures()
+
+    def _raise_failures(self) -> None:
+        with self._cond:
             failures, self._failures = self._failures, {}
         if failures:
             first = next(iter(failures.values()))
@@ -149,7 +160,9 @@ class Writer(Closeable):
         """Wait for the writes of ``keys`` only (failures stay recorded)."""
         keys = set(keys)
         with self._cond:
-            self._cond.wait_for(lambda: not keys.intersection(self._pending), timeout)
+            if not self._cond.wait_for(lambda: not keys.intersection(self._pending), timeout):
+                raise GputqTimeoutError(f"writes of {sorted(keys & set(self._pending))[:8]} still "
+                                        f"pending after {timeout}s")
 
     def delete(self, refs) -> None:
         """Remove the stored blobs of ``refs`` regardless of who references them."""
@@ -175,16 +188,35 @@ class Writer(Closeable):
         region = CommitRegion(self)
         try:
             yield region
-        except BaseException:
-            region.rollback()
+        except BaseException as exc:
+            try:
+                region.rollback()
+            except Exception as rollback_exc:  # the caller's error stays the one raised
+                exc.add_note(f"gputq: rolling back {len(region.refs)} keys also failed: {rollback_exc!r}")
             raise
 
     def close(self) -> None:
-        """Send what is queued, then stop the sender threads. Idempotent."""
+        """Send what is queued, then stop the sender threads. Idempotent.
+
+        Raises ``TransferError`` naming the writes that failed and were not
+        yet reported by :meth:`flush`: a ref handed out must not silently
+        point at nothing.
+        """
         if self._closed:
             return
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self._pool.shutdown(wait=True)
+        self._raise_failures()
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.close()
+        except TransferError as failure:
+            if exc is None:
+                raise
+            exc.add_note(f"gputq: writes also failed: {failure}")
 
 
 

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
-from gputq.fields import (FieldRegistry, FieldSpec, canonicalize, logprobs_spec, routed_experts_spec,
-                          row_nbytes)
+from gputq.fields import FieldRegistry, FieldSpec, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
 
 
 def test_builtin_specs():

@@ -199,9 +199,8 @@ def test_tcp_client_reads_from_a_unit_serving_rdma():
 
 def test_read_racing_a_release_returns_the_right_bytes(transport_name):
     """A release (and a new write) landing between lease and transfer never leaks other bytes."""
-    from transport import get_transport
-
     from gputq.storage_unit import StorageUnit
+    from transport import get_transport
 
     size = 64 << 10
 
@@ -232,3 +231,27 @@ def test_read_racing_a_release_returns_the_right_bytes(transport_name):
         finally:
             server.close()
         assert np.array_equal(unit.read(["intruder"])[0], np.full(size, 0xEE, np.uint8))
+
+
+def test_shard_with_more_keys_than_one_request_holds():
+    """Thousands of keys per unit are read in bounded batches, bit-exact."""
+    with local_units("tcp", units=1, capacity=16 << 20) as (config, _, clients):
+        n = 9000  # > 2 batches; the key names alone exceed one control frame
+        values = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"rollout-0/session-{i:06d}/step-0000/" + "x" * 100, "p",
+                               {"logprobs": values[i]})["logprobs"] for i in range(n)]
+            writer.flush()
+        layout = Layout.concat([Layout.from_ref(ref) for ref in refs])
+        with Reader(clients, config) as reader:
+            (got,) = reader.fetch([{"logprobs": layout}])
+        assert reader.last_stats.unique_keys == n
+        assert np.array_equal(got["rollout_log_probs"], values.reshape(-1))
+
+
+def test_fill_only_field_restores_with_its_own_dtype():
+    fill_only = Layout.empty("routed_experts", 3, fill=0, dtype="int32", row_shape=(2, 2))
+    with local_units("tcp", units=1) as (config, _, clients), Reader(clients, config) as reader:
+        (got,) = reader.fetch([{"routed_experts": fill_only}])
+    assert got["rollout_routed_experts"].dtype == np.int32
+    assert np.array_equal(got["rollout_routed_experts"], np.zeros((3, 2, 2), np.int32))

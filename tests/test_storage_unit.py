@@ -428,3 +428,28 @@ def test_lease_regions_matches_lease_and_pins():
         assert unit.stats()["pending_free_bytes"] == 0
         with pytest.raises(UnknownKeyError, match="k3"):
             unit.lease_regions(["k3"])
+
+
+def test_release_missing_ok_skips_references_moved_away():
+    with StorageUnit("su-moved", 1 << 20) as unit:
+        for key in ("a", "b"):
+            unit.put(key, np.ones(10, np.uint8), {"partition": "p0"})
+        unit.transfer(["b"], "p0", "p1")  # a partial rollout carried b forward
+        assert unit.release(["a", "b"], "p0", missing_ok=True) == 1
+        assert unit.lookup(["b"])  # still held by p1
+        with pytest.raises(InvalidInputError):
+            unit.release(["b"], "p0")
+
+
+def test_arena_that_does_not_fit_its_folder_is_a_config_error(monkeypatch, tmp_path):
+    import errno
+
+    from gputq.errors import ConfigError
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(ConfigError, match="lower unit_capacity_bytes"):
+        Arena(1 << 20, "too-big", shm_dir=str(tmp_path), pin=False)
+    assert list(tmp_path.iterdir()) == []  # the backing file was removed

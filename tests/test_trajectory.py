@@ -7,8 +7,7 @@ from gputq.errors import FieldValueError, InvalidInputError, LayoutError
 from gputq.fields import FieldRegistry, canonicalize
 from gputq.refs import FieldRef
 from gputq.synthetic import SyntheticConfig, build_sessions
-from gputq.trajectory import (Segment, Session, inline_fields, lineage_segments, materialize_layouts,
-                              timeline_segments)
+from gputq.trajectory import Segment, Session, inline_fields, lineage_segments, materialize_layouts, timeline_segments
 
 L, K = 2, 3
 

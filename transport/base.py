@@ -22,6 +22,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+from transport.errors import InvalidInputError
+
 __all__ = [
     "Region",
     "Lease",
@@ -31,6 +33,7 @@ __all__ = [
     "Server",
     "TransportType",
     "is_device_buffer",
+    "byte_view",
 ]
 
 
@@ -180,3 +183,27 @@ class TransportType(abc.ABC):
 def is_device_buffer(buf) -> bool:
     """True for CUDA memory (CuPy arrays, CUDA torch tensors)."""
     return hasattr(buf, "__cuda_array_interface__")
+
+
+def byte_view(buf, *, writable: bool = False) -> memoryview:
+    """Return ``buf`` as a flat, C-contiguous byte memoryview (no copy).
+
+    Raises
+    ------
+    InvalidInputError
+        ``buf`` is not a contiguous buffer, or is read-only when
+        ``writable`` is requested.
+    """
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise InvalidInputError(f"expected a bytes-like buffer, got {type(buf).__name__}") from None
+    if writable and view.readonly:
+        raise InvalidInputError("destination buffer is read-only")
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if view.nbytes == 0:  # cast() rejects shapes with a zero
+        return memoryview(b"") if not writable else memoryview(bytearray())
+    if not view.c_contiguous:
+        raise InvalidInputError("buffer must be C-contiguous")
+    return view.cast("B")

@@ -52,7 +52,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from transport.base import ArenaHandler, Channel, TransportType, is_device_buffer
+from transport.base import ArenaHandler, Channel, TransportType, byte_view, is_device_buffer
 from transport.errors import (
     ClosedError,
     GputqTimeoutError,
@@ -65,7 +65,6 @@ from transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, END_LE
 from transport.policy import gpudirect_support
 from transport.staging import device_nbytes
 from transport.tcp import TcpTransport
-from transport.wire import byte_view
 
 _log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from transport.base import byte_view
 from transport.errors import InvalidInputError, MissingDependencyError
 from transport.policy import local_hostname
-from transport.wire import byte_view
 
 __all__ = ["host_ptr", "import_nixl", "agent_name", "LocalAgent", "local_pool", "BufferPool", "CudaOps",
            "cuda_device_of", "MIN_POOL_BYTES", "DRAM"]

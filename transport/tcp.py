@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from transport.base import ArenaHandler, Channel, Server, TransportType, is_device_buffer
+from transport.base import ArenaHandler, Channel, Server, TransportType, byte_view, is_device_buffer
 from transport.errors import (
     AuthenticationError,
     ClosedError,
@@ -38,7 +38,7 @@ from transport.errors import (
     error_to_wire,
 )
 from transport.staging import StagingPool, device_nbytes
-from transport.wire import Deadline, FrameReader, FrameWriter, Op, byte_view
+from transport.wire import Deadline, FrameReader, FrameWriter, Op
 
 __all__ = [
     "SOCKET_BUFFER_BYTES",
@@ -57,6 +57,9 @@ MAX_CONNECTIONS = 8
 # reply (CapacityError included) needs a little longer to come back.
 _REPLY_GRACE_S = 5.0
 _ACCEPT_POLL_S = 0.1
+_ACCEPT_RETRY_S = 0.05
+# A client must authenticate this soon after connecting, or its connection thread ends.
+_HANDSHAKE_S = 10.0
 _JOIN_S = 5.0
 _LINGER_S = 0.5
 _LINGER_BYTES = 4 << 20
@@ -201,8 +204,10 @@ def serve_connection(sock, handler: ArenaHandler, token: str, max_frame_bytes: i
     reader = FrameReader(sock, max_frame_bytes)
     writer = FrameWriter(sock)
     try:
+        sock.settimeout(_HANDSHAKE_S)
         if not _handshake(reader, writer, handler, token):
             return
+        sock.settimeout(None)
         while True:
             try:
                 header = reader.read_header()
@@ -264,8 +269,13 @@ class TcpServer(Server):
                 sock, _ = self._listener.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                return  # listener closed
+            except OSError as exc:
+                if self._closed:
+                    return  # listener closed
+                # EMFILE, ENFILE, ECONNABORTED: transient; keep serving.
+                log.warning("unit %s: accept failed: %s", self._handler.name, exc)
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
             sock.settimeout(None)
             _tune(sock)
             thread = threading.Thread(target=self._run, args=(sock,), daemon=True,

@@ -29,7 +29,8 @@ from typing import Iterable
 
 import msgpack
 
-from transport.errors import GputqTimeoutError, InvalidInputError, PeerLostError, ProtocolError
+from transport.base import byte_view
+from transport.errors import GputqTimeoutError, PeerLostError, ProtocolError, RequestTooLargeError
 
 __all__ = [
     "MAGIC",
@@ -39,7 +40,6 @@ __all__ = [
     "Op",
     "Header",
     "Deadline",
-    "byte_view",
     "encode_header",
     "decode_header",
     "pack_body",
@@ -123,28 +123,6 @@ def unpack_body(raw) -> dict:
     if not isinstance(body, dict):
         raise ProtocolError(f"frame body is a {type(body).__name__}, expected a map")
     return body
-
-
-def byte_view(buf, *, writable: bool = False) -> memoryview:
-    """Return ``buf`` as a flat, C-contiguous byte memoryview (no copy).
-
-    Raises
-    ------
-    InvalidInputError
-        ``buf`` is not a contiguous buffer, or is read-only when
-        ``writable`` is requested.
-    """
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        raise InvalidInputError(f"expected a bytes-like buffer, got {type(buf).__name__}") from None
-    if writable and view.readonly:
-        raise InvalidInputError("destination buffer is read-only")
-    if view.format == "B" and view.ndim == 1:
-        return view
-    if not view.c_contiguous:
-        raise InvalidInputError("buffer must be C-contiguous")
-    return view.cast("B")
 
 
 class Deadline:
@@ -279,6 +257,9 @@ class FrameWriter:
         cannot be packed raises ``TypeError`` with the stream still in sync.
         """
         raw = pack_body(body)
+        if len(raw) > MAX_BODY_BYTES:  # the peer would drop the connection: refuse here, in sync
+            raise RequestTooLargeError(f"control body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}; "
+                                       f"split the request (e.g. fewer keys per read)")
         views = [byte_view(p) for p in payloads]
         total = sum(v.nbytes for v in views)
         head = encode_header(opcode, len(raw), total) + raw

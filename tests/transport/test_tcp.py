@@ -336,3 +336,35 @@ def test_read_into_gpu_buffer(channel, library):
     np.testing.assert_array_equal(to_numpy(dest), blobs[3])
     with pytest.raises(RequestTooLargeError):
         channel.read(keys[:1], _cuda_zeros(library, 10)[0])
+
+
+def test_oversized_control_body_is_refused_before_sending(channel, handler):
+    keys = [f"rollout-0/session-{i:06d}/step-0000/routed_experts-padding" for i in range(25_000)]
+    with pytest.raises(RequestTooLargeError, match="split the request"):
+        channel.read(keys, np.empty(16, np.uint8))
+    channel.write("after", b"still in sync", {})  # the connection was never desynchronised
+    dest = np.empty(13, np.uint8)
+    assert channel.read(["after"], dest) == [13] and dest.tobytes() == b"still in sync"
+
+
+def test_transient_accept_error_does_not_stop_the_server(server):
+    class FlakyListener:
+        """Fails one accept() as a full file table would, then behaves."""
+
+        def __init__(self, real):
+            self.real, self.failed = real, False
+
+        def accept(self):
+            if not self.failed:
+                self.failed = True
+                raise OSError(24, "Too many open files")
+            return self.real.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    server._listener = FlakyListener(server._listener)
+    time.sleep(0.3)  # let the accept loop hit the failure
+    assert server._listener.failed
+    with TcpTransport().connect(server.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+        assert ch.call("stats")["keys"] == 0
