@@ -26,7 +26,7 @@ from transport.errors import GputqError, InvalidInputError
 
 from .errors import ConfigError
 
-__all__ = ["Arena", "default_shm_dir"]
+__all__ = ["Arena", "default_shm_dir", "sweep_orphans"]
 
 # cudaHostRegisterPortable: pinned for every CUDA context, not just the current one.
 _HOST_REGISTER_PORTABLE = 1
@@ -39,6 +39,37 @@ _PIN_HINT = ("a file-backed arena can only be pinned on tmpfs: use a shm_dir suc
 def default_shm_dir() -> str:
     """``/dev/shm`` where it exists (RAM-backed, mappable by name), else the temp dir."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def sweep_orphans(folder: str) -> list[str]:
+    """Remove arena files whose owning process is gone (killed units leave them behind).
+
+    Arena files are named ``gputq-<pid>-...arena``; a file whose pid no
+    longer runs on this host is an orphan. Returns the paths removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-", 2)
+        if len(parts) < 3 or parts[0] != "gputq" or not parts[1].isdigit() or not name.endswith(".arena"):
+            continue
+        if not _alive(int(parts[1])):
+            _remove_file(os.path.join(folder, name))
+            removed.append(os.path.join(folder, name))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def _remove_file(path: str) -> None:
@@ -88,8 +119,9 @@ class Arena(Closeable):
         self.name = name
         self.capacity = int(capacity_bytes)
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:64]
-        fd, self.path = tempfile.mkstemp(prefix=f"gputq-{safe}-", suffix=".arena",
-                                         dir=shm_dir or default_shm_dir())
+        folder = shm_dir or default_shm_dir()
+        sweep_orphans(folder)
+        fd, self.path = tempfile.mkstemp(prefix=f"gputq-{os.getpid()}-{safe}-", suffix=".arena", dir=folder)
         # Remove the file even if the owner forgets close() or dies in __init__.
         self._finalizer = weakref.finalize(self, _remove_file, self.path)
         try:
@@ -99,7 +131,6 @@ class Arena(Closeable):
             try:
                 os.posix_fallocate(fd, 0, self.capacity)
             except OSError as exc:
-                folder = shm_dir or default_shm_dir()
                 raise ConfigError(
                     f"cannot reserve a {self.capacity} byte arena in {folder}: {exc.strerror} "
                     f"({shutil.disk_usage(folder).free} bytes free); lower unit_capacity_bytes "

@@ -453,3 +453,18 @@ def test_arena_that_does_not_fit_its_folder_is_a_config_error(monkeypatch, tmp_p
     with pytest.raises(ConfigError, match="lower unit_capacity_bytes"):
         Arena(1 << 20, "too-big", shm_dir=str(tmp_path), pin=False)
     assert list(tmp_path.iterdir()) == []  # the backing file was removed
+
+
+def test_orphaned_arena_files_are_swept(tmp_path):
+    from gputq.arena import sweep_orphans
+
+    dead = tmp_path / "gputq-999999999-su-0-abc.arena"  # no such pid
+    dead.write_bytes(b"x")
+    mine = tmp_path / f"gputq-{os.getpid()}-su-1-def.arena"
+    mine.write_bytes(b"x")
+    other = tmp_path / "unrelated.arena"
+    other.write_bytes(b"x")
+    with Arena(1 << 16, "fresh", shm_dir=str(tmp_path), pin=False) as arena:
+        assert not dead.exists() and mine.exists() and other.exists()
+        assert os.path.basename(arena.path).startswith(f"gputq-{os.getpid()}-fresh-")
+    assert sweep_orphans(str(tmp_path)) == []
