@@ -83,7 +83,7 @@ class TrainerRank:
         for unit in self._clients.units:  # connect now, so fetch timings are transfers only
             self._clients.channel(unit)
 
-    def train_step(self, manager, world: int) -> dict:
+    def train_step(self, manager, world: int, partition: str) -> dict:
         import ray
 
         from .trajectory import Segment
@@ -94,6 +94,9 @@ class TrainerRank:
         restored = self._reader.fetch(shard)
         stats = self._reader.last_stats
         digests = {seg.segment_id: digest_fields(fields) for seg, fields in zip(segments, restored)}
+        # Consumed: drop this rank's segment references; a step shared with another
+        # rank's segments stays until that rank is done too.
+        self._reader.release(shard, partition)
         return {"rank": self.rank, "digests": digests, "unique_keys": stats.unique_keys,
                 "referenced_keys": stats.referenced_keys, "bytes_fetched": stats.bytes_fetched,
                 "fetch_seconds": stats.fetch_seconds, "restore_seconds": stats.restore_seconds,
@@ -145,8 +148,10 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
             writer.flush()
             write_seconds = time.perf_counter() - t_write
             bytes_offloaded = writer.bytes_written
-        make = lineage_segments if options.view == "lineage" else timeline_segments
-        segments = [seg for session in sessions for seg in make(session)]
+            make = lineage_segments if options.view == "lineage" else timeline_segments
+            segments = [seg for session in sessions for seg in make(session)]
+            # From here on each step lives as long as a segment that uses it.
+            writer.finalize([seg.layouts for seg in segments], partition)
         _say(progress, f"[3/6] composed {len(segments)} {options.view} segments from references")
         samples = [seg.to_sample() for seg in segments]
         sample_bytes = len(pickle.dumps(samples))
@@ -159,10 +164,8 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
         trainers = [trainer_cls.remote(rank, membership, config, options.device)
                     for rank in range(options.ranks)]
         _say(progress, f"[5/6] {options.ranks} trainer ranks fetching their shards")
-        reports = ray.get([t.train_step.remote(manager, options.ranks) for t in trainers])
+        reports = ray.get([t.train_step.remote(manager, options.ranks, partition) for t in trainers])
         ray.get([t.close.remote() for t in trainers])
-        # Ranks share steps (branches, timeline prefixes): the rollout is released as a
-        # whole once every rank has consumed it, not per rank.
         _say(progress, "[6/6] comparing with the inline (non-offloaded) path")
         expected = {seg.segment_id: digest_fields(inline_fields(seg)) for seg in segments}
         got = {sid: d for report in reports for sid, d in report["digests"].items()}
@@ -186,7 +189,7 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
         "transport": sorted({t for r in reports for t in r["transports"]}),
         "dtype": options.dtype,
         "keys_left_after_release": int(stats["totals"]["keys"]),
-        "keys_freed": int(freed),
+        "keys_freed_at_rollout_release": int(freed),
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if progress:
@@ -201,5 +204,6 @@ def _print_summary(r: dict) -> None:
           f"(referenced {r['referenced_keys_per_rank']})")
     print(f"  rollout (generate + write) {r['rollout_seconds']} s; cold fetch {r['fetch_gbps']:.2f} GB/s "
           f"over {r['transport']} (python -m bench.fetch measures warm fetches)")
-    print(f"  keys freed on release {r['keys_freed']}, left {r['keys_left_after_release']}; "
+    print(f"  keys left after the ranks released their segments and the rollout was released: "
+          f"{r['keys_left_after_release']} ({r['keys_freed_at_rollout_release']} freed by the latter); "
           f"{r['seconds']} s in all")

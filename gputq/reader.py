@@ -30,7 +30,7 @@ from transport.base import Closeable
 from .clients import UnitClients
 from .config import GputqConfig
 from .errors import ClosedError, InvalidInputError, LayoutError, TransferError
-from .refs import FieldRef, Layout
+from .refs import FieldRef, Layout, uses_by_unit
 
 __all__ = ["Reader", "FetchStats", "OUTPUT_NAMES", "build_plan"]
 
@@ -276,20 +276,16 @@ class Reader(Closeable):
                                 f"expected {dest.nbytes}", unit=unit, keys=keys)
 
     def release(self, shard: Sequence[Mapping[str, Layout]], partition: str) -> None:
-        """Drop ``partition``'s reference to every blob of ``shard``.
+        """Drop the references the samples of ``shard`` hold: they are consumed.
 
-        For consumers that hold the last use of these blobs (e.g. a single
-        reader streaming a rollout). When several ranks share steps, release
-        the whole partition through the controller after all have read.
+        One reference per sample and key, the count
+        :meth:`Writer.finalize` gave them, so ranks sharing steps release
+        independently and a step is freed when its last segment is done.
+        Keys already gone (the rollout released meanwhile) are skipped.
         """
-        by_unit: dict[str, set[str]] = {}
-        for sample in shard:
-            for layout in sample.values():
-                for ref in layout.refs():
-                    by_unit.setdefault(ref.unit, set()).add(ref.key)
-        for unit, keys in by_unit.items():
+        for unit, keys in uses_by_unit(shard).items():
             self._clients.channel(unit).call("release", timeout=self._config.control_timeout_s,
-                                             keys=sorted(keys), partition=partition, missing_ok=True)
+                                             keys=keys, partition=partition, missing_ok=True)
 
     def close(self) -> None:
         """Stop the read threads. Idempotent; the clients stay open."""

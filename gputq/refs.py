@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import InvalidInputError, LayoutError
 
-__all__ = ["SCHEMA_VERSION", "FieldRef", "Fragment", "Layout", "read_record"]
+__all__ = ["SCHEMA_VERSION", "FieldRef", "Fragment", "Layout", "read_record", "uses_by_unit"]
 
 SCHEMA_VERSION = 1
 
@@ -313,3 +313,16 @@ class Layout:
                 raise LayoutError(f"Layout record has a bad fragment {entry!r} ({len(refs)} refs)")
             frags.append(Fragment(refs[entry[0]], entry[1], entry[2], entry[3]))
         return cls(rec["field"], rec["rows"], rec["fill"], tuple(frags), rec["dtype"], tuple(rec["row_shape"]))
+
+
+def uses_by_unit(samples: Iterable[Mapping[str, Layout]]) -> dict[str, list[str]]:
+    """Per unit, the stored keys of ``samples``, once per sample that uses each.
+
+    This is the reference count segments hold on their steps: a step shared
+    by three segments appears three times.
+    """
+    uses: dict[str, list[str]] = {}
+    for sample in samples:
+        for ref in {(ref.unit, ref.key) for layout in sample.values() for ref in layout.refs()}:
+            uses.setdefault(ref[0], []).append(ref[1])
+    return uses

@@ -24,7 +24,7 @@ from .config import GputqConfig
 from .errors import ClosedError, DuplicateKeyError, GputqTimeoutError, InvalidInputError, TransferError
 from .fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec
 from .placement import rendezvous_unit
-from .refs import FieldRef
+from .refs import FieldRef, uses_by_unit
 
 __all__ = ["Writer", "CommitRegion", "stored_key"]
 
@@ -163,6 +163,38 @@ class Writer(Closeable):
             if not self._cond.wait_for(lambda: not keys.intersection(self._pending), timeout):
                 raise GputqTimeoutError(f"writes of {sorted(keys & set(self._pending))[:8]} still "
                                         f"pending after {timeout}s")
+
+    def finalize(self, samples, partition: str) -> None:
+        """Hand the stored steps' lifetime over to the segments built from them.
+
+        Each key gets one reference of ``partition`` per sample (segment)
+        that uses it, and loses the reference its write held. From then on
+        a key lives exactly as long as some segment needs it: releasing a
+        filtered-out sample (:meth:`Reader.release`) frees what only it
+        used, at once; a step shared by several segments is freed when the
+        last of them is released; ``release_partition`` still frees all.
+        Call it once per segment, after composing (it waits for the writes
+        of these keys to land).
+
+        Parameters
+        ----------
+        samples:
+            Per segment, its mapping of field name to :class:`Layout`.
+        partition:
+            The rollout that wrote the keys.
+        """
+        uses = uses_by_unit(samples)
+        self.wait([key for keys in uses.values() for key in keys])
+        with self._cond:
+            failed = sorted({key for keys in uses.values() for key in keys} & set(self._failures))
+        if failed:
+            raise TransferError(f"cannot finalize: writes of {failed[:8]} failed", keys=failed)
+        for unit, keys in uses.items():
+            channel = self._clients.channel(unit)
+            # Segment references first: the count never touches zero in between.
+            channel.call("add_ref", timeout=self._config.control_timeout_s, keys=keys, partition=partition)
+            channel.call("release", timeout=self._config.control_timeout_s, keys=sorted(set(keys)),
+                         partition=partition)
 
     def delete(self, refs) -> None:
         """Remove the stored blobs of ``refs`` regardless of who references them."""

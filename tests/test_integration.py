@@ -255,3 +255,30 @@ def test_fill_only_field_restores_with_its_own_dtype():
         (got,) = reader.fetch([{"routed_experts": fill_only}])
     assert got["rollout_routed_experts"].dtype == np.int32
     assert np.array_equal(got["rollout_routed_experts"], np.zeros((3, 2, 2), np.int32))
+
+
+def test_segments_own_their_steps_after_finalize():
+    """Filtered samples free what only they used; shared steps go with their last segment."""
+    synth = SyntheticConfig(**{**SYNTH, "rewrite_prob": 0.0, "branch_prob": 0.0, "sessions": 2})
+    with local_units("tcp", units=2) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            sessions = build_sessions(synth, writer=writer, partition="r0")
+            segments = [seg for s in sessions for seg in timeline_segments(s)]
+            writer.finalize([seg.layouts for seg in segments], "r0")
+
+        total = sum(s.stats()["keys"] for s in services)
+        last = [seg for seg in segments if seg.segment_id.endswith(f"t{len(sessions[0].steps) - 1}")]
+        # Timeline segment t_k uses steps 0..k: only the last segment of a session uses its last step.
+        filtered, kept = last[:1], [seg for seg in segments if seg is not last[0]]
+        with Reader(clients, config) as reader:
+            reader.release([seg.layouts for seg in filtered], "r0")  # e.g. a group with identical rewards
+            assert sum(s.stats()["keys"] for s in services) == total - 2  # its last step's two fields
+            restored = reader.fetch([seg.layouts for seg in kept])  # everything kept is still there
+            for seg, got in zip(kept, restored):
+                _assert_same(got, inline_fields(seg))
+            half = len(kept) // 2
+            reader.release([seg.layouts for seg in kept[:half]], "r0")  # rank 0 done
+            reader.fetch([seg.layouts for seg in kept[half:]])  # rank 1 still reads its shared prefixes
+            reader.release([seg.layouts for seg in kept[half:]], "r0")
+        assert sum(s.stats()["keys"] for s in services) == 0
+        assert sum(s.stats()["used"] for s in services) == 0
