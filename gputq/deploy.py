@@ -62,8 +62,9 @@ class UnitService(Closeable):
         from transport import get_transport
 
         self.name = name
-        self._unit = StorageUnit(name, config.unit_capacity_bytes,
-                                 put_timeout_s=config.put_timeout_s, shm_dir=config.shm_dir)
+        # Leases outlive no read: a reader gives up after read_timeout_s, the unit after twice that.
+        self._unit = StorageUnit(name, config.unit_capacity_bytes, put_timeout_s=config.put_timeout_s,
+                                 shm_dir=config.shm_dir, lease_timeout_s=2 * config.read_timeout_s)
         host = config.host or _default_host()
         try:
             self._server = get_transport(serving_transport(config.transport)).serve(

@@ -26,6 +26,7 @@ write whose ``meta`` has no ``partition`` belongs to :data:`DEFAULT_PARTITION`.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import Counter, deque
@@ -47,6 +48,8 @@ from transport.errors import (
 )
 
 __all__ = ["StorageUnit", "DEFAULT_PARTITION", "CONTROL_METHODS"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PARTITION = "default"
 
@@ -87,10 +90,14 @@ class StorageUnit(Closeable):
         Where the arena's shared-memory file lives (default ``/dev/shm``).
     alignment : int, optional
         Alignment of every stored blob in the arena.
+    lease_timeout_s : float, optional
+        A lease older than this is ended by the unit: its reader died or
+        gave up (readers time out well before; keep it above the read
+        timeout), and a released region must not stay pinned forever.
     """
 
     def __init__(self, name: str, capacity_bytes: int, *, put_timeout_s: float = 30.0,
-                 shm_dir: str | None = None, alignment: int = 256):
+                 shm_dir: str | None = None, alignment: int = 256, lease_timeout_s: float = 600.0):
         if put_timeout_s < 0:
             raise InvalidInputError(f"put_timeout_s must be >= 0, got {put_timeout_s}")
         self.name = name
@@ -101,6 +108,8 @@ class StorageUnit(Closeable):
         self._table: dict[str, _Entry] = {}
         self._partitions: dict[str, set[str]] = {}
         self._leases: dict[int, list[_Entry]] = {}
+        self._lease_deadlines: dict[int, float] = {}  # insertion order is expiry order
+        self.lease_timeout_s = float(lease_timeout_s)
         self._lease_ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._write_queue: deque[object] = deque()
@@ -169,6 +178,7 @@ class StorageUnit(Closeable):
                     if key in self._table:
                         raise DuplicateKeyError(f"unit {self.name}: key {key!r} already exists")
                     if self._write_queue[0] is ticket:
+                        self._expire_leases()
                         offset = self._alloc.allocate(nbytes)
                         if offset is not None:
                             break
@@ -183,6 +193,9 @@ class StorageUnit(Closeable):
                     if waited_since is None:
                         waited_since = time.monotonic()
                         self._counters["waits"] += 1
+                    if self._lease_deadlines:  # wake when the oldest lease expires, too
+                        remaining = min(remaining, max(0.001, next(iter(self._lease_deadlines.values()))
+                                                       - time.monotonic()))
                     self._cond.wait(remaining)
             finally:
                 self._write_queue.remove(ticket)
@@ -255,11 +268,13 @@ class StorageUnit(Closeable):
     def _pin(self, keys: Sequence[str]) -> tuple[int, list]:
         with self._cond:
             self._check_open()
+            self._expire_leases()
             entries = [self._committed(k) for k in keys]
             for entry in entries:
                 entry.leases += 1
             lease_id = next(self._lease_ids)
             self._leases[lease_id] = entries
+            self._lease_deadlines[lease_id] = time.monotonic() + self.lease_timeout_s
             self._counters["reads"] += 1
             self._counters["bytes_read"] += sum(e.nbytes for e in entries)
         return lease_id, entries
@@ -267,11 +282,26 @@ class StorageUnit(Closeable):
     def end_lease(self, lease_id: int) -> None:
         """Unpin a lease; regions released meanwhile are freed now. Idempotent."""
         with self._cond:
-            for entry in self._leases.pop(lease_id, ()):
-                entry.leases -= 1
-                if entry.leases == 0 and entry.released:
-                    self._pending_free_bytes -= entry.nbytes
-                    self._free_region(entry)
+            self._end_lease(lease_id)
+
+    def _end_lease(self, lease_id: int) -> None:
+        self._lease_deadlines.pop(lease_id, None)
+        for entry in self._leases.pop(lease_id, ()):
+            entry.leases -= 1
+            if entry.leases == 0 and entry.released:
+                self._pending_free_bytes -= entry.nbytes
+                self._free_region(entry)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        while self._lease_deadlines:
+            lease_id, deadline = next(iter(self._lease_deadlines.items()))
+            if deadline > now:
+                return
+            log.warning("unit %s: lease %d expired after %.0f s; its reader is gone",
+                        self.name, lease_id, self.lease_timeout_s)
+            self._counters["leases_expired"] += 1
+            self._end_lease(lease_id)
 
     def control(self, method: str, args: dict | None = None) -> Any:
         """Run one of :data:`CONTROL_METHODS` with keyword ``args``."""
@@ -432,7 +462,7 @@ class StorageUnit(Closeable):
                 "closed": self._closed,
                 **{k: self._counters[k] for k in
                    ("puts", "reads", "bytes_written", "bytes_read", "waits", "wait_us",
-                    "capacity_errors")},
+                    "capacity_errors", "leases_expired")},
             }
 
     # -- in-process convenience -------------------------------------------------------

@@ -468,3 +468,25 @@ def test_orphaned_arena_files_are_swept(tmp_path):
         assert not dead.exists() and mine.exists() and other.exists()
         assert os.path.basename(arena.path).startswith(f"gputq-{os.getpid()}-fresh-")
     assert sweep_orphans(str(tmp_path)) == []
+
+
+def test_lease_of_a_dead_reader_expires_and_frees_released_space():
+    with StorageUnit("su-expire", 4096, lease_timeout_s=0.05, alignment=256) as unit:
+        unit.put("a", np.ones(4096, np.uint8), {"partition": "p"})
+        unit.lease(["a"])  # the reader dies before end_lease
+        unit.release(["a"])
+        assert unit.stats()["pending_free_bytes"] == 4096
+        time.sleep(0.1)
+        unit.put("b", np.full(4096, 2, np.uint8), {"partition": "p"}, timeout=1)  # space comes back
+        assert unit.stats()["leases_expired"] == 1 and unit.stats()["pending_free_bytes"] == 0
+        assert np.array_equal(unit.read(["b"])[0], np.full(4096, 2, np.uint8))
+
+
+def test_waiting_writer_gets_space_when_a_stale_lease_expires():
+    with StorageUnit("su-expire-wait", 4096, lease_timeout_s=0.2) as unit:
+        unit.put("a", np.ones(4096, np.uint8), {"partition": "p"})
+        unit.lease(["a"])
+        unit.release(["a"])
+        started = time.monotonic()
+        unit.put("b", np.ones(4096, np.uint8), {"partition": "p"}, timeout=5)  # waits, then fits
+        assert 0.1 < time.monotonic() - started < 2
