@@ -1,9 +1,10 @@
 """The numpy reference of widen+scatter: the definition of its semantics.
 
-Every other backend must match it bit for bit. It is vectorised over rows:
-the plan is expanded into row gather/scatter indices once, then one fancy
-indexing assignment moves all fragments (no Python loop over rows or plan
-entries).
+Every other backend must match it bit for bit. It never loops over rows in
+Python: plans of long fragments (the common case: a step's hundreds to
+thousands of tokens) copy one contiguous slice per plan row; plans of
+short fragments are expanded into row gather/scatter indices once and
+moved by one fancy-indexing assignment.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import numpy as np
 from .plan import PlanError, check_call, row_gather_indices
 
 __all__ = ["reference_widen_scatter"]
+
+#: Mean rows per plan row from which fragments are copied slice by slice.
+_SLICE_MIN_ROWS = 16
 
 
 def reference_widen_scatter(staging, plan, width, out, fill=0, *, validate=True):
@@ -54,8 +58,15 @@ def reference_widen_scatter(staging, plan, width, out, fill=0, *, validate=True)
     plan, fill = check_call(
         staging.dtype.name, staging.size, out.dtype.name, out.size, plan, width, fill, validate
     )
-    src_idx, dst_idx, fill_idx = row_gather_indices(plan)
     out_rows = out.reshape(-1, width)  # a view: out is C-contiguous
-    out_rows[dst_idx] = staging.reshape(-1, width)[src_idx]
+    staging_rows = staging.reshape(-1, width)
+    if len(plan) and plan[:, 2].sum() >= _SLICE_MIN_ROWS * len(plan):
+        # Long fragments: one contiguous widening copy each runs at memory speed,
+        # where a row gather costs an index per row (~10x slower on 100 MB shards).
+        for src, dst, rows in plan.tolist():
+            out_rows[dst:dst + rows] = fill if src < 0 else staging_rows[src:src + rows]
+        return out
+    src_idx, dst_idx, fill_idx = row_gather_indices(plan)
+    out_rows[dst_idx] = staging_rows[src_idx]
     out_rows[fill_idx] = fill
     return out

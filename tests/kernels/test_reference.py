@@ -74,15 +74,18 @@ def bits(a: np.ndarray) -> np.ndarray:
 # --- the reference --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("max_frag", [9, 120], ids=["gather-path", "slice-path"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", WIDTHS)
-def test_reference_matches_naive_oracle(dtype, width):
-    rng = np.random.default_rng(1000 * DTYPES.index(dtype) + width)
+def test_reference_matches_naive_oracle(dtype, width, max_frag):
+    rng = np.random.default_rng(1000 * DTYPES.index(dtype) + width + max_frag)
     src_rows, dst_rows = int(rng.integers(1, 60)), int(rng.integers(1, 120))
+    if max_frag > 9:  # fragments long enough for slice copies
+        src_rows, dst_rows = int(rng.integers(150, 300)), int(rng.integers(200, 400))
     if width == 600:
-        src_rows, dst_rows = 7, 11
+        src_rows, dst_rows = (7, 11) if max_frag == 9 else (130, 140)
     staging = random_staging(rng, dtype, src_rows * width)
-    plan = random_plan(rng, src_rows, dst_rows, max_frag=9)
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=max_frag)
     fill = -7 if dtype != "float32" else 2.5
     got = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), fill)
     want = naive_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), fill)
