@@ -235,17 +235,25 @@ class Reader(Closeable):
                     start = first + sum(sizes[:i])
                     stop = start + sum(sizes[i:i + READ_BATCH_KEYS])
                     reads.append((unit, keys[i:i + READ_BATCH_KEYS], staging[name][start:stop]))
-        # The largest read runs in this thread: one hand-off fewer on small shards.
-        reads.sort(key=lambda read: read[2].nbytes)
-        jobs = [self._pool.submit(self._read, *read) for read in reads[:-1]]
+        # Units in parallel, each unit's requests in sequence (parallel streams from one
+        # unit only contend for its cores); the largest unit's run in this thread.
+        per_unit: dict[str, list] = {}
+        for read in reads:
+            per_unit.setdefault(read[0], []).append(read)
+        groups = sorted(per_unit.values(), key=lambda group: sum(r[2].nbytes for r in group))
+        jobs = [self._pool.submit(self._read_group, group) for group in groups[:-1]]
         try:
-            if reads:
-                self._read(*reads[-1])
+            if groups:
+                self._read_group(groups[-1])
         finally:
             wait(jobs)  # no read may still be writing into staging when this returns
         for job in jobs:
             job.result()
         return staging
+
+    def _read_group(self, reads: list) -> None:
+        for read in reads:
+            self._read(*read)
 
     def _restore(self, per_field: dict, staging: dict, samples: int) -> list[dict]:
         from kernels import widen_scatter
