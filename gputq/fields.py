@@ -27,6 +27,7 @@ import numpy as np
 from .errors import ConfigError, FieldValueError, InvalidInputError
 
 __all__ = [
+    "sample_key_of",
     "LOGPROBS",
     "ROUTED_EXPERTS",
     "ROUTED_EXPERTS_DTYPES",
@@ -98,7 +99,7 @@ class FieldSpec:
         if self.span not in SPANS:
             raise ConfigError(f"field {self.name!r}: span must be one of {SPANS}, got {self.span!r}")
         if not self.sample_key:
-            object.__setattr__(self, "sample_key", f"rollout_{self.name}")
+            object.__setattr__(self, "sample_key", sample_key_of(self.name))
 
     @property
     def integral(self) -> bool:
@@ -135,10 +136,14 @@ def _check_fill(name: str, fill: Any, restored: np.dtype) -> float | int:
     return int(fill)
 
 
+def sample_key_of(field: str) -> str:
+    """The trainer's name for ``field`` (slime's ``rollout_log_probs`` for logprobs)."""
+    return "rollout_log_probs" if field == LOGPROBS else f"rollout_{field}"
+
+
 def logprobs_spec() -> FieldSpec:
     """The built-in ``logprobs`` field: float32 per generated token, fill 0.0."""
-    return FieldSpec(LOGPROBS, (), "float32", "float32", 0.0, span="output",
-                     sample_key="rollout_log_probs")
+    return FieldSpec(LOGPROBS, (), "float32", "float32", 0.0, span="output")
 
 
 def routed_experts_spec(num_layers: int, topk: int, dtype: str = "int32") -> FieldSpec:
@@ -154,8 +159,7 @@ def routed_experts_spec(num_layers: int, topk: int, dtype: str = "int32") -> Fie
     """
     if dtype not in ROUTED_EXPERTS_DTYPES:
         raise ConfigError(f"routed_experts dtype must be one of {ROUTED_EXPERTS_DTYPES}, got {dtype!r}")
-    return FieldSpec(ROUTED_EXPERTS, (num_layers, topk), dtype, "int32", 0, span="context",
-                     sample_key="rollout_routed_experts")
+    return FieldSpec(ROUTED_EXPERTS, (num_layers, topk), dtype, "int32", 0, span="context")
 
 
 def row_nbytes(spec: FieldSpec) -> int:

@@ -30,14 +30,13 @@ from transport.base import Closeable
 from .clients import UnitClients
 from .config import GputqConfig
 from .errors import ClosedError, InvalidInputError, LayoutError, TransferError
+from .fields import sample_key_of
 from .refs import FieldRef, Layout, uses_by_unit
 
-__all__ = ["Reader", "FetchStats", "OUTPUT_NAMES", "build_plan"]
+__all__ = ["Reader", "FetchStats", "build_plan"]
 
 #: Keys per read request: ~200 KiB of key names, well inside one control frame.
 READ_BATCH_KEYS = 4096
-# slime's names for the restored fields.
-OUTPUT_NAMES = {"logprobs": "rollout_log_probs", "routed_experts": "rollout_routed_experts"}
 
 
 @dataclass
@@ -268,7 +267,7 @@ class Reader(Closeable):
             out = self._empty(total * stage.width * restored.itemsize).view(restored)
             compact = staging[name].view(stage.dtype)
             widen_scatter(compact, plan, stage.width, out, fill=fills.pop() if fills else 0)
-            out_name = OUTPUT_NAMES.get(name, name)
+            out_name = sample_key_of(name)
             for i, (layout, offset) in enumerate(zip(layouts, offsets)):
                 view = out[offset * stage.width:(offset + layout.rows) * stage.width]
                 results[i][out_name] = self._to_output(view.reshape((layout.rows, *layout.row_shape)))
