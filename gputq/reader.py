@@ -58,15 +58,28 @@ class FetchStats:
 
 @dataclass
 class _FieldStage:
-    """The staging layout of one field over one shard."""
+    """One field of a shard: its stored dtype and row shape, its blobs, their staging rows."""
 
     name: str
     dtype: np.dtype
     row_shape: tuple
     width: int
-    ref_row: dict  # (unit, key) -> first staging row
-    by_unit: dict  # unit -> ([keys], [bytes per key], first byte, end byte)
-    rows: int
+    refs_by_unit: dict  # unit -> [(key, FieldRef)], sorted by key
+    ref_row: dict = field(default_factory=dict)  # (unit, key) -> first row in the staging view
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * self.dtype.itemsize
+
+
+@dataclass
+class _Request:
+    """One read: ``keys`` of ``unit`` land back to back in staging bytes [start, stop)."""
+
+    unit: str
+    keys: list
+    start: int
+    stop: int
 
 
 def _stage_field(name: str, layouts: Sequence[Layout]) -> _FieldStage:
@@ -79,19 +92,41 @@ def _stage_field(name: str, layouts: Sequence[Layout]) -> _FieldStage:
         raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one shard: {sorted(specs)}")
     # A field whose samples are all fill rows still has a dtype and row shape: its layouts'.
     dtype, row_shape = specs.pop() if specs else (layouts[0].dtype, tuple(layouts[0].row_shape))
-    dtype = np.dtype(dtype)
     width = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
-    row_bytes = width * dtype.itemsize
-    ref_row, by_unit, row = {}, {}, 0
+    by_unit: dict[str, list] = {}
     for (unit, key), ref in sorted(refs.items()):
-        start = row * row_bytes
-        ref_row[(unit, key)] = row
-        row += ref.rows
-        keys, sizes, first, _ = by_unit.get(unit, ([], [], start, start))
-        keys.append(key)
-        sizes.append(ref.rows * row_bytes)
-        by_unit[unit] = (keys, sizes, first, row * row_bytes)
-    return _FieldStage(name, dtype, tuple(row_shape), width, ref_row, by_unit, row)
+        by_unit.setdefault(unit, []).append((key, ref))
+    return _FieldStage(name, np.dtype(dtype), tuple(row_shape), width, by_unit)
+
+
+def _lay_out(stages: Sequence[_FieldStage]) -> tuple[list[_Request], int]:
+    """Place every blob of a shard in one staging buffer; return the reads and its size.
+
+    Unit by unit, the unit's fields back to back, so one request per unit
+    covers them all. Each field's staging view indexes rows from byte 0, so
+    its blobs must start at multiples of its row size: fields go widest row
+    first (then a narrower row size usually divides the cursor), and where
+    padding is still needed, or a key list reaches :data:`READ_BATCH_KEYS`,
+    a new request starts.
+    """
+    order = sorted(stages, key=lambda stage: (-stage.row_bytes, stage.name))
+    units = sorted({unit for stage in stages for unit in stage.refs_by_unit})
+    requests: list[_Request] = []
+    cursor = 0
+    for unit in units:
+        current = None
+        for stage in order:
+            for key, ref in stage.refs_by_unit.get(unit, ()):
+                aligned = -(-cursor // stage.row_bytes) * stage.row_bytes
+                if current is None or aligned != cursor or len(current.keys) >= READ_BATCH_KEYS:
+                    current = _Request(unit, [], aligned, aligned)
+                    requests.append(current)
+                    cursor = aligned
+                stage.ref_row[(unit, key)] = cursor // stage.row_bytes
+                current.keys.append(key)
+                cursor += ref.rows * stage.row_bytes
+                current.stop = cursor
+    return requests, -(-cursor // 16) * 16  # whole rows of every dtype view
 
 
 def build_plan(stage: _FieldStage, layouts: Sequence[Layout]) -> tuple[np.ndarray, list[int], int]:
@@ -209,36 +244,32 @@ class Reader(Closeable):
         self.last_stats = stats
         return results
 
-    def _staging_buffer(self, name: str, nbytes: int, units, lent: contextlib.ExitStack):
-        """Where field ``name``'s blobs land: transport-registered memory when every unit is
-        read over a zero-copy transport (rdma), else this reader's reusable buffer."""
+    def _staging_buffer(self, nbytes: int, units, lent: contextlib.ExitStack):
+        """Where a shard's blobs land: transport-registered memory when every unit is read
+        over a zero-copy transport (rdma), else this reader's reusable buffer."""
         if self._device == "cpu" and units:
             transports = {self._clients.transport_of(unit)[0] for unit in units}
             if transports == {"rdma"}:
                 from transport import get_transport
 
                 return lent.enter_context(get_transport("rdma").destination(nbytes))
-        return self._staging_for(name, nbytes)
+        return self._staging_for("shard", nbytes)
 
-    def _read_all(self, per_field: dict, stats: FetchStats, lent: contextlib.ExitStack) -> dict:
-        staging, reads = {}, []
-        for name, (_, stage) in per_field.items():
-            nbytes = stage.rows * stage.width * stage.dtype.itemsize
-            staging[name] = self._staging_buffer(name, nbytes, list(stage.by_unit), lent)
-            for unit, (keys, sizes, first, end) in stage.by_unit.items():
-                stats.unique_keys += len(keys)
-                stats.unique_keys_per_unit[unit] = stats.unique_keys_per_unit.get(unit, 0) + len(keys)
-                stats.bytes_fetched += end - first
-                # Key lists travel in one control frame: bound them (thousands of keys per unit).
-                for i in range(0, len(keys), READ_BATCH_KEYS):
-                    start = first + sum(sizes[:i])
-                    stop = start + sum(sizes[i:i + READ_BATCH_KEYS])
-                    reads.append((unit, keys[i:i + READ_BATCH_KEYS], staging[name][start:stop]))
+    def _read_all(self, per_field: dict, stats: FetchStats, lent: contextlib.ExitStack):
+        stages = [stage for _, stage in per_field.values()]
+        requests, nbytes = _lay_out(stages)
+        staging = self._staging_buffer(nbytes, sorted({r.unit for r in requests}), lent)
+        for request in requests:
+            stats.unique_keys += len(request.keys)
+            stats.unique_keys_per_unit[request.unit] = \
+                stats.unique_keys_per_unit.get(request.unit, 0) + len(request.keys)
+            stats.bytes_fetched += request.stop - request.start
         # Units in parallel, each unit's requests in sequence (parallel streams from one
         # unit only contend for its cores); the largest unit's run in this thread.
         per_unit: dict[str, list] = {}
-        for read in reads:
-            per_unit.setdefault(read[0], []).append(read)
+        for request in requests:
+            per_unit.setdefault(request.unit, []).append(
+                (request.unit, request.keys, staging[request.start:request.stop]))
         groups = sorted(per_unit.values(), key=lambda group: sum(r[2].nbytes for r in group))
         jobs = [self._pool.submit(self._read_group, group) for group in groups[:-1]]
         try:
@@ -254,7 +285,7 @@ class Reader(Closeable):
         for read in reads:
             self._read(*read)
 
-    def _restore(self, per_field: dict, staging: dict, samples: int) -> list[dict]:
+    def _restore(self, per_field: dict, staging, samples: int) -> list[dict]:
         from kernels import widen_scatter
 
         results: list[dict] = [{} for _ in range(samples)]
@@ -265,7 +296,8 @@ class Reader(Closeable):
                 raise LayoutError(f"field {name!r} has several fill values in one shard: {fills}")
             restored = np.dtype(layouts[0].dtype) if layouts else np.dtype(np.float32)
             out = self._empty(total * stage.width * restored.itemsize).view(restored)
-            compact = staging[name].view(stage.dtype)
+            rows = staging.nbytes // stage.row_bytes  # a view of whole rows from byte 0
+            compact = staging[:rows * stage.row_bytes].view(stage.dtype)
             widen_scatter(compact, plan, stage.width, out, fill=fills.pop() if fills else 0)
             out_name = sample_key_of(name)
             for i, (layout, offset) in enumerate(zip(layouts, offsets)):
