@@ -4,9 +4,12 @@ For a shard (the layouts of its samples) the reader
 
 1. deduplicates the referenced blobs, so a step shared by many segments is
    fetched once;
-2. lays each field's blobs out in one compact staging buffer, grouped by unit;
-3. issues one batched read per unit and field, units in parallel, straight
-   into that buffer (host memory, or GPU memory with ``device="cuda"``);
+2. lays every blob out in one compact staging buffer, unit by unit, each
+   field's blobs on whole rows of that field's dtype view;
+3. issues one batched read per unit (a few when keys run into thousands),
+   units in parallel, straight into that buffer (host memory, the
+   transport's registered memory over rdma, or GPU memory with
+   ``device="cuda"``);
 4. runs one widen-and-scatter per field over the whole shard, into one
    output buffer; each sample's tensor is a view of it.
 
