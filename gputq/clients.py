@@ -93,7 +93,6 @@ class UnitClients(Closeable):
             chan.close()
 
 
-
 def _connect(address: dict, config: GputqConfig):
     from transport import get_transport
     from transport.policy import choose_transport

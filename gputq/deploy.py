@@ -92,7 +92,6 @@ class UnitService(Closeable):
             self._unit.close()
 
 
-
 def _default_host() -> str:
     try:
         import ray
@@ -203,8 +202,6 @@ class Deployment:
 
     def __exit__(self, *exc):
         self.shutdown()
-
-
 
 
 @contextlib.contextmanager

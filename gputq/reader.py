@@ -188,7 +188,7 @@ class Reader(Closeable):
         self._pool = ThreadPoolExecutor(max(2, len(clients.units) * 2), thread_name_prefix="gputq-reader")
         self._lock = threading.Lock()
         # Staging is reused across fetches: fresh pages would fault in during the receive.
-        self._staging: dict[str, object] = {}
+        self._staging = None
         self._closed = False
         self.last_stats = FetchStats()
 
@@ -200,12 +200,12 @@ class Reader(Closeable):
         with cp.cuda.Device(_device_index(self._device)):
             return cp.empty(nbytes, dtype=cp.uint8)
 
-    def _staging_for(self, name: str, nbytes: int):
-        """This reader's staging buffer for field ``name``, grown geometrically."""
-        buf = self._staging.get(name)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._staging[name] = self._empty(max(nbytes, int(1.5 * buf.nbytes) if buf is not None else 0))
-        return buf[:nbytes]
+    def _own_staging(self, nbytes: int):
+        """This reader's staging buffer, grown geometrically, cut to ``nbytes``."""
+        if self._staging is None or self._staging.nbytes < nbytes:
+            grown = int(1.5 * self._staging.nbytes) if self._staging is not None else 0
+            self._staging = self._empty(max(nbytes, grown))
+        return self._staging[:nbytes]
 
     def _to_output(self, array):
         if self._device == "cpu":
@@ -256,7 +256,7 @@ class Reader(Closeable):
                 from transport import get_transport
 
                 return lent.enter_context(get_transport("rdma").destination(nbytes))
-        return self._staging_for("shard", nbytes)
+        return self._own_staging(nbytes)
 
     def _read_all(self, per_field: dict, stats: FetchStats, lent: contextlib.ExitStack):
         stages = [stage for _, stage in per_field.values()]
@@ -334,7 +334,6 @@ class Reader(Closeable):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
-
 
 
 def _cupy():

@@ -251,7 +251,6 @@ class Writer(Closeable):
             exc.add_note(f"gputq: writes also failed: {failure}")
 
 
-
 class CommitRegion:
     """The keys written inside one :meth:`Writer.commit_region`."""
 
