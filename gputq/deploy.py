@@ -37,14 +37,15 @@ def serving_transport(requested: str) -> str:
     """The backend a unit serves with: rdma (which also serves tcp) when NIXL loads."""
     if requested == "tcp":
         return "tcp"
-    try:
-        import nixl._api  # noqa: F401
-    except Exception:
-        if requested == "rdma":
-            raise MissingDependencyError(
-                "transport 'rdma' needs NIXL: pip install nixl-cu12 (or nixl-cu13)") from None
-        return "tcp"
-    return "rdma"
+    from transport.policy import nixl_import_error
+
+    missing = nixl_import_error()
+    if missing is None:
+        return "rdma"
+    if requested == "rdma":
+        raise MissingDependencyError(
+            f"transport 'rdma' needs NIXL ({missing}): pip install 'gputq[rdma]'")
+    return "tcp"
 
 
 class UnitService(Closeable):

@@ -63,8 +63,10 @@ def _run(cmd: list[str]) -> str | None:
 
 def _nixl_libs_dir() -> str | None:
     """The directory of libraries bundled with the NIXL wheel (``nixl_cu12.libs``)."""
+    from transport.policy import load_nixl_api
+
     try:
-        import nixl._api as api
+        api = load_nixl_api()
     except Exception:
         return None
     site = os.path.dirname(os.path.dirname(api.__file__))  # .../site-packages/nixl_cu12/_api.py

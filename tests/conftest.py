@@ -10,11 +10,10 @@ from gputq.deploy import local_cluster
 
 def nixl_usable() -> str | None:
     """None when a NIXL agent can be created here, else the reason it cannot."""
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config  # noqa: F401
-    except Exception as exc:  # ImportError, or a missing native library
-        return f"NIXL not importable: {exc}"
-    return None
+    from transport.policy import nixl_import_error
+
+    error = nixl_import_error()
+    return None if error is None else f"NIXL not importable: {error}"
 
 
 TRANSPORT_PARAMS = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import sys
 import json
 
 import pytest
@@ -17,12 +18,14 @@ def no_nixl(monkeypatch):
     real_import = builtins.__import__
 
     def fake_import(name, *args, **kwargs):
-        if name == "nixl" or name.startswith("nixl."):
+        if name.split(".")[0] in ("nixl", "nixl_cu12", "nixl_cu13"):
             raise ImportError(f"No module named {name!r}")
         return real_import(name, *args, **kwargs)
 
     policy.nixl_import_error.cache_clear()
     monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setattr(policy, "NIXL_API_MODULES", ("nixl._api",))  # import_module skips __import__
+    monkeypatch.setitem(sys.modules, "nixl._api", None)
     monkeypatch.delenv(policy.ENV_VAR, raising=False)
     yield
     policy.nixl_import_error.cache_clear()

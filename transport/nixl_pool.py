@@ -28,7 +28,7 @@ import numpy as np
 
 from transport.base import byte_view
 from transport.errors import InvalidInputError, MissingDependencyError
-from transport.policy import local_hostname
+from transport.policy import load_nixl_api, local_hostname
 
 __all__ = ["host_ptr", "import_nixl", "agent_name", "LocalAgent", "local_pool", "BufferPool", "CudaOps",
            "cuda_device_of", "MIN_POOL_BYTES", "DRAM"]
@@ -63,11 +63,14 @@ def import_nixl():
     if quiet:
         os.environ["NIXL_LOG_LEVEL"] = "WARN"
     try:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        api = load_nixl_api()
     except Exception as exc:  # ImportError, or OSError from a native library
         raise MissingDependencyError(
             f"the rdma transport needs NIXL ({type(exc).__name__}: {exc}); "
-            "pip install nixl-cu12 (or nixl-cu13), or use --transport tcp") from exc
+            "pip install 'gputq[rdma]' (CUDA 13 hosts: pip install nixl-cu13), "
+            "or use --transport tcp") from exc
+    nixl_agent, nixl_agent_config, nixl_thread_sync_t = api.nixl_agent, api.nixl_agent_config, \
+        api.nixl_thread_sync_t
     if quiet:  # NIXL may have been imported before the variable was set
         logging.getLogger("nixl").setLevel(logging.WARNING)
     return nixl_agent, nixl_agent_config, nixl_thread_sync_t

@@ -18,6 +18,7 @@ value, so an operator can force a backend without touching the job's flags.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import socket
 
@@ -28,6 +29,8 @@ __all__ = [
     "ENV_VAR",
     "choose_transport",
     "nixl_import_error",
+    "load_nixl_api",
+    "NIXL_API_MODULES",
     "infiniband_devices",
     "local_hostname",
     "is_same_host",
@@ -39,15 +42,40 @@ ENV_VAR = "GPUTQ_TRANSPORT"
 _IB_SYSFS = "/sys/class/infiniband"
 
 
+#: Modules that provide NIXL's Python API, in order of preference. The
+#: ``nixl`` meta package only re-exports one of the ``nixl_cuXX`` wheels, and
+#: installing it pulls a CUDA build of torch; ``pip install 'gputq[rdma]'``
+#: installs ``nixl-cu12`` alone, so its module is tried directly too.
+NIXL_API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+
+def load_nixl_api():
+    """Import NIXL's Python API from whichever wheel is installed.
+
+    Raises
+    ------
+    ImportError or OSError
+        From the last candidate when none imports (the reason to report).
+    """
+    error: Exception | None = None
+    for name in NIXL_API_MODULES:
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:  # ImportError, or a broken native library (OSError)
+            if error is None or not isinstance(exc, ModuleNotFoundError):
+                error = exc  # keep the most telling failure: a broken library beats "not installed"
+    raise error
+
+
 @functools.lru_cache(maxsize=1)
 def nixl_import_error() -> str | None:
-    """Why ``nixl`` cannot be used here, or ``None`` when it imports.
+    """Why NIXL cannot be used here, or ``None`` when its API imports.
 
     Cached: importing NIXL loads native plugins once per process.
     """
     try:
-        import nixl._api  # noqa: F401  (the import is the probe)
-    except Exception as exc:  # ImportError, or a broken native library (OSError)
+        load_nixl_api()
+    except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -112,7 +140,7 @@ def choose_transport(requested: str = "auto", peer_address: dict | None = None) 
         return name, f"{source} explicitly"
     missing = nixl_import_error()
     if missing is not None:
-        return "tcp", f"auto: nixl does not import ({missing}); pip install nixl-cu12 for rdma"
+        return "tcp", f"auto: nixl does not import ({missing}); pip install 'gputq[rdma]' for rdma"
     if is_same_host(peer_address):
         return "rdma", "auto: peer on the same host, NIXL reads by cross-memory attach (cma)"
     local_ib = infiniband_devices()
