@@ -13,10 +13,12 @@ normal configuration (tcp transport, CPU tests), not an error.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import shutil
 import tempfile
+import time
 import weakref
 
 import numpy as np
@@ -28,12 +30,19 @@ from .errors import ConfigError
 
 __all__ = ["Arena", "default_shm_dir", "sweep_orphans"]
 
+log = logging.getLogger(__name__)
+
 # cudaHostRegisterPortable: pinned for every CUDA context, not just the current one.
 _HOST_REGISTER_PORTABLE = 1
 # Seen on an H200 host: a mapping of a file on ext4 fails with "invalid argument"
 # (the kernel refuses long-term pins of file-backed pages outside tmpfs).
 _PIN_HINT = ("a file-backed arena can only be pinned on tmpfs: use a shm_dir such as "
              "/dev/shm, or pin=False")
+
+# Every unit start sweeps; an orphan it cannot remove (another user's file in a
+# sticky /dev/shm) would otherwise be reported again by each start.
+_SWEEP_WARNING_INTERVAL_S = 300.0
+_last_sweep_warning = -float("inf")  # monotonic time of the last one
 
 
 def default_shm_dir() -> str:
@@ -45,9 +54,12 @@ def sweep_orphans(folder: str) -> list[str]:
     """Remove arena files whose owning process is gone (killed units leave them behind).
 
     Arena files are named ``gputq-<pid>-...arena``; a file whose pid no
-    longer runs on this host is an orphan. Returns the paths removed.
+    longer runs on this host is an orphan. An orphan that cannot be removed
+    (e.g. another user's) is skipped with a warning, at most one every few
+    minutes. Returns the paths removed.
     """
-    removed = []
+    global _last_sweep_warning
+    removed, skipped = [], []
     try:
         names = os.listdir(folder)
     except OSError:
@@ -57,8 +69,18 @@ def sweep_orphans(folder: str) -> list[str]:
         if len(parts) < 3 or parts[0] != "gputq" or not parts[1].isdigit() or not name.endswith(".arena"):
             continue
         if not _alive(int(parts[1])):
-            _remove_file(os.path.join(folder, name))
-            removed.append(os.path.join(folder, name))
+            path = os.path.join(folder, name)
+            try:
+                _remove_file(path)
+            except OSError as exc:
+                skipped.append(f"{path} ({exc.strerror or exc})")
+                continue
+            removed.append(path)
+    now = time.monotonic()
+    if skipped and now - _last_sweep_warning >= _SWEEP_WARNING_INTERVAL_S:
+        _last_sweep_warning = now
+        log.warning("cannot remove %d orphaned arena file(s) of dead units, skipped: %s; "
+                    "their owner or root can delete them", len(skipped), ", ".join(skipped[:5]))
     return removed
 
 

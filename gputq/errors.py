@@ -1,4 +1,12 @@
-"""gputq's exceptions: the shared tree from ``transport.errors`` plus input errors.
+"""gputq's exceptions: one tree rooted at :class:`GputqError`.
+
+Import errors from here. The root, the transport errors and the errors a
+storage unit answers over the wire (``UnknownKeyError``,
+``DuplicateKeyError``, ``CapacityError``, ``StaleReadError``) are defined in
+``transport.errors``, because transport servers and clients raise and
+rebuild them by name and ``transport`` does not import ``gputq``; they are
+re-exported here. Errors no transport ever raises are defined here:
+:class:`PartialFailureError` and the input errors of the upper layers.
 
 Catch :class:`GputqError` for everything; timeouts are also ``TimeoutError``,
 lost peers ``ConnectionError`` and bad input ``ValueError``.
@@ -35,6 +43,7 @@ __all__ = [
     "InvalidInputError",
     "LayoutError",
     "MissingDependencyError",
+    "PartialFailureError",
     "PeerLostError",
     "ProtocolError",
     "RequestTooLargeError",
@@ -42,6 +51,19 @@ __all__ = [
     "TransferError",
     "UnknownKeyError",
 ]
+
+
+class PartialFailureError(GputqError):
+    """A fan-out finished on some peers and not on others.
+
+    Raised only after the reachable peers were served; ``result`` holds
+    what was done and what failed (e.g. ``{"freed": int, "unreachable":
+    {unit: reason}}`` for a partition release).
+    """
+
+    def __init__(self, message: str, result: dict | None = None):
+        super().__init__(message)
+        self.result = result
 
 
 class FieldValueError(InvalidInputError):

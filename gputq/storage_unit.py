@@ -1,23 +1,11 @@
-"""The StorageUnit: one arena, its allocator, and a reference-counted key table.
+"""The StorageUnit: one arena, its allocator, its key table, and the remote-call surface.
 
 A unit stores write-once blobs (keys) in a pinned host arena and serves them
 to transports through the :class:`~transport.base.ArenaHandler` protocol.
 It is plain Python and thread-safe: the tcp and NIXL servers call it from
-many threads, and a Ray actor wraps it elsewhere.
-
-Ownership (DESIGN.md §3b). Every key carries a counter of references per
-*partition* (rollout). The writing partition holds the first reference;
-``add_ref`` shares a key into another partition, ``transfer`` moves a
-partition's references to another without moving bytes, ``release`` and
-``release_partition`` drop references, and ``delete`` removes keys outright
-(commit-region rollback). A key is freed when its last reference goes.
-
-Safety (§3 rules 6-7). A full unit makes writers wait (FIFO) up to their
-timeout, then raises :class:`CapacityError`; nothing is dropped or
-overwritten. Reads are leased: a key freed while leased leaves the table at
-once (new reads get :class:`UnknownKeyError`) but its region is returned to
-the allocator only when the last lease on it ends, so a read racing a
-release still gets that key's bytes and never another key's.
+many threads, and a Ray actor wraps it elsewhere. The key table and its
+ownership rules live in :mod:`gputq.keytable`; leases, reservations and the
+timer that expires them in :mod:`gputq.leases`.
 
 Partitions are normalised to ``str`` (msgpack maps need string keys); a
 write whose ``meta`` has no ``partition`` belongs to :data:`DEFAULT_PARTITION`.
@@ -25,58 +13,88 @@ write whose ``meta`` has no ``partition`` belongs to :data:`DEFAULT_PARTITION`.
 
 from __future__ import annotations
 
-import itertools
+import inspect
 import logging
+import secrets
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from gputq.allocator import FreeListAllocator
-from gputq.arena import Arena
 from transport.base import Closeable, Lease, Region
-from transport.errors import (
+
+from .allocator import FreeListAllocator
+from .arena import Arena
+from .errors import (
     CapacityError,
     ClosedError,
     DuplicateKeyError,
     InvalidInputError,
     RequestTooLargeError,
+    StaleReadError,
     UnknownKeyError,
 )
+from .keytable import (
+    COMMITTED,
+    DEFAULT_PARTITION,
+    RESERVED,
+    Entry,
+    KeyTable,
+    check_generations,
+    check_key,
+    check_keys,
+    check_meta,
+    check_nbytes,
+    check_partition,
+    check_release_id,
+)
+from .leases import ExpiryTimer, LeaseBook
 
 __all__ = ["StorageUnit", "DEFAULT_PARTITION", "CONTROL_METHODS"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PARTITION = "default"
-
 #: Methods reachable through :meth:`StorageUnit.control` (the remote API).
 CONTROL_METHODS = frozenset({
-    "release", "release_partition", "add_ref", "transfer", "delete", "lookup", "stats",
+    "release", "release_partition", "add_ref", "transfer", "delete", "lookup", "stats", "keys",
 })
 
-_RESERVED = "reserved"
-_COMMITTED = "committed"
 
+class _Waiter:
+    """A writer waiting for space, and since when."""
 
-@dataclass(eq=False)
-class _Entry:
-    key: str
-    offset: int
-    nbytes: int
-    meta: dict
-    generation: int
-    state: str = _RESERVED
-    holders: Counter = field(default_factory=Counter)
-    leases: int = 0
-    released: bool = False
+    __slots__ = ("since",)
+
+    def __init__(self, since: float):
+        self.since = since
 
 
 class StorageUnit(Closeable):
     """A pinned host arena plus a key table with reference-counted ownership.
+
+    Safety. A full unit makes writers wait up to their timeout, then raises
+    :class:`CapacityError`; nothing is dropped or overwritten. Reads are
+    leased: a key freed while leased leaves the table at once (new reads get
+    :class:`UnknownKeyError`), but its region goes back to the allocator only
+    when the last lease on it ends, so a read racing a release gets that
+    key's bytes and never another key's. References name the unit's
+    :attr:`incarnation` and each key's generation; a lease that names
+    another incarnation or generation raises :class:`StaleReadError`.
+
+    Write admission. Waiting writers queue in arrival order. A writer that
+    fits in the free space may pass the writers ahead of it, so one large
+    write does not block smaller ones, until the first writer in line has
+    waited ``write_aging_s``: from then on nobody passes it, and the space
+    freed goes to it first. So no write waits forever behind smaller ones;
+    a write still gives up with :class:`CapacityError` at its own timeout.
+
+    Expiry. Expiring leases end after ``lease_timeout_s`` and reservations
+    (writes begun, not yet committed) are aborted after
+    ``reservation_timeout_s``, both on the unit's own timer thread, so space
+    comes back with no other activity on the unit. A transport must finish
+    receiving a write into its region before the reservation deadline.
 
     Parameters
     ----------
@@ -91,31 +109,47 @@ class StorageUnit(Closeable):
     alignment : int, optional
         Alignment of every stored blob in the arena.
     lease_timeout_s : float, optional
-        A lease older than this is ended by the unit: its reader died or
-        gave up (readers time out well before; keep it above the read
-        timeout), and a released region must not stay pinned forever.
+        Lifetime of an expiring lease: its reader died or gave up (readers
+        time out well before; keep it above the read timeout).
+    reservation_timeout_s : float, optional
+        Lifetime of a reservation: a write not committed by then is aborted
+        and its space freed. Keep it above the writers' transfer time.
+    write_aging_s : float, optional
+        How long the first waiting writer may be passed by smaller writes.
+
+    Attributes
+    ----------
+    incarnation : str
+        16 random hex characters, new for each StorageUnit object.
     """
 
     def __init__(self, name: str, capacity_bytes: int, *, put_timeout_s: float = 30.0,
-                 shm_dir: str | None = None, alignment: int = 256, lease_timeout_s: float = 600.0):
-        if put_timeout_s < 0:
-            raise InvalidInputError(f"put_timeout_s must be >= 0, got {put_timeout_s}")
+                 shm_dir: str | None = None, alignment: int = 256, lease_timeout_s: float = 600.0,
+                 reservation_timeout_s: float = 60.0, write_aging_s: float = 1.0):
+        for what, value in (("put_timeout_s", put_timeout_s), ("write_aging_s", write_aging_s)):
+            if value < 0:
+                raise InvalidInputError(f"{what} must be >= 0, got {value}")
+        for what, value in (("lease_timeout_s", lease_timeout_s),
+                            ("reservation_timeout_s", reservation_timeout_s)):
+            if value <= 0:
+                raise InvalidInputError(f"{what} must be > 0, got {value}")
         self.name = name
+        self.incarnation = secrets.token_hex(8)
         self.put_timeout_s = float(put_timeout_s)
+        self.write_aging_s = float(write_aging_s)
+        self.lease_timeout_s = float(lease_timeout_s)
+        self.reservation_timeout_s = float(reservation_timeout_s)
         self._alloc = FreeListAllocator(capacity_bytes, alignment)  # validates before allocating
         self._arena = Arena(capacity_bytes, name, shm_dir)
-        self._cond = threading.Condition(threading.Lock())
-        self._table: dict[str, _Entry] = {}
-        self._partitions: dict[str, set[str]] = {}
-        self._leases: dict[int, list[_Entry]] = {}
-        self._lease_deadlines: dict[int, float] = {}  # insertion order is expiry order
-        self.lease_timeout_s = float(lease_timeout_s)
-        self._lease_ids = itertools.count(1)
-        self._generations = itertools.count(1)
-        self._write_queue: deque[object] = deque()
-        self._pending_free_bytes = 0
+        self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)  # writers waiting for space
+        self._table = KeyTable(name, self._on_forget)
+        self._book = LeaseBook(self.lease_timeout_s, self.reservation_timeout_s, self._free_region)
+        self._waiters: deque[_Waiter] = deque()
         self._counters = Counter()
         self._closed = False
+        self._timer = ExpiryTimer(threading.Condition(self._lock), self._expire_due,
+                                  f"gputq-unit-timer-{name}")
 
     # -- ArenaHandler -----------------------------------------------------------
 
@@ -143,9 +177,11 @@ class StorageUnit(Closeable):
                     timeout: float | None = None) -> int:
         """Reserve ``nbytes`` for ``key`` and return its arena offset.
 
-        Writers are served in arrival order; one that finds the arena full
-        waits up to ``timeout`` seconds (``None``: ``put_timeout_s``) for
-        releases to make room.
+        A writer that finds the arena full waits up to ``timeout`` seconds
+        (``None``: ``put_timeout_s``) for releases to make room, under the
+        admission policy of the class docstring. ``meta["generation"]``
+        (an int in ``[1, 2**63)``) is the key's generation, chosen by the
+        writer; without it the unit draws one.
 
         Raises
         ------
@@ -155,170 +191,216 @@ class StorageUnit(Closeable):
             ``nbytes`` exceeds the arena.
         CapacityError
             No space within the timeout; names key, size and free bytes.
+        InvalidInputError
+            A malformed key, size, meta, generation, partition or timeout.
         """
-        if not isinstance(key, str) or not key:
-            raise InvalidInputError(f"unit {self.name}: key must be a non-empty str, got {key!r}")
-        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-            raise InvalidInputError(f"unit {self.name}: nbytes must be an int >= 0, got {nbytes!r}")
-        nbytes = int(nbytes)
-        meta = dict(meta or {})
-        partition = str(meta.get("partition", DEFAULT_PARTITION))
+        key = check_key(self.name, key)
+        nbytes = check_nbytes(self.name, nbytes)
+        meta, partition, generation = check_meta(self.name, meta)
+        if timeout is None:
+            timeout = self.put_timeout_s
+        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise InvalidInputError(f"unit {self.name}: timeout must be a number or None, got {timeout!r}")
         if not self._alloc.fits_ever(nbytes):
             raise RequestTooLargeError(
                 f"unit {self.name}: key {key!r} needs {nbytes} bytes, arena holds {self.capacity}")
-        timeout = self.put_timeout_s if timeout is None else max(0.0, float(timeout))
-        deadline = time.monotonic() + timeout
-        ticket = object()
-        waited_since = None
-        with self._cond:
-            self._write_queue.append(ticket)
+        now = time.monotonic()
+        deadline = now + max(0.0, float(timeout))
+        waiter = _Waiter(now)
+        with self._lock:
+            self._waiters.append(waiter)
             try:
                 while True:
                     self._check_open()
                     if key in self._table:
                         raise DuplicateKeyError(f"unit {self.name}: key {key!r} already exists")
-                    if self._write_queue[0] is ticket:
-                        self._expire_leases()
+                    if self._may_allocate(waiter, now):
                         offset = self._alloc.allocate(nbytes)
                         if offset is not None:
                             break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+                    if now >= deadline:
                         self._counters["capacity_errors"] += 1
                         raise CapacityError(
                             f"unit {self.name}: no space for key {key!r} ({nbytes} bytes) "
                             f"within {timeout:g} s; free {self._alloc.free_bytes} bytes, "
                             f"largest free block {self._alloc.largest_free} bytes, "
-                            f"{len(self._write_queue) - 1} other writers waiting")
-                    if waited_since is None:
-                        waited_since = time.monotonic()
-                        self._counters["waits"] += 1
-                    if self._lease_deadlines:  # wake when the oldest lease expires, too
-                        remaining = min(remaining, max(0.001, next(iter(self._lease_deadlines.values()))
-                                                       - time.monotonic()))
-                    self._cond.wait(remaining)
+                            f"{len(self._waiters) - 1} other writers waiting")
+                    self._space.wait(deadline - now)
+                    now = time.monotonic()
             finally:
-                self._write_queue.remove(ticket)
-                if waited_since is not None:
-                    self._counters["wait_us"] += int((time.monotonic() - waited_since) * 1e6)
-                self._cond.notify_all()  # the next writer in line may fit now
-            entry = _Entry(key, offset, nbytes, meta, next(self._generations))
-            self._table[key] = entry
-            self._add_holder(entry, partition, 1)
+                if self._waiters[0] is waiter:
+                    self._space.notify_all()  # the next in line may pass or fit now
+                self._waiters.remove(waiter)
+                if now > waiter.since:
+                    self._counters["waits"] += 1
+                    self._counters["wait_us"] += int((now - waiter.since) * 1e6)
+            entry = Entry(key, offset, nbytes, meta, generation)
+            self._table.reserve(entry, partition)
+            self._timer.poke(self._book.reserve(entry, now))
         return offset
 
     def commit_write(self, key: str) -> dict:
-        """Make a reserved, fully written key readable; return its receipt.
+        """Make a reserved, fully written key readable.
+
+        Returns
+        -------
+        dict
+            ``{"offset", "nbytes", "generation", "incarnation"}``.
 
         Raises
         ------
         UnknownKeyError
-            ``key`` is not reserved, or its partition was released while it
-            was being written (the reservation is then freed).
+            ``key`` is not reserved (never begun, aborted, or its reservation
+            expired), or its partition was released while it was being
+            written (the reservation is then freed).
         """
-        with self._cond:
+        key = check_key(self.name, key)
+        with self._lock:
             entry = self._table.get(key)
-            if entry is None or entry.state != _RESERVED:
-                raise UnknownKeyError(f"unit {self.name}: no write in progress for key {key!r}")
-            if not entry.holders:
-                self._forget(entry)
+            if entry is None or entry.state != RESERVED:
                 raise UnknownKeyError(
-                    f"unit {self.name}: key {key!r} was released while being written")
-            entry.state = _COMMITTED
+                    f"unit {self.name}: no write in progress for key {key!r} (never begun, aborted, "
+                    f"or its reservation expired after {self.reservation_timeout_s:g} s)")
+            self._book.unreserve(entry)
+            if not entry.holders:
+                self._table.forget(entry)
+                raise UnknownKeyError(f"unit {self.name}: key {key!r} was released while being written")
+            entry.state = COMMITTED
             self._counters["puts"] += 1
             self._counters["bytes_written"] += entry.nbytes
-            return {"offset": entry.offset, "generation": entry.generation,
-                    "nbytes": entry.nbytes}
+            return {"offset": entry.offset, "nbytes": entry.nbytes, "generation": entry.generation,
+                    "incarnation": self.incarnation}
 
     def abort_write(self, key: str) -> None:
         """Drop the reservation of ``key``. Unknown keys are ignored."""
-        with self._cond:
+        key = check_key(self.name, key)
+        with self._lock:
             entry = self._table.get(key)
             if entry is None:
                 return
-            if entry.state != _RESERVED:
+            if entry.state != RESERVED:
                 raise InvalidInputError(
                     f"unit {self.name}: key {key!r} is committed; use delete() to remove it")
-            self._forget(entry)
+            self._table.forget(entry)
 
-    def lease(self, keys: Sequence[str]) -> Lease:
+    def lease(self, keys: Sequence[str], generations: Sequence[int] | None = None,
+              incarnation: str | None = None, *, expires: bool = True) -> Lease:
         """Pin the regions of ``keys`` (in order) until :meth:`end_lease`.
+
+        Parameters
+        ----------
+        keys : list of str
+        generations : list of int, optional
+            One per key: the generation the caller's reference names; ``0``
+            or ``None`` entries are not checked.
+        incarnation : str, optional
+            The unit incarnation the caller's references name.
+        expires : bool, optional
+            False for a lease the caller always ends itself (a server's own
+            send); True leases end after ``lease_timeout_s`` regardless.
 
         Raises
         ------
+        StaleReadError
+            ``incarnation`` is not this unit's (it restarted), or a key's
+            stored generation differs from the one expected (the key was
+            deleted and written again).
         UnknownKeyError
             Names the first key that is unknown or not yet committed.
         """
-        lease_id, entries = self._pin(keys)
+        lease_id, entries = self._pin(keys, generations, incarnation, expires)
         return Lease(lease_id, tuple(Region(e.offset, e.nbytes) for e in entries),
                      tuple(e.generation for e in entries))
 
-    def lease_regions(self, keys: Sequence[str]) -> tuple[int, np.ndarray]:
+    def lease_regions(self, keys: Sequence[str], generations: Sequence[int] | None = None,
+                      incarnation: str | None = None, *, expires: bool = True) -> tuple[int, np.ndarray]:
         """:meth:`lease` as ``(lease_id, int64 [n, 2] of (offset, nbytes))``.
 
         The NIXL server's fast path: a 1024-key lease without building
         1024 ``Region`` objects.
         """
-        lease_id, entries = self._pin(keys)
+        lease_id, entries = self._pin(keys, generations, incarnation, expires)
         regions = np.empty((len(entries), 2), dtype=np.int64)
         regions[:, 0] = np.fromiter((e.offset for e in entries), np.int64, len(entries))
         regions[:, 1] = np.fromiter((e.nbytes for e in entries), np.int64, len(entries))
         return lease_id, regions
 
-    def _pin(self, keys: Sequence[str]) -> tuple[int, list]:
-        with self._cond:
+    def _pin(self, keys: Sequence[str], generations=None, incarnation=None,
+             expires: bool = True) -> tuple[int, list[Entry]]:
+        if not isinstance(keys, (list, tuple)):
+            raise InvalidInputError(f"unit {self.name}: keys must be a list of str, got {type(keys).__name__}")
+        if incarnation is not None:
+            if not isinstance(incarnation, str):
+                raise InvalidInputError(f"unit {self.name}: incarnation must be a str, got {incarnation!r}")
+            if incarnation != self.incarnation:
+                raise StaleReadError(
+                    f"unit {self.name} restarted: reference is for incarnation {incarnation}, "
+                    f"unit is incarnation {self.incarnation}")
+        if not isinstance(expires, bool):
+            raise InvalidInputError(f"unit {self.name}: expires must be a bool, got {expires!r}")
+        with self._lock:
             self._check_open()
-            self._expire_leases()
-            entries = [self._committed(k) for k in keys]
-            for entry in entries:
-                entry.leases += 1
-            lease_id = next(self._lease_ids)
-            self._leases[lease_id] = entries
-            self._lease_deadlines[lease_id] = time.monotonic() + self.lease_timeout_s
+            try:
+                entries = self._table.committed_many(keys)
+            except (UnknownKeyError, TypeError):
+                check_keys(self.name, keys)  # a malformed key is bad input, not a missing key
+                raise
+            if generations is not None:
+                check_generations(self.name, entries, generations)
+            lease_id, deadline = self._book.pin(entries, expires, time.monotonic())
+            if deadline is not None:
+                self._timer.poke(deadline)
             self._counters["reads"] += 1
             self._counters["bytes_read"] += sum(e.nbytes for e in entries)
         return lease_id, entries
 
-    def end_lease(self, lease_id: int) -> None:
-        """Unpin a lease; regions released meanwhile are freed now. Idempotent."""
-        with self._cond:
-            self._end_lease(lease_id)
+    def end_lease(self, lease_id: int) -> bool:
+        """Unpin a lease; regions released meanwhile are freed now. Idempotent.
 
-    def _end_lease(self, lease_id: int) -> None:
-        self._lease_deadlines.pop(lease_id, None)
-        for entry in self._leases.pop(lease_id, ()):
-            entry.leases -= 1
-            if entry.leases == 0 and entry.released:
-                self._pending_free_bytes -= entry.nbytes
-                self._free_region(entry)
-
-    def _expire_leases(self) -> None:
-        now = time.monotonic()
-        while self._lease_deadlines:
-            lease_id, deadline = next(iter(self._lease_deadlines.items()))
-            if deadline > now:
-                return
-            log.warning("unit %s: lease %d expired after %.0f s; its reader is gone",
-                        self.name, lease_id, self.lease_timeout_s)
-            self._counters["leases_expired"] += 1
-            self._end_lease(lease_id)
+        Returns
+        -------
+        bool
+            True when the lease was still held; False when it had expired
+            (its regions may hold another key's bytes by now) or is unknown.
+        """
+        if isinstance(lease_id, bool) or not isinstance(lease_id, (int, np.integer)):
+            raise InvalidInputError(f"unit {self.name}: lease_id must be an int, got {lease_id!r}")
+        with self._lock:
+            return self._book.end(int(lease_id))
 
     def control(self, method: str, args: dict | None = None) -> Any:
-        """Run one of :data:`CONTROL_METHODS` with keyword ``args``."""
-        if method not in CONTROL_METHODS:
-            raise InvalidInputError(f"unit {self.name}: unknown control method {method!r}")
-        try:
-            return getattr(self, method)(**(args or {}))
-        except TypeError as exc:
-            raise InvalidInputError(f"unit {self.name}: bad arguments for {method}: {exc}") from exc
+        """Run one of :data:`CONTROL_METHODS` with keyword ``args``.
 
-    # -- lifecycle ---------------------------------------------------------------
+        Raises
+        ------
+        InvalidInputError
+            Unknown method, or arguments missing, unexpected or malformed.
+        """
+        if not isinstance(method, str) or method not in CONTROL_METHODS:
+            raise InvalidInputError(f"unit {self.name}: unknown control method {method!r}")
+        args = {} if args is None else args
+        if not isinstance(args, dict) or not all(isinstance(name, str) for name in args):
+            raise InvalidInputError(f"unit {self.name}: {method} takes a dict of named arguments, got {args!r}")
+        function = getattr(self, method)
+        try:
+            inspect.signature(function).bind(**args)
+        except TypeError as exc:
+            raise InvalidInputError(f"unit {self.name}: bad arguments for {method}: {exc}") from None
+        return function(**args)
+
+    # -- ownership -----------------------------------------------------------------
 
     def release(self, keys: Sequence[str], partition: str | None = None, *,
-                missing_ok: bool = False) -> int:
+                missing_ok: bool = False, release_id: str | None = None) -> int:
         """Drop one reference of ``partition`` per listed key (all references if None).
 
         Validates every key before changing anything.
+
+        Parameters
+        ----------
+        release_id : str, optional
+            Makes the call exactly-once: a ``release_id`` already applied on
+            this unit (for this partition) makes it a no-op returning 0.
 
         Returns
         -------
@@ -334,55 +416,33 @@ class StorageUnit(Closeable):
             (unless ``missing_ok``: then the references it does not hold,
             e.g. of keys transferred away, are skipped).
         """
-        with self._cond:
+        keys = check_keys(self.name, keys)
+        partition = None if partition is None else check_partition(self.name, partition)
+        if not isinstance(missing_ok, bool):
+            raise InvalidInputError(f"unit {self.name}: missing_ok must be a bool, got {missing_ok!r}")
+        release_id = check_release_id(self.name, release_id)
+        with self._lock:
             self._check_open()
-            wanted = Counter(k for k in keys if self._visible(k) or not missing_ok)
-            if missing_ok and partition is not None:
-                wanted = Counter({key: min(count, self._table[key].holders[str(partition)])
-                                  for key, count in wanted.items()})
-                wanted = +wanted  # drop keys the partition holds no reference to
-            for key, count in wanted.items():
-                entry = self._committed(key)
-                if partition is not None and entry.holders[str(partition)] < count:
-                    raise InvalidInputError(
-                        f"unit {self.name}: partition {partition!r} holds "
-                        f"{entry.holders[str(partition)]} reference(s) to key {key!r}, "
-                        f"cannot release {count}")
-            freed = 0
-            for key, count in wanted.items():
-                entry = self._table[key]
-                if partition is None:
-                    for holder in list(entry.holders):
-                        self._drop_holder(entry, holder, entry.holders[holder])
-                else:
-                    self._drop_holder(entry, str(partition), count)
-                freed += self._free_if_unheld(entry)
-            return freed
+            return self._table.release(keys, partition, missing_ok, release_id)
 
     def release_partition(self, partition: str) -> int:
         """Drop every reference ``partition`` holds; return the number of keys freed.
 
         Keys still being written lose the reference too: their commit then
-        fails and the reservation is freed.
+        fails, and their space is freed then or when the reservation expires.
+        Release ids remembered for ``partition`` are forgotten.
         """
-        partition = str(partition)
-        with self._cond:
+        partition = check_partition(self.name, partition)
+        with self._lock:
             self._check_open()
-            freed = 0
-            for key in list(self._partitions.get(partition, ())):
-                entry = self._table[key]
-                self._drop_holder(entry, partition, entry.holders[partition])
-                if entry.state == _COMMITTED:
-                    freed += self._free_if_unheld(entry)
-            return freed
+            return self._table.release_partition(partition)
 
     def add_ref(self, keys: Sequence[str], partition: str) -> None:
         """Give ``partition`` one more reference to each key (a shared step)."""
-        with self._cond:
+        keys, partition = check_keys(self.name, keys), check_partition(self.name, partition)
+        with self._lock:
             self._check_open()
-            entries = [self._committed(k) for k in keys]
-            for entry in entries:
-                self._add_holder(entry, str(partition), 1)
+            self._table.add_ref(keys, partition)
 
     def transfer(self, keys: Sequence[str], from_partition: str, to_partition: str) -> int:
         """Move ``from_partition``'s references of ``keys`` to ``to_partition``.
@@ -397,72 +457,69 @@ class StorageUnit(Closeable):
         InvalidInputError
             ``from_partition`` holds no reference to a key.
         """
-        src, dst = str(from_partition), str(to_partition)
-        with self._cond:
+        keys = check_keys(self.name, keys)
+        src, dst = check_partition(self.name, from_partition), check_partition(self.name, to_partition)
+        with self._lock:
             self._check_open()
-            entries = list({k: self._committed(k) for k in keys}.values())
-            for entry in entries:
-                if entry.holders.get(src, 0) == 0:
-                    raise InvalidInputError(
-                        f"unit {self.name}: partition {src!r} holds no reference to key {entry.key!r}")
-            if src != dst:
-                for entry in entries:
-                    count = entry.holders[src]
-                    self._drop_holder(entry, src, count)
-                    self._add_holder(entry, dst, count)
-            return len(entries)
+            return self._table.transfer(keys, src, dst)
 
     def delete(self, keys: Sequence[str]) -> int:
         """Remove committed keys whatever their references (commit-region rollback).
 
         Unknown keys are ignored. Returns the number of keys removed.
         """
-        with self._cond:
+        keys = check_keys(self.name, keys)
+        with self._lock:
             self._check_open()
-            removed = 0
-            for key in keys:
-                if self._visible(key):
-                    self._forget(self._table[key])
-                    removed += 1
-            return removed
+            return self._table.delete(keys)
 
     # -- queries -----------------------------------------------------------------
 
     def lookup(self, keys: Sequence[str]) -> list[dict]:
         """Metadata of committed keys: offset, nbytes, generation, meta, holders."""
-        with self._cond:
-            return [{"key": e.key, "offset": e.offset, "nbytes": e.nbytes,
-                     "generation": e.generation, "meta": dict(e.meta),
-                     "holders": dict(e.holders)}
-                    for e in (self._committed(k) for k in keys)]
+        keys = check_keys(self.name, keys)
+        with self._lock:
+            return self._table.lookup(keys)
+
+    def keys(self) -> dict:
+        """Every stored key and its references, for invariant checks.
+
+        Returns
+        -------
+        dict
+            ``{"unit", "incarnation", "partitions": {partition: {key: references}},
+            "reserved": [keys being written]}``.
+        """
+        with self._lock:
+            return {"unit": self.name, "incarnation": self.incarnation, **self._table.snapshot()}
 
     def stats(self) -> dict:
-        """Occupancy, partitions, leases and counters (msgpack-able)."""
-        with self._cond:
-            partitions = {}
-            for name, keys in self._partitions.items():
-                partitions[name] = {"keys": len(keys),
-                                    "bytes": sum(self._table[k].nbytes for k in keys)}
-            committed = sum(1 for e in self._table.values() if e.state == _COMMITTED)
+        """Occupancy, partitions, leases, reservations and counters (msgpack-able)."""
+        with self._lock:
+            committed, reserved = self._table.counts()
+            now = time.monotonic()
             return {
                 "name": self.name,
+                "incarnation": self.incarnation,
                 "capacity": self._alloc.capacity,
                 "used": self._alloc.used_bytes,
                 "free": self._alloc.free_bytes,
                 "largest_free": self._alloc.largest_free,
                 "free_blocks": self._alloc.num_free_blocks,
                 "keys": committed,
-                "reserved": len(self._table) - committed,
-                "partitions": partitions,
-                "leases": len(self._leases),
-                "pending_free_bytes": self._pending_free_bytes,
-                "writers_waiting": len(self._write_queue),
+                "reserved": reserved,
+                "reservations": self._book.reservations,
+                "partitions": self._table.partition_stats(),
+                "leases": self._book.leases,
+                "pending_free_bytes": self._book.pending_free_bytes,
+                "writers_waiting": len(self._waiters),
+                "first_writer_wait_s": now - self._waiters[0].since if self._waiters else 0.0,
                 "pinned": self._arena.pinned,
                 "arena_path": self._arena.path,
                 "closed": self._closed,
                 **{k: self._counters[k] for k in
                    ("puts", "reads", "bytes_written", "bytes_read", "waits", "wait_us",
-                    "capacity_errors", "leases_expired")},
+                    "capacity_errors", "leases_expired", "reservations_expired")},
             }
 
     # -- in-process convenience -------------------------------------------------------
@@ -489,7 +546,7 @@ class StorageUnit(Closeable):
 
     def read(self, keys: Sequence[str]) -> list[np.ndarray]:
         """Copies of the bytes of ``keys`` as 1-D ``uint8`` arrays."""
-        lease = self.lease(keys)
+        lease = self.lease(keys, expires=False)
         try:
             array = self._arena.array
             return [array[r.offset:r.offset + r.nbytes].copy() for r in lease.regions]
@@ -497,18 +554,21 @@ class StorageUnit(Closeable):
             self.end_lease(lease.lease_id)
 
     def close(self) -> None:
-        """Wake waiting writers (they get ``ClosedError``) and free the arena. Idempotent."""
-        with self._cond:
+        """Wake waiting writers (they get ``ClosedError``), stop the timer, free the arena.
+
+        Idempotent.
+        """
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
+            self._space.notify_all()
+        self._timer.stop()
         self._arena.close()
 
-
     def __repr__(self) -> str:
-        return (f"StorageUnit(name={self.name!r}, capacity={self._alloc.capacity}, "
-                f"used={self._alloc.used_bytes}, keys={len(self._table)})")
+        return (f"StorageUnit(name={self.name!r}, incarnation={self.incarnation!r}, "
+                f"capacity={self._alloc.capacity}, used={self._alloc.used_bytes}, keys={len(self._table)})")
 
     # -- internals (call with the lock held) ------------------------------------------
 
@@ -516,49 +576,31 @@ class StorageUnit(Closeable):
         if self._closed:
             raise ClosedError(f"unit {self.name} is closed")
 
-    def _visible(self, key: str) -> bool:
-        entry = self._table.get(key)
-        return entry is not None and entry.state == _COMMITTED
+    def _may_allocate(self, waiter: _Waiter, now: float) -> bool:
+        head = self._waiters[0]
+        return head is waiter or now - head.since < self.write_aging_s
 
-    def _committed(self, key: str) -> _Entry:
-        entry = self._table.get(key)
-        if entry is None or entry.state != _COMMITTED:
-            raise UnknownKeyError(f"unit {self.name}: unknown key {key!r}")
-        return entry
+    def _expire_due(self) -> float | None:
+        """The timer's work: end expired leases, abort expired reservations."""
+        if self._closed:
+            return None
+        now = time.monotonic()
+        for lease_id in self._book.due_leases(now):
+            log.warning("unit %s: lease %d expired after %g s; its reader is gone",
+                        self.name, lease_id, self.lease_timeout_s)
+            self._counters["leases_expired"] += 1
+            self._book.end(lease_id)
+        for entry in self._book.due_reservations(now):
+            log.warning("unit %s: write of key %r (%d bytes) not committed within %g s; aborted",
+                        self.name, entry.key, entry.nbytes, self.reservation_timeout_s)
+            self._counters["reservations_expired"] += 1
+            self._table.forget(entry)
+        return self._book.next_deadline()
 
-    def _add_holder(self, entry: _Entry, partition: str, count: int) -> None:
-        entry.holders[partition] += count
-        self._partitions.setdefault(partition, set()).add(entry.key)
+    def _on_forget(self, entry: Entry) -> None:
+        self._book.unreserve(entry)
+        self._book.park_or_free(entry)
 
-    def _drop_holder(self, entry: _Entry, partition: str, count: int) -> None:
-        left = entry.holders[partition] - count
-        if left > 0:
-            entry.holders[partition] = left
-            return
-        del entry.holders[partition]
-        keys = self._partitions.get(partition)
-        if keys is not None:
-            keys.discard(entry.key)
-            if not keys:
-                del self._partitions[partition]
-
-    def _free_if_unheld(self, entry: _Entry) -> int:
-        if entry.holders:
-            return 0
-        self._forget(entry)
-        return 1
-
-    def _forget(self, entry: _Entry) -> None:
-        """Remove ``entry`` from the table now; free its region once no lease pins it."""
-        del self._table[entry.key]
-        for partition in list(entry.holders):
-            self._drop_holder(entry, partition, entry.holders[partition])
-        if entry.leases:
-            entry.released = True
-            self._pending_free_bytes += entry.nbytes
-        else:
-            self._free_region(entry)
-
-    def _free_region(self, entry: _Entry) -> None:
+    def _free_region(self, entry: Entry) -> None:
         self._alloc.free(entry.offset)
-        self._cond.notify_all()
+        self._space.notify_all()

@@ -207,8 +207,8 @@ def test_read_racing_a_release_returns_the_right_bytes(transport_name):
     class RacingUnit(StorageUnit):
         race = True
 
-        def _pin(self, keys):  # under both lease() and the NIXL server's lease_regions()
-            lease = super()._pin(keys)
+        def _pin(self, keys, *args, **kwargs):  # under both lease() and the NIXL server's lease_regions()
+            lease = super()._pin(keys, *args, **kwargs)
             if self.race:
                 self.race = False
                 self.release(keys)  # the key's last reference goes while it is leased
