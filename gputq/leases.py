@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Callable, Iterator
+from typing import Callable
 
 from .keytable import Entry
 
@@ -110,14 +110,14 @@ class LeaseBook:
         else:
             self._free(entry)
 
-    def due_leases(self, now: float) -> Iterator[int]:
-        """Ids of expiring leases whose deadline passed, oldest first."""
-        while self._lease_deadlines:
-            lease_id, deadline = next(iter(self._lease_deadlines.items()))
+    def due_leases(self, now: float) -> list[int]:
+        """Ids of expiring leases whose deadline passed, oldest first (still held: end them)."""
+        due = []
+        for lease_id, deadline in self._lease_deadlines.items():
             if deadline > now:
-                return
-            yield lease_id
-            self._lease_deadlines.pop(lease_id, None)  # in case the caller did not end it
+                break
+            due.append(lease_id)
+        return due
 
     # -- reservations --------------------------------------------------------------------
 

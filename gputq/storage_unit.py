@@ -585,16 +585,21 @@ class StorageUnit(Closeable):
         if self._closed:
             return None
         now = time.monotonic()
-        for lease_id in self._book.due_leases(now):
-            log.warning("unit %s: lease %d expired after %g s; its reader is gone",
-                        self.name, lease_id, self.lease_timeout_s)
-            self._counters["leases_expired"] += 1
+        leases = list(self._book.due_leases(now))
+        for lease_id in leases:
             self._book.end(lease_id)
-        for entry in self._book.due_reservations(now):
-            log.warning("unit %s: write of key %r (%d bytes) not committed within %g s; aborted",
-                        self.name, entry.key, entry.nbytes, self.reservation_timeout_s)
-            self._counters["reservations_expired"] += 1
+        writes = self._book.due_reservations(now)
+        for entry in writes:
             self._table.forget(entry)
+        # One line per pass: a dead reader may leave thousands of leases behind.
+        if leases:
+            self._counters["leases_expired"] += len(leases)
+            log.warning("unit %s: %d lease(s) expired after %g s, their readers gone (ids %s)",
+                        self.name, len(leases), self.lease_timeout_s, leases[:5])
+        if writes:
+            self._counters["reservations_expired"] += len(writes)
+            log.warning("unit %s: %d write(s) not committed within %g s, aborted (keys %s)",
+                        self.name, len(writes), self.reservation_timeout_s, [e.key for e in writes[:5]])
         return self._book.next_deadline()
 
     def _on_forget(self, entry: Entry) -> None:

@@ -1,0 +1,129 @@
+"""Space that always comes back: the unit's own timer expires leases and reservations
+with no other activity; orphaned arena files that cannot be removed do not stop a unit."""
+
+import gc
+import logging
+import os
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+from gputq import arena as arena_module
+from gputq.errors import InvalidInputError, UnknownKeyError
+from gputq.storage_unit import StorageUnit
+from tests.test_storage_unit import wait_until
+
+KIB = 1024
+
+
+def _timer_threads(name):
+    return [t for t in threading.enumerate() if t.name == f"gputq-unit-timer-{name}"]
+
+
+def test_stalled_writer_reservation_is_aborted_by_the_timer():
+    with StorageUnit("su-stall", 64 * KIB, reservation_timeout_s=0.3) as unit:
+        offset = unit.begin_write("stalled", 8 * KIB, {"partition": "p"}, timeout=600)  # client timeout ignored
+        assert unit.stats()["used"] == 8 * KIB and unit.stats()["reservations"] == 1
+        # Nothing else happens on the unit: only the timer can free the space.
+        wait_until(lambda: unit.stats()["used"] == 0, timeout=10, what="the stalled reservation is aborted")
+        stats = unit.stats()
+        assert stats["reservations"] == stats["reserved"] == 0 and stats["reservations_expired"] == 1
+        assert stats["partitions"] == {}
+        with pytest.raises(UnknownKeyError, match="no write in progress for key 'stalled'"):
+            unit.commit_write("stalled")  # the writer wakes up too late
+        unit.abort_write("stalled")  # its cleanup is harmless
+        # The name and the region are free for a retry.
+        assert unit.begin_write("stalled", 8 * KIB, {"partition": "p"}, timeout=0) == offset
+        assert unit.commit_write("stalled")["nbytes"] == 8 * KIB
+
+
+def test_committed_write_is_not_expired():
+    with StorageUnit("su-commit", 64 * KIB, reservation_timeout_s=0.2, lease_timeout_s=0.2) as unit:
+        unit.put("kept", np.full(100, 3, np.uint8))
+        unit.begin_write("marker", 10, {}, 0)  # expires after "kept" would have
+        wait_until(lambda: unit.stats()["reservations_expired"] == 1, what="the marker expires")
+        assert np.array_equal(unit.read(["kept"])[0], np.full(100, 3, np.uint8))
+
+
+def test_dead_reader_lease_is_ended_by_the_timer_with_no_other_activity():
+    with StorageUnit("su-dead-reader", 64 * KIB, lease_timeout_s=0.3) as unit:
+        unit.put("a", np.ones(16 * KIB, np.uint8), {"partition": "p"})
+        lease_id, _ = unit.lease_regions(["a"])  # an rdma reader dies after leasing
+        assert unit.release_partition("p") == 1
+        assert unit.stats()["used"] == 16 * KIB and unit.stats()["pending_free_bytes"] == 16 * KIB
+        wait_until(lambda: unit.stats()["used"] == 0, timeout=10, what="the dead reader's lease ends")
+        stats = unit.stats()
+        assert stats["leases"] == 0 and stats["leases_expired"] == 1 and stats["pending_free_bytes"] == 0
+        assert unit.end_lease(lease_id) is False
+
+
+def test_release_partition_frees_a_stalled_reservation_once_it_expires():
+    with StorageUnit("su-part", 64 * KIB, reservation_timeout_s=0.4) as unit:
+        unit.put("done", np.ones(4 * KIB, np.uint8), {"partition": "r0"})
+        unit.begin_write("stalled", 8 * KIB, {"partition": "r0"}, timeout=None)
+        assert unit.release_partition("r0") == 1  # the committed key; the writer may still be writing
+        assert unit.stats()["used"] == 8 * KIB and unit.stats()["partitions"] == {}
+        wait_until(lambda: unit.stats()["used"] == 0, timeout=10, what="the reservation expires")
+        assert unit.stats()["reservations_expired"] == 1
+
+
+def test_timer_wakes_early_for_a_deadline_sooner_than_its_sleep():
+    # The reservation deadline (60 s) is what the timer sleeps toward; a later lease that
+    # expires in 0.2 s must still end on time.
+    with StorageUnit("su-poke", 64 * KIB, lease_timeout_s=0.2, reservation_timeout_s=60) as unit:
+        unit.begin_write("slow", 10, {}, 0)
+        unit.put("a", np.ones(10, np.uint8))
+        unit.lease(["a"])
+        wait_until(lambda: unit.stats()["leases_expired"] == 1, timeout=5, what="the lease expires")
+        assert unit.stats()["reservations"] == 1
+
+
+def test_close_stops_the_timer_and_is_idempotent():
+    unit = StorageUnit("su-close-timer", 4 * KIB)
+    assert len(_timer_threads("su-close-timer")) == 1
+    unit.close()
+    unit.close()
+    assert _timer_threads("su-close-timer") == []
+    assert unit.stats()["closed"] is True
+
+
+def test_unclosed_unit_is_collected_and_its_timer_ends():
+    unit = StorageUnit("su-forgotten", 4 * KIB)
+    path, ref = unit.arena_path, weakref.ref(unit)
+    del unit
+    gc.collect()
+    assert ref() is None and not os.path.exists(path)  # the timer does not keep the unit alive
+    wait_until(lambda: _timer_threads("su-forgotten") == [], timeout=10, what="the timer thread ends")
+
+
+@pytest.mark.parametrize("param", ["lease_timeout_s", "reservation_timeout_s"])
+def test_expiry_timeouts_must_be_positive(param):
+    with pytest.raises(InvalidInputError, match=param):
+        StorageUnit("su-bad", 4 * KIB, **{param: 0})
+
+
+def test_orphan_sweep_skips_files_it_cannot_remove(tmp_path, monkeypatch, caplog):
+    foreign = tmp_path / "gputq-999999998-su-0-abc.arena"  # a dead unit's file of another user
+    foreign.write_bytes(b"x")
+    removable = tmp_path / "gputq-999999997-su-1-def.arena"
+    removable.write_bytes(b"x")
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if os.fspath(path) == str(foreign):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(arena_module, "_last_sweep_warning", -float("inf"))
+    with caplog.at_level(logging.WARNING, logger="gputq.arena"):
+        with StorageUnit("su-starts", 4 * KIB, shm_dir=str(tmp_path)) as unit:
+            assert unit.put("a", np.ones(10, np.uint8))["nbytes"] == 10
+        with StorageUnit("su-starts-again", 4 * KIB, shm_dir=str(tmp_path)):
+            pass
+    assert foreign.exists() and not removable.exists()
+    warnings = [r for r in caplog.records if "cannot remove" in r.getMessage()]
+    assert len(warnings) == 1  # rate-limited: the second start does not repeat it
+    assert str(foreign) in warnings[0].getMessage() and "Operation not permitted" in warnings[0].getMessage()
