@@ -1,4 +1,4 @@
-"""StorageUnit and Arena: storage, typed errors, back-pressure, lifecycle (§3b), leases, threads."""
+"""StorageUnit and Arena: storage, typed errors, back-pressure, lifecycle, leases, threads."""
 
 import os
 import random
@@ -255,7 +255,7 @@ def test_close_wakes_waiting_writer(unit):
     assert not os.path.exists(unit.arena_path)
 
 
-# -- lifecycle (§3b) ----------------------------------------------------------------------
+# -- lifecycle ------------------------------------------------------------------------------
 
 
 def test_shared_step_freed_once_at_last_reference(unit):
@@ -339,7 +339,7 @@ def test_partition_released_during_write_fails_the_commit(unit):
     assert unit.stats()["used"] == 0 and unit.stats()["reserved"] == 0
 
 
-# -- leases (§3 rule 7) ---------------------------------------------------------------------
+# -- leases ---------------------------------------------------------------------------------
 
 
 def test_release_during_lease_keeps_bytes_until_lease_ends():
