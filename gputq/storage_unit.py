@@ -19,6 +19,7 @@ import secrets
 import threading
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -62,13 +63,11 @@ CONTROL_METHODS = frozenset({
 })
 
 
+@dataclass(eq=False)
 class _Waiter:
     """A writer waiting for space, and since when."""
 
-    __slots__ = ("since",)
-
-    def __init__(self, since: float):
-        self.since = since
+    since: float
 
 
 class StorageUnit(Closeable):
@@ -205,7 +204,7 @@ class StorageUnit(Closeable):
             raise RequestTooLargeError(
                 f"unit {self.name}: key {key!r} needs {nbytes} bytes, arena holds {self.capacity}")
         now = time.monotonic()
-        deadline = now + max(0.0, float(timeout))
+        deadline = now + min(max(0.0, float(timeout)), threading.TIMEOUT_MAX)  # NaN: 0, inf: TIMEOUT_MAX
         waiter = _Waiter(now)
         with self._lock:
             self._waiters.append(waiter)
@@ -371,10 +370,8 @@ class StorageUnit(Closeable):
     def control(self, method: str, args: dict | None = None) -> Any:
         """Run one of :data:`CONTROL_METHODS` with keyword ``args``.
 
-        Raises
-        ------
-        InvalidInputError
-            Unknown method, or arguments missing, unexpected or malformed.
+        Any malformed call (unknown method, arguments missing, unexpected or
+        of the wrong type) raises :class:`InvalidInputError`.
         """
         if not isinstance(method, str) or method not in CONTROL_METHODS:
             raise InvalidInputError(f"unit {self.name}: unknown control method {method!r}")
@@ -482,13 +479,8 @@ class StorageUnit(Closeable):
             return self._table.lookup(keys)
 
     def keys(self) -> dict:
-        """Every stored key and its references, for invariant checks.
-
-        Returns
-        -------
-        dict
-            ``{"unit", "incarnation", "partitions": {partition: {key: references}},
-            "reserved": [keys being written]}``.
+        """Every stored key and its references, for invariant checks: ``{"unit",
+        "incarnation", "partitions": {partition: {key: references}}, "reserved": [keys being written]}``.
         """
         with self._lock:
             return {"unit": self.name, "incarnation": self.incarnation, **self._table.snapshot()}
@@ -554,10 +546,7 @@ class StorageUnit(Closeable):
             self.end_lease(lease.lease_id)
 
     def close(self) -> None:
-        """Wake waiting writers (they get ``ClosedError``), stop the timer, free the arena.
-
-        Idempotent.
-        """
+        """Wake waiting writers (they get ``ClosedError``), stop the timer, free the arena. Idempotent."""
         with self._lock:
             if self._closed:
                 return

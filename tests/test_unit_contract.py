@@ -1,11 +1,15 @@
 """The StorageUnit's side of the cross-branch contract: incarnation, generations,
 stale reads, non-expiring leases, exactly-once release, the keys method, typed control errors."""
 
+import threading
+
 import msgpack
 import numpy as np
 import pytest
 
 from gputq.errors import (
+    CapacityError,
+    ClosedError,
     GputqError,
     InvalidInputError,
     PartialFailureError,
@@ -44,6 +48,21 @@ def test_writer_chosen_generation_is_kept(unit):
         with pytest.raises(InvalidInputError, match="generation"):
             unit.begin_write("c", 1, {"generation": bad}, 0)
     assert unit.stats()["reserved"] == 0
+
+
+def test_begin_write_timeouts_of_any_size(unit):
+    with pytest.raises(InvalidInputError, match="timeout"):
+        unit.begin_write("a", 1, {}, "5")
+    unit.begin_write("b", 64 * KIB, {}, float("inf"))
+    with pytest.raises(CapacityError):
+        unit.begin_write("a", 1, {}, float("nan"))  # NaN waits for nothing
+    waiting = threading.Thread(target=lambda: pytest.raises(ClosedError, unit.begin_write, "c", 1, {},
+                                                            float("inf")))
+    waiting.start()
+    wait_until(lambda: unit.stats()["writers_waiting"] == 1, what="an endless writer waits")
+    unit.close()
+    waiting.join(10)
+    assert not waiting.is_alive()
 
 
 def test_lease_checks_incarnation_then_generations(unit):
