@@ -136,6 +136,6 @@ def test_release_lease_rewrite_races(expiring):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("expiring", [False, True], ids=["held-leases", "expiring-leases"])
 def test_release_lease_rewrite_races_many(expiring):
-    for seed in range(5):
+    for seed in range(10):  # 100,000 operations per lease kind
         tally = _race(ops_per_thread=2500, threads=4, expiring=expiring, seed=seed)
-        assert tally["reads"] > 2000
+        assert tally["reads"] > 1000 and tally["stale"] > 0
