@@ -40,6 +40,7 @@ __all__ = [
     "check_meta",
     "check_generations",
     "check_release_id",
+    "check_page",
 ]
 
 DEFAULT_PARTITION = "default"
@@ -258,17 +259,23 @@ class KeyTable:
         return {name: {"keys": len(keys), "bytes": sum(self._entries[k].nbytes for k in keys)}
                 for name, keys in self._partitions.items()}
 
-    def snapshot(self) -> dict:
-        """Per partition the committed keys and their reference counts; keys being written apart."""
+    def snapshot(self, after: str | None = None, limit: int | None = None) -> dict:
+        """Per partition the committed keys and their reference counts; keys being written apart.
+
+        Committed keys are listed in name order, those after ``after`` and at
+        most ``limit`` of them; ``"next"`` is the ``after`` of the next page
+        (None on the last).
+        """
+        names = sorted(k for k, e in self._entries.items()
+                       if e.state == COMMITTED and (after is None or k > after))
+        page = names if limit is None else names[:limit]
         partitions: dict[str, dict[str, int]] = {}
-        reserved = []
-        for entry in self._entries.values():
-            if entry.state != COMMITTED:
-                reserved.append(entry.key)
-                continue
-            for partition, count in entry.holders.items():
-                partitions.setdefault(partition, {})[entry.key] = count
-        return {"partitions": partitions, "reserved": sorted(reserved)}
+        for key in page:
+            for partition, count in self._entries[key].holders.items():
+                partitions.setdefault(partition, {})[key] = count
+        reserved = sorted(k for k, e in self._entries.items() if e.state != COMMITTED)
+        return {"partitions": partitions, "reserved": reserved,
+                "next": page[-1] if len(page) < len(names) else None}
 
     # -- internals -------------------------------------------------------------------------
 
@@ -369,3 +376,11 @@ def check_generations(unit: str, entries: list[Entry], generations) -> None:
             raise StaleReadError(
                 f"unit {unit}: key {entry.key!r} is generation {entry.generation}, "
                 f"the reference expects generation {expected} (deleted and written again)")
+
+
+def check_page(unit: str, after, limit) -> None:
+    """A page of a key listing: ``after`` a str or None, ``limit`` an int >= 1 or None."""
+    if after is not None and not isinstance(after, str):
+        raise InvalidInputError(f"unit {unit}: after must be a str or None, got {after!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidInputError(f"unit {unit}: limit must be an int >= 1 or None, got {limit!r}")

@@ -48,6 +48,7 @@ from .keytable import (
     check_keys,
     check_meta,
     check_nbytes,
+    check_page,
     check_partition,
     check_release_id,
 )
@@ -239,12 +240,8 @@ class StorageUnit(Closeable):
         return offset
 
     def commit_write(self, key: str) -> dict:
-        """Make a reserved, fully written key readable.
-
-        Returns
-        -------
-        dict
-            ``{"offset", "nbytes", "generation", "incarnation"}``.
+        """Make a reserved, fully written key readable; return ``{"offset", "nbytes",
+        "generation", "incarnation"}``.
 
         Raises
         ------
@@ -356,11 +353,8 @@ class StorageUnit(Closeable):
     def end_lease(self, lease_id: int) -> bool:
         """Unpin a lease; regions released meanwhile are freed now. Idempotent.
 
-        Returns
-        -------
-        bool
-            True when the lease was still held; False when it had expired
-            (its regions may hold another key's bytes by now) or is unknown.
+        Returns True when the lease was still held; False when it had expired
+        (its regions may hold another key's bytes by now) or is unknown.
         """
         if isinstance(lease_id, bool) or not isinstance(lease_id, (int, np.integer)):
             raise InvalidInputError(f"unit {self.name}: lease_id must be an int, got {lease_id!r}")
@@ -478,12 +472,17 @@ class StorageUnit(Closeable):
         with self._lock:
             return self._table.lookup(keys)
 
-    def keys(self) -> dict:
-        """Every stored key and its references, for invariant checks: ``{"unit",
-        "incarnation", "partitions": {partition: {key: references}}, "reserved": [keys being written]}``.
+    def keys(self, after: str | None = None, limit: int | None = None) -> dict:
+        """Stored keys and their references, for invariant checks.
+
+        ``{"unit", "incarnation", "partitions": {partition: {key: references}},
+        "reserved": [keys being written], "next": str or None}``. A large unit
+        is listed in pages: ``limit`` keys in name order after ``after``, the
+        next page after ``"next"``.
         """
+        check_page(self.name, after, limit)
         with self._lock:
-            return {"unit": self.name, "incarnation": self.incarnation, **self._table.snapshot()}
+            return {"unit": self.name, "incarnation": self.incarnation, **self._table.snapshot(after, limit)}
 
     def stats(self) -> dict:
         """Occupancy, partitions, leases, reservations and counters (msgpack-able)."""

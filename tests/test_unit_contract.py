@@ -184,11 +184,17 @@ def test_keys_reports_partitions_holders_and_reservations(unit):
     unit.begin_write("c", 10, {"partition": "r1"}, 0)
     got = msgpack.unpackb(msgpack.packb(unit.control("keys")))
     assert got == {"unit": "su-0", "incarnation": unit.incarnation,
-                   "partitions": {"r0": {"a": 1, "b": 1}, "r1": {"a": 2}}, "reserved": ["c"]}
+                   "partitions": {"r0": {"a": 1, "b": 1}, "r1": {"a": 2}}, "reserved": ["c"], "next": None}
+    # Pages, for units whose key names would not fit one control frame.
+    first = unit.control("keys", {"limit": 1})
+    assert first["partitions"] == {"r0": {"a": 1}, "r1": {"a": 2}} and first["next"] == "a"
+    second = unit.control("keys", {"after": first["next"], "limit": 1})
+    assert second["partitions"] == {"r0": {"b": 1}} and second["next"] is None and second["reserved"] == ["c"]
     unit.abort_write("c")
     unit.release_partition("r0")
     unit.release_partition("r1")
-    assert unit.keys() == {"unit": "su-0", "incarnation": unit.incarnation, "partitions": {}, "reserved": []}
+    assert unit.keys() == {"unit": "su-0", "incarnation": unit.incarnation, "partitions": {}, "reserved": [],
+                           "next": None}
 
 
 def test_stats_keeps_its_keys_and_adds_the_new_ones(unit):
@@ -227,6 +233,9 @@ def test_stats_keeps_its_keys_and_adds_the_new_ones(unit):
     ("delete", {"keys": {"a": 1}}, "keys must be a list of str"),
     ("lookup", {"keys": [b"a"]}, "keys must be a list of str"),
     ("keys", {"partition": "p"}, "bad arguments for keys"),
+    ("keys", {"limit": 0}, "limit must be an int >= 1"),
+    ("keys", {"limit": "5"}, "limit must be an int >= 1"),
+    ("keys", {"after": 5}, "after must be a str"),
 ])
 def test_every_malformed_control_call_is_invalid_input(unit, method, args, match):
     unit.put("a", np.ones(10, np.uint8), {"partition": "p"})
