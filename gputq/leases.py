@@ -184,10 +184,6 @@ class ExpiryTimer:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _run(self) -> None:
         with self._cond:
             while not self._stopped:
