@@ -1,8 +1,10 @@
 """The exception tree shared by every gputq layer.
 
 It lives in the lowest layer (``transport``) because transport servers must
-re-raise a unit's errors on the client side by name; ``gputq.errors``
-re-exports it and adds the input errors of the upper layers.
+re-raise a unit's errors on the client side by name, and ``transport`` does
+not import ``gputq``. ``gputq.errors`` re-exports it and defines the errors
+no transport raises; :func:`error_from_wire` rebuilds those too, by name,
+in any process that imported ``gputq``.
 
 Every class derives from :class:`GputqError`. Timeouts also derive from
 :class:`TimeoutError`, lost peers from :class:`ConnectionError` and bad input
