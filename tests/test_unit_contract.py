@@ -94,7 +94,7 @@ def test_lease_checks_incarnation_then_generations(unit):
     ("11", None), ([11], None), ([11, "x"], None), ([11, True], None), ({"a": 1}, None), ([1, 2], 5)])
 def test_malformed_lease_arguments_are_invalid_input(unit, generations, incarnation):
     unit.put("a", np.ones(10, np.uint8), {"generation": 11})
-    unit.put("b", np.ones(10, np.uint8), {"generation": 1})
+    unit.put("b", np.ones(10, np.uint8), {"generation": 5})  # matches none of the malformed entries
     with pytest.raises(InvalidInputError):
         unit.lease(["a", "b"], generations, incarnation)
     assert unit.stats()["leases"] == 0
