@@ -236,7 +236,7 @@ class StorageUnit(Closeable):
                     self._counters["wait_us"] += int((now - waiter.since) * 1e6)
             entry = Entry(key, offset, nbytes, meta, generation)
             self._table.reserve(entry, partition)
-            self._timer.poke(self._book.reserve(entry, now))
+            self._timer.poke(self._book.reserve(entry, time.monotonic()))  # under the lock: in order
         return offset
 
     def commit_write(self, key: str) -> dict:
