@@ -264,3 +264,31 @@ def test_partial_failure_error_carries_its_result_and_crosses_the_wire():
     assert isinstance(err, GputqError) and err.result is result
     back = error_from_wire(error_to_wire(err))
     assert type(back) is PartialFailureError and str(back) == "1 of 3 units unreachable" and back.result is None
+
+
+def test_contract_over_a_real_tcp_server(unit):
+    """The control surface as a remote client sees it: typed errors, receipts, keys."""
+    from transport import get_transport
+
+    token = "t" * 32
+    tcp = get_transport("tcp")
+    with tcp.serve(unit, host="127.0.0.1", port=0, token=token, max_frame_bytes=1 << 20) as server, \
+            tcp.connect(server.address, token=token, max_frame_bytes=1 << 20, timeout=10) as channel:
+        receipt = channel.write("a", np.arange(10, dtype=np.uint8), {"partition": "p", "generation": 77})
+        assert receipt["generation"] == 77 and receipt["incarnation"] == unit.incarnation
+        assert channel.call("keys") == unit.keys() == {
+            "unit": "su-0", "incarnation": unit.incarnation, "partitions": {"p": {"a": 1}}, "reserved": [],
+            "next": None}
+        with pytest.raises(InvalidInputError, match="keys must be a list of str"):
+            channel.call("release", keys="a")
+        with pytest.raises(InvalidInputError, match="bad arguments for release_partition"):
+            channel.call("release_partition")
+        unit.add_ref(["a"], "p")
+        assert channel.call("release", keys=["a"], partition="p", release_id="r7") == 0
+        assert channel.call("release", keys=["a"], partition="p", release_id="r7") == 0
+        assert unit.lookup(["a"])[0]["holders"] == {"p": 1}
+        dest = np.zeros(10, np.uint8)
+        assert channel.read(["a"], dest) == [10] and dest.tolist() == list(range(10))
+        assert channel.call("release", keys=["a"], partition="p", release_id="r8") == 1
+        # The server ends its lease right after sending; the region comes back then.
+        wait_until(lambda: unit.stats()["used"] == 0, what="the server's lease ends")
