@@ -127,3 +127,17 @@ def test_orphan_sweep_skips_files_it_cannot_remove(tmp_path, monkeypatch, caplog
     warnings = [r for r in caplog.records if "cannot remove" in r.getMessage()]
     assert len(warnings) == 1  # rate-limited: the second start does not repeat it
     assert str(foreign) in warnings[0].getMessage() and "Operation not permitted" in warnings[0].getMessage()
+
+
+def test_paused_one_sided_reader_learns_its_bytes_are_stale():
+    """A reader paused past its lease: the region is reused, and end_lease says so."""
+    with StorageUnit("su-paused", 8 * KIB, lease_timeout_s=0.2) as unit:
+        unit.put("victim", np.full(8 * KIB, 1, np.uint8), {"partition": "p"})
+        lease_id, regions = unit.lease_regions(["victim"])  # the reader posts its READ, then stalls
+        offset, nbytes = (int(v) for v in regions[0])
+        unit.release(["victim"])
+        wait_until(lambda: unit.stats()["leases_expired"] == 1, what="the paused reader's lease expires")
+        assert unit.put("intruder", np.full(8 * KIB, 2, np.uint8), {"partition": "p"})["offset"] == offset
+        landed = np.frombuffer(unit.arena, np.uint8, nbytes, offset).copy()  # the READ lands late
+        assert (landed == 2).all()  # another key's bytes...
+        assert unit.end_lease(lease_id) is False  # ...which the confirmation refuses
