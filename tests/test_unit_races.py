@@ -37,7 +37,7 @@ class _Ledger:
 
 def _race(ops_per_thread: int, threads: int, expiring: bool, seed: int) -> dict:
     # Expiring leases time out while their reader pauses: end_lease then says so.
-    lease_timeout = 0.002 if expiring else 600.0
+    lease_timeout = 0.005 if expiring else 600.0
     tally = {"reads": 0, "bytes_checked": 0, "stale": 0, "unknown": 0, "writes": 0, "full": 0, "expired": 0}
     tally_lock = threading.Lock()
     ledger = _Ledger()
@@ -77,7 +77,7 @@ def _race(ops_per_thread: int, threads: int, expiring: bool, seed: int) -> dict:
             with ledger.lock:
                 ledger.held[lease.lease_id] = (region.offset, region.nbytes)
             if expiring and rng.random() < 0.3:
-                threading.Event().wait(0.003)  # a slow reader: its lease may expire meanwhile
+                threading.Event().wait(0.008)  # a slow reader: its lease expires meanwhile
             got = arena[region.offset:region.offset + region.nbytes].copy()
             with ledger.lock:
                 del ledger.held[lease.lease_id]
@@ -126,7 +126,7 @@ def _race(ops_per_thread: int, threads: int, expiring: bool, seed: int) -> dict:
 @pytest.mark.parametrize("expiring", [False, True], ids=["held-leases", "expiring-leases"])
 def test_release_lease_rewrite_races(expiring):
     tally = _race(ops_per_thread=600, threads=4, expiring=expiring, seed=1)
-    assert tally["reads"] > 200 and tally["writes"] > 200 and tally["bytes_checked"] > 0
+    assert tally["reads"] > (50 if expiring else 200) and tally["writes"] > 200 and tally["bytes_checked"] > 0
     assert tally["stale"] > 0 and tally["unknown"] > 0  # the races did happen
     if expiring:
         assert tally["expired"] > 0
