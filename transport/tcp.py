@@ -7,23 +7,47 @@ client receives them with ``recv_into`` straight into the caller's buffer
 (through a pinned staging ring when that buffer is on a GPU). No payload
 byte is copied in Python on either side.
 
-The server runs one daemon thread per connection; a channel keeps a small
-pool of connections so concurrent requests from several threads proceed in
-parallel. Every connection starts with a HELLO frame carrying the shared
-token. See :mod:`transport.wire` for the framing.
+Server. One thread accepts connections and runs every handshake in a
+selector loop: an unauthenticated peer holds a socket and at most a few KiB
+(:data:`~transport.wire.PRE_AUTH_BODY_BYTES`), never a thread, and must
+complete its HELLO within ``handshake_timeout_s``. Each authenticated
+connection then gets a thread. ``max_connections`` caps the connections of
+both kinds; above it, new ones are closed at once. A read is sent under a
+lease the server holds itself (it never expires while the server sends) and
+under ``send_timeout_s``: a client that stops reading loses its connection,
+and the lease ends only then, so the bytes it was sent are the key's.
+
+Client. A :class:`TcpChannel` keeps two pools of connections: one for
+writes, which may wait on the unit for arena space, and one for reads and
+control calls, which must never queue behind them. Every transport failure
+it raises names the unit (and, for reads, the keys). See
+:mod:`transport.wire` for the framing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import inspect
 import logging
+import selectors
 import socket
 import threading
 import time
 from typing import Any, Sequence
 
-from transport.base import ArenaHandler, Channel, Server, TransportType, byte_view, is_device_buffer
+import numpy as np
+
+from transport.base import (
+    ArenaHandler,
+    Channel,
+    LogLimiter,
+    Server,
+    TransportType,
+    byte_view,
+    describe_keys,
+    is_device_buffer,
+)
 from transport.errors import (
     AuthenticationError,
     ClosedError,
@@ -37,32 +61,47 @@ from transport.errors import (
     error_from_wire,
     error_to_wire,
 )
+from transport.policy import local_hostname
 from transport.staging import StagingPool, device_nbytes
-from transport.wire import Deadline, FrameReader, FrameWriter, Op
+from transport.wire import HEADER, PRE_AUTH_BODY_BYTES, Deadline, FrameReader, FrameWriter, Op, decode_header, \
+    encode_header, pack_body, unpack_body
 
 __all__ = [
     "SOCKET_BUFFER_BYTES",
+    "CHANNEL_CONNECTIONS",
     "MAX_CONNECTIONS",
+    "HANDSHAKE_TIMEOUT_S",
+    "SEND_TIMEOUT_S",
+    "MAX_REQUEST_ITEMS",
     "TcpTransport",
     "TcpServer",
     "TcpChannel",
+    "Handshake",
     "serve_connection",
 ]
 
 log = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 4 << 20
-MAX_CONNECTIONS = 8
+#: Pooled connections per channel in each of its two lanes (writes; reads and calls).
+CHANNEL_CONNECTIONS = 8
+#: Default cap on one server's connections, authenticated or not.
+MAX_CONNECTIONS = 256
+#: Default time a peer has from connecting to a complete, valid HELLO.
+HANDSHAKE_TIMEOUT_S = 5.0
+#: Default time a server has to send one reply frame; a peer not reading loses its connection.
+SEND_TIMEOUT_S = 60.0
+#: The most keys (or lease ids) one request may name.
+MAX_REQUEST_ITEMS = 1 << 16
 # A write may wait `timeout` seconds for arena space on the server; its
 # reply (CapacityError included) needs a little longer to come back.
 _REPLY_GRACE_S = 5.0
 _ACCEPT_POLL_S = 0.1
 _ACCEPT_RETRY_S = 0.05
-# A client must authenticate this soon after connecting, or its connection thread ends.
-_HANDSHAKE_S = 10.0
 _JOIN_S = 5.0
 _LINGER_S = 0.5
 _LINGER_BYTES = 4 << 20
+_GENERATION_LIMIT = 1 << 64
 
 
 def _tune(sock: socket.socket) -> None:
@@ -72,40 +111,123 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-def _body_field(body: dict, name: str, kind):
-    value = body.get(name)
-    if not isinstance(value, kind):
-        raise ProtocolError(f"frame body field {name!r} missing or mistyped")
+# ---------------------------------------------------------------- request validation
+
+def _str_list(value, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise InvalidInputError(f"{what} must be a list of str")
+    if len(value) > MAX_REQUEST_ITEMS:
+        raise InvalidInputError(f"{what}: {len(value)} items, at most {MAX_REQUEST_ITEMS} per request")
     return value
 
 
-# ---------------------------------------------------------------- server side
+def _int_list(value, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise InvalidInputError(f"{what} must be a list of int")
+    if len(value) > MAX_REQUEST_ITEMS:
+        raise InvalidInputError(f"{what}: {len(value)} items, at most {MAX_REQUEST_ITEMS} per request")
+    return value
+
+
+def _generations(value, nkeys: int) -> list | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != nkeys
+            or not all(g is None or (type(g) is int and 0 <= g < _GENERATION_LIMIT) for g in value)):
+        raise InvalidInputError(f"generations must be a list of {nkeys} ints in [0, 2**64) or None")
+    return value
+
+
+def _incarnation(value) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidInputError("incarnation must be a str")
+    return value
+
+
+def _typed(exc: Exception, handler: ArenaHandler) -> Exception:
+    """What a peer is told about ``exc``: a typed error, whatever the handler raised."""
+    if isinstance(exc, GputqError):
+        return exc
+    if isinstance(exc, (TypeError, KeyError, ValueError, AttributeError, IndexError, OverflowError)):
+        return InvalidInputError(f"unit {handler.name}: malformed request: {type(exc).__name__}: {exc}")
+    log.error("unit %s: handler failed", handler.name, exc_info=exc)
+    return exc
+
+
+# ---------------------------------------------------------------- leases
+
+def _lease_kwargs(generations, incarnation, expires: bool | None) -> dict:
+    # Passed only when set: a handler without generation checks still serves reads without them.
+    kwargs: dict = {}
+    if generations is not None:
+        kwargs["generations"] = generations
+    if incarnation is not None:
+        kwargs["incarnation"] = incarnation
+    if expires is not None:
+        kwargs["expires"] = expires
+    return kwargs
+
+
+def lease_array(handler: ArenaHandler, keys: list, **kwargs) -> tuple[int, np.ndarray]:
+    """Lease ``keys``; return ``(lease_id, int64 [n, 2] of (offset, nbytes))``.
+
+    Uses the handler's ``lease_regions`` when it has one: a 1024-key lease
+    without building 1024 region objects.
+    """
+    lease_regions = getattr(handler, "lease_regions", None)
+    if lease_regions is not None:
+        lease_id, regions = lease_regions(keys, **kwargs)
+        return int(lease_id), np.asarray(regions, dtype="<i8").reshape(len(keys), 2)
+    lease = handler.lease(keys, **kwargs)
+    regions = np.array([(r.offset, r.nbytes) for r in lease.regions], dtype="<i8").reshape(len(keys), 2)
+    return lease.lease_id, regions
+
+
+def _held(result) -> bool:
+    # None: a handler whose leases never expire (see ArenaHandler.end_lease).
+    return result is None or bool(result)
+
+
+def _holds_without_expiry(handler: ArenaHandler) -> bool:
+    try:
+        return "expires" in inspect.signature(handler.lease).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _generic_call(handler: ArenaHandler, method: str, args: dict):
+    """The one-sided readers' control methods, answered by every tcp server.
+
+    Returns ``NotImplemented`` for other methods (the handler's own).
+    """
+    if method == "lease":
+        for lease_id in _int_list(args.get("end", []), "end"):
+            handler.end_lease(lease_id)  # first: a unit short of space frees them before leasing more
+        keys = _str_list(args.get("keys"), "keys")
+        lease_id, regions = lease_array(handler, keys, **_lease_kwargs(
+            _generations(args.get("generations"), len(keys)), _incarnation(args.get("incarnation")), None))
+        return {"lease_id": lease_id, "regions": regions.tobytes()}
+    if method == "end_lease":
+        return {"held": [_held(handler.end_lease(i)) for i in _int_list(args.get("lease_ids"), "lease_ids")]}
+    if method == "arena_file":
+        return {"path": handler.arena_path, "nbytes": byte_view(handler.arena).nbytes}
+    return NotImplemented
+
+
+# ---------------------------------------------------------------- serving one authenticated connection
 
 def _reply_error(writer: FrameWriter, exc: BaseException) -> None:
     writer.send(Op.ERROR, error_to_wire(exc))
 
 
-def _handshake(reader: FrameReader, writer: FrameWriter, handler: ArenaHandler, token: str) -> bool:
-    header, body = reader.read_frame()
-    offered = body.get("token") if header.opcode == Op.HELLO else None
-    if header.opcode != Op.HELLO or not isinstance(offered, str) or not hmac.compare_digest(
-            offered.encode(), token.encode()):
-        _reply_error(writer, AuthenticationError(f"tcp handshake refused by unit {handler.name}"))
-        return False
-    if header.payload_len:
-        raise ProtocolError("HELLO carries no payload")
-    writer.send(Op.OK, {"unit": handler.name})
-    return True
-
-
 def _serve_write(reader, writer, handler, body, payload_len: int) -> None:
-    key = _body_field(body, "key", str)
-    nbytes = _body_field(body, "nbytes", int)
-    meta = body.get("meta") or {}
-    timeout = body.get("timeout")
-    if nbytes != payload_len:
-        raise ProtocolError(f"WRITE of {key!r} announces {nbytes} bytes but carries {payload_len}")
     try:
+        key, nbytes, meta, timeout = body.get("key"), body.get("nbytes"), body.get("meta") or {}, body.get("timeout")
+        if not isinstance(key, str) or type(nbytes) is not int or not isinstance(meta, dict) \
+                or not (timeout is None or (isinstance(timeout, (int, float)) and timeout >= 0)):
+            raise InvalidInputError("WRITE needs key (str), nbytes (int), meta (map) and timeout (number >= 0)")
+        if nbytes != payload_len:
+            raise InvalidInputError(f"WRITE of {key!r} announces {nbytes} bytes but carries {payload_len}")
         offset = handler.begin_write(key, nbytes, meta, timeout)
         arena = byte_view(handler.arena)
         if offset < 0 or offset + nbytes > arena.nbytes:
@@ -113,8 +235,8 @@ def _serve_write(reader, writer, handler, body, payload_len: int) -> None:
             raise TransferError(f"unit {handler.name} reserved [{offset}, {offset + nbytes}) outside its arena",
                                 handler.name, (key,))
     except Exception as exc:
-        reader.drain(nbytes)
-        _reply_error(writer, exc)
+        reader.drain(payload_len)  # the stream stays in sync: the connection goes on
+        _reply_error(writer, _typed(exc, handler))
         return
     try:
         reader.recv_exact(arena[offset:offset + nbytes])
@@ -124,50 +246,57 @@ def _serve_write(reader, writer, handler, body, payload_len: int) -> None:
     try:
         receipt = handler.commit_write(key)
     except Exception as exc:
-        _reply_error(writer, exc)
+        _reply_error(writer, _typed(exc, handler))
         return
     writer.send(Op.OK, {"receipt": receipt})
 
 
-def _coalesce(arena: memoryview, regions) -> list[memoryview]:
+def _coalesce(arena: memoryview, regions: np.ndarray) -> list[memoryview]:
     # Regions laid out back to back in the arena go out in one sendall.
     spans: list[list[int]] = []
-    for region in regions:
-        if region.nbytes == 0:
+    for offset, nbytes in regions.tolist():
+        if nbytes == 0:
             continue
-        if spans and spans[-1][0] + spans[-1][1] == region.offset:
-            spans[-1][1] += region.nbytes
+        if spans and spans[-1][0] + spans[-1][1] == offset:
+            spans[-1][1] += nbytes
         else:
-            spans.append([region.offset, region.nbytes])
+            spans.append([offset, nbytes])
     return [arena[off:off + n] for off, n in spans]
 
 
-def _serve_read(writer, handler, body, max_frame_bytes: int) -> None:
-    keys = _body_field(body, "keys", list)
+def _serve_read(writer, handler, body, max_frame_bytes: int, own_expiry: bool | None) -> None:
     try:
-        lease = handler.lease(keys)
+        keys = _str_list(body.get("keys"), "keys")
+        kwargs = _lease_kwargs(_generations(body.get("generations"), len(keys)),
+                               _incarnation(body.get("incarnation")), own_expiry)
+        lease_id, regions = lease_array(handler, keys, **kwargs)
     except Exception as exc:
-        _reply_error(writer, exc)
+        _reply_error(writer, _typed(exc, handler))
         return
+    # Held until the last byte is in the kernel's send buffer or the send
+    # deadline closed the connection: the region cannot be reused mid-send.
     try:
-        lengths = [region.nbytes for region in lease.regions]
+        lengths = regions[:, 1].tolist()
         total = sum(lengths)
         if total > max_frame_bytes:
             _reply_error(writer, RequestTooLargeError(
                 f"read of {len(keys)} keys is {total} bytes, over max_frame_bytes={max_frame_bytes}; split it"))
             return
-        writer.send(Op.OK, {"lengths": lengths}, _coalesce(byte_view(handler.arena), lease.regions))
+        writer.send(Op.OK, {"lengths": lengths}, _coalesce(byte_view(handler.arena), regions))
     finally:
-        handler.end_lease(lease.lease_id)
+        handler.end_lease(lease_id)
 
 
 def _serve_call(writer, handler, body) -> None:
-    method = _body_field(body, "method", str)
-    args = body.get("args") or {}
+    method, args = body.get("method"), body.get("args") or {}
     try:
-        result = handler.control(method, args)
+        if not isinstance(method, str) or not isinstance(args, dict):
+            raise InvalidInputError("CALL needs method (str) and args (map)")
+        result = _generic_call(handler, method, args)
+        if result is NotImplemented:
+            result = handler.control(method, args)
     except Exception as exc:
-        _reply_error(writer, exc)
+        _reply_error(writer, _typed(exc, handler))
         return
     try:
         writer.send(Op.OK, {"result": result})
@@ -193,21 +322,23 @@ def _linger(sock) -> None:
         pass
 
 
-def serve_connection(sock, handler: ArenaHandler, token: str, max_frame_bytes: int) -> None:
-    """Serve one client connection until it closes, then close ``sock``.
+def serve_connection(sock, handler: ArenaHandler, *, max_frame_bytes: int,
+                     send_timeout_s: float | None = SEND_TIMEOUT_S) -> None:
+    """Serve one authenticated connection until it closes, then close ``sock``.
 
-    A protocol violation (bad magic or version, oversized or truncated
-    frame, malformed body) or a failed handshake is answered with a
-    best-effort ERROR frame and ends this connection only. Errors raised by
-    ``handler`` are sent back as ERROR replies and the connection goes on.
+    Sends the HELLO reply (``unit``, ``incarnation``) first. A protocol
+    violation (bad magic or version, oversized or truncated frame, malformed
+    msgpack) is answered with a best-effort ERROR frame and ends this
+    connection only; so does a reply not sent within ``send_timeout_s``.
+    A request with malformed fields, and any error raised by ``handler``,
+    gets a typed ERROR reply and the connection goes on.
     """
     reader = FrameReader(sock, max_frame_bytes)
-    writer = FrameWriter(sock)
+    writer = FrameWriter(sock, frame_timeout=send_timeout_s)
+    own_expiry = False if _holds_without_expiry(handler) else None
     try:
-        sock.settimeout(_HANDSHAKE_S)
-        if not _handshake(reader, writer, handler, token):
-            return
         sock.settimeout(None)
+        writer.send(Op.OK, {"unit": handler.name, "incarnation": getattr(handler, "incarnation", "")})
         while True:
             try:
                 header = reader.read_header()
@@ -220,7 +351,7 @@ def serve_connection(sock, handler: ArenaHandler, token: str, max_frame_bytes: i
             if header.payload_len:
                 raise ProtocolError(f"opcode {header.opcode} carries no payload")
             if header.opcode == Op.READ:
-                _serve_read(writer, handler, body, max_frame_bytes)
+                _serve_read(writer, handler, body, max_frame_bytes, own_expiry)
             elif header.opcode == Op.CALL:
                 _serve_call(writer, handler, body)
             else:
@@ -230,86 +361,260 @@ def serve_connection(sock, handler: ArenaHandler, token: str, max_frame_bytes: i
         with contextlib.suppress(GputqError):
             _reply_error(writer, exc)
         _linger(sock)
-    except (PeerLostError, GputqTimeoutError) as exc:
+    except GputqTimeoutError as exc:
+        log.warning("unit %s: closing a connection that stopped reading: %s", handler.name, exc)
+    except PeerLostError as exc:
         log.debug("unit %s: connection ended: %s", handler.name, exc)
     finally:
         with contextlib.suppress(OSError):
             sock.close()
 
 
-class TcpServer(Server):
-    """Serves one arena over tcp: an accept thread plus one thread per connection.
+# ---------------------------------------------------------------- handshakes
 
-    Build it with :meth:`TcpTransport.serve`.
+class Handshake:
+    """An unauthenticated connection: the bytes of its HELLO so far, and its deadline.
+
+    Pure bookkeeping (no socket calls), so it can be fuzzed on its own. It
+    never holds more than one header plus
+    :data:`~transport.wire.PRE_AUTH_BODY_BYTES`.
     """
 
-    def __init__(self, handler: ArenaHandler, host: str, port: int, token: str, max_frame_bytes: int):
+    __slots__ = ("sock", "peer", "deadline", "buf", "header", "draining")
+
+    def __init__(self, sock=None, peer=None, deadline: float = 0.0):
+        self.sock, self.peer, self.deadline = sock, peer, deadline
+        self.buf = bytearray()
+        self.header = None
+        self.draining = 0  # bytes still to swallow after an error reply; 0: handshaking
+
+    def missing(self) -> int:
+        """Bytes to receive before the HELLO is complete (or its header is)."""
+        if self.header is None:
+            return HEADER.size - len(self.buf)
+        return HEADER.size + self.header.body_len - len(self.buf)
+
+    def feed(self, data: bytes) -> dict | None:
+        """Take at most :meth:`missing` bytes; return the HELLO body once complete.
+
+        Raises
+        ------
+        ProtocolError
+            Not a frame, or a body over the pre-authentication limit.
+        AuthenticationError
+            A frame other than HELLO came first.
+        """
+        if len(data) > self.missing():
+            raise ProtocolError("more bytes than the handshake asked for")
+        self.buf += data
+        if self.header is None and len(self.buf) == HEADER.size:
+            self.header = decode_header(bytes(self.buf), 0, PRE_AUTH_BODY_BYTES)
+            if self.header.opcode != Op.HELLO:
+                raise AuthenticationError("the first frame must be HELLO")
+        if self.header is not None and self.missing() == 0:
+            return unpack_body(bytes(self.buf[HEADER.size:]))
+        return None
+
+
+def _token_ok(body: dict, token: str) -> bool:
+    offered = body.get("token")
+    return isinstance(offered, str) and hmac.compare_digest(offered.encode(), token.encode())
+
+
+class TcpServer(Server):
+    """Serves one arena over tcp: a handshake/accept thread plus one thread per authenticated connection.
+
+    Build it with :meth:`TcpTransport.serve`.
+
+    Attributes
+    ----------
+    refused : int
+        Connections closed at once because ``max_connections`` were open.
+    failed_handshakes : int
+        Connections that did not authenticate (wrong token, bad frame, deadline).
+    """
+
+    def __init__(self, handler: ArenaHandler, host: str, port: int, token: str, max_frame_bytes: int, *,
+                 send_timeout_s: float = SEND_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S):
+        if max_connections < 1 or handshake_timeout_s <= 0 or send_timeout_s <= 0:
+            raise InvalidInputError("max_connections, handshake_timeout_s and send_timeout_s must be positive")
         self._handler = handler
         self._token = token
         self._max_frame_bytes = int(max_frame_bytes)
+        self._send_timeout_s = float(send_timeout_s)
+        self._max_connections = int(max_connections)
+        self._handshake_timeout_s = float(handshake_timeout_s)
         self._lock = threading.Lock()
         self._closed = False
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._nconns = 0  # handshaking + authenticated
+        self._threads: dict[socket.socket, threading.Thread] = {}
+        self._pending: dict[socket.socket, Handshake] = {}
+        self.refused = 0
+        self.failed_handshakes = 0
+        self._limited_log = LogLimiter(log)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=128)
-        self._listener.settimeout(_ACCEPT_POLL_S)  # lets the accept loop notice close()
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
         self._host = host
         self._port = self._listener.getsockname()[1]
-        self._accepter = threading.Thread(target=self._accept_loop, name=f"gputq-tcp-accept-{handler.name}",
-                                          daemon=True)
-        self._accepter.start()
+        self._address = {"transport": "tcp", "unit": handler.name,
+                         "incarnation": getattr(handler, "incarnation", ""),
+                         "host": host, "port": self._port, "hostname": local_hostname()}
+        self._loop = threading.Thread(target=self._accept_loop, name=f"gputq-tcp-accept-{handler.name}",
+                                      daemon=True)
+        self._loop.start()
 
     @property
     def address(self) -> dict:
-        return {"transport": "tcp", "host": self._host, "port": self._port}
+        return dict(self._address)
+
+    @property
+    def connections(self) -> int:
+        """Open connections, handshaking or authenticated."""
+        with self._lock:
+            return self._nconns
+
+    # -- the accept and handshake loop (one thread) --
 
     def _accept_loop(self) -> None:
-        while not self._closed:
+        try:
+            while not self._closed:
+                now = time.monotonic()
+                timeout = _ACCEPT_POLL_S
+                if self._pending:
+                    timeout = max(0.0, min(timeout, min(h.deadline for h in self._pending.values()) - now))
+                for key, _ in self._selector.select(timeout):
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._advance(key.data)
+                now = time.monotonic()
+                for hs in [h for h in self._pending.values() if h.deadline <= now]:
+                    if not hs.draining:
+                        self._fail(hs, GputqTimeoutError(
+                            f"no valid HELLO within {self._handshake_timeout_s:g} s"), linger=False)
+                    self._drop(hs)
+        finally:
+            for hs in list(self._pending.values()):
+                self._drop(hs)
+
+    def _accept(self) -> None:
+        while True:
             try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                continue
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as exc:
                 if self._closed:
-                    return  # listener closed
-                # EMFILE, ENFILE, ECONNABORTED: transient; keep serving.
-                log.warning("unit %s: accept failed: %s", self._handler.name, exc)
-                time.sleep(_ACCEPT_RETRY_S)
-                continue
-            sock.settimeout(None)
-            _tune(sock)
-            thread = threading.Thread(target=self._run, args=(sock,), daemon=True,
-                                      name=f"gputq-tcp-conn-{self._handler.name}")
-            with self._lock:
-                if self._closed:
-                    sock.close()
                     return
-                self._conns[sock] = thread
-            thread.start()
+                # EMFILE, ENFILE, ECONNABORTED: transient; keep serving.
+                self._limited_log.warning("unit %s: accept failed: %s", self._handler.name, exc)
+                time.sleep(_ACCEPT_RETRY_S)
+                return
+            with self._lock:
+                full = self._nconns >= self._max_connections
+                if not full:
+                    self._nconns += 1
+            if full:
+                self.refused += 1
+                self._limited_log.warning("unit %s: %d connections open (max_connections); refusing %s",
+                                          self._handler.name, self._max_connections, peer)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            hs = Handshake(sock, peer, time.monotonic() + self._handshake_timeout_s)
+            self._pending[sock] = hs
+            self._selector.register(sock, selectors.EVENT_READ, hs)
+
+    def _advance(self, hs: Handshake) -> None:
+        try:
+            data = hs.sock.recv(min(hs.draining, 1 << 16) if hs.draining else hs.missing())
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if hs.draining:
+            hs.draining -= len(data)
+            if not data or hs.draining <= 0:
+                self._drop(hs)
+            return
+        try:
+            if not data:
+                raise ProtocolError(f"truncated HELLO: connection closed after {len(hs.buf)} bytes")
+            body = hs.feed(data)
+            if body is None:
+                return
+            if not _token_ok(body, self._token):
+                raise AuthenticationError(f"tcp handshake refused by unit {self._handler.name}")
+        except (ProtocolError, AuthenticationError) as exc:
+            self._fail(hs, exc, linger=bool(data))
+            if not hs.draining:
+                self._drop(hs)
+            return
+        self._selector.unregister(hs.sock)
+        del self._pending[hs.sock]
+        thread = threading.Thread(target=self._run, args=(hs.sock,), daemon=True,
+                                  name=f"gputq-tcp-conn-{self._handler.name}")
+        with self._lock:
+            self._threads[hs.sock] = thread
+        thread.start()
+
+    def _fail(self, hs: Handshake, exc: Exception, *, linger: bool) -> None:
+        """Log (rate-limited), send the ERROR reply if it fits the socket buffer, stop sending."""
+        self.failed_handshakes += 1
+        self._limited_log.warning("unit %s: handshake from %s failed: %s", self._handler.name, hs.peer, exc)
+        raw = pack_body(error_to_wire(exc))
+        with contextlib.suppress(OSError):
+            hs.sock.send(encode_header(Op.ERROR, len(raw), 0) + raw)
+            hs.sock.shutdown(socket.SHUT_WR)
+        if linger:
+            # Closing with unread input sends RST, which can destroy the reply: swallow a little first.
+            hs.draining = _LINGER_BYTES
+            hs.deadline = min(hs.deadline, time.monotonic() + _LINGER_S)
+
+    def _drop(self, hs: Handshake) -> None:
+        if self._pending.pop(hs.sock, None) is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(hs.sock)
+        hs.sock.close()
+        with self._lock:
+            self._nconns -= 1
+
+    # -- authenticated connections --
 
     def _run(self, sock: socket.socket) -> None:
         try:
-            serve_connection(sock, self._handler, self._token, self._max_frame_bytes)
+            sock.setblocking(True)
+            _tune(sock)
+            serve_connection(sock, self._handler, max_frame_bytes=self._max_frame_bytes,
+                             send_timeout_s=self._send_timeout_s)
         except Exception:  # a handler bug must not go unnoticed, nor kill the server
             log.exception("unit %s: connection thread failed", self._handler.name)
             with contextlib.suppress(OSError):
                 sock.close()
         finally:
             with self._lock:
-                self._conns.pop(sock, None)
+                self._threads.pop(sock, None)
+                self._nconns -= 1
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            conns = dict(self._conns)
+        self._loop.join(_JOIN_S)
+        self._selector.close()
         self._listener.close()
-        self._accepter.join(_JOIN_S)
-        for sock in conns:
+        with self._lock:
+            threads = dict(self._threads)
+        for sock in threads:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in recv
-        for thread in conns.values():
+        for thread in threads.values():
             thread.join(_JOIN_S)
 
 
@@ -318,13 +623,15 @@ class TcpServer(Server):
 class _Connection:
     """One authenticated client socket; used by one request at a time."""
 
-    def __init__(self, address: tuple[str, int], token: str, max_frame_bytes: int, timeout: float | None):
+    def __init__(self, address: tuple[str, int], unit: str, token: str, max_frame_bytes: int,
+                 timeout: float | None):
+        where = f"unit {unit} at {address[0]}:{address[1]}"
         try:
             self.sock = socket.create_connection(address, timeout=timeout)
         except (socket.timeout, TimeoutError):
-            raise GputqTimeoutError(f"timed out connecting to {address[0]}:{address[1]}") from None
+            raise GputqTimeoutError(f"timed out connecting to {where}") from None
         except OSError as exc:
-            raise PeerLostError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from None
+            raise PeerLostError(f"cannot connect to {where}: {exc}") from None
         try:
             _tune(self.sock)
             self.reader = FrameReader(self.sock, max_frame_bytes, truncated_error=PeerLostError)
@@ -332,7 +639,10 @@ class _Connection:
             self.in_sync = True
             self.begin(timeout)
             self.writer.send(Op.HELLO, {"token": token})
-            self.unit = self.reply()["unit"]
+            hello = self.reply()
+            self.unit, self.incarnation = hello.get("unit"), hello.get("incarnation", "")
+            if not isinstance(self.unit, str) or not isinstance(self.incarnation, str):
+                raise ProtocolError(f"malformed HELLO reply from {where}")
         except BaseException:
             self.close()
             raise
@@ -369,62 +679,48 @@ class _Connection:
             self.sock.close()
 
 
-class TcpChannel(Channel):
-    """A thread-safe client of one unit over a small pool of connections.
+class _Pool:
+    """Connections of one lane: a request finding all busy opens another, up to a cap, then waits."""
 
-    Build it with :meth:`TcpTransport.connect`. A connection serves one
-    request at a time; a request finding all of them busy opens another, up
-    to ``max_connections``, then waits. A connection whose request failed
-    mid-frame (timeout, lost peer, protocol error) is discarded; one whose
-    request ended with a typed error from the unit is reused.
-    """
-
-    def __init__(self, address: dict, *, token: str, max_frame_bytes: int, timeout: float | None = None,
-                 max_connections: int = MAX_CONNECTIONS, staging: StagingPool | None = None):
-        if address.get("transport") != "tcp":
-            raise InvalidInputError(f"not a tcp address: {address!r}")
-        if max_connections < 1:
-            raise InvalidInputError("max_connections must be at least 1")
-        self._address = (address["host"], int(address["port"]))
-        self._token = token
-        self._max_frame_bytes = int(max_frame_bytes)
-        self._connect_timeout = timeout
-        self._max_connections = max_connections
+    def __init__(self, connect, max_connections: int, unit: str):
+        self._connect = connect
+        self._max = max_connections
+        self._unit = unit
         self._cond = threading.Condition()
         self._idle: list[_Connection] = []
         self._busy: set[_Connection] = set()
-        self._nopen = 1
+        self.nopen = 0
         self._closed = False
-        self._staging = staging or StagingPool()
-        first = _Connection(self._address, token, self._max_frame_bytes, timeout)
-        self.unit = first.unit
-        self._idle.append(first)
+
+    def add(self, conn: _Connection) -> None:
+        with self._cond:
+            self.nopen += 1
+            self._idle.append(conn)
 
     @contextlib.contextmanager
-    def _lease(self, timeout: float | None):
+    def checkout(self, timeout: float | None, connect_timeout: float | None):
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = None
         with self._cond:
             while True:
                 if self._closed:
-                    raise ClosedError(f"tcp channel to {self.unit} is closed")
+                    raise ClosedError(f"tcp channel to {self._unit} is closed")
                 if self._idle:
                     conn = self._idle.pop()
                     break
-                if self._nopen < self._max_connections:
-                    self._nopen += 1  # reserve the slot before connecting outside the lock
+                if self.nopen < self._max:
+                    self.nopen += 1  # reserve the slot before connecting outside the lock
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise GputqTimeoutError(f"no free connection to {self.unit} within {timeout} s")
+                    raise GputqTimeoutError(f"no free connection within {timeout} s")
                 self._cond.wait(left)
         if conn is None:
             try:
-                conn = _Connection(self._address, self._token, self._max_frame_bytes,
-                                   self._connect_timeout if timeout is None else timeout)
+                conn = self._connect(connect_timeout if timeout is None else timeout)
             except BaseException:
                 with self._cond:
-                    self._nopen -= 1
+                    self.nopen -= 1
                     self._cond.notify()
                 raise
         with self._cond:
@@ -438,9 +734,77 @@ class TcpChannel(Channel):
                 if conn.in_sync and not self._closed:
                     self._idle.append(conn)
                 else:
-                    self._nopen -= 1
+                    self.nopen -= 1
                     conn.close()
                 self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, busy = self._idle, list(self._busy)
+            self._idle = []
+            self.nopen -= len(idle)
+            self._cond.notify_all()
+        for conn in idle:
+            conn.close()
+        for conn in busy:  # the request in flight fails; its thread closes the socket
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+# Transport failures (not errors the unit replied with) get the unit and the request added.
+_RENAMED = (PeerLostError, GputqTimeoutError, ProtocolError)
+
+
+class TcpChannel(Channel):
+    """A thread-safe client of one unit over two small pools of connections.
+
+    Build it with :meth:`TcpTransport.connect`. Writes, which may wait on the
+    unit for arena space, use their own pool; reads and control calls use
+    the other, so a reader is never starved by writers blocked on a full
+    unit. A connection whose request failed mid-frame (timeout, lost peer,
+    protocol error) is discarded; one whose request ended with a typed
+    error from the unit is reused.
+
+    Attributes
+    ----------
+    unit, incarnation : str
+        From the unit's HELLO reply.
+    """
+
+    def __init__(self, address: dict, *, token: str, max_frame_bytes: int, timeout: float | None = None,
+                 max_connections: int = CHANNEL_CONNECTIONS, staging: StagingPool | None = None):
+        if address.get("transport") != "tcp":
+            raise InvalidInputError(f"not a tcp address: {sorted(address)}")
+        if max_connections < 1:
+            raise InvalidInputError("max_connections must be at least 1")
+        self._address = (address["host"], int(address["port"]))
+        self._token = token
+        self._max_frame_bytes = int(max_frame_bytes)
+        self._connect_timeout = timeout
+        self._closed = False
+        self.unit = str(address.get("unit") or f"{self._address[0]}:{self._address[1]}")
+        first = self._open(timeout)
+        self.unit, self.incarnation = first.unit, first.incarnation
+        self._requests = _Pool(self._open, max_connections, self.unit)
+        self._writes = _Pool(self._open, max_connections, self.unit)
+        self._requests.add(first)
+        self._staging = staging or StagingPool()
+
+    def _open(self, timeout: float | None) -> _Connection:
+        return _Connection(self._address, self.unit, self._token, self._max_frame_bytes, timeout)
+
+    @contextlib.contextmanager
+    def _checkout(self, pool: _Pool, timeout: float | None, what: str, keys=()):
+        try:
+            with pool.checkout(timeout, self._connect_timeout) as conn:
+                yield conn
+        except _RENAMED as exc:
+            if type(exc) not in _RENAMED:  # e.g. CapacityError: the unit's own, already named
+                raise
+            error = type(exc)(f"unit {self.unit}: {what} failed: {exc}")
+            error.unit, error.keys = self.unit, tuple(keys)
+            raise error from exc
 
     def write(self, key: str, payload, meta: dict | None = None, timeout: float | None = None) -> dict:
         view = byte_view(payload)
@@ -448,23 +812,34 @@ class TcpChannel(Channel):
             raise RequestTooLargeError(
                 f"key {key!r}: {view.nbytes} bytes exceed max_frame_bytes={self._max_frame_bytes}")
         body = {"key": key, "nbytes": view.nbytes, "meta": meta or {}, "timeout": timeout}
-        with self._lease(None if timeout is None else timeout + _REPLY_GRACE_S) as conn:
+        with self._checkout(self._writes, None if timeout is None else timeout + _REPLY_GRACE_S,
+                            f"write of key {key!r}", (key,)) as conn:
             conn.writer.send(Op.WRITE, body, (view,))
             return conn.reply()["receipt"]
 
-    def read(self, keys: Sequence[str], dest, timeout: float | None = None) -> list[int]:
+    def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
+             generations: Sequence[int] | None = None, incarnation: str | None = None) -> list[int]:
+        keys = list(keys)
+        body: dict = {"keys": keys}
+        if generations is not None:
+            if len(generations) != len(keys):
+                raise InvalidInputError(f"{len(generations)} generations for {len(keys)} keys")
+            body["generations"] = [None if g is None else int(g) for g in generations]
+        if incarnation is not None:
+            body["incarnation"] = incarnation
         on_device = is_device_buffer(dest)
         if on_device:
             capacity = device_nbytes(dest)
         else:
             host = byte_view(dest, writable=True)
             capacity = host.nbytes
-        with self._lease(timeout) as conn:
-            conn.writer.send(Op.READ, {"keys": list(keys)})
-            header, body = conn.reply_header()
-            lengths = body.get("lengths")
+        with self._checkout(self._requests, timeout, f"read of keys {describe_keys(keys)}", keys) as conn:
+            conn.writer.send(Op.READ, body)
+            header, reply = conn.reply_header()
+            lengths = reply.get("lengths")
             total = header.payload_len
-            if not isinstance(lengths, list) or sum(lengths) != total or len(lengths) != len(keys):
+            if not isinstance(lengths, list) or len(lengths) != len(keys) \
+                    or not all(type(n) is int and n >= 0 for n in lengths) or sum(lengths) != total:
                 raise ProtocolError("READ reply lengths do not match its payload")
             if total > capacity:
                 conn.reader.drain(total)
@@ -479,24 +854,16 @@ class TcpChannel(Channel):
             return lengths
 
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
-        with self._lease(timeout) as conn:
+        with self._checkout(self._requests, timeout, f"control call {method!r}") as conn:
             conn.writer.send(Op.CALL, {"method": method, "args": args})
             return conn.reply()["result"]
 
     def close(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            idle, busy = self._idle, list(self._busy)
-            self._idle = []
-            self._nopen -= len(idle)
-            self._cond.notify_all()
-        for conn in idle:
-            conn.close()
-        for conn in busy:  # the request in flight fails; its thread closes the socket
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+        if self._closed:
+            return
+        self._closed = True
+        self._requests.close()
+        self._writes.close()
         self._staging.close()
 
 
@@ -505,9 +872,12 @@ class TcpTransport(TransportType):
 
     name = "tcp"
 
-    def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0,
-              token: str, max_frame_bytes: int) -> TcpServer:
-        return TcpServer(handler, host, port, token, max_frame_bytes)
+    def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0, token: str,
+              max_frame_bytes: int, send_timeout_s: float = SEND_TIMEOUT_S,
+              max_connections: int = MAX_CONNECTIONS,
+              handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> TcpServer:
+        return TcpServer(handler, host, port, token, max_frame_bytes, send_timeout_s=send_timeout_s,
+                         max_connections=max_connections, handshake_timeout_s=handshake_timeout_s)
 
     def connect(self, address: dict, *, token: str, max_frame_bytes: int,
                 timeout: float | None = None) -> TcpChannel:
