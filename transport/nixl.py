@@ -66,7 +66,8 @@ from transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, impo
 from transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
 from transport.policy import gpudirect_support
 from transport.staging import device_nbytes
-from transport.tcp import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S, TcpTransport
+from transport.tcp import TcpTransport
+from transport.tcp_server import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S
 
 _log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from transport.base import ArenaHandler, LogLimiter, Server
 from transport.errors import InvalidInputError
 from transport.nixl_pool import agent_name, host_ptr, import_nixl
 from transport.policy import infiniband_devices, local_hostname
-from transport.tcp import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S, TcpTransport
+from transport.tcp import TcpTransport
+from transport.tcp_server import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S
 
 __all__ = ["NixlServer", "CONNECT", "BEGIN_WRITE", "COMMIT_WRITE", "ABORT_WRITE"]
 
