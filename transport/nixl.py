@@ -226,7 +226,7 @@ class NixlChannel(Channel):
             args["generations"] = [None if g is None else int(g) for g in generations]
         if incarnation is not None:
             args["incarnation"] = incarnation
-        lease = self._tcp.call("lease", timeout=_left(deadline), **args)
+        lease = self._tcp.request("lease", args, _left(deadline), keys=keys)
         lease_id, staged, confirmed = lease["lease_id"], None, False
         try:
             regions = leased_regions(lease["regions"], keys, self._arena_nbytes, self.unit)
@@ -236,7 +236,7 @@ class NixlChannel(Channel):
                 raise RequestTooLargeError(
                     f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
             staged = self._read_leased(keys, regions, total, ptr, device, on_device, deadline)
-            held = self._tcp.call("end_lease", timeout=_left(deadline), lease_ids=[lease_id])["held"]
+            held = self._tcp.request("end_lease", {"lease_ids": [lease_id]}, _left(deadline), keys=keys)["held"]
             confirmed = True
             if held != [True]:
                 raise StaleReadError(

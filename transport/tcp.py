@@ -294,7 +294,16 @@ class TcpChannel(Channel):
             return lengths
 
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
-        with self._checkout(self._requests, timeout, f"control call {method!r}") as conn:
+        return self.request(method, args, timeout)
+
+    def request(self, method: str, args: dict, timeout: float | None = None, *, keys: Sequence[str] = ()) -> Any:
+        """:meth:`call` for backends built on this control lane (rdma, shm).
+
+        A transport failure names the unit and, for calls serving a read,
+        ``keys``.
+        """
+        what = f"read of keys {describe_keys(keys)} ({method})" if keys else f"control call {method!r}"
+        with self._checkout(self._requests, timeout, what, keys) as conn:
             conn.writer.send(Op.CALL, {"method": method, "args": args})
             return conn.reply()["result"]
 

@@ -553,3 +553,17 @@ def _stored(unit, key: str) -> bool:
     except UnknownKeyError:
         return False
     return True
+
+
+def test_transport_failures_name_the_unit_and_the_keys(server, handler, channel):
+    channel.write("k", b"v")
+    handler.lease_delay = 0.5
+    with pytest.raises(GputqTimeoutError, match=r"unit su-tcp: read of keys \['k'\]") as info:
+        channel.read(["k"], bytearray(1), timeout=0.1)
+    assert (info.value.unit, info.value.keys) == ("su-tcp", ("k",))
+    handler.lease_delay = 0.0
+    server.close()
+    with pytest.raises(PeerLostError, match="unit su-tcp: write of key 'w'"):
+        channel.write("w", b"x", timeout=5)
+    with pytest.raises(PeerLostError, match="unit su-tcp: control call 'stats'"):
+        channel.call("stats", timeout=5)
