@@ -82,13 +82,17 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
                     sock.send(b"G")  # one byte of a header that never completes in time
                 except OSError:
                     closed_at[sock] = time.monotonic()
-            peak_threads = max(peak_threads, threading.active_count() - 1)  # minus the fetcher
+            peak_threads = max(peak_threads, threading.active_count() - fetcher.is_alive())
             peak_rss = max(peak_rss, rss_bytes())
             time.sleep(drip_s)
         fetcher.join(10)
         for sock in opened:
             sock.close()
         lifetimes = [closed_at[s] - opened[s] for s in closed_at]
+        print(f"\ndrip: {nattackers} connections, deadline {deadline_s} s: closed {len(closed_at)}, "
+              f"longest lived {max(lifetimes, default=0):.2f} s, extra threads {peak_threads - threads_before}, "
+              f"RSS growth {(peak_rss - rss_before) / (1 << 20):.1f} MiB, fetch {fetch.get('seconds', -1):.3f} s "
+              f"exact={fetch.get('exact')}")
         assert len(closed_at) == nattackers, f"{nattackers - len(closed_at)} drip connections still open"
         assert max(lifetimes) < deadline_s + 1.0, f"a drip connection lived {max(lifetimes):.2f} s"
         assert peak_threads - threads_before < 10, f"{peak_threads - threads_before} extra threads"

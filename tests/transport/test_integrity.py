@@ -103,7 +103,7 @@ def test_tcp_reader_paused_past_the_send_deadline_gets_an_error_never_other_byte
         error = outcome["error"]
         assert isinstance(error, PeerLostError) and "su-paused" in str(error) and "'victim'" in str(error)
         assert not (dest.host == 0x55).any()  # not one byte of the intruder reached the reader
-        assert unit.stats()["leases"] == 0
+        assert wait_for(lambda: unit.stats()["leases"] == 0)
 
 
 # ------------------------------------------------------------------ release / read / rewrite races
@@ -184,7 +184,7 @@ def _tcp_races(cycles: int) -> dict:
             TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv, \
             TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         figures = run_races(ch, unit, cycles)
-        assert unit.stats()["leases"] == 0
+        assert wait_for(lambda: unit.stats()["leases"] == 0)
     return figures
 
 

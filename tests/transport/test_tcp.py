@@ -71,7 +71,11 @@ def channel(server):
 
 
 def wait_for(condition, timeout: float = 5.0) -> bool:
-    """Poll ``condition`` until it holds or ``timeout`` passes; True when it held."""
+    """Poll ``condition`` until it holds or ``timeout`` passes; True when it held.
+
+    A tcp server ends its lease once the reply is sent, which the client
+    may see before the server's thread gets there: lease counts are awaited.
+    """
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -111,7 +115,7 @@ def test_write_read_round_trip(channel, handler, nbytes):
     assert channel.read(["k"], dest) == [nbytes]
     np.testing.assert_array_equal(dest[:nbytes], data)
     assert (dest[nbytes:] == 0xAB).all()  # nothing written past the read
-    assert handler.stats()["leases"] == 0
+    assert wait_for(lambda: handler.stats()["leases"] == 0)
 
 
 def test_many_keys_back_to_back(channel):
@@ -140,7 +144,7 @@ def test_typed_errors_cross_the_wire_and_connection_survives(channel, handler):
     assert channel.call("stats")["keys"] == 1
     assert channel._requests.nopen == 1  # every error left the single connection in sync
     assert channel._writes.nopen == 1
-    assert handler.stats()["leases"] == 0
+    assert wait_for(lambda: handler.stats()["leases"] == 0)
 
 
 def test_call_passes_arguments(channel):
@@ -409,7 +413,7 @@ def test_read_checks_generations_and_incarnation(channel, handler):
         channel.read(["k"], dest, generations=[gen])
     with pytest.raises(InvalidInputError, match="generations for"):
         channel.read(["k"], dest, generations=[1, 2])
-    assert handler.stats()["leases"] == 0 and channel._requests.nopen == 1
+    assert wait_for(lambda: handler.stats()["leases"] == 0) and channel._requests.nopen == 1
 
 
 def test_generic_one_sided_calls(channel, handler):
@@ -481,7 +485,7 @@ def test_malformed_authenticated_requests_get_typed_errors(server, handler, case
         got = bytearray(header.payload_len)
         reader.recv_exact(got)
         assert header.opcode == Op.OK and reply == {"lengths": [5]} and got == b"value"
-    assert handler.stats()["leases"] == 0 and handler.stats()["reserved"] == 0
+    assert wait_for(lambda: handler.stats()["leases"] == 0) and handler.stats()["reserved"] == 0
 
 
 def test_undecodable_authenticated_body_closes_cleanly(server, handler):
