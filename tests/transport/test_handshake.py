@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import selectors
 import socket
 import threading
 import time

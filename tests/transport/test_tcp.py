@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
@@ -20,7 +19,6 @@ from transport.errors import (
     InvalidInputError,
     MissingDependencyError,
     PeerLostError,
-    ProtocolError,
     RequestTooLargeError,
     StaleReadError,
     UnknownKeyError,
