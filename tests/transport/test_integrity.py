@@ -184,7 +184,8 @@ def _tcp_races(cycles: int) -> dict:
             TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv, \
             TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         figures = run_races(ch, unit, cycles)
-        assert wait_for(lambda: unit.stats()["leases"] == 0)
+        figures["other_errors"] += [] if wait_for(lambda: unit.stats()["leases"] == 0, 30) else [
+            f"leases left: {unit.stats()}"]
     return figures
 
 
