@@ -89,17 +89,9 @@ def tune_socket(sock: socket.socket) -> None:
 
 # ---------------------------------------------------------------- request validation
 
-def _str_list(value, what: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
-        raise InvalidInputError(f"{what} must be a list of str")
-    if len(value) > MAX_REQUEST_ITEMS:
-        raise InvalidInputError(f"{what}: {len(value)} items, at most {MAX_REQUEST_ITEMS} per request")
-    return value
-
-
-def _int_list(value, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(v) is int for v in value):
-        raise InvalidInputError(f"{what} must be a list of int")
+def _list_of(value, kind: type, what: str) -> list:
+    if not isinstance(value, list) or not all(type(v) is kind for v in value):
+        raise InvalidInputError(f"{what} must be a list of {kind.__name__}")
     if len(value) > MAX_REQUEST_ITEMS:
         raise InvalidInputError(f"{what}: {len(value)} items, at most {MAX_REQUEST_ITEMS} per request")
     return value
@@ -177,14 +169,14 @@ def _generic_call(handler: ArenaHandler, method: str, args: dict):
     Returns ``NotImplemented`` for other methods (the handler's own).
     """
     if method == "lease":
-        for lease_id in _int_list(args.get("end", []), "end"):
+        for lease_id in _list_of(args.get("end", []), int, "end"):
             handler.end_lease(lease_id)  # first: a unit short of space frees them before leasing more
-        keys = _str_list(args.get("keys"), "keys")
+        keys = _list_of(args.get("keys"), str, "keys")
         lease_id, regions = lease_array(handler, keys, **_lease_kwargs(
             _generations(args.get("generations"), len(keys)), _incarnation(args.get("incarnation")), None))
         return {"lease_id": lease_id, "regions": regions.tobytes()}
     if method == "end_lease":
-        return {"held": [_held(handler.end_lease(i)) for i in _int_list(args.get("lease_ids"), "lease_ids")]}
+        return {"held": [_held(handler.end_lease(i)) for i in _list_of(args.get("lease_ids"), int, "lease_ids")]}
     if method == "arena_file":
         return {"path": handler.arena_path, "nbytes": byte_view(handler.arena).nbytes}
     return NotImplemented
@@ -242,7 +234,7 @@ def _coalesce(arena: memoryview, regions: np.ndarray) -> list[memoryview]:
 
 def _serve_read(writer, handler, body, max_frame_bytes: int, own_expiry: bool | None) -> None:
     try:
-        keys = _str_list(body.get("keys"), "keys")
+        keys = _list_of(body.get("keys"), str, "keys")
         kwargs = _lease_kwargs(_generations(body.get("generations"), len(keys)),
                                _incarnation(body.get("incarnation")), own_expiry)
         lease_id, regions = lease_array(handler, keys, **kwargs)
@@ -463,10 +455,15 @@ class TcpServer(Server):
                 if self._pending:
                     timeout = max(0.0, min(timeout, min(h.deadline for h in self._pending.values()) - now))
                 for key, _ in self._selector.select(timeout):
-                    if key.data is None:
-                        self._accept()
-                    else:
-                        self._advance(key.data)
+                    try:
+                        if key.data is None:
+                            self._accept()
+                        else:
+                            self._advance(key.data)
+                    except Exception as exc:  # one connection is lost; the server goes on serving
+                        self._limited_log.warning("unit %s: handshake loop: %s", self._handler.name, exc)
+                        if key.data is not None:
+                            self._drop(key.data)
                 now = time.monotonic()
                 for hs in [h for h in self._pending.values() if h.deadline <= now]:
                     if not hs.draining:
@@ -536,7 +533,14 @@ class TcpServer(Server):
                                   name=f"gputq-tcp-conn-{self._handler.name}")
         with self._lock:
             self._threads[hs.sock] = thread
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # no thread can be started now: refuse this connection, keep the rest
+            with self._lock:
+                self._threads.pop(hs.sock, None)
+                self._nconns -= 1
+            hs.sock.close()
+            raise
 
     def _fail(self, hs: Handshake, exc: Exception, *, linger: bool) -> None:
         """Log (rate-limited), send the ERROR reply if it fits the socket buffer, stop sending."""
