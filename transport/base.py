@@ -68,11 +68,14 @@ class Lease:
 
 @runtime_checkable
 class ArenaHandler(Protocol):
-    """What a transport server needs from the owner of the arena."""
+    """What a transport server needs from the owner of the arena.
+
+    A handler should also have ``incarnation`` (a str, random per handler
+    object: a reference made before a restart is then stale); servers
+    publish it in addresses and HELLO replies, and an empty one when absent.
+    """
 
     name: str
-    #: Random per handler object: a reference made before a restart is stale.
-    incarnation: str
 
     @property
     def arena(self) -> memoryview:
