@@ -37,6 +37,7 @@ from transport.tcp_server import (
     HANDSHAKE_TIMEOUT_S,
     MAX_CONNECTIONS,
     SEND_TIMEOUT_S,
+    SOCKET_BUFFER_BYTES,
     TcpServer,
     serve_connection,
     tune_socket,
@@ -44,6 +45,7 @@ from transport.tcp_server import (
 from transport.wire import Deadline, FrameReader, FrameWriter, Op
 
 __all__ = [
+    "SOCKET_BUFFER_BYTES",
     "CHANNEL_CONNECTIONS",
     "TcpTransport",
     "TcpServer",
