@@ -640,3 +640,17 @@ def test_leased_regions_outside_the_arena_are_refused_before_any_read(handler):
         with pytest.raises(ProtocolError, match="unit-lying.*outside"):
             ch.read(["k"], np.zeros(4096, np.uint8), timeout=10)
         assert transfers == [] and unit.stats()["leases"] == 0
+
+
+def test_progress_loop_failures_are_logged_at_a_limited_rate(server, caplog):
+    caplog.set_level(logging.WARNING, logger="transport.nixl_server")
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise RuntimeError("UCX worker gone")
+
+    server._agent.get_new_notifs = failing
+    assert _wait_until(lambda: len(calls) >= 20)
+    logged = [r.getMessage() for r in caplog.records if "progress" in r.getMessage()]
+    assert len(logged) == 1 and "unit-nixl" in logged[0] and "UCX worker gone" in logged[0]
