@@ -157,6 +157,8 @@ def _held(result) -> bool:
 
 
 def _holds_without_expiry(handler: ArenaHandler) -> bool:
+    # A handler whose lease() has no ``expires`` keeps its own lease timeout on
+    # the server's lease too; the send deadline must then be the shorter one.
     try:
         return "expires" in inspect.signature(handler.lease).parameters
     except (TypeError, ValueError):
