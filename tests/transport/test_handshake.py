@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -29,7 +30,10 @@ def rss_bytes() -> int:
 
 
 def closed_now(sock: socket.socket) -> bool:
-    """True once the server closed ``sock`` (reads what it sent meanwhile, e.g. an ERROR frame)."""
+    """True once the server closed ``sock`` (reads what it sent meanwhile, e.g. an ERROR frame).
+
+    ``sock`` must be non-blocking: with a timeout, Python waits for it before a receive.
+    """
     try:
         while True:
             data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
@@ -54,6 +58,7 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
         opened, closed_at = {}, {}
         for _ in range(nattackers):
             sock = socket.create_connection(address, timeout=5)
+            sock.setblocking(False)  # the attacker polls all its sockets from one thread
             opened[sock] = time.monotonic()
         # a legitimate fetch in the middle of the attack
         fetch: dict = {}
@@ -138,8 +143,9 @@ def test_a_slow_but_steady_handshake_still_hits_the_whole_deadline():
             TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX, handshake_timeout_s=0.6) as srv:
         hello = HEADER.pack(MAGIC, VERSION, Op.HELLO, 40, 0)
         with socket.create_connection((srv.address["host"], srv.address["port"]), timeout=5) as sock:
+            sock.setblocking(False)
             start = time.monotonic()
-            for byte in hello:
+            for byte in hello:  # 20 bytes, one per 50 ms: 1 s in all, beyond the deadline
                 if closed_now(sock):
                     break
                 sock.send(bytes([byte]))
@@ -158,3 +164,80 @@ def test_failed_handshakes_are_logged_at_a_limited_rate(caplog):
     warnings = [r for r in caplog.records if "handshake" in r.getMessage()]
     assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
     assert TOKEN not in caplog.text
+
+
+def _serve_in_child(conn, payload_size: int) -> None:
+    """A unit and its tcp server in their own process, as deployed; serves until told to stop."""
+    with make_unit(8 << 20, name="su-child") as unit, \
+            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
+        unit.put("sample", np.arange(payload_size, dtype=np.uint64).astype(np.uint8))
+        conn.send(srv.address)
+        conn.recv()
+
+
+def _proc_status(pid: int) -> tuple[int, int]:
+    """(RSS bytes, threads) of process ``pid``."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            fields[name] = value.split()
+    return int(fields["VmRSS"][0]) * 1024, int(fields["Threads"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_drip_against_a_unit_process_at_the_default_deadline():
+    """200 connections dripping one byte every 5 s against a unit in its own process (5 s deadline)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    payload = np.arange(4 << 20, dtype=np.uint64).astype(np.uint8)
+    proc = ctx.Process(target=_serve_in_child, args=(child, payload.size), daemon=True)
+    proc.start()
+    try:
+        address = parent.recv()
+        with TcpTransport().connect(address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as warm:
+            warm.call("stats")  # the unit's steady state: one authenticated connection served before
+        rss_before, threads_before = _proc_status(proc.pid)
+        opened, closed_at = {}, {}
+        for _ in range(200):
+            sock = socket.create_connection((address["host"], address["port"]), timeout=5)
+            sock.setblocking(False)
+            opened[sock] = time.monotonic()
+        peak_rss, peak_threads, fetch_s, next_drip = rss_before, threads_before, None, 0.0
+        stop = time.monotonic() + 8.0
+        while len(closed_at) < len(opened) and time.monotonic() < stop:
+            now = time.monotonic()
+            for sock in opened:
+                if sock not in closed_at and closed_now(sock):
+                    closed_at[sock] = now
+            if now >= next_drip:
+                for sock in opened:
+                    if sock not in closed_at:
+                        with contextlib.suppress(OSError):
+                            sock.send(b"G")
+                next_drip = now + 5.0
+            if fetch_s is None and now - min(opened.values()) > 2.0:
+                start = time.monotonic()
+                with TcpTransport().connect(address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+                    dest = np.empty(payload.size, np.uint8)
+                    ch.read(["sample"], dest, timeout=5)
+                fetch_s = time.monotonic() - start
+                assert np.array_equal(dest, payload)
+            rss, threads = _proc_status(proc.pid)
+            peak_rss, peak_threads = max(peak_rss, rss), max(peak_threads, threads)
+            time.sleep(0.05)
+        for sock in opened:
+            sock.close()
+        longest = max(closed_at[s] - opened[s] for s in closed_at)
+        print(f"\ndrip at 5 s: 200 connections, closed {len(closed_at)}, longest lived {longest:.2f} s, "
+              f"unit RSS +{(peak_rss - rss_before) / (1 << 20):.1f} MiB, unit threads +{peak_threads - threads_before}, "
+              f"fetch {fetch_s:.3f} s")
+        assert len(closed_at) == 200 and longest < 6.0
+        assert peak_rss - rss_before < 8 << 20 and peak_threads - threads_before < 10
+        assert fetch_s is not None and fetch_s < 1.0
+    finally:
+        parent.send("stop")
+        proc.join(10)
