@@ -56,15 +56,15 @@ MAX_FRAME = 1 << 30
 class RawNixl:
     """The baseline: one NIXL READ of known regions, with no lease and no gputq."""
 
-    def __init__(self, address: dict, max_bytes: int):
+    def __init__(self, connect_info: dict, max_bytes: int):
         nixl_agent, nixl_agent_config, sync = import_nixl()
         self.agent = nixl_agent(f"bench-raw-{os.getpid()}", nixl_agent_config(
             enable_prog_thread=False, backends=["UCX"], sync_mode=sync.NIXL_THREAD_SYNC_RW))
         self.dest = np.empty(max_bytes, dtype=np.uint8)
         self._reg = self.agent.register_memory(
             np.array([[self.dest.ctypes.data, max_bytes, 0]], dtype=np.uint64), "DRAM")
-        self.remote = self.agent.add_remote_agent(address["agent_metadata"])
-        self.base = int(address["arena_base"])
+        self.remote = self.agent.add_remote_agent(connect_info["agent_metadata"])
+        self.base = int(connect_info["arena_base"])
 
     def _descs(self, regions: np.ndarray):
         lengths = regions[:, 1].astype(np.uint64)
@@ -178,7 +178,7 @@ def read_rows(address: dict, repeats: int) -> list[dict]:
     transport = NixlTransport()
     rdma = transport.connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
     tcp = TcpTransport().connect(address["control"], token=TOKEN, max_frame_bytes=MAX_FRAME)
-    raw = RawNixl(address, total_max)
+    raw = RawNixl(tcp.call("nixl_connect"), total_max)  # NIXL metadata only after the token handshake
     try:
         with SocketBaseline(total_max) as sock:
             keys = _fill(tcp, SHAPES)

@@ -74,6 +74,14 @@ class GputqConfig:
         when unset.
     shm_dir:
         Folder of the arenas' shared-memory files (``/dev/shm`` when unset).
+    send_timeout_s:
+        A unit's deadline for sending one reply; a client that stops reading
+        loses its connection.
+    max_connections:
+        Connections one unit accepts at once (authenticated or not); above
+        it, new connections are closed at once.
+    handshake_timeout_s:
+        Time a client has from connecting to completing the token handshake.
     """
 
     enabled: bool = False
@@ -92,6 +100,9 @@ class GputqConfig:
     host: str | None = None
     token: str | None = None
     shm_dir: str | None = None
+    send_timeout_s: float = 60.0
+    max_connections: int = 256
+    handshake_timeout_s: float = 5.0
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -103,10 +114,11 @@ class GputqConfig:
         if unknown:
             raise ConfigError(f"unknown transfer_params {sorted(unknown)}; known: {OFFLOADABLE_FIELDS}")
         for name in ("num_units", "unit_capacity_bytes", "max_frame_bytes", "writer_inflight_bytes",
-                     "writer_threads"):
+                     "writer_threads", "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("put_timeout_s", "read_timeout_s", "control_timeout_s"):
+        for name in ("put_timeout_s", "read_timeout_s", "control_timeout_s", "send_timeout_s",
+                     "handshake_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 

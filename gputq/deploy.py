@@ -70,7 +70,8 @@ class UnitService(Closeable):
         try:
             self._server = get_transport(serving_transport(config.transport)).serve(
                 self._unit, host=host, port=0, token=config.token,
-                max_frame_bytes=config.max_frame_bytes)
+                max_frame_bytes=config.max_frame_bytes, send_timeout_s=config.send_timeout_s,
+                max_connections=config.max_connections, handshake_timeout_s=config.handshake_timeout_s)
         except BaseException:
             self._unit.close()
             raise

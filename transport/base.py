@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from transport.errors import InvalidInputError
+import numpy as np
+
+from transport.errors import InvalidInputError, ProtocolError
 
 __all__ = [
     "Region",
@@ -34,6 +39,9 @@ __all__ = [
     "TransportType",
     "is_device_buffer",
     "byte_view",
+    "LogLimiter",
+    "describe_keys",
+    "leased_regions",
 ]
 
 
@@ -60,13 +68,22 @@ class Lease:
 
 @runtime_checkable
 class ArenaHandler(Protocol):
-    """What a transport server needs from the owner of the arena."""
+    """What a transport server needs from the owner of the arena.
+
+    A handler should also have ``incarnation`` (a str, random per handler
+    object: a reference made before a restart is then stale); servers
+    publish it in addresses and HELLO replies, and an empty one when absent.
+    """
 
     name: str
 
     @property
     def arena(self) -> memoryview:
         """The whole arena as one writable, C-contiguous byte view."""
+
+    @property
+    def arena_path(self) -> str:
+        """The arena's shared-memory file, for readers on the same host."""
 
     def begin_write(self, key: str, nbytes: int, meta: dict, timeout: float | None) -> int:
         """Reserve ``nbytes`` for ``key``; return the arena offset.
@@ -82,11 +99,24 @@ class ArenaHandler(Protocol):
     def abort_write(self, key: str) -> None:
         """Drop a reservation whose bytes did not all arrive."""
 
-    def lease(self, keys: Sequence[str]) -> Lease:
-        """Pin the regions of ``keys`` (in order); ``UnknownKeyError`` names a missing key."""
+    def lease(self, keys: Sequence[str], generations=None, incarnation=None, *, expires: bool = True) -> Lease:
+        """Pin the regions of ``keys`` (in order).
 
-    def end_lease(self, lease_id: int) -> None:
-        """Unpin; regions released meanwhile are freed now. Idempotent."""
+        ``UnknownKeyError`` names a missing key; ``StaleReadError`` when
+        ``incarnation`` (not None) is not the handler's, or a key's stored
+        generation differs from its entry in ``generations`` (0 or None
+        entries are not checked). ``expires=False``: no deadline, for a
+        server that ends the lease itself in ``finally``; ``True``: the
+        handler ends it after its lease timeout (one-sided readers).
+        """
+
+    def end_lease(self, lease_id: int) -> bool | None:
+        """Unpin; regions released meanwhile are freed now. Idempotent.
+
+        Returns True when the lease was still held, False when it had
+        expired or is unknown: a one-sided reader then discards what it
+        read. ``None`` (a handler whose leases never expire) counts as held.
+        """
 
     def control(self, method: str, args: dict) -> Any:
         """Answer a control call (release, stats, ...); the result is msgpack-able."""
@@ -107,9 +137,13 @@ class Closeable(abc.ABC):
 
 
 class Channel(Closeable):
-    """A client connection to one StorageUnit. Thread-safe unless noted."""
+    """A client connection to one StorageUnit. Thread-safe unless noted.
+
+    ``unit`` and ``incarnation`` come from the unit's HELLO reply.
+    """
 
     unit: str
+    incarnation: str
 
     @abc.abstractmethod
     def write(self, key: str, payload, meta: dict, timeout: float | None = None) -> dict:
@@ -119,13 +153,18 @@ class Channel(Closeable):
         """
 
     @abc.abstractmethod
-    def read(self, keys: Sequence[str], dest, timeout: float | None = None) -> list[int]:
+    def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
+             generations: Sequence[int] | None = None, incarnation: str | None = None) -> list[int]:
         """Read the bytes of ``keys`` back to back into ``dest`` from offset 0.
 
         ``dest`` is a 1-D uint8 host buffer (numpy array, memoryview) or,
         where the backend supports it, a CUDA buffer (anything with
         ``__cuda_array_interface__``). Returns each key's length in bytes.
-        Raises ``RequestTooLargeError`` if ``dest`` is too small.
+        ``generations`` (one per key; 0 or None: unchecked) and
+        ``incarnation`` are those of the caller's references: a key rewritten
+        since, or a unit restarted since, raises ``StaleReadError``, and then
+        ``dest`` holds garbage. Raises ``RequestTooLargeError`` if ``dest``
+        is too small.
         """
 
     @abc.abstractmethod
@@ -156,9 +195,16 @@ class TransportType(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0,
-              token: str, max_frame_bytes: int) -> Server:
-        """Start serving ``handler.arena``."""
+    def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0, token: str,
+              max_frame_bytes: int, send_timeout_s: float = 60.0, max_connections: int = 256,
+              handshake_timeout_s: float = 5.0) -> Server:
+        """Start serving ``handler.arena``.
+
+        ``send_timeout_s`` bounds each reply frame (a client not reading
+        loses its connection), ``max_connections`` caps open connections
+        (above it new ones are closed at once) and ``handshake_timeout_s``
+        bounds the whole token handshake.
+        """
 
     @abc.abstractmethod
     def connect(self, address: dict, *, token: str, max_frame_bytes: int,
@@ -207,3 +253,66 @@ def byte_view(buf, *, writable: bool = False) -> memoryview:
     if not view.c_contiguous:
         raise InvalidInputError("buffer must be C-contiguous")
     return view.cast("B")
+
+
+class LogLimiter:
+    """Logs one warning per ``interval_s`` and counts the ones it held back.
+
+    For events a hostile or broken peer can cause at will (failed
+    handshakes, a failing progress loop): each is worth knowing about,
+    a thousand identical lines are not.
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0):
+        self._logger = logger
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self.suppressed = 0
+
+    def warning(self, msg: str, *args) -> bool:
+        """Log ``msg % args`` unless one was logged within the interval; True when logged."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self.suppressed += 1
+                return False
+            held, self.suppressed = self.suppressed, 0
+            self._next = now + self._interval_s
+        if held:
+            msg += " (%d similar messages suppressed)"
+            args = (*args, held)
+        self._logger.warning(msg, *args)
+        return True
+
+
+def describe_keys(keys: Sequence[str]) -> str:
+    """The first few of ``keys`` and their count, for error messages."""
+    keys = list(keys)
+    shown = ", ".join(repr(k) for k in keys[:4])
+    return f"[{shown}{', ...' if len(keys) > 4 else ''}] ({len(keys)} keys)"
+
+
+def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str) -> np.ndarray:
+    """Decode and check the regions of a ``"lease"`` reply before reading them one-sided.
+
+    ``raw`` is little-endian int64 ``[n, 2]`` of (offset, nbytes), one row
+    per key. A one-sided reader trusts nothing it did not check: a region
+    outside the arena would read (or, mapped, fault on) memory that is not
+    the arena.
+
+    Raises
+    ------
+    ProtocolError
+        Wrong size or type, a negative value, or a region reaching past
+        ``arena_nbytes``; names the unit and the keys.
+    """
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != 16 * len(keys):
+        raise ProtocolError(f"unit {unit}: lease reply for keys {describe_keys(keys)} is not "
+                            f"{len(keys)} (offset, nbytes) pairs")
+    regions = np.frombuffer(raw, dtype="<i8").reshape(len(keys), 2)
+    # nbytes > arena - offset, not offset + nbytes > arena: the sum can overflow int64.
+    if len(keys) and ((regions < 0).any() or (regions[:, 1] > arena_nbytes - regions[:, 0]).any()):
+        raise ProtocolError(f"unit {unit}: leased regions outside its {arena_nbytes}-byte arena for keys "
+                            f"{describe_keys(keys)}")
+    return regions

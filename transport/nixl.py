@@ -10,19 +10,18 @@ copy. One read is one NIXL READ whose descriptor list covers every region
 of every key, built with numpy.
 
 Control plane: the tcp backend. The unit serves tcp beside NIXL, and a
-:class:`NixlChannel` reaches the unit's lease/end-lease and writes through a
-:class:`~transport.tcp.TcpChannel`. The server wraps the handler so that
-``nixl_lease`` / ``nixl_end_lease`` control calls reach
-:meth:`ArenaHandler.lease` / :meth:`ArenaHandler.end_lease` (any handler
-works; the StorageUnit needs no NIXL-specific control method). A read holds
-a lease from before the READ is posted until it completed, so the unit
-never frees or reuses a region while NIXL reads it, and a read racing a
-release returns the right bytes or a typed error, never another key's
-bytes. The lease's generations are not re-checked after the transfer: the
-handler protocol has no generation lookup, so it would cost another round
-trip, and the lease already rules the reuse out. Leases end off the read's
-latency: a finished read's lease id rides on the channel's next lease
-request, or a background thread ends it after :data:`END_LEASE_DELAY_S`.
+:class:`NixlChannel` reaches the unit through a
+:class:`~transport.tcp.TcpChannel`: the token handshake first, then the
+``nixl_connect`` call, the only source of the unit's NIXL agent metadata and
+arena base (they let a NIXL peer read and write the whole arena; see
+docs/security.md). A read leases its keys (``lease``: the unit checks the
+keys' generations and its incarnation), READs the leased regions one-sided,
+then confirms with ``end_lease``: the unit answers whether the lease was
+still held. It was not when the reader was slower than the unit's lease
+timeout; the regions may have been reused meanwhile, so the read raises
+:class:`~transport.errors.StaleReadError` and returns nothing. The confirm
+costs one control round trip per read; it is what makes a one-sided read
+safe against a release racing it.
 
 GPU destinations: where a NIC can DMA into GPU memory (GPUDirect, see
 :func:`transport.policy.gpudirect_support`) the READ lands in a registered
@@ -52,24 +51,28 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from transport.base import ArenaHandler, Channel, TransportType, byte_view, is_device_buffer
+from transport.base import ArenaHandler, Channel, TransportType, byte_view, describe_keys, is_device_buffer, \
+    leased_regions
 from transport.errors import (
     ClosedError,
+    GputqError,
     GputqTimeoutError,
     InvalidInputError,
     RequestTooLargeError,
+    StaleReadError,
     TransferError,
 )
 from transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
-from transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, END_LEASE, LEASE, NixlServer
+from transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
 from transport.policy import gpudirect_support
 from transport.staging import device_nbytes
 from transport.tcp import TcpTransport
+from transport.tcp_server import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S
 
 _log = logging.getLogger(__name__)
 
 __all__ = ["NixlTransport", "NixlServer", "NixlChannel", "import_nixl", "local_pool",
-           "PUSH_MIN_BYTES", "PUSH_CHUNK_BYTES", "WRITE_PATH_ENV", "END_LEASE_DELAY_S"]
+           "PUSH_MIN_BYTES", "PUSH_CHUNK_BYTES", "WRITE_PATH_ENV"]
 
 WRITE_PATHS = ("auto", "tcp", "push")
 #: ``write_path="auto"`` pushes payloads of at least this size with NIXL WRITE.
@@ -81,21 +84,12 @@ WRITE_PATH_ENV = "GPUTQ_RDMA_WRITE_PATH"
 #: Staging chunk of a push: bounds the registered memory a writer holds.
 PUSH_CHUNK_BYTES = 16 << 20
 
-#: A finished read's lease ends with the channel's next lease request, or
-#: after this long on a background thread when no read follows: one control
-#: round trip fewer per read, and no control traffic racing the next READ.
-END_LEASE_DELAY_S = 0.01
 # A READ still in flight after this long is polled with the GIL released
 # between polls (time.sleep(0)), so threads reading other units can run.
 _SPIN_S = 0.0002
 
 
 # -- client side -----------------------------------------------------------------------
-
-def _describe(keys: Sequence[str]) -> str:
-    shown = ", ".join(repr(k) for k in list(keys)[:4])
-    return f"[{shown}{', ...' if len(keys) > 4 else ''}] ({len(keys)} keys)"
-
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -139,68 +133,6 @@ def _descriptors(regions: np.ndarray, local_base: int, remote_base: int, device:
 _CLEANUP_TIMEOUT_S = 5.0
 
 
-class _LeaseEnder:
-    """Ends a channel's leases off the read path.
-
-    A read's data is complete once its READ is done; waiting for the unit to
-    acknowledge end_lease would add a control round trip to every read, and
-    a background end_lease call races the next read for the CPU and the
-    unit's attention. So finished lease ids wait here: the channel's next
-    lease request carries them (:meth:`take`), and when no read comes within
-    :data:`END_LEASE_DELAY_S` a background thread ends them in one call.
-    :meth:`close` ends every pending lease before returning. A failed
-    end_lease is logged: the unit keeps those regions pinned, which wastes
-    space but never corrupts a read.
-    """
-
-    def __init__(self, tcp, unit: str):
-        self._tcp = tcp
-        self._unit = unit
-        self._lock = threading.Lock()
-        self._pending: list[int] = []
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"gputq-nixl-end-lease-{unit}", daemon=True)
-        self._thread.start()
-
-    def end(self, *lease_ids: int) -> None:
-        """Queue leases to end; ending twice is harmless (end_lease is idempotent)."""
-        with self._lock:
-            self._pending.extend(lease_ids)
-        self._wake.set()
-
-    def take(self) -> list[int]:
-        """Hand every pending lease id to a request that will end them."""
-        with self._lock:
-            ids, self._pending = self._pending, []
-        return ids
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait()
-            if self._stop.wait(END_LEASE_DELAY_S):
-                return
-            self._wake.clear()  # before take(): an id queued after it sets the event again
-            self._flush()
-
-    def _flush(self) -> None:
-        ids = self.take()
-        if not ids:
-            return
-        try:
-            self._tcp.call(END_LEASE, timeout=_CLEANUP_TIMEOUT_S, lease_ids=ids)
-        except Exception as exc:
-            _log.warning("unit %s: could not end leases %s: %s", self._unit, ids, exc)
-
-    def close(self) -> None:
-        """End every pending lease, then stop. Idempotent."""
-        if self._thread.is_alive():
-            self._stop.set()
-            self._wake.set()
-            self._thread.join()
-        self._flush()
-
-
 class NixlChannel(Channel):
     """A client of one unit: NIXL READs for data, tcp for control.
 
@@ -221,13 +153,11 @@ class NixlChannel(Channel):
 
     def __init__(self, address: dict, *, token: str, max_frame_bytes: int,
                  timeout: float | None = None, write_path: str = "auto"):
-        if address.get("transport") != "rdma" or "agent_metadata" not in address:
-            raise InvalidInputError(f"not an rdma address (no NIXL agent metadata): {sorted(address)}")
+        if address.get("transport") != "rdma" or not isinstance(address.get("control"), dict):
+            raise InvalidInputError(f"not an rdma address (no control lane): {sorted(address)}")
         self._closed = False
         self._local = LocalAgent.get()
         self._write_path = write_path
-        self._base = int(address["arena_base"])
-        self._arena_nbytes = int(address["arena_nbytes"])
         # READ straight into GPU memory only where a NIC can DMA there; else
         # UCX stages in software (0.7 GB/s on one H200 host, against 4 GB/s
         # for READ into host memory plus a host-to-device copy). None: try
@@ -235,31 +165,40 @@ class NixlChannel(Channel):
         self._vram_direct: bool | None = None if gpudirect_support()[0] else False
         self._tcp = TcpTransport().connect(address["control"], token=token,
                                            max_frame_bytes=max_frame_bytes, timeout=timeout)
-        self.unit = self._tcp.unit
+        self.unit, self.incarnation = self._tcp.unit, self._tcp.incarnation
         try:
-            self._remote = self._local.add_remote(address["agent_metadata"])
-        except Exception as exc:
+            info = self._tcp.call(CONNECT, timeout=timeout)
+            self._base, self._arena_nbytes = int(info["arena_base"]), int(info["arena_nbytes"])
+            self._remote = self._local.add_remote(info["agent_metadata"])
+        except BaseException as exc:
             self._tcp.close()
+            if isinstance(exc, GputqError) or not isinstance(exc, Exception):
+                raise
             raise TransferError(f"cannot add the NIXL agent of unit {self.unit}: {exc}", self.unit) from exc
         self.pool = self._local.pool
         self.copies = 0
         self._copies_lock = threading.Lock()
-        self._ender = _LeaseEnder(self._tcp, self.unit)
 
     # -- reads -------------------------------------------------------------------------
 
-    def read(self, keys: Sequence[str], dest, timeout: float | None = None) -> list[int]:
-        """Read ``keys`` back to back into ``dest`` with one NIXL READ.
+    def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
+             generations: Sequence[int] | None = None, incarnation: str | None = None) -> list[int]:
+        """Read ``keys`` back to back into ``dest`` with one NIXL READ, then confirm it.
 
         ``dest`` may be host memory, a CUDA buffer, or any slice of a buffer
         from :meth:`NixlTransport.destination` or :meth:`staging`: then the
         READ lands in it directly, with no copy. Other destinations get one
-        copy from a pool buffer (counted in :attr:`copies`).
+        copy from a pool buffer (counted in :attr:`copies`), made only once
+        the read is confirmed.
 
         Raises
         ------
         UnknownKeyError
             A key is not stored on the unit.
+        StaleReadError
+            ``incarnation`` is not the unit's, a key's generation is not the
+            one in ``generations``, or the lease expired before the READ was
+            confirmed: ``dest`` holds garbage.
         RequestTooLargeError
             ``dest`` is smaller than the keys' bytes.
         GputqTimeoutError
@@ -280,37 +219,40 @@ class NixlChannel(Channel):
             device = 0
         if not keys:
             return []
-        lease = self._lease(keys, deadline)
+        args: dict = {"keys": keys}
+        if generations is not None:
+            if len(generations) != len(keys):
+                raise InvalidInputError(f"{len(generations)} generations for {len(keys)} keys")
+            args["generations"] = [None if g is None else int(g) for g in generations]
+        if incarnation is not None:
+            args["incarnation"] = incarnation
+        lease = self._tcp.request("lease", args, _left(deadline), keys=keys)
+        lease_id, staged, confirmed = lease["lease_id"], None, False
         try:
-            regions = np.frombuffer(lease["regions"], dtype="<i8").reshape(len(keys), 2)
+            regions = leased_regions(lease["regions"], keys, self._arena_nbytes, self.unit)
             lengths = regions[:, 1]
             total = int(lengths.sum())
             if total > capacity:
                 raise RequestTooLargeError(
                     f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
-            if int((regions[:, 0] + lengths).max()) > self._arena_nbytes or int(regions.min()) < 0:
-                raise TransferError(f"unit {self.unit} leased regions outside its arena for keys "
-                                    f"{_describe(keys)}", self.unit, keys)
             staged = self._read_leased(keys, regions, total, ptr, device, on_device, deadline)
+            held = self._tcp.request("end_lease", {"lease_ids": [lease_id]}, _left(deadline), keys=keys)["held"]
+            confirmed = True
+            if held != [True]:
+                raise StaleReadError(
+                    f"unit {self.unit}: the lease of keys {describe_keys(keys)} expired before the read "
+                    f"was confirmed; the regions may have been reused, nothing is returned")
+            if staged is not None:
+                self._copy_out(staged[0], staged[1], ptr, dest, total, device, on_device)
         finally:
-            self._ender.end(lease["lease_id"])
-        if staged is not None:  # the copy runs after the lease: the pool buffer is ours
-            buf, kind = staged
-            try:
-                self._copy_out(buf, kind, ptr, dest, total, device, on_device)
-            finally:
-                self.pool.release(buf)
+            if not confirmed:
+                try:
+                    self._tcp.call("end_lease", timeout=_CLEANUP_TIMEOUT_S, lease_ids=[lease_id])
+                except GputqError as exc:  # the unit's own lease timeout ends it
+                    _log.warning("unit %s: could not end lease %s: %s", self.unit, lease_id, exc)
+            if staged is not None:
+                self.pool.release(staged[0])
         return lengths.tolist()
-
-    def _lease(self, keys: list, deadline: float | None) -> dict:
-        """Lease ``keys``; the request also ends this channel's finished leases."""
-        ended = self._ender.take()
-        try:
-            return self._tcp.call(LEASE, timeout=_left(deadline), keys=keys, end=ended)
-        except BaseException:
-            if ended:  # the unit may not have seen them
-                self._ender.end(*ended)
-            raise
 
     def _read_leased(self, keys, regions, total, ptr, device, on_device, deadline):
         """READ the leased regions; return ``(pool buffer, kind)`` when a copy-out is due."""
@@ -378,7 +320,7 @@ class NixlChannel(Channel):
             handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, kind[0]),
                                            agent.get_xfer_descs(remote, "DRAM"), self._remote)
         except Exception as exc:
-            raise _SetupError(f"unit {self.unit}: NIXL cannot {op} keys {_describe(keys)} "
+            raise _SetupError(f"unit {self.unit}: NIXL cannot {op} keys {describe_keys(keys)} "
                               f"({kind[0]} destination): {exc}", self.unit, keys) from exc
         done = False
         try:
@@ -387,18 +329,18 @@ class NixlChannel(Channel):
             while state == "PROC":
                 if deadline is not None and time.monotonic() > deadline:
                     raise GputqTimeoutError(
-                        f"NIXL {op} of keys {_describe(keys)} from unit {self.unit} timed out")
+                        f"NIXL {op} of keys {describe_keys(keys)} from unit {self.unit} timed out")
                 state = agent.check_xfer_state(handle)
                 if state == "PROC" and time.perf_counter() > spin_until:
                     time.sleep(0)  # let other threads (reads of other units) take the GIL
             if state != "DONE":
-                raise TransferError(f"unit {self.unit}: NIXL {op} of keys {_describe(keys)} failed "
+                raise TransferError(f"unit {self.unit}: NIXL {op} of keys {describe_keys(keys)} failed "
                                     f"(transfer state {state})", self.unit, keys)
             done = True
         except (GputqTimeoutError, TransferError):
             raise
         except Exception as exc:  # NIXL's binding errors (nixlBackendError, ...)
-            raise TransferError(f"unit {self.unit}: NIXL {op} of keys {_describe(keys)} failed: {exc}",
+            raise TransferError(f"unit {self.unit}: NIXL {op} of keys {describe_keys(keys)} failed: {exc}",
                                 self.unit, keys) from exc
         finally:
             try:
@@ -485,7 +427,6 @@ class NixlChannel(Channel):
         if self._closed:
             return
         self._closed = True
-        self._ender.close()
         self._local.remove_remote(self._remote)
         self._tcp.close()
 
@@ -519,9 +460,13 @@ class NixlTransport(TransportType):
             raise InvalidInputError(f"write_path must be one of {WRITE_PATHS}, got {write_path!r}")
         self.write_path = write_path
 
-    def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0,
-              token: str, max_frame_bytes: int) -> NixlServer:
-        return NixlServer(handler, host=host, port=port, token=token, max_frame_bytes=max_frame_bytes)
+    def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0, token: str,
+              max_frame_bytes: int, send_timeout_s: float = SEND_TIMEOUT_S,
+              max_connections: int = MAX_CONNECTIONS,
+              handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> NixlServer:
+        return NixlServer(handler, host=host, port=port, token=token, max_frame_bytes=max_frame_bytes,
+                          send_timeout_s=send_timeout_s, max_connections=max_connections,
+                          handshake_timeout_s=handshake_timeout_s)
 
     def connect(self, address: dict, *, token: str, max_frame_bytes: int,
                 timeout: float | None = None) -> NixlChannel:

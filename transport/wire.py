@@ -5,10 +5,10 @@ optional raw payload bytes::
 
     magic "GPTQ" | version u8 | opcode u8 | 2 pad | body length u32 | payload length u64
 
-All integers are big-endian. Bodies are bounded by :data:`MAX_BODY_BYTES`,
-payloads by the ``max_payload`` a :class:`FrameReader` is built with, so a
-corrupt or hostile length can never make a peer allocate or wait for
-gigabytes it did not agree to.
+All integers are big-endian. Bodies are bounded by :data:`MAX_BODY_BYTES`
+(:data:`PRE_AUTH_BODY_BYTES` before the peer authenticated), payloads by the
+``max_payload`` a :class:`FrameReader` is built with, so a corrupt or hostile
+length can never make a peer allocate or wait for more than it agreed to.
 
 :class:`FrameReader` and :class:`FrameWriter` work over any socket-like
 object (``sendall``, ``recv_into``, ``recv``, ``settimeout``, ``close``), so
@@ -21,6 +21,7 @@ into the gputq error tree: a socket timeout becomes
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
@@ -37,6 +38,7 @@ __all__ = [
     "VERSION",
     "HEADER",
     "MAX_BODY_BYTES",
+    "PRE_AUTH_BODY_BYTES",
     "Op",
     "Header",
     "Deadline",
@@ -52,6 +54,9 @@ MAGIC = b"GPTQ"
 VERSION = 1
 HEADER = struct.Struct("!4sBBxxIQ")
 MAX_BODY_BYTES = 1 << 20
+#: The largest body a server reads before the HELLO authenticated its peer
+#: (a HELLO carries a token, nothing more; before it, no payload at all).
+PRE_AUTH_BODY_BYTES = 4 << 10
 
 # Below this size a payload is joined to its header in one send: one syscall
 # instead of two, and no small-packet round trip with TCP_NODELAY.
@@ -86,14 +91,14 @@ def encode_header(opcode: int, body_len: int, payload_len: int) -> bytes:
     return HEADER.pack(MAGIC, VERSION, opcode, body_len, payload_len)
 
 
-def decode_header(raw, max_payload: int) -> Header:
+def decode_header(raw, max_payload: int, max_body: int = MAX_BODY_BYTES) -> Header:
     """Parse and validate a header.
 
     Raises
     ------
     ProtocolError
         Bad magic or version, unknown opcode, a body longer than
-        :data:`MAX_BODY_BYTES` or a payload longer than ``max_payload``.
+        ``max_body`` or a payload longer than ``max_payload``.
     """
     magic, version, opcode, body_len, payload_len = HEADER.unpack(raw)
     if magic != MAGIC:
@@ -102,8 +107,8 @@ def decode_header(raw, max_payload: int) -> Header:
         raise ProtocolError(f"unsupported wire version {version} (this side speaks {VERSION})")
     if opcode not in Op.ALL:
         raise ProtocolError(f"unknown opcode {opcode}")
-    if body_len > MAX_BODY_BYTES:
-        raise ProtocolError(f"frame body of {body_len} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    if body_len > max_body:
+        raise ProtocolError(f"frame body of {body_len} bytes exceeds the {max_body}-byte limit")
     if payload_len > max_payload:
         raise ProtocolError(f"frame payload of {payload_len} bytes exceeds max_frame_bytes={max_payload}")
     return Header(opcode, body_len, payload_len)
@@ -231,14 +236,23 @@ class FrameReader:
 class FrameWriter:
     """Writes frames to a socket-like object (``sendall``, ``settimeout``).
 
+    Parameters
+    ----------
+    sock
+        Anything with ``sendall`` and ``settimeout``.
+    frame_timeout
+        When set, each frame must be sent within this many seconds (a
+        server's send deadline: a peer that stops reading cannot hold it).
+
     Attributes
     ----------
     deadline
         When set, every send is bounded by it.
     """
 
-    def __init__(self, sock):
+    def __init__(self, sock, frame_timeout: float | None = None):
         self._sock = sock
+        self.frame_timeout = frame_timeout
         self.deadline: Deadline | None = None
 
     def _sendall(self, data) -> None:
@@ -261,6 +275,18 @@ class FrameWriter:
             raise RequestTooLargeError(f"control body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}; "
                                        f"split the request (e.g. fewer keys per read)")
         views = [byte_view(p) for p in payloads]
+        if self.frame_timeout is None:
+            self._send_frame(opcode, raw, views)
+            return
+        self.deadline = Deadline(self.frame_timeout)
+        try:
+            self._send_frame(opcode, raw, views)
+        finally:
+            self.deadline = None
+            with contextlib.suppress(OSError):  # the next receive waits for the peer, unbounded
+                self._sock.settimeout(None)
+
+    def _send_frame(self, opcode: int, raw: bytes, views: list) -> None:
         total = sum(v.nbytes for v in views)
         head = encode_header(opcode, len(raw), total) + raw
         if total <= _COALESCE_BYTES:

@@ -7,25 +7,29 @@ as an InfiniBand cluster, minus the NIC.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from tests.transport.fakes import DictArenaHandler
+from tests.transport.units import ContractUnit, make_unit
 from transport.errors import (
+    AuthenticationError,
     ClosedError,
     InvalidInputError,
     MissingDependencyError,
+    ProtocolError,
     RequestTooLargeError,
+    StaleReadError,
     TransferError,
     UnknownKeyError,
 )
 
 pytestmark = [pytest.mark.rdma, pytest.mark.timeout(60)]
 
-TOKEN = "test-token"
+TOKEN = "test-token-of-the-nixl-tests"
 MAX_FRAME = 1 << 30
 
 
@@ -38,22 +42,25 @@ def _nixl_or_skip():
     return nixl
 
 
-class RacingHandler(DictArenaHandler):
-    """Runs ``on_lease`` right after granting a lease, inside the read's race window."""
+class RacingUnit(ContractUnit):
+    """A real unit that counts leases and runs ``on_lease`` right after granting one (the read's race window)."""
 
     on_lease = None
+    leases = 0
 
-    def lease(self, keys):
-        lease = super().lease(keys)
+    def lease_regions(self, keys, *args, **kwargs):
+        granted = super().lease_regions(keys, *args, **kwargs)
+        self.leases += 1
         if self.on_lease is not None:
             hook, self.on_lease = self.on_lease, None
             hook()
-        return lease
+        return granted
 
 
 @pytest.fixture
 def handler():
-    return RacingHandler(8 << 20, name="unit-nixl")
+    with RacingUnit("unit-nixl", 8 << 20) as unit:
+        yield unit
 
 
 @pytest.fixture
@@ -104,23 +111,27 @@ def test_many_regions_in_one_read_are_bit_exact(server, handler):
         order = list(items)[::-1] + ["k7", "k7"]  # any order, repeats allowed
         expected = np.concatenate([items[k] for k in order])
         dest = np.full(expected.size + 100, 0xEE, dtype=np.uint8)
-        leases_before = handler.calls.get("lease", 0)
+        leases_before = handler.leases
         lengths = ch.read(order, dest, timeout=10)
-        # the lease ends off the read path, soon, without waiting for close()
-        assert _wait_until(lambda: handler.active_leases() == 0)
+        assert handler.stats()["leases"] == 0  # the read confirmed and ended its lease before returning
     assert lengths == [items[k].nbytes for k in order]
     assert np.array_equal(dest[:expected.size], expected)
     assert (dest[expected.size:] == 0xEE).all()  # nothing written past the keys
-    assert handler.calls["lease"] == leases_before + 1  # one lease, one READ
-    assert handler.active_leases() == 0
+    assert handler.leases == leases_before + 1  # one lease, one READ
 
 
-def test_address_carries_what_auto_and_tcp_need(server, handler):
+def test_address_carries_what_auto_and_tcp_need_and_no_secret(server, handler):
     address = server.address
-    assert address["transport"] == "rdma"
-    assert address["control"]["transport"] == "tcp"
-    assert address["arena_nbytes"] == handler.capacity
-    assert isinstance(address["agent_metadata"], bytes) and address["hostname"]
+    assert set(address) == {"transport", "unit", "incarnation", "control", "hostname", "ib_devices"}
+    assert address["transport"] == "rdma" and address["unit"] == "unit-nixl"
+    assert address["incarnation"] == handler.incarnation and address["hostname"]
+    assert set(address["control"]) == {"transport", "unit", "incarnation", "host", "port", "hostname"}
+    assert not any(isinstance(v, bytes) for v in (*address.values(), *address["control"].values()))
+    with _connect(server) as ch:
+        info = ch.call("nixl_connect")
+        assert isinstance(info["agent_metadata"], bytes) and info["arena_nbytes"] == handler.arena.nbytes
+        assert (ch.unit, ch.incarnation) == ("unit-nixl", handler.incarnation)
+    assert info["agent_metadata"] not in repr(address).encode()
 
 
 def test_unknown_key_is_typed_and_ends_nothing_open(server, handler):
@@ -128,7 +139,7 @@ def test_unknown_key_is_typed_and_ends_nothing_open(server, handler):
         ch.write("present", np.ones(10, np.uint8), {})
         with pytest.raises(UnknownKeyError, match="missing"):
             ch.read(["present", "missing"], np.zeros(100, np.uint8))
-    assert handler.active_leases() == 0
+    assert handler.stats()["leases"] == 0
 
 
 def test_small_dest_raises_and_ends_the_lease(server, handler):
@@ -136,7 +147,7 @@ def test_small_dest_raises_and_ends_the_lease(server, handler):
         ch.write("a", np.ones(1000, np.uint8), {})
         with pytest.raises(RequestTooLargeError):
             ch.read(["a"], np.zeros(999, np.uint8))
-    assert handler.active_leases() == 0
+        assert handler.stats()["leases"] == 0
 
 
 def test_pool_is_reused_and_grows_geometrically(server):
@@ -177,12 +188,12 @@ def test_read_racing_release_never_returns_another_keys_bytes(server, handler):
     intruder = np.full(64 << 10, 0x55, dtype=np.uint8)
     with _connect(server) as ch:
         ch.write("victim", victim, {})
-        victim_offset = handler._committed["victim"][0]
+        victim_offset = handler.lookup(["victim"])[0]["offset"]
 
         def release_and_reuse():
             # Inside the read's window: release the leased key, then write a
             # new key of the same size into whatever space is free.
-            assert handler.control("release", {"keys": ["victim"]}) == {"released": 1}
+            assert handler.release(["victim"]) == 1
             offset = handler.begin_write("intruder", intruder.nbytes, {}, timeout=1)
             handler.arena[offset:offset + intruder.nbytes] = intruder.tobytes()
             handler.commit_write("intruder")
@@ -191,30 +202,28 @@ def test_read_racing_release_never_returns_another_keys_bytes(server, handler):
         out = np.zeros(victim.size, np.uint8)
         try:
             ch.read(["victim"], out, timeout=10)
-        except (UnknownKeyError, TransferError):
+        except (UnknownKeyError, StaleReadError):
             pass  # a typed failure is acceptable; wrong bytes are not
         else:
             assert np.array_equal(out, victim)
-        assert handler._committed["intruder"][0] != victim_offset  # the lease kept the region
+        assert handler.lookup(["intruder"])[0]["offset"] != victim_offset  # the lease kept the region
         with pytest.raises(UnknownKeyError):
             ch.read(["victim"], out)
         ch.read(["intruder"], out)
         assert np.array_equal(out, intruder)
-    assert handler.active_leases() == 0  # close() ended every lease
-    assert handler.used_bytes() == intruder.nbytes  # and the victim's bytes were freed then
+    assert handler.stats()["leases"] == 0  # the read ended its lease
+    assert handler.stats()["used"] == intruder.nbytes  # and the victim's bytes were freed then
 
 
 def test_transfer_failure_names_unit_and_keys(server, handler):
     with _connect(server) as ch:
         ch.write("x", np.ones(4096, np.uint8), {})
-    bad = dict(server.address, arena_base=server.address["arena_base"] + (1 << 44))
-    nixl = _nixl_or_skip()
-    with nixl.NixlTransport().connect(bad, token=TOKEN, max_frame_bytes=MAX_FRAME) as ch:
+        ch._base += 1 << 44  # a remote address nothing is registered at
         with pytest.raises(TransferError) as info:
             ch.read(["x"], np.zeros(4096, np.uint8), timeout=10)
     assert info.value.unit == "unit-nixl" and info.value.keys == ("x",)
     assert "unit-nixl" in str(info.value) and "'x'" in str(info.value)
-    assert handler.active_leases() == 0
+    assert handler.stats()["leases"] == 0
 
 
 def test_push_write_path_round_trips(server, handler, monkeypatch):
@@ -228,7 +237,7 @@ def test_push_write_path_round_trips(server, handler, monkeypatch):
         out = np.zeros(sum(v.nbytes for v in items.values()), np.uint8)
         ch.read(list(items), out)
     assert np.array_equal(out, np.concatenate(list(items.values())))
-    assert handler.calls["commit_write"] == len(items)
+    assert handler.stats()["puts"] == len(items)
 
 
 def test_auto_write_path_pushes_only_large_payloads(server):
@@ -394,10 +403,9 @@ def test_read_into_cuda_memory(server):
 @pytest.fixture
 def second_server():
     nixl = _nixl_or_skip()
-    handler = DictArenaHandler(4 << 20, name="unit-nixl-2")
-    srv = nixl.NixlTransport().serve(handler, token=TOKEN, max_frame_bytes=MAX_FRAME)
-    yield srv
-    srv.close()
+    with make_unit(4 << 20, name="unit-nixl-2") as unit, \
+            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv:
+        yield srv
 
 
 def _two_units(server, second_server, seed: int):
@@ -491,36 +499,22 @@ def test_base_transport_destination_is_plain_memory():
         buf[:] = 1  # writable
 
 
-def test_finished_leases_ride_on_the_next_lease(server, handler):
-    items = _payloads(6, seed=12)
-    with _connect(server) as ch:
-        _store(ch, items)
-        out = np.zeros(sum(v.nbytes for v in items.values()), np.uint8)
-        for _ in range(5):
-            ch.read(list(items), out)
-            assert handler.active_leases() <= 1  # each read's lease request ended the previous lease
-        assert _wait_until(lambda: handler.active_leases() == 0)  # the last one ends by itself
+class NoRegionsUnit(ContractUnit):
+    """A handler without the ``lease_regions`` fast path: leases come as Region objects."""
+
+    lease_regions = None
 
 
-class RegionLeaseHandler(DictArenaHandler):
-    """A handler with the optional ``lease_regions`` fast path."""
-
-    def lease_regions(self, keys):
-        self._count("lease_regions")
-        lease = self.lease(keys)
-        return lease.lease_id, np.array([[r.offset, r.nbytes] for r in lease.regions], dtype=np.int64)
-
-
-def test_server_uses_lease_regions_when_the_handler_has_it():
+def test_server_serves_a_handler_without_lease_regions():
     nixl = _nixl_or_skip()
-    handler = RegionLeaseHandler(1 << 20, name="unit-regions")
     items = _payloads(8, seed=13)
-    with nixl.NixlTransport().serve(handler, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, _connect(srv) as ch:
+    with NoRegionsUnit("unit-regions", 1 << 20) as unit, \
+            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, _connect(srv) as ch:
         _store(ch, items)
         out = np.zeros(sum(v.nbytes for v in items.values()), np.uint8)
         assert ch.read(list(items), out) == [v.nbytes for v in items.values()]
+        assert unit.stats()["leases"] == 0
     assert np.array_equal(out, np.concatenate(list(items.values())))
-    assert handler.calls["lease_regions"] == 1
 
 
 def test_descriptors_merge_adjacent_regions_and_drop_empty_ones():
@@ -563,3 +557,100 @@ def test_pool_works_unpinned_when_page_locking_fails(monkeypatch):
         view[:] = 7
     assert pool.pinned == 0 and pool.registrations == 1
     pool.trim()
+
+
+# -- security and integrity ----------------------------------------------------------------
+
+def test_peer_with_membership_but_no_token_gets_nothing(server, handler, caplog):
+    """The address (what membership hands out) reaches neither the NIXL metadata nor a byte of the arena."""
+    import socket
+
+    from transport.wire import FrameReader, FrameWriter, Op
+
+    nixl = _nixl_or_skip()
+    caplog.set_level(logging.DEBUG)
+    with _connect(server) as ch:
+        ch.write("secret", np.full(4096, 0x5A, np.uint8), {})
+        metadata = ch.call("nixl_connect")["agent_metadata"]
+    address = server.address
+    assert metadata not in repr(address).encode() and b"agent" not in repr(address).encode()
+    before = bytes(handler.arena)
+    reads_before = handler.stats()["reads"]
+    with pytest.raises(AuthenticationError):
+        nixl.NixlTransport().connect(address, token="a-guess-of-the-token", max_frame_bytes=MAX_FRAME, timeout=5)
+    control = address["control"]
+    for first in ({"token": "wrong"}, None):  # a wrong token; no HELLO at all
+        with socket.create_connection((control["host"], control["port"]), timeout=5) as sock:
+            reader, writer = FrameReader(sock, MAX_FRAME), FrameWriter(sock)
+            if first is not None:
+                writer.send(Op.HELLO, first)
+            else:
+                writer.send(Op.CALL, {"method": "nixl_connect", "args": {}})
+            header, body = reader.read_frame()
+            assert header.opcode == Op.ERROR and body["error"] == "AuthenticationError"
+            assert sock.recv(1 << 16) == b""  # closed: nothing more is answered
+    assert bytes(handler.arena) == before and handler.stats()["reads"] == reads_before
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert repr(metadata) not in logged and "agent_metadata" not in logged
+
+
+def test_lease_expired_before_the_confirm_raises_stale_read():
+    """The reader stalls between lease and READ past the unit's lease timeout; the region is reused meanwhile."""
+    nixl = _nixl_or_skip()
+    victim = np.full(64 << 10, 0xAA, np.uint8)
+    intruder = np.full(64 << 10, 0x55, np.uint8)
+    with make_unit(1 << 20, name="unit-slow", lease_timeout_s=0.2) as unit, \
+            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, _connect(srv) as ch:
+        ch.write("victim", victim, {})
+        offset = unit.lookup(["victim"])[0]["offset"]
+        read_leased = ch._read_leased
+
+        def stalled(*args, **kwargs):
+            expired_at = time.monotonic() + 0.25
+            while time.monotonic() < expired_at:  # the reader is descheduled past the lease timeout
+                time.sleep(0.01)
+            assert unit.release(["victim"]) == 1
+            unit.put("intruder", intruder)
+            assert unit.lookup(["intruder"])[0]["offset"] == offset  # the region was reused
+            return read_leased(*args, **kwargs)
+
+        ch._read_leased = stalled
+        with nixl.NixlTransport().destination(victim.size) as dest:
+            with pytest.raises(StaleReadError, match="unit-slow.*expired"):
+                ch.read(["victim"], dest, timeout=10)
+            assert np.array_equal(dest, intruder)  # what landed was another key's: only the confirm caught it
+        assert unit.stats()["leases"] == 0
+
+
+def test_leased_regions_outside_the_arena_are_refused_before_any_read(handler):
+    nixl = _nixl_or_skip()
+
+    class Lying(ContractUnit):
+        def lease_regions(self, keys, *args, **kwargs):
+            lease_id, regions = super().lease_regions(keys, *args, **kwargs)
+            regions = regions.copy()
+            regions[0, 0] = self.arena.nbytes - 8  # runs past the arena's end
+            return lease_id, regions
+
+    with Lying("unit-lying", 1 << 20) as unit, \
+            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, _connect(srv) as ch:
+        ch.write("k", np.ones(4096, np.uint8), {})
+        transfers = []
+        ch._transfer = lambda *a, **k: transfers.append(a)
+        with pytest.raises(ProtocolError, match="unit-lying.*outside"):
+            ch.read(["k"], np.zeros(4096, np.uint8), timeout=10)
+        assert transfers == [] and unit.stats()["leases"] == 0
+
+
+def test_progress_loop_failures_are_logged_at_a_limited_rate(server, caplog):
+    caplog.set_level(logging.WARNING, logger="transport.nixl_server")
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise RuntimeError("UCX worker gone")
+
+    server._agent.get_new_notifs = failing
+    assert _wait_until(lambda: len(calls) >= 20)
+    logged = [r.getMessage() for r in caplog.records if "progress" in r.getMessage()]
+    assert len(logged) == 1 and "unit-nixl" in logged[0] and "UCX worker gone" in logged[0]

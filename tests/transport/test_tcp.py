@@ -1,7 +1,8 @@
-"""The tcp backend over real loopback sockets, served by DictArenaHandler."""
+"""The tcp backend over real loopback sockets, served by a real StorageUnit."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import transport
-from tests.transport.fakes import DictArenaHandler
+from tests.transport.units import ContractUnit, make_unit
 from transport.errors import (
     CapacityError,
     ClosedError,
@@ -19,22 +20,24 @@ from transport.errors import (
     MissingDependencyError,
     PeerLostError,
     RequestTooLargeError,
+    StaleReadError,
     UnknownKeyError,
 )
 from transport.staging import StagingPool, cuda_available
 from transport.tcp import TcpChannel, TcpTransport
+from transport.wire import FrameReader, FrameWriter, Op
 
-TOKEN = "t0ken"
+TOKEN = "t0ken-for-the-tcp-tests"
 MAX = 32 << 20
 MiB = 1 << 20
 
 
-class SlowHandler(DictArenaHandler):
-    """Adds a ``sleep`` control call and an optional delay in ``lease``."""
+class SlowUnit(ContractUnit):
+    """A real unit plus a ``sleep`` control call and an optional delay in leases."""
 
     lease_delay = 0.0
 
-    def control(self, method, args):
+    def control(self, method, args=None):
         if method == "sleep":
             time.sleep(args["seconds"])
             return "slept"
@@ -42,14 +45,15 @@ class SlowHandler(DictArenaHandler):
             return {"bad": object()}
         return super().control(method, args)
 
-    def lease(self, keys):
+    def lease_regions(self, keys, *args, **kwargs):
         time.sleep(self.lease_delay)
-        return super().lease(keys)
+        return super().lease_regions(keys, *args, **kwargs)
 
 
 @pytest.fixture
 def handler():
-    return SlowHandler(48 * MiB)
+    with SlowUnit("su-tcp", 48 * MiB) as unit:
+        yield unit
 
 
 @pytest.fixture
@@ -64,14 +68,31 @@ def channel(server):
         yield ch
 
 
+def wait_for(condition, timeout: float = 5.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` passes; True when it held.
+
+    A tcp server ends its lease once the reply is sent, which the client
+    may see before the server's thread gets there: lease counts are awaited.
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def random_bytes(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-def test_registry_and_address(server):
+def test_registry_and_address(server, handler):
     tcp = transport.get_transport("tcp")
     assert isinstance(tcp, TcpTransport) and tcp.name == "tcp"
-    assert server.address["transport"] == "tcp" and server.address["port"] > 0
+    address = server.address
+    assert set(address) == {"transport", "unit", "incarnation", "host", "port", "hostname"}
+    assert address["transport"] == "tcp" and address["port"] > 0
+    assert address["unit"] == "su-tcp" and address["incarnation"] == handler.incarnation
     with pytest.raises(InvalidInputError, match="unknown transport"):
         transport.get_transport("carrier-pigeon")
     try:
@@ -87,12 +108,12 @@ def test_registry_and_address(server):
 def test_write_read_round_trip(channel, handler, nbytes):
     data = random_bytes(nbytes, nbytes)
     receipt = channel.write("k", data, {"field": "logprobs"})
-    assert receipt["nbytes"] == nbytes and receipt["key"] == "k"
+    assert receipt["nbytes"] == nbytes and receipt["generation"] >= 1
     dest = np.full(nbytes + 16, 0xAB, np.uint8)
     assert channel.read(["k"], dest) == [nbytes]
     np.testing.assert_array_equal(dest[:nbytes], data)
     assert (dest[nbytes:] == 0xAB).all()  # nothing written past the read
-    assert handler.active_leases() == 0
+    assert wait_for(lambda: handler.stats()["leases"] == 0)
 
 
 def test_many_keys_back_to_back(channel):
@@ -119,15 +140,18 @@ def test_typed_errors_cross_the_wire_and_connection_survives(channel, handler):
     with pytest.raises(InvalidInputError, match="unserialisable"):
         channel.call("object")
     assert channel.call("stats")["keys"] == 1
-    assert channel._nopen == 1  # every error left the single connection in sync
-    assert handler.active_leases() == 0
+    assert channel._requests.nopen == 1  # every error left the single connection in sync
+    assert channel._writes.nopen == 1
+    assert wait_for(lambda: handler.stats()["leases"] == 0)
 
 
 def test_call_passes_arguments(channel):
     channel.write("x", b"1")
     channel.write("y", b"22")
-    assert channel.call("release", keys=["x", "nope"]) == {"released": 1}
-    assert channel.call("stats")["used"] == 2
+    with pytest.raises(UnknownKeyError, match="'nope'"):
+        channel.call("release", keys=["x", "nope"])
+    assert channel.call("release", keys=["x", "nope"], missing_ok=True) == 1
+    assert channel.call("stats")["keys"] == 1
 
 
 def test_dest_too_small_keeps_connection_in_sync(channel):
@@ -137,7 +161,7 @@ def test_dest_too_small_keeps_connection_in_sync(channel):
     dest = bytearray(1000)
     assert channel.read(["k"], dest) == [1000]
     assert bytes(dest) == random_bytes(1000).tobytes()
-    assert channel._nopen == 1
+    assert channel._requests.nopen == 1
 
 
 def test_size_limits(server, channel):
@@ -165,16 +189,15 @@ def test_timeout_discards_connection_and_recovers(channel):
     with pytest.raises(GputqTimeoutError):
         channel.call("sleep", timeout=0.15, seconds=0.6)
     assert time.monotonic() - start < 0.5
-    assert channel._nopen == 0  # the connection mid-reply was dropped
+    assert channel._requests.nopen == 0  # the connection mid-reply was dropped
     assert channel.call("sleep", timeout=5, seconds=0.0) == "slept"
 
 
-def test_write_back_pressure_expires_as_capacity_error(server):
-    small = DictArenaHandler(1000)
-    with TcpTransport().serve(small, token=TOKEN, max_frame_bytes=MAX) as srv, \
+def test_write_back_pressure_expires_as_capacity_error():
+    with make_unit(1024) as small, TcpTransport().serve(small, token=TOKEN, max_frame_bytes=MAX) as srv, \
             TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         ch.write("a", bytes(800))
-        with pytest.raises(CapacityError, match="full") as info:
+        with pytest.raises(CapacityError, match="no space") as info:
             ch.write("b", bytes(300), timeout=0.2)
         assert isinstance(info.value, TimeoutError)
         releaser = threading.Timer(0.2, lambda: ch.call("release", keys=["a"]))
@@ -209,7 +232,7 @@ def test_concurrent_reads_run_in_parallel(channel, handler):
     for key, blob in blobs.items():
         np.testing.assert_array_equal(results[key], blob)
     assert elapsed < 1.0, f"4 reads with a 0.3 s lease each took {elapsed:.2f} s: not parallel"
-    assert channel._nopen == 4
+    assert channel._requests.nopen == 4
 
 
 def test_close_is_idempotent_and_use_after_close_fails(server):
@@ -230,16 +253,17 @@ def test_server_close_while_connected_raises_peer_lost(handler):
     with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         ch.write("k", b"v")
         srv.close()
-        with pytest.raises(PeerLostError):
+        with pytest.raises(PeerLostError, match=r"unit su-tcp: read of keys \['k'\]") as info:
             ch.read(["k"], bytearray(1), timeout=5)
-        with pytest.raises(PeerLostError):  # reconnecting fails too: nobody listens
+        assert info.value.unit == "su-tcp" and info.value.keys == ("k",)
+        with pytest.raises(PeerLostError, match="unit su-tcp"):  # reconnecting fails too: nobody listens
             ch.call("stats", timeout=5)
 
 
 def test_connect_to_nothing_raises_peer_lost(server):
     address = dict(server.address)
     server.close()
-    with pytest.raises(PeerLostError, match="cannot connect"):
+    with pytest.raises(PeerLostError, match="cannot connect to unit su-tcp at"):
         TcpTransport().connect(address, token=TOKEN, max_frame_bytes=MAX, timeout=5)
     with pytest.raises(InvalidInputError, match="not a tcp address"):
         TcpTransport().connect({"transport": "rdma"}, token=TOKEN, max_frame_bytes=MAX)
@@ -364,7 +388,184 @@ def test_transient_accept_error_does_not_stop_the_server(server):
             return getattr(self.real, name)
 
     server._listener = FlakyListener(server._listener)
-    time.sleep(0.3)  # let the accept loop hit the failure
-    assert server._listener.failed
     with TcpTransport().connect(server.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         assert ch.call("stats")["keys"] == 0
+    assert server._listener.failed  # the pending connection was accepted on the next round
+
+
+# ------------------------------------------------------------------ references, leases, generic calls
+
+def test_read_checks_generations_and_incarnation(channel, handler):
+    receipt = channel.write("k", b"first")
+    assert channel.incarnation == handler.incarnation and channel.unit == "su-tcp"
+    dest = bytearray(5)
+    gen = receipt["generation"]
+    assert channel.read(["k"], dest, generations=[gen], incarnation=handler.incarnation) == [5]
+    assert dest == b"first"
+    assert channel.read(["k"], dest, generations=[0]) == [5]  # 0: not checked
+    with pytest.raises(StaleReadError, match="restarted"):
+        channel.read(["k"], dest, incarnation="0123456789abcdef")
+    channel.call("release", keys=["k"])
+    channel.write("k", b"again")  # the same key, rewritten: a new generation
+    with pytest.raises(StaleReadError, match="'k'"):
+        channel.read(["k"], dest, generations=[gen])
+    with pytest.raises(InvalidInputError, match="generations for"):
+        channel.read(["k"], dest, generations=[1, 2])
+    assert wait_for(lambda: handler.stats()["leases"] == 0) and channel._requests.nopen == 1
+
+
+def test_generic_one_sided_calls(channel, handler):
+    channel.write("a", b"abc")
+    channel.write("b", b"defgh")
+    lease = channel.call("lease", keys=["a", "b"])
+    regions = np.frombuffer(lease["regions"], "<i8").reshape(2, 2)
+    assert regions[:, 1].tolist() == [3, 5]
+    arena = np.frombuffer(handler.arena, np.uint8)
+    assert arena[regions[1, 0]:regions[1, 0] + 5].tobytes() == b"defgh"
+    assert handler.stats()["leases"] == 1
+    assert channel.call("end_lease", lease_ids=[lease["lease_id"]]) == {"held": [True]}
+    assert channel.call("end_lease", lease_ids=[lease["lease_id"]]) == {"held": [False]}  # idempotent
+    second = channel.call("lease", keys=["a"], end=[])
+    third = channel.call("lease", keys=["b"], end=[second["lease_id"]])  # ends the second first
+    assert channel.call("end_lease", lease_ids=[second["lease_id"], third["lease_id"]]) == {"held": [False, True]}
+    assert channel.call("arena_file") == {"path": handler.arena_path, "nbytes": handler.arena.nbytes}
+    assert handler.stats()["leases"] == 0
+
+
+def authenticated(address: dict):
+    """A raw, authenticated socket with its frame reader and writer (HELLO reply consumed)."""
+    sock = socket.create_connection((address["host"], address["port"]), timeout=5)
+    reader, writer = FrameReader(sock, MAX), FrameWriter(sock)
+    writer.send(Op.HELLO, {"token": TOKEN})
+    header, body = reader.read_frame()
+    assert header.opcode == Op.OK and body["unit"] == "su-tcp"
+    return sock, reader, writer
+
+
+MALFORMED = {  # (opcode, body, payload) -> the typed error; the connection stays usable
+    "read-keys-not-list": (Op.READ, {"keys": "abc"}, b""),
+    "read-unhashable-key": (Op.READ, {"keys": [["a"]]}, b""),
+    "read-missing-keys": (Op.READ, {}, b""),
+    "read-bad-generation": (Op.READ, {"keys": ["k"], "generations": ["x"]}, b""),
+    "read-generations-length": (Op.READ, {"keys": ["k"], "generations": [1, 2]}, b""),
+    "read-negative-generation": (Op.READ, {"keys": ["k"], "generations": [-1]}, b""),
+    "read-incarnation-int": (Op.READ, {"keys": ["k"], "incarnation": 5}, b""),
+    "read-huge-list": (Op.READ, {"keys": ["k"] * 70_000}, b""),
+    "write-key-int": (Op.WRITE, {"key": 5, "nbytes": 3}, b"abc"),
+    "write-nbytes-mismatch": (Op.WRITE, {"key": "w", "nbytes": 4}, b"abc"),
+    "write-nbytes-str": (Op.WRITE, {"key": "w", "nbytes": "3"}, b"abc"),
+    "write-meta-list": (Op.WRITE, {"key": "w", "nbytes": 3, "meta": [1]}, b"abc"),
+    "write-timeout-str": (Op.WRITE, {"key": "w", "nbytes": 3, "timeout": "soon"}, b"abc"),
+    "call-method-int": (Op.CALL, {"method": 5}, b""),
+    "call-args-list": (Op.CALL, {"method": "stats", "args": [1]}, b""),
+    "call-unknown": (Op.CALL, {"method": "format_disk", "args": {}}, b""),
+    "call-release-unhashable": (Op.CALL, {"method": "release", "args": {"keys": [["a"]]}}, b""),
+    "call-release-int": (Op.CALL, {"method": "release", "args": {"keys": 5}}, b""),
+    "call-release-extra-arg": (Op.CALL, {"method": "release", "args": {"keys": [], "nope": 1}}, b""),
+    "call-lease-int-keys": (Op.CALL, {"method": "lease", "args": {"keys": [1]}}, b""),
+    "call-lease-bad-end": (Op.CALL, {"method": "lease", "args": {"keys": ["k"], "end": "x"}}, b""),
+    "call-end-lease-str": (Op.CALL, {"method": "end_lease", "args": {"lease_ids": "x"}}, b""),
+    "call-end-lease-huge": (Op.CALL, {"method": "end_lease", "args": {"lease_ids": [1] * 70_000}}, b""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_authenticated_requests_get_typed_errors(server, handler, case):
+    handler.put("k", b"value")
+    opcode, body, payload = MALFORMED[case]
+    sock, reader, writer = authenticated(server.address)
+    with sock:
+        writer.send(opcode, body, (payload,) if payload else ())
+        header, reply = reader.read_frame()
+        assert header.opcode == Op.ERROR and reply["error"] == "InvalidInputError", reply
+        writer.send(Op.READ, {"keys": ["k"]})  # the connection is still usable and in sync
+        header, reply = reader.read_frame()
+        got = bytearray(header.payload_len)
+        reader.recv_exact(got)
+        assert header.opcode == Op.OK and reply == {"lengths": [5]} and got == b"value"
+    assert wait_for(lambda: handler.stats()["leases"] == 0) and handler.stats()["reserved"] == 0
+
+
+def test_undecodable_authenticated_body_closes_cleanly(server, handler):
+    sock, reader, writer = authenticated(server.address)
+    with sock:
+        raw = b"\xc1"  # never valid msgpack
+        sock.sendall(bytes.fromhex("475054510103000000000001") + bytes(8) + raw)
+        header, reply = reader.read_frame()
+        assert header.opcode == Op.ERROR and reply["error"] == "ProtocolError"
+        assert sock.recv(16) == b""  # then the server closed
+    with TcpTransport().connect(server.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+        assert ch.call("stats")["keys"] == 0
+
+
+# ------------------------------------------------------------------ writers blocked on space do not starve reads
+
+@pytest.mark.timeout(60)
+def test_reads_and_releases_do_not_wait_behind_blocked_writers():
+    chunk = 256 << 10
+    nwriters = 12  # more than a lane's connections: some wait for a write connection too
+    with make_unit(4 * chunk, name="su-full") as unit, \
+            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv, \
+            TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+        blobs = {f"w{i}": random_bytes(chunk, i) for i in range(4 + nwriters)}
+        names = list(blobs)
+        for key in names[:4]:
+            ch.write(key, blobs[key])  # the unit is full
+        errors: list[Exception] = []
+
+        def put(key):
+            try:
+                ch.write(key, blobs[key], timeout=30)
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        writers = [threading.Thread(target=put, args=(k,)) for k in names[4:]]
+        for t in writers:
+            t.start()
+        assert wait_for(lambda: unit.stats()["writers_waiting"] >= 8)
+        start = time.monotonic()
+        dest = np.empty(chunk, np.uint8)
+        assert ch.read([names[0]], dest, timeout=5) == [chunk]
+        assert ch.call("release", keys=[names[0]], timeout=5) == 1
+        elapsed = time.monotonic() - start
+        np.testing.assert_array_equal(dest, blobs[names[0]])
+        assert elapsed < 1.0, f"a read and a release behind blocked writers took {elapsed:.2f} s"
+        # Drain the overload: read each stored key bit-exact, then release it, until every writer landed.
+        done = {names[0]}
+        deadline = time.monotonic() + 40
+        while len(done) < len(names):
+            assert time.monotonic() < deadline and not errors, errors
+            stored = [k for k in names if k not in done and _stored(unit, k)]
+            for key in stored:
+                assert ch.read([key], dest, timeout=5) == [chunk]
+                np.testing.assert_array_equal(dest, blobs[key])
+                assert ch.call("release", keys=[key], timeout=5) == 1
+                done.add(key)
+            if not stored:
+                time.sleep(0.005)
+        for t in writers:
+            t.join(10)
+        assert not errors
+        assert unit.stats()["keys"] == 0 and unit.stats()["capacity_errors"] == 0
+
+
+def _stored(unit, key: str) -> bool:
+    try:
+        unit.lookup([key])
+    except UnknownKeyError:
+        return False
+    return True
+
+
+def test_transport_failures_name_the_unit_and_the_keys(server, handler, channel):
+    channel.write("k", b"v")
+    handler.lease_delay = 0.5
+    with pytest.raises(GputqTimeoutError, match=r"unit su-tcp: read of keys \['k'\]") as info:
+        channel.read(["k"], bytearray(1), timeout=0.1)
+    assert (info.value.unit, info.value.keys) == ("su-tcp", ("k",))
+    handler.lease_delay = 0.0
+    server.close()
+    with pytest.raises(PeerLostError, match="unit su-tcp: write of key 'w'"):
+        channel.write("w", b"x", timeout=5)
+    with pytest.raises(PeerLostError, match="unit su-tcp: control call 'stats'"):
+        channel.call("stats", timeout=5)

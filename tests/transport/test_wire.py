@@ -1,26 +1,36 @@
-"""Framing tests over fake sockets, and a real server surviving bad clients."""
+"""The wire format: golden byte vectors, framing over socket pairs, and a real server facing bad clients.
+
+The golden vectors are literal bytes, written once by hand from the format
+(``GPTQ`` | version | opcode | 2 pad | body length u32 | payload length u64,
+big-endian, then a msgpack body and the payload). Changing any of them is a
+protocol change: bump :data:`transport.wire.VERSION` and say so.
+"""
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 
 import numpy as np
 import pytest
 
-from tests.transport.fakes import DictArenaHandler, FakeSocket
+from tests.transport.units import make_unit
 from transport.errors import (
     AuthenticationError,
     GputqTimeoutError,
     InvalidInputError,
     PeerLostError,
     ProtocolError,
+    UnknownKeyError,
 )
-from transport.tcp import TcpTransport, serve_connection
+from transport.tcp import TcpChannel, TcpTransport, serve_connection
+from transport.tcp_server import Handshake
 from transport.wire import (
     HEADER,
     MAGIC,
     MAX_BODY_BYTES,
+    PRE_AUTH_BODY_BYTES,
     VERSION,
     Deadline,
     FrameReader,
@@ -33,8 +43,38 @@ from transport.wire import (
     unpack_body,
 )
 
-TOKEN = "secret-token"
+TOKEN = "secret-token-of-the-wire-tests"
 MAX = 1 << 20
+INC = "0123456789abcdef"
+
+# name -> (literal frame, opcode, body, payload)
+GOLDEN = {
+    "hello": ("47505451010100000000000b000000000000000081a5746f6b656ea3746f6b",
+              Op.HELLO, {"token": "tok"}, b""),
+    "hello_ok": ("475054510110000000000028000000000000000082a4756e6974a473752d30ab696e6361726e6174696f6eb0"
+                 "30313233343536373839616263646566",
+                 Op.OK, {"unit": "su-0", "incarnation": INC}, b""),
+    "write": ("47505451010200000000001e000000000000000384a36b6579a16ba66e627974657303a46d65746180a774696d65"
+              "6f7574c0616263",
+              Op.WRITE, {"key": "k", "nbytes": 3, "meta": {}, "timeout": None}, b"abc"),
+    "write_ok": ("475054510110000000000043000000000000000081a77265636569707484a66f666673657400a66e6279746573"
+                 "03aa67656e65726174696f6e05ab696e6361726e6174696f6eb030313233343536373839616263646566",
+                 Op.OK, {"receipt": {"offset": 0, "nbytes": 3, "generation": 5, "incarnation": INC}}, b""),
+    "read": ("47505451010300000000000b000000000000000081a46b65797392a161a162",
+             Op.READ, {"keys": ["a", "b"]}, b""),
+    "read_generations": ("475054510103000000000034000000000000000083a46b65797391a161ab67656e65726174696f6e7391"
+                         "07ab696e6361726e6174696f6eb030313233343536373839616263646566",
+                         Op.READ, {"keys": ["a"], "generations": [7], "incarnation": INC}, b""),
+    "read_ok": ("47505451011000000000000c000000000000000381a76c656e6774687392010278797a",
+                Op.OK, {"lengths": [1, 2]}, b"xyz"),
+    "call": ("475054510104000000000014000000000000000082a66d6574686f64a57374617473a46172677380",
+             Op.CALL, {"method": "stats", "args": {}}, b""),
+    "call_ok": ("475054510110000000000009000000000000000081a6726573756c7401",
+                Op.OK, {"result": 1}, b""),
+    "error": ("47505451011100000000003a000000000000000082a56572726f72af556e6b6e6f776e4b65794572726f72a76d65"
+              "7373616765ba756e69742073752d303a20756e6b6e6f776e206b657920276127",
+              Op.ERROR, {"error": "UnknownKeyError", "message": "unit su-0: unknown key 'a'"}, b""),
+}
 
 
 def frame(opcode: int, body: dict, payload: bytes = b"", *, magic=MAGIC, version=VERSION,
@@ -48,29 +88,139 @@ def hello(token: str = TOKEN) -> bytes:
     return frame(Op.HELLO, {"token": token})
 
 
-def replies(data: bytes) -> list[tuple[int, dict]]:
-    """Decode every frame the server sent (replies carry no payload here except READ)."""
-    sock = FakeSocket()
-    sock.load(data)
-    sock.feed_eof()
-    reader = FrameReader(sock, MAX)
+def split_frames(data: bytes) -> list[tuple[int, dict, bytes]]:
+    """Parse frames with struct and msgpack only (not the implementation's reader)."""
+    import msgpack
+
     out = []
-    while True:
+    while data:
+        magic, version, opcode, body_len, payload_len = struct.unpack("!4sBBxxIQ", data[:20])
+        assert (magic, version) == (b"GPTQ", 1)
+        body = msgpack.unpackb(data[20:20 + body_len], raw=False)
+        end = 20 + body_len + payload_len
+        out.append((opcode, body, data[20 + body_len:end]))
+        data = data[end:]
+    return out
+
+
+def send_and_collect(sock: socket.socket, data: bytes) -> bytes:
+    """Send ``data`` from a helper thread (it may exceed the socket buffer), half-close, read to EOF."""
+    def send():
         try:
-            header, body = reader.read_frame()
-        except PeerLostError:
-            return out
-        reader.drain(header.payload_len)
-        out.append((header.opcode, body))
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server closed first: what it sent is still readable
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    sender.join(5)
+    return b"".join(chunks)
 
 
-def run_server_on(data: bytes, handler=None) -> tuple[FakeSocket, list[tuple[int, dict]]]:
-    """Feed crafted client bytes to serve_connection; return the server socket and its replies."""
-    sock = FakeSocket()
-    sock.load(data)
-    sock.feed_eof()
-    serve_connection(sock, handler or DictArenaHandler(1 << 16), TOKEN, MAX)
-    return sock, replies(bytes(sock.sent))
+def serve_pair(data: bytes, unit) -> list[tuple[int, dict, bytes]]:
+    """Run serve_connection on one end of a socket pair fed ``data``; return its frames (greeting first)."""
+    client, server = socket.socketpair()
+    errors = []
+
+    def run():
+        try:
+            serve_connection(server, unit, max_frame_bytes=MAX, send_timeout_s=5)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    with client:
+        client.settimeout(10)
+        got = send_and_collect(client, data)
+    thread.join(10)
+    assert not thread.is_alive() and not errors, errors
+    return split_frames(got)
+
+
+# ------------------------------------------------------------------ golden vectors
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_frames_encode_and_decode(name):
+    literal, opcode, body, payload = GOLDEN[name]
+    raw = bytes.fromhex(literal)
+    a, b = socket.socketpair()
+    with a, b:
+        FrameWriter(a).send(opcode, body, (payload,) if payload else ())
+        a.shutdown(socket.SHUT_WR)
+        sent = b"".join(iter(lambda: b.recv(65536), b""))
+    assert sent == raw
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(raw)
+        reader = FrameReader(b, MAX)
+        header, got = reader.read_frame()
+        data = bytearray(header.payload_len)
+        reader.recv_exact(data)
+    assert (header.opcode, got, bytes(data)) == (opcode, body, payload)
+
+
+def test_channel_requests_are_the_golden_bytes():
+    """A real TcpChannel against a scripted peer that answers only the golden requests."""
+    replies = {bytes.fromhex(GOLDEN[req][0]): bytes.fromhex(GOLDEN[rep][0]) for req, rep in [
+        ("hello", "hello_ok"), ("write", "write_ok"), ("read", "read_ok"), ("read_generations", "error"),
+        ("call", "call_ok")]}
+    seen, unexpected = [], []
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def peer(conn):
+        with conn:
+            while header := conn.recv(20, socket.MSG_WAITALL):
+                if len(header) < 20:
+                    return
+                body_len, payload_len = struct.unpack("!IQ", header[8:])
+                rest = conn.recv(body_len + payload_len, socket.MSG_WAITALL) if body_len + payload_len else b""
+                request = header + rest
+                if request not in replies:
+                    unexpected.append(request.hex())
+                    return
+                seen.append(request)
+                conn.sendall(replies[request])
+
+    def accept():
+        with listener:
+            for _ in range(2):  # the read/call lane and the write lane
+                conn, _ = listener.accept()
+                threading.Thread(target=peer, args=(conn,), daemon=True).start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    address = {"transport": "tcp", "unit": "su-0", "host": "127.0.0.1", "port": listener.getsockname()[1]}
+    with TcpChannel(address, token="tok", max_frame_bytes=MAX, timeout=5) as ch:
+        assert (ch.unit, ch.incarnation) == ("su-0", INC)
+        assert ch.write("k", b"abc") == GOLDEN["write_ok"][2]["receipt"]
+        dest = bytearray(3)
+        assert ch.read(["a", "b"], dest) == [1, 2] and dest == b"xyz"
+        with pytest.raises(UnknownKeyError, match="unknown key 'a'"):
+            ch.read(["a"], dest, generations=[7], incarnation=INC)
+        assert ch.call("stats") == 1
+    acceptor.join(5)
+    assert not unexpected
+    assert len(seen) == 6  # two HELLOs, one of each request
+
+
+def test_server_replies_match_the_golden_layout():
+    with make_unit(1 << 16, name="su-0") as unit:
+        out = serve_pair(bytes.fromhex(GOLDEN["write"][0]) + bytes.fromhex(GOLDEN["call"][0])
+                         + frame(Op.READ, {"keys": ["k", "nope"]}), unit)
+        greeting, written, called, failed = out
+        assert greeting == (Op.OK, {"unit": "su-0", "incarnation": unit.incarnation}, b"")
+        assert written[0] == Op.OK and set(written[1]["receipt"]) >= {"offset", "nbytes", "generation"}
+        assert called[0] == Op.OK and called[1]["result"]["keys"] == 1
+        assert failed[0] == Op.ERROR and failed[1] == {"error": "UnknownKeyError",
+                                                       "message": "unit su-0: unknown key 'nope'"}
 
 
 # ------------------------------------------------------------------ pure functions
@@ -115,150 +265,178 @@ def test_byte_view():
         byte_view(42)
 
 
-# ------------------------------------------------------------------ reader / writer
+# ------------------------------------------------------------------ reader / writer over socket pairs
 
 @pytest.mark.parametrize("sizes", [[], [0], [7], [100, 3], [200_000, 1, 70_000]])
 def test_frame_round_trip(sizes):
-    a, b = FakeSocket.pair()
+    a, b = socket.socketpair()
     rng = np.random.default_rng(len(sizes))
     payloads = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-    FrameWriter(a).send(Op.OK, {"lengths": sizes}, payloads)
-    reader = FrameReader(b, MAX)
-    header, body = reader.read_frame()
-    assert header.opcode == Op.OK and body == {"lengths": sizes}
-    assert header.payload_len == sum(sizes)
-    got = bytearray(header.payload_len)
-    reader.recv_exact(got)
+    sender = threading.Thread(target=FrameWriter(a).send, args=(Op.OK, {"lengths": sizes}, payloads))
+    sender.start()  # more than a socket buffer: send while receiving
+    with a, b:
+        reader = FrameReader(b, MAX)
+        header, body = reader.read_frame()
+        assert header.opcode == Op.OK and body == {"lengths": sizes}
+        assert header.payload_len == sum(sizes)
+        got = bytearray(header.payload_len)
+        reader.recv_exact(got)
+        sender.join(5)
     assert bytes(got) == b"".join(p.tobytes() for p in payloads)
 
 
 def test_eof_between_frames_is_peer_lost():
-    a, b = FakeSocket.pair()
+    a, b = socket.socketpair()
     a.close()
-    with pytest.raises(PeerLostError, match="closed"):
+    with b, pytest.raises(PeerLostError, match="closed"):
         FrameReader(b, MAX).read_header()
 
 
-def test_truncated_header_and_body():
-    sock = FakeSocket()
-    sock.load(hello()[:7])
-    sock.feed_eof()
-    with pytest.raises(ProtocolError, match="truncated"):
-        FrameReader(sock, MAX).read_header()
-    sock = FakeSocket()
-    sock.load(hello()[:-2])
-    sock.feed_eof()
-    with pytest.raises(PeerLostError, match="truncated"):  # the client's flavour
-        FrameReader(sock, MAX, truncated_error=PeerLostError).read_frame()
+@pytest.mark.parametrize("cut, error", [(7, ProtocolError), (-2, PeerLostError)])
+def test_truncated_header_and_body(cut, error):
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(hello()[:cut])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(error, match="truncated"):  # a server's flavour, then a client's
+            FrameReader(b, MAX, truncated_error=error).read_frame()
 
 
 def test_reader_deadline_times_out():
-    a, b = FakeSocket.pair()
-    reader = FrameReader(b, MAX)
-    reader.deadline = Deadline(0.05)
-    with pytest.raises(GputqTimeoutError):
-        reader.read_header()
+    a, b = socket.socketpair()
+    with a, b:
+        reader = FrameReader(b, MAX)
+        reader.deadline = Deadline(0.05)
+        with pytest.raises(GputqTimeoutError):
+            reader.read_header()
+
+
+def test_writer_frame_timeout_bounds_a_peer_that_stops_reading():
+    a, b = socket.socketpair()
+    with a, b:
+        writer = FrameWriter(a, frame_timeout=0.2)
+        with pytest.raises(GputqTimeoutError):
+            writer.send(Op.OK, {}, (np.zeros(16 << 20, np.uint8),))  # nobody reads b
+        assert a.gettimeout() is None  # the next receive is not bounded by the send deadline
 
 
 def test_writer_maps_closed_peer():
-    a, b = FakeSocket.pair()
+    a, b = socket.socketpair()
     b.close()
-    with pytest.raises(PeerLostError):
+    with a, pytest.raises(PeerLostError):
         FrameWriter(a).send(Op.CALL, {"method": "stats"})
 
 
 def test_unpackable_body_sends_nothing():
-    a, b = FakeSocket.pair()
-    with pytest.raises(TypeError):
-        FrameWriter(a).send(Op.OK, {"result": object()})
-    assert a.sent == b""
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(TypeError):
+            FrameWriter(a).send(Op.OK, {"result": object()})
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            b.recv(1)
 
 
-# ------------------------------------------------------------------ server connection over fakes
+# ------------------------------------------------------------------ the handshake, byte by byte
+
+def test_handshake_accepts_a_hello_fed_byte_by_byte():
+    hs = Handshake()
+    raw = bytes.fromhex(GOLDEN["hello"][0])
+    results = [hs.feed(raw[i:i + 1]) for i in range(len(raw))]
+    assert results[:-1] == [None] * (len(raw) - 1) and results[-1] == {"token": "tok"}
+    assert hs.missing() == 0
+
+
+@pytest.mark.parametrize("raw, error, match", [
+    (frame(Op.READ, {"keys": []}), AuthenticationError, "HELLO"),
+    (frame(Op.HELLO, {}, payload_len=1), ProtocolError, "payload"),
+    (HEADER.pack(MAGIC, VERSION, Op.HELLO, 1 << 20, 0), ProtocolError, "body"),  # a 1 MiB HELLO body
+    (HEADER.pack(MAGIC, VERSION, Op.HELLO, PRE_AUTH_BODY_BYTES + 1, 0), ProtocolError, "body"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\n", ProtocolError, "magic"),
+])
+def test_handshake_refuses_before_reading_more(raw, error, match):
+    hs = Handshake()
+    with pytest.raises(error, match=match):
+        while hs.missing() > 0:
+            hs.feed(raw[len(hs.buf):len(hs.buf) + hs.missing()])
+    assert len(hs.buf) <= HEADER.size  # nothing after the header was asked for
+
+
+# ------------------------------------------------------------------ serving one authenticated connection
 
 def test_serve_connection_good_session():
-    handler = DictArenaHandler(1 << 16)
-    data = (hello() + frame(Op.WRITE, {"key": "k", "nbytes": 5, "meta": {}}, b"hello")
-            + frame(Op.READ, {"keys": ["k"]}) + frame(Op.CALL, {"method": "stats", "args": {}}))
-    sock, out = run_server_on(data, handler)
-    assert sock.closed
-    assert [op for op, _ in out] == [Op.OK] * 4
-    assert out[0][1] == {"unit": "unit-0"}
-    assert out[1][1]["receipt"]["nbytes"] == 5
-    assert out[2][1] == {"lengths": [5]}
-    assert bytes(sock.sent).endswith(frame(Op.OK, {"result": handler.control("stats", {})}))
-    assert bytes(handler.arena[:5]) == b"hello"
+    with make_unit(1 << 16, name="su-0") as unit:
+        data = (frame(Op.WRITE, {"key": "k", "nbytes": 5, "meta": {}}, b"hello")
+                + frame(Op.READ, {"keys": ["k"]}) + frame(Op.CALL, {"method": "stats", "args": {}}))
+        out = serve_pair(data, unit)
+        assert [op for op, _, _ in out] == [Op.OK] * 4
+        assert out[1][1]["receipt"]["nbytes"] == 5
+        assert out[2][1:] == ({"lengths": [5]}, b"hello")
+        assert out[3][1]["result"]["keys"] == 1 and out[3][1]["result"]["leases"] == 0
 
 
 @pytest.mark.parametrize("data, error", [
-    (hello("wrong"), "AuthenticationError"),
-    (frame(Op.READ, {"keys": []}), "AuthenticationError"),  # no HELLO first
-    (frame(Op.HELLO, {}), "AuthenticationError"),  # missing token
-    (hello()[:-3], "ProtocolError"),  # truncated
-    (hello().replace(MAGIC, b"HTTP", 1), "ProtocolError"),
-    (hello() + frame(Op.WRITE, {"key": "k", "nbytes": MAX + 1}, payload_len=MAX + 1), "ProtocolError"),
-    (hello() + frame(Op.READ, {"keys": []}, version=VERSION + 1), "ProtocolError"),
-    (hello() + frame(Op.OK, {}), "ProtocolError"),  # a reply opcode from a client
+    (frame(Op.WRITE, {"key": "k", "nbytes": MAX + 1}, payload_len=MAX + 1), "ProtocolError"),
+    (frame(Op.READ, {"keys": []}, version=VERSION + 1), "ProtocolError"),
+    (frame(Op.OK, {}), "ProtocolError"),  # a reply opcode from a client
+    (frame(Op.HELLO, {"token": TOKEN}), "ProtocolError"),  # a second HELLO
+    (frame(Op.READ, {"keys": []})[:-3], "ProtocolError"),  # truncated
+    (frame(Op.CALL, {"method": "stats"}, b"xy"), "ProtocolError"),  # a payload where none belongs
 ])
-def test_serve_connection_closes_on_bad_input(data, error):
-    sock, out = run_server_on(data)
-    assert sock.closed
+def test_serve_connection_closes_on_framing_violations(data, error):
+    with make_unit(1 << 16) as unit:
+        out = serve_pair(data, unit)
     assert out[-1][0] == Op.ERROR and out[-1][1]["error"] == error
 
 
 def test_truncated_write_payload_aborts_reservation():
-    handler = DictArenaHandler(1 << 16)
-    data = hello() + frame(Op.WRITE, {"key": "k", "nbytes": 100, "meta": {}}, b"x" * 40, payload_len=100)
-    sock, out = run_server_on(data, handler)
-    assert sock.closed
-    assert out[-1][1]["error"] == "ProtocolError"
-    assert handler.calls.get("abort_write") == 1 and handler.calls.get("commit_write") is None
-    assert handler.used_bytes() == 0
-    assert handler.control("stats", {})["pending"] == 0
+    with make_unit(1 << 16) as unit:
+        out = serve_pair(frame(Op.WRITE, {"key": "k", "nbytes": 100, "meta": {}}, b"x" * 40, payload_len=100),
+                         unit)
+        assert out[-1][1]["error"] == "ProtocolError"
+        stats = unit.stats()
+        assert (stats["used"], stats["reserved"], stats["keys"]) == (0, 0, 0)
 
 
 def test_failed_begin_write_drains_payload_and_keeps_serving():
-    handler = DictArenaHandler(64)
-    data = (hello() + frame(Op.WRITE, {"key": "big", "nbytes": 100, "meta": {}}, b"y" * 100)
-            + frame(Op.WRITE, {"key": "ok", "nbytes": 3, "meta": {}}, b"abc"))
-    sock, out = run_server_on(data, handler)
-    assert out[1][0] == Op.ERROR and out[1][1]["error"] == "RequestTooLargeError"
-    assert out[2][0] == Op.OK and out[2][1]["receipt"]["key"] == "ok"
+    with make_unit(256) as unit:
+        data = (frame(Op.WRITE, {"key": "big", "nbytes": 300, "meta": {}}, b"y" * 300)
+                + frame(Op.WRITE, {"key": "ok", "nbytes": 3, "meta": {}}, b"abc"))
+        out = serve_pair(data, unit)
+        assert out[1][0] == Op.ERROR and out[1][1]["error"] == "RequestTooLargeError"
+        assert out[2][0] == Op.OK and out[2][1]["receipt"]["nbytes"] == 3
+        assert unit.read(["ok"])[0].tobytes() == b"abc"
 
 
-# ------------------------------------------------------------------ real server survives bad clients
+# ------------------------------------------------------------------ a real server survives bad clients
 
 BAD_CLIENT_BYTES = {
     "truncated": hello()[:-3],
     "oversized": hello() + frame(Op.WRITE, {"key": "k", "nbytes": MAX + 1}, payload_len=MAX + 1),
     "bad_magic": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
     "wrong_token": hello("nope"),
+    "no_hello": frame(Op.READ, {"keys": []}),
+    "huge_hello": HEADER.pack(MAGIC, VERSION, Op.HELLO, 1 << 20, 0) + bytes(1 << 16),
 }
 
 
 @pytest.fixture
 def server():
-    handler = DictArenaHandler(1 << 20)
-    with TcpTransport().serve(handler, token=TOKEN, max_frame_bytes=MAX) as srv:
+    with make_unit(1 << 20) as unit, TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
         yield srv
 
 
 def raw_exchange(address: dict, data: bytes) -> bytes:
     """Send crafted bytes, half-close, and return everything until the server closes."""
     with socket.create_connection((address["host"], address["port"]), timeout=5) as sock:
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
-        chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    return b"".join(chunks)
+        return send_and_collect(sock, data)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CLIENT_BYTES))
 def test_real_server_survives_bad_client(server, case):
     got = raw_exchange(server.address, BAD_CLIENT_BYTES[case])  # returns only once the server closed
-    expected = "AuthenticationError" if case == "wrong_token" else "ProtocolError"
-    assert replies(got)[-1][1]["error"] == expected
+    expected = "AuthenticationError" if case in ("wrong_token", "no_hello") else "ProtocolError"
+    assert split_frames(got)[-1][1]["error"] == expected
     with TcpTransport().connect(server.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         ch.write("after", b"fine")
         dest = bytearray(4)

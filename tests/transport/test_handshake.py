@@ -1,0 +1,243 @@
+"""Unauthenticated peers cost a socket and a few bytes: handshake deadline, connection cap, quiet logs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.transport.units import make_unit
+from transport.errors import AuthenticationError
+from transport.tcp import TcpTransport
+from transport.wire import HEADER, MAGIC, VERSION, Op
+
+TOKEN = "token-of-the-handshake-tests"
+MAX = 32 << 20
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def closed_now(sock: socket.socket) -> bool:
+    """True once the server closed ``sock`` (reads what it sent meanwhile, e.g. an ERROR frame).
+
+    ``sock`` must be non-blocking: with a timeout, Python waits for it before a receive.
+    """
+    try:
+        while True:
+            data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            if not data:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_dripping_connections_cost_no_thread_and_little_memory():
+    """200 connections send one byte every 0.1 s and never finish their HELLO (deadline 1.5 s)."""
+    deadline_s, drip_s, nattackers = 1.5, 0.1, 200
+    payload = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
+    with make_unit(8 << 20, name="su-drip") as unit, \
+            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX, handshake_timeout_s=deadline_s) as srv:
+        unit.put("sample", payload)
+        address = (srv.address["host"], srv.address["port"])
+        threads_before, rss_before = threading.active_count(), rss_bytes()
+        opened, closed_at = {}, {}
+        for _ in range(nattackers):
+            sock = socket.create_connection(address, timeout=5)
+            sock.setblocking(False)  # the attacker polls all its sockets from one thread
+            opened[sock] = time.monotonic()
+        # a legitimate fetch in the middle of the attack
+        fetch: dict = {}
+
+        def legit():
+            time.sleep(0.5)  # let the drip run first
+            start = time.monotonic()
+            with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+                dest = np.empty(payload.size, np.uint8)
+                ch.read(["sample"], dest, timeout=5)
+            fetch["seconds"] = time.monotonic() - start
+            fetch["exact"] = np.array_equal(dest, payload)
+
+        fetcher = threading.Thread(target=legit)
+        fetcher.start()
+        peak_threads, peak_rss, stop = 0, 0, time.monotonic() + deadline_s + 3.0
+        while len(closed_at) < nattackers and time.monotonic() < stop:
+            for sock in opened:
+                if sock in closed_at:
+                    continue
+                if closed_now(sock):
+                    closed_at[sock] = time.monotonic()
+                    continue
+                try:
+                    sock.send(b"G")  # one byte of a header that never completes in time
+                except OSError:
+                    closed_at[sock] = time.monotonic()
+            peak_threads = max(peak_threads, threading.active_count() - fetcher.is_alive())
+            peak_rss = max(peak_rss, rss_bytes())
+            time.sleep(drip_s)
+        fetcher.join(10)
+        for sock in opened:
+            sock.close()
+        lifetimes = [closed_at[s] - opened[s] for s in closed_at]
+        print(f"\ndrip: {nattackers} connections, deadline {deadline_s} s: closed {len(closed_at)}, "
+              f"longest lived {max(lifetimes, default=0):.2f} s, extra threads {peak_threads - threads_before}, "
+              f"RSS growth {(peak_rss - rss_before) / (1 << 20):.1f} MiB, fetch {fetch.get('seconds', -1):.3f} s "
+              f"exact={fetch.get('exact')}")
+        assert len(closed_at) == nattackers, f"{nattackers - len(closed_at)} drip connections still open"
+        assert max(lifetimes) < deadline_s + 1.0, f"a drip connection lived {max(lifetimes):.2f} s"
+        assert peak_threads - threads_before < 10, f"{peak_threads - threads_before} extra threads"
+        assert peak_rss - rss_before < 8 << 20, f"RSS grew {(peak_rss - rss_before) >> 20} MiB"
+        assert fetch == {"seconds": fetch["seconds"], "exact": True} and fetch["seconds"] < 1.0, fetch
+        assert srv.failed_handshakes == nattackers
+        assert wait_for(lambda: srv.connections == 0)
+
+
+def wait_for(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_connections_above_the_cap_are_closed_at_once():
+    with make_unit(1 << 20, name="su-cap") as unit, \
+            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX, max_connections=4) as srv:
+        address = (srv.address["host"], srv.address["port"])
+        idle = [socket.create_connection(address, timeout=5) for _ in range(4)]
+        assert wait_for(lambda: srv.connections == 4)
+        with socket.create_connection(address, timeout=5) as extra:
+            start = time.monotonic()
+            try:
+                assert extra.recv(16) == b""  # closed by the server without a word
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - start < 1.0
+        assert srv.refused == 1
+        idle.pop().close()
+        assert wait_for(lambda: srv.connections == 3)
+        with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+            assert ch.call("stats")["name"] == "su-cap"
+        for sock in idle:
+            sock.close()
+
+
+def test_a_slow_but_steady_handshake_still_hits_the_whole_deadline():
+    """Each byte arrives well within any per-receive timeout; the handshake as a whole does not."""
+    with make_unit(1 << 20) as unit, \
+            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX, handshake_timeout_s=0.6) as srv:
+        hello = HEADER.pack(MAGIC, VERSION, Op.HELLO, 40, 0)
+        with socket.create_connection((srv.address["host"], srv.address["port"]), timeout=5) as sock:
+            sock.setblocking(False)
+            start = time.monotonic()
+            for byte in hello:  # 20 bytes, one per 50 ms: 1 s in all, beyond the deadline
+                if closed_now(sock):
+                    break
+                sock.send(bytes([byte]))
+                time.sleep(0.05)
+            assert wait_for(lambda: closed_now(sock), 2.0)
+            assert time.monotonic() - start < 1.2
+
+
+def test_failed_handshakes_are_logged_at_a_limited_rate(caplog):
+    caplog.set_level(logging.WARNING, logger="transport.tcp_server")
+    with make_unit(1 << 20) as unit, TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
+        for _ in range(50):
+            with pytest.raises(AuthenticationError):
+                TcpTransport().connect(srv.address, token="not-the-token", max_frame_bytes=MAX, timeout=5)
+        assert wait_for(lambda: srv.failed_handshakes == 50)
+    warnings = [r for r in caplog.records if "handshake" in r.getMessage()]
+    assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
+    assert TOKEN not in caplog.text
+
+
+def _serve_in_child(conn, payload_size: int) -> None:
+    """A unit and its tcp server in their own process, as deployed; serves until told to stop."""
+    with make_unit(8 << 20, name="su-child") as unit, \
+            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
+        unit.put("sample", np.arange(payload_size, dtype=np.uint64).astype(np.uint8))
+        conn.send(srv.address)
+        conn.recv()
+
+
+def _proc_status(pid: int) -> tuple[int, int]:
+    """(RSS bytes, threads) of process ``pid``."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            fields[name] = value.split()
+    return int(fields["VmRSS"][0]) * 1024, int(fields["Threads"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_drip_against_a_unit_process_at_the_default_deadline():
+    """200 connections dripping one byte every 5 s against a unit in its own process (5 s deadline)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    payload = np.arange(4 << 20, dtype=np.uint64).astype(np.uint8)
+    proc = ctx.Process(target=_serve_in_child, args=(child, payload.size), daemon=True)
+    proc.start()
+    try:
+        address = parent.recv()
+        with TcpTransport().connect(address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as warm:
+            warm.call("stats")  # the unit's steady state: one authenticated connection served before
+        rss_before, threads_before = _proc_status(proc.pid)
+        opened, closed_at = {}, {}
+        for _ in range(200):
+            sock = socket.create_connection((address["host"], address["port"]), timeout=5)
+            sock.setblocking(False)
+            opened[sock] = time.monotonic()
+        peak_rss, peak_threads, fetch_s, next_drip = rss_before, threads_before, None, 0.0
+        stop = time.monotonic() + 8.0
+        while len(closed_at) < len(opened) and time.monotonic() < stop:
+            now = time.monotonic()
+            for sock in opened:
+                if sock not in closed_at and closed_now(sock):
+                    closed_at[sock] = now
+            if now >= next_drip:
+                for sock in opened:
+                    if sock not in closed_at:
+                        with contextlib.suppress(OSError):
+                            sock.send(b"G")
+                next_drip = now + 5.0
+            if fetch_s is None and now - min(opened.values()) > 2.0:
+                start = time.monotonic()
+                with TcpTransport().connect(address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+                    dest = np.empty(payload.size, np.uint8)
+                    ch.read(["sample"], dest, timeout=5)
+                fetch_s = time.monotonic() - start
+                assert np.array_equal(dest, payload)
+            rss, threads = _proc_status(proc.pid)
+            peak_rss, peak_threads = max(peak_rss, rss), max(peak_threads, threads)
+            time.sleep(0.05)
+        for sock in opened:
+            sock.close()
+        longest = max(closed_at[s] - opened[s] for s in closed_at)
+        print(f"\ndrip at 5 s: 200 connections, closed {len(closed_at)}, longest lived {longest:.2f} s, "
+              f"unit RSS +{(peak_rss - rss_before) / (1 << 20):.1f} MiB, unit threads +{peak_threads - threads_before}, "
+              f"fetch {fetch_s:.3f} s")
+        assert len(closed_at) == 200 and longest < 6.0
+        assert peak_rss - rss_before < 8 << 20 and peak_threads - threads_before < 10
+        assert fetch_s is not None and fetch_s < 1.0
+    finally:
+        parent.send("stop")
+        proc.join(10)
