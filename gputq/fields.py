@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import ConfigError, FieldValueError, InvalidInputError
+from .refs import check_fill, read_record
 
 __all__ = [
     "sample_key_of",
@@ -95,7 +96,7 @@ class FieldSpec:
             raise ConfigError(f"field {self.name!r}: stored dtype {stored} does not widen safely to {restored}")
         object.__setattr__(self, "dtype", stored.name)
         object.__setattr__(self, "restored_dtype", restored.name)
-        object.__setattr__(self, "fill", _check_fill(self.name, self.fill, restored))
+        object.__setattr__(self, "fill", check_fill(self.fill, restored, f"field {self.name!r}", ConfigError))
         if self.span not in SPANS:
             raise ConfigError(f"field {self.name!r}: span must be one of {SPANS}, got {self.span!r}")
         if not self.sample_key:
@@ -115,25 +116,10 @@ class FieldSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FieldSpec:
         """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record."""
-        from .refs import read_record
-
         rec = read_record(data, "FieldSpec", _SPEC_SCHEMA,
                           ("name", "row_shape", "dtype", "restored_dtype", "fill", "span", "sample_key"))
         return cls(rec["name"], tuple(rec["row_shape"]), rec["dtype"], rec["restored_dtype"],
                    rec["fill"], rec["span"], rec["sample_key"])
-
-
-def _check_fill(name: str, fill: Any, restored: np.dtype) -> float | int:
-    if isinstance(fill, (bool, np.bool_)) or not isinstance(fill, (int, float, np.integer, np.floating)):
-        raise ConfigError(f"field {name!r}: fill must be a number, got {fill!r}")
-    if restored.kind == "f":
-        return float(fill)
-    if isinstance(fill, (float, np.floating)) and not float(fill).is_integer():
-        raise ConfigError(f"field {name!r}: fill {fill!r} is not an integer for dtype {restored}")
-    info = np.iinfo(restored)
-    if not info.min <= int(fill) <= info.max:
-        raise ConfigError(f"field {name!r}: fill {fill!r} does not fit {restored}")
-    return int(fill)
 
 
 def sample_key_of(field: str) -> str:
