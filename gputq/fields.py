@@ -13,7 +13,7 @@ produced, and which tokens of a sample carry it (``span``):
 
 :func:`canonicalize` is the gate every payload passes before it is stored:
 it checks shape, dtype, NaNs and range, and converts to the compact dtype
-without ever truncating (DESIGN.md §3 rule 4).
+without ever truncating, in one pass over the data.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ ROUTED_EXPERTS = "routed_experts"
 ROUTED_EXPERTS_DTYPES = ("uint8", "uint16", "int32")
 SPANS = ("output", "context")
 _SPEC_SCHEMA = 1
+# Source bytes converted and checked at a time: a chunk and its result stay in a core's L2.
+_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -203,15 +205,30 @@ class FieldRegistry:
         return len(self._specs)
 
 
-def canonicalize(key: str, spec: FieldSpec, array: Any) -> np.ndarray:
+def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | None = None) -> np.ndarray:
     """Check ``array`` against ``spec`` and return it in the stored dtype.
 
     Returns a C-contiguous array of ``spec.dtype`` with shape
-    ``[rows, *spec.row_shape]``; no copy when the input already is one.
-    Raises :class:`~gputq.errors.FieldValueError` naming ``key`` and the
-    field for a wrong shape, a float array for an integer field, a NaN
-    (first index) or an ID the stored dtype cannot hold (value and index).
-    Values are never truncated.
+    ``[rows, *spec.row_shape]``. Raises
+    :class:`~gputq.errors.FieldValueError` naming ``key`` and the field for
+    a wrong shape, a float array for an integer field, a NaN (first index)
+    or an ID the stored dtype cannot hold (value and first index). Values
+    are never truncated.
+
+    Checking and converting are one pass: the array goes through in chunks
+    that stay in a core's cache, each converted and then checked while it is
+    still there, so the payload is read from memory once.
+
+    Parameters
+    ----------
+    key, spec, array:
+        The stored key (for messages), the field's spec and the payload.
+    out:
+        Where the result goes: a writable C-contiguous uint8 array of at
+        least ``rows * row_nbytes(spec)`` bytes, which the result views. With
+        it the caller always gets its own copy, made in that same pass.
+        Without it, an input that already is C-contiguous in the stored
+        dtype is returned as is (after its check), else a new array.
     """
     where = f"key {key!r} field {spec.name!r}"
     arr = np.asarray(array)
@@ -222,32 +239,63 @@ def canonicalize(key: str, spec: FieldSpec, array: Any) -> np.ndarray:
     if spec.integral:
         if arr.dtype.kind not in "iu":
             raise FieldValueError(f"{where}: expected an integer array, got dtype {arr.dtype}")
-        if arr.size and not np.can_cast(arr.dtype, stored, "safe"):
-            _check_range(where, arr, stored)
+        check = None if np.can_cast(arr.dtype, stored, "safe") else _check_range
     else:
         if arr.dtype.kind != "f":
             raise FieldValueError(f"{where}: expected a floating-point array, got dtype {arr.dtype}")
-        # One reduction first: the sum is NaN if any element is (or if +inf and -inf mix).
-        with np.errstate(all="ignore"):
-            suspect = arr.size and np.isnan(np.add.reduce(arr, axis=None))
-        if suspect:
-            nans = np.flatnonzero(np.isnan(arr))
-            if nans.size:
-                index = np.unravel_index(nans[0], arr.shape)
-                raise FieldValueError(f"{where}: NaN at index {_fmt_index(index)}")
-    return np.ascontiguousarray(arr, dtype=stored)
+        check = _check_nan
+    if out is not None:
+        nbytes = arr.shape[0] * row_nbytes(spec)
+        if not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
+                and out.flags.c_contiguous and out.flags.writeable and out.nbytes >= nbytes):
+            raise InvalidInputError(f"{where}: out must be a writable contiguous uint8 array of at least "
+                                    f"{nbytes} bytes")
+        result = out[:nbytes].view(stored).reshape(arr.shape)
+    elif arr.dtype == stored and arr.flags.c_contiguous:
+        if check is not None:
+            check(where, arr, arr, 0)
+        return arr
+    else:
+        result = np.empty(arr.shape, stored)
+    if check is None or not arr.size:
+        np.copyto(result, arr, casting="unsafe")  # a widening (safe) cast: nothing to check
+        return result
+    step = max(1, _CHUNK_BYTES // (arr[:1].nbytes or 1))
+    for start in range(0, arr.shape[0], step):
+        src, dst = arr[start:start + step], result[start:start + step]
+        np.copyto(dst, src, casting="unsafe")
+        check(where, src, dst, start)
+    return result
 
 
-def _check_range(where: str, arr: np.ndarray, stored: np.dtype) -> None:
+def _check_range(where: str, src: np.ndarray, dst: np.ndarray, row0: int) -> None:
+    """Raise if a value of ``src`` (rows ``row0``... of the payload) does not fit ``dst``'s dtype."""
+    stored = dst.dtype
     info = np.iinfo(stored)
-    lo, hi = arr.min(), arr.max()
-    if lo >= info.min and hi <= info.max:
+    if stored.kind == "u":
+        # Negative IDs read as unsigned are huge, so one max checks both ends.
+        unsigned = src.view(f"u{src.dtype.itemsize}")
+        if int(np.maximum.reduce(unsigned, axis=None)) <= info.max:
+            return
+    elif info.min <= int(np.minimum.reduce(src, axis=None)) and int(np.maximum.reduce(src, axis=None)) <= info.max:
         return
-    bad = np.flatnonzero((arr < info.min) | (arr > info.max))[0]
-    index = np.unravel_index(bad, arr.shape)
-    value = int(arr.reshape(-1)[bad])
-    raise FieldValueError(f"{where}: value {value} at index {_fmt_index(index)} does not fit {stored} "
-                          f"(range [{info.min}, {info.max}])")
+    bad = np.flatnonzero((src < info.min) | (src > info.max))[0]
+    index = np.unravel_index(bad, src.shape)
+    value = int(src.reshape(-1)[bad])
+    raise FieldValueError(f"{where}: value {value} at index {_fmt_index((index[0] + row0, *index[1:]))} "
+                          f"does not fit {stored} (range [{info.min}, {info.max}])")
+
+
+def _check_nan(where: str, src: np.ndarray, dst: np.ndarray, row0: int) -> None:
+    """Raise at the first NaN of ``dst`` (the converted rows ``row0``... of the payload)."""
+    # One reduction first: the sum is NaN if any element is (or if +inf and -inf mix).
+    with np.errstate(all="ignore"):
+        if not np.isnan(np.add.reduce(dst, axis=None)):
+            return
+    nans = np.flatnonzero(np.isnan(dst))
+    if nans.size:
+        index = np.unravel_index(nans[0], dst.shape)
+        raise FieldValueError(f"{where}: NaN at index {_fmt_index((index[0] + row0, *index[1:]))}")
 
 
 def _fmt_index(index: tuple) -> str:

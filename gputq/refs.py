@@ -5,7 +5,7 @@ row range of a ref into a row range of a target tensor. A :class:`Layout` is
 the recipe for one target tensor: its rows, its fill (for rows no fragment
 covers) and its fragments. Segments are built by composing layouts
 (:meth:`Layout.concat`, :meth:`Layout.slice`, :meth:`Layout.shift`), which
-never touches payload bytes (DESIGN.md §3 rule 2).
+never touches payload bytes.
 
 All three are frozen and serialise to plain dicts carrying a ``schema``
 version; a reader rejects versions it does not know. Version 2 added the

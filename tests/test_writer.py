@@ -64,9 +64,9 @@ def test_wait_and_flush_time_out_typed():
             gate = threading.Event()
             original = writer._send
 
-            def slow_send(ref, compact):
+            def slow_send(*args):
                 gate.wait(5)
-                original(ref, compact)
+                original(*args)
 
             writer._send = slow_send
             writer.put("slow", "p", {"logprobs": np.ones(4, np.float32)})
