@@ -257,14 +257,15 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
         return arr
     else:
         result = np.empty(arr.shape, stored)
-    if check is None or not arr.size:
-        np.copyto(result, arr, casting="unsafe")  # a widening (safe) cast: nothing to check
-        return result
-    step = max(1, _CHUNK_BYTES // (arr[:1].nbytes or 1))
-    for start in range(0, arr.shape[0], step):
-        src, dst = arr[start:start + step], result[start:start + step]
-        np.copyto(dst, src, casting="unsafe")
-        check(where, src, dst, start)
+    with np.errstate(over="ignore"):  # float64 beyond float32 becomes inf, as astype does
+        if check is None or not arr.size:
+            np.copyto(result, arr, casting="unsafe")  # nothing to check: a widening cast, or no rows
+            return result
+        step = max(1, _CHUNK_BYTES // arr[:1].nbytes)
+        for start in range(0, arr.shape[0], step):
+            src, dst = arr[start:start + step], result[start:start + step]
+            np.copyto(dst, src, casting="unsafe")
+            check(where, src, dst, start)
     return result
 
 
@@ -272,7 +273,7 @@ def _check_range(where: str, src: np.ndarray, dst: np.ndarray, row0: int) -> Non
     """Raise if a value of ``src`` (rows ``row0``... of the payload) does not fit ``dst``'s dtype."""
     stored = dst.dtype
     info = np.iinfo(stored)
-    if stored.kind == "u":
+    if stored.kind == "u" and src.dtype.itemsize > stored.itemsize:
         # Negative IDs read as unsigned are huge, so one max checks both ends.
         unsigned = src.view(f"u{src.dtype.itemsize}")
         if int(np.maximum.reduce(unsigned, axis=None)) <= info.max:
