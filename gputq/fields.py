@@ -18,6 +18,7 @@ without ever truncating, in one pass over the data.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -239,7 +240,7 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
     if spec.integral:
         if arr.dtype.kind not in "iu":
             raise FieldValueError(f"{where}: expected an integer array, got dtype {arr.dtype}")
-        check = None if np.can_cast(arr.dtype, stored, "safe") else _check_range
+        check = None if _widens(arr.dtype, stored) else _check_range
     else:
         if arr.dtype.kind != "f":
             raise FieldValueError(f"{where}: expected a floating-point array, got dtype {arr.dtype}")
@@ -257,7 +258,9 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
         return arr
     else:
         result = np.empty(arr.shape, stored)
-    with np.errstate(over="ignore"):  # float64 beyond float32 becomes inf, as astype does
+    narrowing_floats = check is _check_nan and arr.dtype.itemsize > stored.itemsize
+    # A float64 beyond float32's range becomes inf, as with astype, without a warning.
+    with np.errstate(over="ignore") if narrowing_floats else contextlib.nullcontext():
         if check is None or not arr.size:
             np.copyto(result, arr, casting="unsafe")  # nothing to check: a widening cast, or no rows
             return result
@@ -267,6 +270,17 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
             np.copyto(dst, src, casting="unsafe")
             check(where, src, dst, start)
     return result
+
+
+def _widens(source: np.dtype, stored: np.dtype) -> bool:
+    """``np.can_cast(source, stored, "safe")``, remembered: it costs microseconds and put runs it per field."""
+    known = _WIDENS.get((source, stored))
+    if known is None:
+        known = _WIDENS[(source, stored)] = bool(np.can_cast(source, stored, "safe"))
+    return known
+
+
+_WIDENS: dict[tuple[np.dtype, np.dtype], bool] = {}
 
 
 def _check_range(where: str, src: np.ndarray, dst: np.ndarray, row0: int) -> None:

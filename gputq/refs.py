@@ -69,14 +69,22 @@ def _nonneg_int(kind: str, name: str, value: Any, error: type = LayoutError) -> 
 
 
 def _row_shape(kind: str, value: Any, error: type) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or len(value) > 32 or not all(
-            isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and 0 < d < 1 << 31
-            for d in value):
-        raise error(f"{kind}.row_shape must be a list of positive ints, got {value!r}")
-    return tuple(int(d) for d in value)
+    if isinstance(value, (tuple, list)) and len(value) <= 32:
+        shape = []
+        for d in value:
+            if not isinstance(d, (int, np.integer)) or isinstance(d, (bool, np.bool_)) or not 0 < d < 1 << 31:
+                break
+            shape.append(int(d))
+        else:
+            return tuple(shape)
+    raise error(f"{kind}.row_shape must be a list of positive ints, got {value!r}")
 
 
-def _numeric_dtype(kind: str, value: Any, error: type) -> np.dtype:
+def _numeric_dtype(kind: str, value: Any, error: type) -> tuple[np.dtype, str]:
+    """``value`` as a native integer or float dtype, and its name; else ``error``."""
+    known = _DTYPES.get(value) if isinstance(value, str) else None
+    if known is not None:
+        return known
     # Only names and dtype objects: np.dtype() also builds record and object dtypes from lists and dicts.
     if isinstance(value, (str, np.dtype)) or (isinstance(value, type) and issubclass(value, np.generic)):
         try:
@@ -84,8 +92,14 @@ def _numeric_dtype(kind: str, value: Any, error: type) -> np.dtype:
         except (TypeError, ValueError, SyntaxError):
             dtype = None
         if dtype is not None and dtype.kind in "iuf" and dtype.isnative:
-            return dtype
+            known = (dtype, dtype.name)  # .name is computed in Python, slowly: refs are made per put
+            if isinstance(value, str) and len(_DTYPES) < 256:
+                _DTYPES[value] = known
+            return known
     raise error(f"{kind}.dtype must name a native integer or float numpy dtype, got {value!r}")
+
+
+_DTYPES: dict[str, tuple[np.dtype, str]] = {}
 
 
 def check_fill(fill: Any, dtype: np.dtype, where: str, error: type) -> float | int:
@@ -149,7 +163,7 @@ class FieldRef:
         object.__setattr__(self, "generation",
                            _nonneg_int("FieldRef", "generation", self.generation, InvalidInputError))
         object.__setattr__(self, "row_shape", _row_shape("FieldRef", self.row_shape, InvalidInputError))
-        object.__setattr__(self, "dtype", _numeric_dtype("FieldRef", self.dtype, InvalidInputError).name)
+        object.__setattr__(self, "dtype", _numeric_dtype("FieldRef", self.dtype, InvalidInputError)[1])
 
     @property
     def row_nbytes(self) -> int:
@@ -242,8 +256,8 @@ class Layout:
             raise LayoutError(f"Layout.field must be a str, got {self.field!r}")
         object.__setattr__(self, "rows", _nonneg_int("Layout", "rows", self.rows))
         object.__setattr__(self, "row_shape", _row_shape("Layout", self.row_shape, LayoutError))
-        restored = _numeric_dtype("Layout", self.dtype, LayoutError)
-        object.__setattr__(self, "dtype", restored.name)
+        restored, name = _numeric_dtype("Layout", self.dtype, LayoutError)
+        object.__setattr__(self, "dtype", name)
         object.__setattr__(self, "fill", check_fill(self.fill, restored, "Layout", LayoutError))
         if not isinstance(self.fragments, (tuple, list)) or \
                 not all(isinstance(frag, Fragment) for frag in self.fragments):

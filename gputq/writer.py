@@ -64,6 +64,7 @@ class Writer(Closeable):
         self._registry = registry
         self._pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="gputq-writer")
         self._buffers = _Buffers(config.writer_inflight_bytes)
+        self._expert_specs: dict[tuple, object] = {}
         self._cond = threading.Condition()
         self._inflight_bytes = 0
         self._pending: dict[str, Future] = {}
@@ -73,15 +74,20 @@ class Writer(Closeable):
 
     # -- specs -----------------------------------------------------------
     def _spec(self, field: str, array: np.ndarray):
-        if self._registry is not None and field in self._registry.names():
+        if self._registry is not None and field in self._registry:
             return self._registry.get(field)
         if field == "logprobs":
-            return logprobs_spec()
+            return _LOGPROBS
         if field == "routed_experts":
             if np.ndim(array) != 3:
                 raise InvalidInputError(
                     f"routed_experts must be [rows, num_layers, topk], got shape {np.shape(array)}")
-            return routed_experts_spec(array.shape[1], array.shape[2], self._config.routed_experts_dtype)
+            shape = np.shape(array)[1:]
+            spec = self._expert_specs.get(shape)
+            if spec is None:  # a FieldSpec costs tens of microseconds to build: once per shape
+                spec = routed_experts_spec(shape[0], shape[1], self._config.routed_experts_dtype)
+                self._expert_specs[shape] = spec
+            return spec
         raise InvalidInputError(f"no field spec for {field!r}; register it in a FieldRegistry")
 
     # -- writing ---------------------------------------------------------
@@ -138,8 +144,14 @@ class Writer(Closeable):
                 if ref.key in self._pending:
                     raise DuplicateKeyError(f"{ref.key} is already being written")
             self._inflight_bytes += nbytes
-            for ref, compact, buffer in prepared:
-                self._pending[ref.key] = self._pool.submit(self._send, ref, compact, buffer)
+            future = self._pool.submit(self._send_all, prepared)  # one hand-off per put, not per field
+            for ref, _, _ in prepared:
+                self._pending[ref.key] = future
+
+    def _send_all(self, prepared: list) -> None:
+        for ref, compact, buffer in prepared:
+            with contextlib.suppress(Exception):  # recorded in _failures by _send
+                self._send(ref, compact, buffer)
 
     def _send(self, ref: FieldRef, compact: np.ndarray, buffer: np.ndarray) -> None:
         meta = {"field": ref.field, "dtype": ref.dtype, "rows": ref.rows,
@@ -278,6 +290,9 @@ class Writer(Closeable):
             if exc is None:
                 raise
             exc.add_note(f"gputq: writes also failed: {failure}")
+
+
+_LOGPROBS = logprobs_spec()
 
 
 def _check_receipt(ref: FieldRef, receipt) -> None:
