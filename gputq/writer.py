@@ -10,7 +10,9 @@ unit's incarnation and a fresh random generation for the key, and hands the
 buffers to sender threads. The bytes go to the unit over the transport,
 never through Ray. Queued bytes are bounded: ``put`` blocks while
 ``writer_inflight_bytes`` are still unsent; that bound is the only way the
-senders can hold the caller up.
+senders can hold the caller up. The senders also run at a lower CPU
+priority than the caller, so on a busy host their socket copies do not take
+the core a put needs.
 
 Sent buffers are kept for reuse (within the same byte bound): a fresh
 buffer of a large step costs the kernel a page fault per 4 KiB, which would
@@ -20,7 +22,9 @@ double the cost of a put and make its tail.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Mapping
@@ -62,7 +66,8 @@ class Writer(Closeable):
         self._clients = clients
         self._config = config
         self._registry = registry
-        self._pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="gputq-writer")
+        self._pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="gputq-writer",
+                                        initializer=_background_priority)
         self._buffers = _Buffers(config.writer_inflight_bytes)
         self._expert_specs: dict[tuple, object] = {}
         self._cond = threading.Condition()
@@ -293,6 +298,24 @@ class Writer(Closeable):
 
 
 _LOGPROBS = logprobs_spec()
+
+#: How much lower the sender threads' CPU priority is than the caller's (Linux nice steps).
+SENDER_NICE = 10
+
+
+def _background_priority() -> None:
+    """Lower the calling sender thread's CPU priority, where the OS allows it per thread (Linux).
+
+    Sending is background work: when cores are scarce, the thread calling
+    ``put`` must win them over the sends of earlier steps. The senders still
+    get every core nobody else wants, and a put that finds the in-flight
+    bound full leaves them its core while it waits.
+    """
+    if sys.platform != "linux":  # elsewhere PRIO_PROCESS with a thread id means another process
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + SENDER_NICE))
 
 
 def _check_receipt(ref: FieldRef, receipt) -> None:

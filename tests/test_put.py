@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+
 import numpy as np
 import pytest
 
@@ -9,7 +13,7 @@ from gputq.errors import FieldValueError, InvalidInputError
 from gputq.fields import canonicalize, logprobs_spec, routed_experts_spec
 from gputq.reader import Reader
 from gputq.refs import Layout
-from gputq.writer import Writer, _Buffers
+from gputq.writer import SENDER_NICE, Writer, _Buffers
 
 from .conftest import local_units
 
@@ -162,3 +166,12 @@ def test_buffers_are_reused_within_the_bound():
     assert small.nbytes == 1000
     assert [_Buffers.size_class(n) for n in (1, 4096, 4097, 1 << 20, (1 << 20) + 1)] == [
         4096, 4096, 8192, 1 << 20, (1 << 20) + (1 << 17)]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are a Linux feature")
+def test_senders_run_below_the_callers_priority():
+    with local_units("tcp", units=1) as (config, _, clients), Writer(clients, config) as writer:
+        own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        sender = writer._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(10)
+        assert sender == min(19, own + SENDER_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller keeps its own
