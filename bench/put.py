@@ -24,6 +24,20 @@ uint16 or int32; logprob steps are ``[T]`` float32. The units run in child
 processes (``--units``, tcp over loopback), as in a deployment. Ratios are
 put p50 over the pass p50 of the same row, and p99 over p50 of put; the
 ``--json`` line has the worst of each over the rows.
+
+Where a put's time goes, and its tail: the checked pass itself (memory
+bound; chunked so each chunk is read from memory once); a fixed cost of
+tens of microseconds (placement, references, the hand-off to a sender),
+which dominates only for tiny fields such as the logprobs of a short step;
+and waiting. Waits come from (a) the in-flight bound, by design (excluded
+here, see above); (b) allocation, which the writer removes by reusing sent
+buffers (a fresh 12 MiB buffer faults in 3,000 pages); (c) the cores: on a
+small host the sends of earlier steps (the kernel's socket copies) and the
+units' receives compete with the put for CPU, which is why the senders run
+at a lower priority (``--sender-nice 0`` shows the difference); (d) the
+GIL, which the pass gives up and takes back around each chunk and which a
+sender holds for a few microseconds between its system calls. What is left
+is the host's: other processes' load and memory bandwidth.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from bench.common import add_json_flag, emit_json, print_header, print_table
+from gputq import writer as writer_module
 from gputq.clients import UnitClients
 from gputq.config import GputqConfig
 from gputq.writer import Writer
@@ -248,12 +263,15 @@ def main(argv=None) -> int:
     parser.add_argument("--flush-every", type=int, default=10, help="puts per round between flushes")
     parser.add_argument("--units", type=int, default=2, help="StorageUnits, each in a child process")
     parser.add_argument("--sender-threads", type=int, default=2, help="the writer's background senders")
+    parser.add_argument("--sender-nice", type=int, default=writer_module.SENDER_NICE,
+                        help="how much lower the senders' CPU priority is (0: the caller's)")
     parser.add_argument("--throughput-steps", type=int, default=200, help="steps per throughput run")
     parser.add_argument("--throughput-tokens", type=int, default=8192)
     parser.add_argument("--throughput-kind", default="uint16", choices=KINDS)
     parser.add_argument("--log", nargs="?", const="", default=None, metavar="PATH",
                         help="also save the output and every raw latency (default docs/logs/put-<UTC time>.log)")
     args = parser.parse_args(argv)
+    writer_module.SENDER_NICE = args.sender_nice
     log = None
     if args.log is not None:
         path = args.log or os.path.join("docs", "logs", f"put-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.log")
@@ -263,7 +281,8 @@ def main(argv=None) -> int:
     try:
         print_header("gputq put: the caller's cost of one step", cpus=os.cpu_count(),
                      units=f"{args.units} in child processes, tcp", flush_every=args.flush_every,
-                     sender_threads=args.sender_threads, load=" ".join(f"{x:.2f}" for x in os.getloadavg()))
+                     sender_threads=args.sender_threads, sender_nice=args.sender_nice,
+                     load=" ".join(f"{x:.2f}" for x in os.getloadavg()))
         started = time.perf_counter()
         result = run(args)
         print_table(result["rows"], ["kind", "tokens", "step_MiB", "puts", "pass_ms", "put_p50_ms",
