@@ -23,7 +23,10 @@ Expert steps are ``[T, 48, 8]`` int32 IDs below 128 stored as uint8,
 uint16 or int32; logprob steps are ``[T]`` float32. The units run in child
 processes (``--units``, tcp over loopback), as in a deployment. Ratios are
 put p50 over the pass p50 of the same row, and p99 over p50 of put; the
-``--json`` line has the worst of each over the rows.
+``--json`` line has the worst of each over the expert steps
+(``put_p50_vs_pass``, ``put_p99_vs_p50``) and, apart, over the logprob
+steps, whose pass of a few microseconds is below the fixed cost of a put.
+The pass includes ``astype``'s fresh result, as plain numpy code pays it.
 
 Where a put's time goes, and its tail: the checked pass itself (memory
 bound; chunked so each chunk is read from memory once); a fixed cost of
@@ -249,10 +252,15 @@ def run(args) -> dict:
             print(f"  [throughput] {threads} thread(s) ...", file=sys.stderr, flush=True)
             tput.append(throughput_row(clients, config, args.throughput_kind, args.throughput_tokens, threads,
                                        args.throughput_steps, rng))
-    return {"rows": rows, "throughput": tput, "raw": raw,
-            "put_p50_vs_pass": max(r["p50/pass"] for r in rows),
-            "put_p99_vs_p50": max(r["p99/p50"] for r in rows),
-            "capacity_per_unit_MiB": capacity // _MIB}
+    steps = [r for r in rows if r["kind"] != "logprobs"] or rows
+    small = [r for r in rows if r["kind"] == "logprobs"]
+    summary = {"put_p50_vs_pass": max(r["p50/pass"] for r in steps),
+               "put_p99_vs_p50": max(r["p99/p50"] for r in steps)}
+    if small:
+        summary |= {"logprobs_p50_vs_pass": max(r["p50/pass"] for r in small),
+                    "logprobs_p99_vs_p50": max(r["p99/p50"] for r in small),
+                    "logprobs_put_p50_us": max(r["put_p50_ms"] for r in small) * 1e3}
+    return {"rows": rows, "throughput": tput, "raw": raw, "summary": summary}
 
 
 def main(argv=None) -> int:
@@ -289,16 +297,20 @@ def main(argv=None) -> int:
                                      "put_p99_ms", "put_p99.9_ms", "p50/pass", "p99/p50"])
         print()
         print_table(result["throughput"], ["kind", "tokens", "threads", "steps", "steps_per_s", "GB/s"])
-        print(f"  put_p50_vs_pass (worst): {result['put_p50_vs_pass']:.2f}  (goal <= 1.5)")
-        print(f"  put_p99_vs_p50 (worst): {result['put_p99_vs_p50']:.2f}  (goal <= 3)")
+        summary = result["summary"]
+        print(f"  put_p50_vs_pass (worst expert step): {summary['put_p50_vs_pass']:.2f}  (goal <= 1.5)")
+        print(f"  put_p99_vs_p50 (worst expert step): {summary['put_p99_vs_p50']:.2f}  (goal <= 3)")
+        if "logprobs_put_p50_us" in summary:
+            print(f"  logprobs-only steps: p50/pass {summary['logprobs_p50_vs_pass']:.2f}, p99/p50 "
+                  f"{summary['logprobs_p99_vs_p50']:.2f}, put p50 {summary['logprobs_put_p50_us']:.0f} us "
+                  f"(their pass takes microseconds: the fixed cost of a put dominates)")
         print(f"  elapsed: {time.perf_counter() - started:.1f} s")
         if log is not None:
             for name, values in result["raw"].items():
                 print(f"raw {name} put_us: {' '.join(map(str, values['put_us']))}", file=log)
                 print(f"raw {name} pass_us: {' '.join(map(str, values['pass_us']))}", file=log)
         if args.json:
-            emit_json({"bench": "put", "rows": result["rows"], "throughput": result["throughput"],
-                       "put_p50_vs_pass": result["put_p50_vs_pass"], "put_p99_vs_p50": result["put_p99_vs_p50"]})
+            emit_json({"bench": "put", "rows": result["rows"], "throughput": result["throughput"], **summary})
     finally:
         if log is not None:
             sys.stdout = sys.stdout._stream
