@@ -40,7 +40,9 @@ units' receives compete with the put for CPU, which is why the senders run
 at a lower priority (``--sender-nice 0`` shows the difference); (d) the
 GIL, which the pass gives up and takes back around each chunk and which a
 sender holds for a few microseconds between its system calls. What is left
-is the host's: other processes' load and memory bandwidth.
+is the host's: other processes' load and memory bandwidth. The ``tail_*``
+columns split the slowest 1% of puts' time (Linux): on a core, waiting for
+one, and blocked.
 """
 
 from __future__ import annotations
@@ -138,6 +140,43 @@ def _release(clients: UnitClients, partition: str) -> None:
         clients.channel(unit).call("release_partition", timeout=60, partition=partition)
 
 
+class _SchedStat:
+    """This thread's time on a core and waiting for one (Linux ``schedstat``), to explain slow puts.
+
+    Of a put's wall time, what was neither on a core nor waiting for one was
+    blocked: on the GIL, a lock or the in-flight bound.
+    """
+
+    def __init__(self):
+        try:
+            self._file = open("/proc/thread-self/schedstat", "rb", buffering=0)
+        except OSError:
+            self._file = None
+
+    def read(self) -> tuple[int, int]:
+        """(ns on a core, ns runnable but waiting for a core) so far; zeros where unknown."""
+        if self._file is None:
+            return 0, 0
+        self._file.seek(0)
+        on_cpu, waiting, _ = self._file.read().split()
+        return int(on_cpu), int(waiting)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _tail_split(samples: list[tuple[float, int, int]]) -> dict:
+    """Where the slowest 1% of puts spent their time: on a core, waiting for one, blocked."""
+    slow = sorted(samples, key=lambda s: s[0])[int(0.99 * len(samples)):]
+    wall = sum(s[0] for s in slow) * 1e9
+    cpu, queued = sum(s[1] for s in slow), sum(s[2] for s in slow)
+    if not wall or not (cpu or queued):
+        return {}
+    return {"tail_cpu%": 100 * cpu / wall, "tail_runq%": 100 * queued / wall,
+            "tail_blocked%": max(0.0, 100 * (wall - cpu - queued) / wall)}
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -151,8 +190,9 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
     step_bytes = sum(a.nbytes for a in fields.values())
     cfg = config.replace(routed_experts_dtype="int32" if kind == "logprobs" else kind,
                          writer_inflight_bytes=max(config.writer_inflight_bytes, (flush_every + 1) * step_bytes))
-    put_s, pass_s = [], []
-    with Writer(clients, cfg) as writer:
+    put_s, pass_s, sched = [], [], []
+    stat = _SchedStat()
+    with contextlib.closing(stat), Writer(clients, cfg) as writer:
         for warm in range(2):  # connections, buffers, first-touch of the arena
             writer.put(f"warm/{warm}", "warm", fields)
         writer.flush()
@@ -165,9 +205,12 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
                 pass_s.append(time.perf_counter() - started)
             partition = f"{kind}-{tokens}-{r}"
             for i in range(min(flush_every, puts - r * flush_every)):
+                cpu0, queued0 = stat.read()
                 started = time.perf_counter()
                 writer.put(f"{partition}/{i}", partition, fields)
                 put_s.append(time.perf_counter() - started)
+                cpu1, queued1 = stat.read()
+                sched.append((put_s[-1], cpu1 - cpu0, queued1 - queued0))
             writer.flush()
             _release(clients, partition)
     raw[f"{kind} {tokens}"] = {"put_us": [round(s * 1e6, 1) for s in put_s],
@@ -176,7 +219,7 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
     return {"kind": kind, "tokens": tokens, "step_MiB": round(step_bytes / _MIB, 2), "puts": len(put_s),
             "pass_ms": base * 1e3, "put_p50_ms": p50 * 1e3, "put_p99_ms": _pct(put_s, 0.99) * 1e3,
             "put_p99.9_ms": _pct(put_s, 0.999) * 1e3, "p50/pass": p50 / base,
-            "p99/p50": _pct(put_s, 0.99) / p50}
+            "p99/p50": _pct(put_s, 0.99) / p50, **_tail_split(sched)}
 
 
 def throughput_row(clients, config, kind: str, tokens: int, threads: int, steps: int, rng) -> dict:
@@ -294,7 +337,10 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         result = run(args)
         print_table(result["rows"], ["kind", "tokens", "step_MiB", "puts", "pass_ms", "put_p50_ms",
-                                     "put_p99_ms", "put_p99.9_ms", "p50/pass", "p99/p50"])
+                                     "put_p99_ms", "put_p99.9_ms", "p50/pass", "p99/p50", "tail_cpu%",
+                                     "tail_runq%", "tail_blocked%"])
+        print("  tail_*: of the slowest 1% of puts' time, the share on a core, waiting for a core "
+              "(other threads and processes had it), and blocked (GIL, locks, in-flight bound)")
         print()
         print_table(result["throughput"], ["kind", "tokens", "threads", "steps", "steps_per_s", "GB/s"])
         summary = result["summary"]
