@@ -63,7 +63,8 @@ def _check_record(cls, record) -> None:
     except InvalidInputError:
         return
     assert isinstance(obj, cls)
-    assert cls.from_dict(json.loads(json.dumps(obj.to_dict()))) == obj
+    text = json.dumps(obj.to_dict())  # compared as text: a NaN fill is not equal to itself
+    assert json.dumps(cls.from_dict(json.loads(text)).to_dict()) == text
 
 
 def _fuzz_records(data) -> None:
