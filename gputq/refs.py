@@ -24,7 +24,8 @@ import numpy as np
 
 from .errors import InvalidInputError, LayoutError
 
-__all__ = ["SCHEMA_VERSION", "FieldRef", "Fragment", "Layout", "check_fill", "read_record", "uses_by_unit"]
+__all__ = ["SCHEMA_VERSION", "GENERATION_LIMIT", "FieldRef", "Fragment", "Layout", "check_fill", "read_record",
+           "uses_by_unit"]
 
 SCHEMA_VERSION = 2
 #: Writers choose generations in [1, 2**63); 0 means "unknown: don't check".

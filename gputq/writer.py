@@ -40,7 +40,7 @@ from .fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_s
 from .placement import rendezvous_unit
 from .refs import FieldRef, uses_by_unit
 
-__all__ = ["Writer", "CommitRegion", "stored_key"]
+__all__ = ["Writer", "CommitRegion", "SENDER_NICE", "stored_key"]
 
 
 def stored_key(step_key: str, field: str) -> str:
