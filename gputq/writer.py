@@ -286,6 +286,7 @@ class Writer(Closeable):
             self._closed = True
             self._cond.notify_all()
         self._pool.shutdown(wait=True)
+        self._buffers.clear()
         self._raise_failures()
 
     def __exit__(self, exc_type, exc, tb):
@@ -371,6 +372,11 @@ class _Buffers:
                 self._kept -= buffer.nbytes
                 return buffer
         return np.empty(size, np.uint8)
+
+    def clear(self) -> None:
+        """Drop every kept buffer."""
+        with self._lock:
+            self._free, self._kept = {}, 0
 
     def give(self, buffer: np.ndarray, inflight: int) -> None:
         """Keep ``buffer`` for reuse if it fits the bound with ``inflight`` bytes queued."""

@@ -164,6 +164,9 @@ def test_buffers_are_reused_within_the_bound():
     assert buffers.take(3 << 20) is not first
     small = buffers.take(1000)
     assert small.nbytes == 1000
+    buffers.give(buffers.take(3 << 20), inflight=0)
+    buffers.clear()
+    assert buffers._kept == 0 and buffers.take(3 << 20) is not first
     assert [_Buffers.size_class(n) for n in (1, 4096, 4097, 1 << 20, (1 << 20) + 1)] == [
         4096, 4096, 8192, 1 << 20, (1 << 20) + (1 << 17)]
 
