@@ -173,8 +173,11 @@ def _tail_split(samples: list[tuple[float, int, int]]) -> dict:
     cpu, queued = sum(s[1] for s in slow), sum(s[2] for s in slow)
     if not wall or not (cpu or queued):
         return {}
-    return {"tail_cpu%": 100 * cpu / wall, "tail_runq%": 100 * queued / wall,
-            "tail_blocked%": max(0.0, 100 * (wall - cpu - queued) / wall)}
+    # The kernel accounts a running thread's time at ticks and switches, so for puts of a few
+    # microseconds cpu + queued can pass the wall time: shares are of the larger of the two.
+    total = max(wall, cpu + queued)
+    return {"tail_cpu%": 100 * cpu / total, "tail_runq%": 100 * queued / total,
+            "tail_blocked%": 100 * (total - cpu - queued) / total}
 
 
 def _pct(values: list[float], q: float) -> float:
