@@ -13,11 +13,12 @@ produced, and which tokens of a sample carry it (``span``):
 
 :func:`canonicalize` is the gate every payload passes before it is stored:
 it checks shape, dtype, NaNs and range, and converts to the compact dtype
-without ever truncating (DESIGN.md §3 rule 4).
+without ever truncating, in one pass over the data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -25,6 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import ConfigError, FieldValueError, InvalidInputError
+from .refs import check_fill, read_record
 
 __all__ = [
     "sample_key_of",
@@ -45,6 +47,9 @@ ROUTED_EXPERTS = "routed_experts"
 ROUTED_EXPERTS_DTYPES = ("uint8", "uint16", "int32")
 SPANS = ("output", "context")
 _SPEC_SCHEMA = 1
+# Source bytes converted and checked at a time: small enough that the check re-reads a chunk
+# from cache (a core's L2 or its share of L3), large enough that numpy's per-call cost is noise.
+_CHUNK_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ class FieldSpec:
             raise ConfigError(f"field {self.name!r}: stored dtype {stored} does not widen safely to {restored}")
         object.__setattr__(self, "dtype", stored.name)
         object.__setattr__(self, "restored_dtype", restored.name)
-        object.__setattr__(self, "fill", _check_fill(self.name, self.fill, restored))
+        object.__setattr__(self, "fill", check_fill(self.fill, restored, f"field {self.name!r}", ConfigError))
         if self.span not in SPANS:
             raise ConfigError(f"field {self.name!r}: span must be one of {SPANS}, got {self.span!r}")
         if not self.sample_key:
@@ -115,25 +120,10 @@ class FieldSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FieldSpec:
         """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record."""
-        from .refs import read_record
-
         rec = read_record(data, "FieldSpec", _SPEC_SCHEMA,
                           ("name", "row_shape", "dtype", "restored_dtype", "fill", "span", "sample_key"))
         return cls(rec["name"], tuple(rec["row_shape"]), rec["dtype"], rec["restored_dtype"],
                    rec["fill"], rec["span"], rec["sample_key"])
-
-
-def _check_fill(name: str, fill: Any, restored: np.dtype) -> float | int:
-    if isinstance(fill, (bool, np.bool_)) or not isinstance(fill, (int, float, np.integer, np.floating)):
-        raise ConfigError(f"field {name!r}: fill must be a number, got {fill!r}")
-    if restored.kind == "f":
-        return float(fill)
-    if isinstance(fill, (float, np.floating)) and not float(fill).is_integer():
-        raise ConfigError(f"field {name!r}: fill {fill!r} is not an integer for dtype {restored}")
-    info = np.iinfo(restored)
-    if not info.min <= int(fill) <= info.max:
-        raise ConfigError(f"field {name!r}: fill {fill!r} does not fit {restored}")
-    return int(fill)
 
 
 def sample_key_of(field: str) -> str:
@@ -217,15 +207,30 @@ class FieldRegistry:
         return len(self._specs)
 
 
-def canonicalize(key: str, spec: FieldSpec, array: Any) -> np.ndarray:
+def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | None = None) -> np.ndarray:
     """Check ``array`` against ``spec`` and return it in the stored dtype.
 
     Returns a C-contiguous array of ``spec.dtype`` with shape
-    ``[rows, *spec.row_shape]``; no copy when the input already is one.
-    Raises :class:`~gputq.errors.FieldValueError` naming ``key`` and the
-    field for a wrong shape, a float array for an integer field, a NaN
-    (first index) or an ID the stored dtype cannot hold (value and index).
-    Values are never truncated.
+    ``[rows, *spec.row_shape]``. Raises
+    :class:`~gputq.errors.FieldValueError` naming ``key`` and the field for
+    a wrong shape, a float array for an integer field, a NaN (first index)
+    or an ID the stored dtype cannot hold (value and first index). Values
+    are never truncated.
+
+    Checking and converting are one pass: the array goes through in chunks
+    that stay in a core's cache, each converted and then checked while it is
+    still there, so the payload is read from memory once.
+
+    Parameters
+    ----------
+    key, spec, array:
+        The stored key (for messages), the field's spec and the payload.
+    out:
+        Where the result goes: a writable C-contiguous uint8 array of at
+        least ``rows * row_nbytes(spec)`` bytes, which the result views. With
+        it the caller always gets its own copy, made in that same pass.
+        Without it, an input that already is C-contiguous in the stored
+        dtype is returned as is (after its check), else a new array.
     """
     where = f"key {key!r} field {spec.name!r}"
     arr = np.asarray(array)
@@ -236,32 +241,77 @@ def canonicalize(key: str, spec: FieldSpec, array: Any) -> np.ndarray:
     if spec.integral:
         if arr.dtype.kind not in "iu":
             raise FieldValueError(f"{where}: expected an integer array, got dtype {arr.dtype}")
-        if arr.size and not np.can_cast(arr.dtype, stored, "safe"):
-            _check_range(where, arr, stored)
+        check = None if _widens(arr.dtype, stored) else _check_range
     else:
         if arr.dtype.kind != "f":
             raise FieldValueError(f"{where}: expected a floating-point array, got dtype {arr.dtype}")
-        # One reduction first: the sum is NaN if any element is (or if +inf and -inf mix).
-        with np.errstate(all="ignore"):
-            suspect = arr.size and np.isnan(np.add.reduce(arr, axis=None))
-        if suspect:
-            nans = np.flatnonzero(np.isnan(arr))
-            if nans.size:
-                index = np.unravel_index(nans[0], arr.shape)
-                raise FieldValueError(f"{where}: NaN at index {_fmt_index(index)}")
-    return np.ascontiguousarray(arr, dtype=stored)
+        check = _check_nan
+    if out is not None:
+        nbytes = arr.shape[0] * row_nbytes(spec)
+        if not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
+                and out.flags.c_contiguous and out.flags.writeable and out.nbytes >= nbytes):
+            raise InvalidInputError(f"{where}: out must be a writable contiguous uint8 array of at least "
+                                    f"{nbytes} bytes")
+        result = out[:nbytes].view(stored).reshape(arr.shape)
+    elif arr.dtype == stored and arr.flags.c_contiguous:
+        if check is not None:
+            check(where, arr, arr, 0)
+        return arr
+    else:
+        result = np.empty(arr.shape, stored)
+    narrowing_floats = check is _check_nan and arr.dtype.itemsize > stored.itemsize
+    # A float64 beyond float32's range becomes inf, as with astype, without a warning.
+    with np.errstate(over="ignore") if narrowing_floats else contextlib.nullcontext():
+        if check is None or not arr.size:
+            np.copyto(result, arr, casting="unsafe")  # nothing to check: a widening cast, or no rows
+            return result
+        step = max(1, _CHUNK_BYTES // arr[:1].nbytes)
+        for start in range(0, arr.shape[0], step):
+            src, dst = arr[start:start + step], result[start:start + step]
+            np.copyto(dst, src, casting="unsafe")
+            check(where, src, dst, start)
+    return result
 
 
-def _check_range(where: str, arr: np.ndarray, stored: np.dtype) -> None:
+def _widens(source: np.dtype, stored: np.dtype) -> bool:
+    """``np.can_cast(source, stored, "safe")``, remembered: it costs microseconds and put runs it per field."""
+    known = _WIDENS.get((source, stored))
+    if known is None:
+        known = _WIDENS[(source, stored)] = bool(np.can_cast(source, stored, "safe"))
+    return known
+
+
+_WIDENS: dict[tuple[np.dtype, np.dtype], bool] = {}
+
+
+def _check_range(where: str, src: np.ndarray, dst: np.ndarray, row0: int) -> None:
+    """Raise if a value of ``src`` (rows ``row0``... of the payload) does not fit ``dst``'s dtype."""
+    stored = dst.dtype
     info = np.iinfo(stored)
-    lo, hi = arr.min(), arr.max()
-    if lo >= info.min and hi <= info.max:
+    if stored.kind == "u" and src.dtype.itemsize > stored.itemsize:
+        # Negative IDs read as unsigned are huge, so one max checks both ends.
+        unsigned = src.view(f"u{src.dtype.itemsize}")
+        if int(np.maximum.reduce(unsigned, axis=None)) <= info.max:
+            return
+    elif info.min <= int(np.minimum.reduce(src, axis=None)) and int(np.maximum.reduce(src, axis=None)) <= info.max:
         return
-    bad = np.flatnonzero((arr < info.min) | (arr > info.max))[0]
-    index = np.unravel_index(bad, arr.shape)
-    value = int(arr.reshape(-1)[bad])
-    raise FieldValueError(f"{where}: value {value} at index {_fmt_index(index)} does not fit {stored} "
-                          f"(range [{info.min}, {info.max}])")
+    bad = np.flatnonzero((src < info.min) | (src > info.max))[0]
+    index = np.unravel_index(bad, src.shape)
+    value = int(src.reshape(-1)[bad])
+    raise FieldValueError(f"{where}: value {value} at index {_fmt_index((index[0] + row0, *index[1:]))} "
+                          f"does not fit {stored} (range [{info.min}, {info.max}])")
+
+
+def _check_nan(where: str, src: np.ndarray, dst: np.ndarray, row0: int) -> None:
+    """Raise at the first NaN of ``dst`` (the converted rows ``row0``... of the payload)."""
+    # One reduction first: the sum is NaN if any element is (or if +inf and -inf mix).
+    with np.errstate(all="ignore"):
+        if not np.isnan(np.add.reduce(dst, axis=None)):
+            return
+    nans = np.flatnonzero(np.isnan(dst))
+    if nans.size:
+        index = np.unravel_index(nans[0], dst.shape)
+        raise FieldValueError(f"{where}: NaN at index {_fmt_index((index[0] + row0, *index[1:]))}")
 
 
 def _fmt_index(index: tuple) -> str:

@@ -6,22 +6,28 @@ For a shard (the layouts of its samples) the reader
    fetched once;
 2. lays every blob out in one compact staging buffer, unit by unit, each
    field's blobs on whole rows of that field's dtype view;
-3. issues one batched read per unit (a few when keys run into thousands),
-   units in parallel, straight into that buffer (host memory, the
-   transport's registered memory over rdma, or GPU memory with
-   ``device="cuda"``);
+3. issues one batched read per unit (a few when keys run into thousands or
+   bytes past the frame limit), units in parallel, straight into that
+   buffer (host memory, the transport's registered memory over rdma, or GPU
+   memory with ``device="cuda"``); each read carries its keys' generations
+   and the unit's incarnation from the references, so the unit refuses a
+   stale reference (``StaleReadError``) instead of returning other bytes;
 4. runs one widen-and-scatter per field over the whole shard, into one
    output buffer; each sample's tensor is a view of it.
 
-The restored fields are exactly what the non-offloaded path gives (rule 5):
+The restored fields are exactly what the non-offloaded path gives:
 ``rollout_log_probs`` float32 and ``rollout_routed_experts`` int32.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import inspect
 import threading
 import time
+import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -32,14 +38,16 @@ from transport.base import Closeable
 
 from .clients import UnitClients
 from .config import GputqConfig
-from .errors import ClosedError, InvalidInputError, LayoutError, TransferError
+from .errors import ClosedError, InvalidInputError, LayoutError, StaleReadError, TransferError
 from .fields import sample_key_of
 from .refs import FieldRef, Layout, uses_by_unit
 
 __all__ = ["Reader", "FetchStats", "build_plan"]
 
-#: Keys per read request: ~200 KiB of key names, well inside one control frame.
+#: Keys per read request.
 READ_BATCH_KEYS = 4096
+#: Bytes of key names per read request, well inside one control frame's body.
+READ_BATCH_KEY_BYTES = 256 << 10
 
 
 @dataclass
@@ -77,19 +85,31 @@ class _FieldStage:
 
 @dataclass
 class _Request:
-    """One read: ``keys`` of ``unit`` land back to back in staging bytes [start, stop)."""
+    """One read: ``keys`` of ``unit`` land back to back in staging bytes [start, stop).
+
+    ``generations`` (one per key, 0: unknown) and ``incarnation`` ("":
+    unknown) come from the references, for the unit to check.
+    """
 
     unit: str
-    keys: list
+    incarnation: str
     start: int
     stop: int
+    keys: list = field(default_factory=list)
+    generations: list = field(default_factory=list)
+    key_bytes: int = 0
 
 
 def _stage_field(name: str, layouts: Sequence[Layout]) -> _FieldStage:
     refs: dict[tuple[str, str], FieldRef] = {}
     for layout in layouts:
         for ref in layout.refs():
-            refs.setdefault((ref.unit, ref.key), ref)
+            known = refs.setdefault((ref.unit, ref.key), ref)
+            if known is not ref and _versions_differ(known, ref):
+                raise StaleReadError(f"the shard references two versions of key {ref.key!r} on unit "
+                                     f"{ref.unit} (incarnation {known.incarnation!r} generation "
+                                     f"{known.generation}, and {ref.incarnation!r} {ref.generation}); "
+                                     f"at most one is current")
     specs = {(ref.dtype, tuple(ref.row_shape)) for ref in refs.values()}
     if len(specs) > 1:
         raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one shard: {sorted(specs)}")
@@ -102,32 +122,50 @@ def _stage_field(name: str, layouts: Sequence[Layout]) -> _FieldStage:
     return _FieldStage(name, np.dtype(dtype), tuple(row_shape), width, by_unit)
 
 
-def _lay_out(stages: Sequence[_FieldStage]) -> tuple[list[_Request], int]:
+def _versions_differ(a: FieldRef, b: FieldRef) -> bool:
+    """True when two references to one key name different known generations or incarnations."""
+    return bool(a.generation and b.generation and a.generation != b.generation) or \
+        bool(a.incarnation and b.incarnation and a.incarnation != b.incarnation)
+
+
+def _lay_out(stages: Sequence[_FieldStage], max_bytes: int | None = None) -> tuple[list[_Request], int]:
     """Place every blob of a shard in one staging buffer; return the reads and its size.
 
     Unit by unit, the unit's fields back to back, so one request per unit
     covers them all. Each field's staging view indexes rows from byte 0, so
     its blobs must start at multiples of its row size: fields go widest row
-    first (then a narrower row size usually divides the cursor), and where
-    padding is still needed, or a key list reaches :data:`READ_BATCH_KEYS`,
-    a new request starts.
+    first (then a narrower row size usually divides the cursor). A new
+    request starts where padding is still needed, where the references
+    name another incarnation of the unit (the unit checks one per read),
+    and before a request would pass :data:`READ_BATCH_KEYS` keys,
+    :data:`READ_BATCH_KEY_BYTES` of key names or ``max_bytes`` of payload
+    (the transport's frame limit; a single larger key goes alone).
     """
     order = sorted(stages, key=lambda stage: (-stage.row_bytes, stage.name))
-    units = sorted({unit for stage in stages for unit in stage.refs_by_unit})
+    groups = sorted({(unit, ref.incarnation) for stage in stages
+                     for unit, refs in stage.refs_by_unit.items() for _, ref in refs})
     requests: list[_Request] = []
     cursor = 0
-    for unit in units:
+    for unit, incarnation in groups:
         current = None
         for stage in order:
             for key, ref in stage.refs_by_unit.get(unit, ()):
+                if ref.incarnation != incarnation:
+                    continue
                 aligned = -(-cursor // stage.row_bytes) * stage.row_bytes
-                if current is None or aligned != cursor or len(current.keys) >= READ_BATCH_KEYS:
-                    current = _Request(unit, [], aligned, aligned)
+                nbytes, key_bytes = ref.rows * stage.row_bytes, len(key.encode()) + 8
+                if current is None or aligned != cursor or len(current.keys) >= READ_BATCH_KEYS \
+                        or current.key_bytes + key_bytes > READ_BATCH_KEY_BYTES \
+                        or (max_bytes is not None and current.keys and
+                            cursor + nbytes - current.start > max_bytes):
+                    current = _Request(unit, incarnation, aligned, aligned)
                     requests.append(current)
                     cursor = aligned
                 stage.ref_row[(unit, key)] = cursor // stage.row_bytes
                 current.keys.append(key)
-                cursor += ref.rows * stage.row_bytes
+                current.generations.append(ref.generation)
+                current.key_bytes += key_bytes
+                cursor += nbytes
                 current.stop = cursor
     return requests, -(-cursor // 16) * 16  # whole rows of every dtype view
 
@@ -172,11 +210,22 @@ class Reader(Closeable):
     device:
         ``"cpu"`` restores into numpy arrays; ``"cuda"`` (or ``"cuda:N"``)
         stages in GPU memory and returns CUDA torch tensors.
+    reader_id:
+        This reader's identity in release ids (e.g. ``"rank-3"``); a
+        random one per Reader when None. Two readers releasing the same
+        shard must have different ids; a reader restarted to retry its
+        releases keeps its id.
     """
 
-    def __init__(self, clients: UnitClients, config: GputqConfig, device: str = "cpu"):
-        if not (device == "cpu" or device.startswith("cuda")):
+    def __init__(self, clients: UnitClients, config: GputqConfig, device: str = "cpu", *,
+                 reader_id: str | None = None):
+        if not (isinstance(device, str) and (device == "cpu" or device.startswith("cuda"))):
             raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        if reader_id is None:
+            reader_id = uuid.uuid4().hex
+        if not isinstance(reader_id, str) or not reader_id:
+            raise InvalidInputError(f"reader_id must be a non-empty str, got {reader_id!r}")
+        self.reader_id = reader_id
         if device != "cpu":
             from kernels import cuda_available
 
@@ -260,7 +309,7 @@ class Reader(Closeable):
 
     def _read_all(self, per_field: dict, stats: FetchStats, lent: contextlib.ExitStack):
         stages = [stage for _, stage in per_field.values()]
-        requests, nbytes = _lay_out(stages)
+        requests, nbytes = _lay_out(stages, self._config.max_frame_bytes)
         staging = self._staging_buffer(nbytes, sorted({r.unit for r in requests}), lent)
         for request in requests:
             stats.unique_keys += len(request.keys)
@@ -271,9 +320,8 @@ class Reader(Closeable):
         # unit only contend for its cores); the largest unit's run in this thread.
         per_unit: dict[str, list] = {}
         for request in requests:
-            per_unit.setdefault(request.unit, []).append(
-                (request.unit, request.keys, staging[request.start:request.stop]))
-        groups = sorted(per_unit.values(), key=lambda group: sum(r[2].nbytes for r in group))
+            per_unit.setdefault(request.unit, []).append((request, staging[request.start:request.stop]))
+        groups = sorted(per_unit.values(), key=lambda group: sum(dest.nbytes for _, dest in group))
         jobs = [self._pool.submit(self._read_group, group) for group in groups[:-1]]
         try:
             if groups:
@@ -285,8 +333,8 @@ class Reader(Closeable):
         return staging
 
     def _read_group(self, reads: list) -> None:
-        for read in reads:
-            self._read(*read)
+        for request, dest in reads:
+            self._read(request, dest)
 
     def _restore(self, per_field: dict, staging, samples: int) -> list[dict]:
         from kernels import widen_scatter
@@ -310,30 +358,87 @@ class Reader(Closeable):
             _cupy().cuda.get_current_stream().synchronize()
         return results
 
-    def _read(self, unit: str, keys: list[str], dest) -> None:
-        channel = self._clients.channel(unit)
-        lengths = channel.read(keys, dest, timeout=self._config.read_timeout_s)
+    def _read(self, request: _Request, dest) -> None:
+        channel = self._clients.channel(request.unit)
+        checks = {"generations": request.generations, "incarnation": request.incarnation or None}
+        if not _takes_checks(channel.read):
+            checks = {}
+        lengths = channel.read(request.keys, dest, timeout=self._config.read_timeout_s, **checks)
         if sum(lengths) != dest.nbytes:
-            raise TransferError(f"unit {unit} returned {sum(lengths)} bytes for {len(keys)} keys, "
-                                f"expected {dest.nbytes}", unit=unit, keys=keys)
+            raise TransferError(f"unit {request.unit} returned {sum(lengths)} bytes for {len(request.keys)} "
+                                f"keys, expected {dest.nbytes}", unit=request.unit, keys=request.keys)
 
-    def release(self, shard: Sequence[Mapping[str, Layout]], partition: str) -> None:
+    def release(self, shard: Sequence[Mapping[str, Layout]], partition: str, *,
+                release_id: str | None = None) -> None:
         """Drop the references the samples of ``shard`` hold: they are consumed.
 
         One reference per sample and key, the count
         :meth:`Writer.finalize` gave them, so ranks sharing steps release
         independently and a step is freed when its last segment is done.
         Keys already gone (the rollout released meanwhile) are skipped.
+
+        Exactly once: each unit applies a given ``release_id`` once, so a
+        retried or repeated release of the same shard frees nothing more
+        (other ranks' references survive). The default id is this reader's
+        ``reader_id`` and a digest of the shard's uses (unit, key, count)
+        and ``partition``; pass one to tie a release to something else,
+        e.g. a training step.
         """
-        for unit, keys in uses_by_unit(shard).items():
+        uses = uses_by_unit(shard)
+        if release_id is None:
+            release_id = self._default_release_id(uses, partition)
+        elif not isinstance(release_id, str) or not release_id:
+            raise InvalidInputError(f"release_id must be a non-empty str, got {release_id!r}")
+        once = {"release_id": release_id} if _UNIT_TAKES_RELEASE_ID else {}
+        for unit, keys in uses.items():
             self._clients.channel(unit).call("release", timeout=self._config.control_timeout_s,
-                                             keys=keys, partition=partition, missing_ok=True)
+                                             keys=keys, partition=partition, missing_ok=True, **once)
+
+    def _default_release_id(self, uses: Mapping[str, list[str]], partition: str) -> str:
+        """The default release id of a shard: ``reader_id`` and a digest of its ``uses`` per unit."""
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(repr(partition).encode())
+        for unit in sorted(uses):
+            for key, count in sorted(Counter(uses[unit]).items()):
+                digest.update(repr((unit, key, count)).encode())
+        return f"{self.reader_id}/{digest.hexdigest()}"
 
     def close(self) -> None:
         """Stop the read threads. Idempotent; the clients stay open."""
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
+
+
+def _takes_checks(read) -> bool:
+    """Whether a channel's ``read`` accepts ``generations``/``incarnation``.
+
+    Transitional: every channel takes them once the transports implement
+    stale-read checks; until then a reader still reads (unchecked).
+    """
+    func = getattr(read, "__func__", read)
+    known = _READ_TAKES_CHECKS.get(func)
+    if known is None:
+        try:
+            params = inspect.signature(read).parameters
+        except (TypeError, ValueError):
+            params = {}
+        known = "generations" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        _READ_TAKES_CHECKS[func] = known
+    return known
+
+
+_READ_TAKES_CHECKS: dict = {}
+
+
+def _unit_takes_release_id() -> bool:
+    # Transitional, like _takes_checks: units without exactly-once release refuse the argument.
+    from .storage_unit import StorageUnit
+
+    return "release_id" in inspect.signature(StorageUnit.release).parameters
+
+
+_UNIT_TAKES_RELEASE_ID = _unit_takes_release_id()
 
 
 def _cupy():

@@ -5,10 +5,13 @@ row range of a ref into a row range of a target tensor. A :class:`Layout` is
 the recipe for one target tensor: its rows, its fill (for rows no fragment
 covers) and its fragments. Segments are built by composing layouts
 (:meth:`Layout.concat`, :meth:`Layout.slice`, :meth:`Layout.shift`), which
-never touches payload bytes (DESIGN.md §3 rule 2).
+never touches payload bytes.
 
 All three are frozen and serialise to plain dicts carrying a ``schema``
-version; a reader rejects versions it does not know.
+version; a reader rejects versions it does not know. Version 2 added the
+unit's incarnation and the key's generation to every reference, so a
+reference to a unit that restarted, or to a key that was released and
+written again, is refused instead of reading someone else's bytes.
 """
 
 from __future__ import annotations
@@ -21,22 +24,35 @@ import numpy as np
 
 from .errors import InvalidInputError, LayoutError
 
-__all__ = ["SCHEMA_VERSION", "FieldRef", "Fragment", "Layout", "read_record", "uses_by_unit"]
+__all__ = ["SCHEMA_VERSION", "GENERATION_LIMIT", "FieldRef", "Fragment", "Layout", "check_fill", "read_record",
+           "uses_by_unit"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Writers choose generations in [1, 2**63); 0 means "unknown: don't check".
+GENERATION_LIMIT = 1 << 63
+# Why an older record cannot be read, by schema version.
+_RETIRED = {1: "version 1 references carry no unit incarnation or key generation, so a stale one "
+               "could read another key's bytes; store the data again with this gputq"}
 
 
-def read_record(data: Mapping[str, Any], kind: str, schema: int, keys: Sequence[str]) -> Mapping[str, Any]:
+def read_record(data: Mapping[str, Any], kind: str, schema: int, keys: Sequence[str],
+                retired: Mapping[int, str] | None = None) -> Mapping[str, Any]:
     """Check a serialised record's schema version and keys; return it.
 
-    Raises ``InvalidInputError`` for a non-mapping, an unknown schema version,
-    missing keys or unexpected keys (a record from a different version).
+    Raises ``InvalidInputError`` for a non-mapping, an unknown schema version
+    (with the reason from ``retired`` for a version this gputq no longer
+    reads), missing keys or unexpected keys (a record from a different
+    version).
     """
     if not isinstance(data, Mapping):
         raise InvalidInputError(f"{kind} record must be a mapping, got {type(data).__name__}")
+    if not all(isinstance(k, str) for k in data):
+        raise InvalidInputError(f"{kind} record keys must be strings, got {list(data)[:8]!r}")
     version = data.get("schema")
-    if version != schema:
-        raise InvalidInputError(f"{kind} record has schema version {version!r}; this gputq reads {schema}")
+    if type(version) is not int or version != schema:  # True == 1, but is no version
+        reason = (retired or {}).get(version) if type(version) is int else None
+        raise InvalidInputError(f"{kind} record has schema version {version!r}; this gputq reads {schema}"
+                                + (f": {reason}" if reason else ""))
     missing = [k for k in keys if k not in data]
     if missing:
         raise InvalidInputError(f"{kind} record is missing {missing}; got keys {sorted(data)}")
@@ -46,10 +62,59 @@ def read_record(data: Mapping[str, Any], kind: str, schema: int, keys: Sequence[
     return data
 
 
-def _nonneg_int(kind: str, name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise LayoutError(f"{kind}.{name} must be a non-negative int, got {value!r}")
+def _nonneg_int(kind: str, name: str, value: Any, error: type = LayoutError) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or not 0 <= value < GENERATION_LIMIT:
+        raise error(f"{kind}.{name} must be a non-negative int below 2**63, got {value!r}")
     return int(value)
+
+
+def _row_shape(kind: str, value: Any, error: type) -> tuple[int, ...]:
+    if isinstance(value, (tuple, list)) and len(value) <= 32:
+        shape = []
+        for d in value:
+            if not isinstance(d, (int, np.integer)) or isinstance(d, (bool, np.bool_)) or not 0 < d < 1 << 31:
+                break
+            shape.append(int(d))
+        else:
+            return tuple(shape)
+    raise error(f"{kind}.row_shape must be a list of positive ints, got {value!r}")
+
+
+def _numeric_dtype(kind: str, value: Any, error: type) -> tuple[np.dtype, str]:
+    """``value`` as a native integer or float dtype, and its name; else ``error``."""
+    known = _DTYPES.get(value) if isinstance(value, str) else None
+    if known is not None:
+        return known
+    # Only names and dtype objects: np.dtype() also builds record and object dtypes from lists and dicts.
+    if isinstance(value, (str, np.dtype)) or (isinstance(value, type) and issubclass(value, np.generic)):
+        try:
+            dtype = np.dtype(value)
+        except (TypeError, ValueError, SyntaxError):
+            dtype = None
+        if dtype is not None and dtype.kind in "iuf" and dtype.isnative:
+            known = (dtype, dtype.name)  # .name is computed in Python, slowly: refs are made per put
+            if isinstance(value, str) and len(_DTYPES) < 256:
+                _DTYPES[value] = known
+            return known
+    raise error(f"{kind}.dtype must name a native integer or float numpy dtype, got {value!r}")
+
+
+_DTYPES: dict[str, tuple[np.dtype, str]] = {}
+
+
+def check_fill(fill: Any, dtype: np.dtype, where: str, error: type) -> float | int:
+    """``fill`` as the Python number a ``dtype`` tensor holds exactly; else ``error`` naming ``where``."""
+    if isinstance(fill, (bool, np.bool_)) or not isinstance(fill, (int, float, np.integer, np.floating)):
+        raise error(f"{where}: fill must be a number, got {fill!r}")
+    if dtype.kind == "f":
+        return float(fill)
+    if isinstance(fill, (float, np.floating)) and not float(fill).is_integer():
+        raise error(f"{where}: fill {fill!r} is not an integer for dtype {dtype}")
+    info = np.iinfo(dtype)
+    if not info.min <= int(fill) <= info.max:
+        raise error(f"{where}: fill {fill!r} does not fit {dtype}")
+    return int(fill)
 
 
 @dataclass(frozen=True)
@@ -72,6 +137,13 @@ class FieldRef:
         Shape of one row (``()`` for scalars).
     partition:
         Rollout the key belongs to.
+    incarnation:
+        The unit's incarnation when the key was written (``""``: unknown).
+        A unit that restarted has a new one and refuses the reference.
+    generation:
+        The key's generation, chosen by the writer (``0``: unknown). A key
+        released and written again has another one, so the unit refuses
+        the old reference instead of returning the new bytes.
     """
 
     key: str
@@ -81,20 +153,18 @@ class FieldRef:
     dtype: str
     row_shape: tuple[int, ...]
     partition: str
+    incarnation: str = ""
+    generation: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("key", "field", "unit", "partition"):
+        for name in ("key", "field", "unit", "partition", "incarnation"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidInputError(f"FieldRef.{name} must be a str, got {getattr(self, name)!r}")
         object.__setattr__(self, "rows", _nonneg_int("FieldRef", "rows", self.rows))
-        shape = tuple(self.row_shape)
-        if not all(isinstance(d, (int, np.integer)) and d > 0 for d in shape):
-            raise InvalidInputError(f"FieldRef.row_shape must hold positive ints, got {self.row_shape!r}")
-        object.__setattr__(self, "row_shape", tuple(int(d) for d in shape))
-        try:
-            object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
-        except TypeError:
-            raise InvalidInputError(f"FieldRef.dtype {self.dtype!r} is not a numpy dtype") from None
+        object.__setattr__(self, "generation",
+                           _nonneg_int("FieldRef", "generation", self.generation, InvalidInputError))
+        object.__setattr__(self, "row_shape", _row_shape("FieldRef", self.row_shape, InvalidInputError))
+        object.__setattr__(self, "dtype", _numeric_dtype("FieldRef", self.dtype, InvalidInputError)[1])
 
     @property
     def row_nbytes(self) -> int:
@@ -107,18 +177,22 @@ class FieldRef:
         return self.rows * self.row_nbytes
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict with ``"schema": 1``."""
+        """A JSON-safe dict with ``"schema": 2``."""
         return {"schema": SCHEMA_VERSION, "key": self.key, "field": self.field, "unit": self.unit,
                 "rows": self.rows, "dtype": self.dtype, "row_shape": list(self.row_shape),
-                "partition": self.partition}
+                "partition": self.partition, "incarnation": self.incarnation, "generation": self.generation}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FieldRef:
-        """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record."""
+        """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record.
+
+        Schema 1 records (without incarnation and generation) are refused.
+        """
         rec = read_record(data, "FieldRef", SCHEMA_VERSION,
-                          ("key", "field", "unit", "rows", "dtype", "row_shape", "partition"))
-        return cls(rec["key"], rec["field"], rec["unit"], rec["rows"], rec["dtype"],
-                   tuple(rec["row_shape"]), rec["partition"])
+                          ("key", "field", "unit", "rows", "dtype", "row_shape", "partition",
+                           "incarnation", "generation"), _RETIRED)
+        return cls(rec["key"], rec["field"], rec["unit"], rec["rows"], rec["dtype"], rec["row_shape"],
+                   rec["partition"], rec["incarnation"], rec["generation"])
 
 
 @dataclass(frozen=True)
@@ -179,23 +253,21 @@ class Layout:
     row_shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.field, str):
+            raise LayoutError(f"Layout.field must be a str, got {self.field!r}")
         object.__setattr__(self, "rows", _nonneg_int("Layout", "rows", self.rows))
-        object.__setattr__(self, "row_shape", tuple(int(d) for d in self.row_shape))
-        try:
-            restored = np.dtype(self.dtype)
-        except TypeError:
-            raise LayoutError(f"Layout.dtype {self.dtype!r} is not a numpy dtype") from None
-        object.__setattr__(self, "dtype", restored.name)
-        if isinstance(self.fill, (bool, np.bool_)) or not isinstance(self.fill, (int, float, np.number)):
-            raise LayoutError(f"Layout.fill must be a number, got {self.fill!r}")
-        object.__setattr__(self, "fill", float(self.fill) if restored.kind == "f" else int(self.fill))
+        object.__setattr__(self, "row_shape", _row_shape("Layout", self.row_shape, LayoutError))
+        restored, name = _numeric_dtype("Layout", self.dtype, LayoutError)
+        object.__setattr__(self, "dtype", name)
+        object.__setattr__(self, "fill", check_fill(self.fill, restored, "Layout", LayoutError))
+        if not isinstance(self.fragments, (tuple, list)) or \
+                not all(isinstance(frag, Fragment) for frag in self.fragments):
+            raise LayoutError(f"Layout.fragments must be a tuple of Fragments, got {self.fragments!r:.200}")
         frags = tuple(sorted(self.fragments, key=lambda f: f.dst_row))
         object.__setattr__(self, "fragments", frags)
         checked: set[tuple[str, tuple[int, ...]]] = set()
         end = 0
         for frag in frags:
-            if not isinstance(frag, Fragment):
-                raise LayoutError(f"Layout.fragments must hold Fragments, got {type(frag).__name__}")
             ref = frag.ref
             if ref.field != self.field or ref.row_shape != self.row_shape:
                 raise LayoutError(f"layout of field {self.field!r} rows {self.row_shape} got a fragment of "
@@ -304,15 +376,18 @@ class Layout:
     def from_dict(cls, data: Mapping[str, Any]) -> Layout:
         """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record."""
         rec = read_record(data, "Layout", SCHEMA_VERSION,
-                          ("field", "rows", "fill", "dtype", "row_shape", "refs", "fragments"))
+                          ("field", "rows", "fill", "dtype", "row_shape", "refs", "fragments"), _RETIRED)
+        if not isinstance(rec["refs"], list) or not isinstance(rec["fragments"], list):
+            raise LayoutError(f"Layout record's refs and fragments must be lists, got "
+                              f"{type(rec['refs']).__name__} and {type(rec['fragments']).__name__}")
         refs = [FieldRef.from_dict(r) for r in rec["refs"]]
         frags = []
         for entry in rec["fragments"]:
-            if not isinstance(entry, (list, tuple)) or len(entry) != 4 \
-                    or not isinstance(entry[0], int) or not 0 <= entry[0] < len(refs):
-                raise LayoutError(f"Layout record has a bad fragment {entry!r} ({len(refs)} refs)")
+            if not isinstance(entry, (list, tuple)) or len(entry) != 4 or type(entry[0]) is not int \
+                    or not 0 <= entry[0] < len(refs):
+                raise LayoutError(f"Layout record has a bad fragment {entry!r:.200} ({len(refs)} refs)")
             frags.append(Fragment(refs[entry[0]], entry[1], entry[2], entry[3]))
-        return cls(rec["field"], rec["rows"], rec["fill"], tuple(frags), rec["dtype"], tuple(rec["row_shape"]))
+        return cls(rec["field"], rec["rows"], rec["fill"], tuple(frags), rec["dtype"], rec["row_shape"])
 
 
 def uses_by_unit(samples: Iterable[Mapping[str, Layout]]) -> dict[str, list[str]]:

@@ -90,6 +90,19 @@ def test_canonicalize_out_of_range_names_key_field_value(dtype, value):
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("source,dtype,value", [("int8", "uint8", -1), ("int16", "uint16", -3),
+                                                ("int16", "uint8", -128), ("uint32", "int32", 2**31)])
+def test_canonicalize_catches_ids_that_wrap_in_a_same_width_cast(source, dtype, value):
+    # -1 as int8 has the bits of 255: a check reading the bits as unsigned would pass it.
+    spec = routed_experts_spec(3, 2, dtype)
+    src = np.zeros((4, 3, 2), source)
+    src[3, 2, 1] = value
+    with pytest.raises(FieldValueError, match=rf"value {value} at index \[3, 2, 1\] does not fit {dtype}"):
+        canonicalize("k", spec, src)
+    with pytest.raises(FieldValueError, match=rf"value {value} at index \[3, 2, 1\]"):
+        canonicalize("k", spec, src, out=np.empty(src.size * 4, np.uint8))
+
+
 def test_canonicalize_rejects_bad_shape_and_dtype():
     spec = routed_experts_spec(3, 2, "uint16")
     with pytest.raises(FieldValueError, match=r"'k1'.*'routed_experts'.*expected shape \[rows, 3, 2\]"):

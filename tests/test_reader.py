@@ -1,18 +1,44 @@
-"""The reader's staging layout and request count."""
+"""The reader's staging layout and requests, version checks and exactly-once release."""
 
 from __future__ import annotations
 
-import numpy as np
+import inspect
 
+import numpy as np
+import pytest
+
+from gputq.errors import InvalidInputError, StaleReadError
 from gputq.reader import READ_BATCH_KEYS, Reader, _lay_out, _stage_field
 from gputq.refs import FieldRef, Layout
+from gputq.storage_unit import StorageUnit
 from gputq.writer import Writer
 
 from .conftest import local_units
 
+KIB = 1 << 10
 
-def _ref(unit, key, field, rows, dtype, row_shape):
-    return FieldRef(key=key, field=field, unit=unit, rows=rows, dtype=dtype, row_shape=row_shape, partition="p")
+
+def _ref(unit, key, field, rows, dtype, row_shape, incarnation="", generation=0):
+    return FieldRef(key=key, field=field, unit=unit, rows=rows, dtype=dtype, row_shape=row_shape, partition="p",
+                    incarnation=incarnation, generation=generation)
+
+
+def _spy_reads(clients):
+    """Record every channel read as (unit, keys, generations, incarnation); still read for real."""
+    calls = []
+    for unit in clients.units:
+        channel = clients.channel(unit)
+        original = channel.read
+        takes_checks = "generations" in inspect.signature(original).parameters
+
+        def spy(keys, dest, timeout=None, *, generations=None, incarnation=None, _original=original,
+                _unit=unit, _takes=takes_checks):
+            calls.append((_unit, list(keys), generations, incarnation))
+            checks = {"generations": generations, "incarnation": incarnation} if _takes else {}
+            return _original(keys, dest, timeout=timeout, **checks)
+
+        channel.read = spy
+    return calls
 
 
 def test_one_request_per_unit_when_rows_align():
@@ -58,21 +84,12 @@ def test_reader_sends_one_read_per_unit_for_all_fields():
                                                 "logprobs": np.full(9, -i, np.float32)}) for i in range(12)]
             writer.flush()
         shard = [{f: Layout.from_ref(r) for f, r in ref.items()} for ref in refs]
-        calls = []
-        for unit in clients.units:
-            channel = clients.channel(unit)
-            original = channel.read
-
-            def counting(keys, dest, timeout=None, _original=original, _unit=unit):
-                calls.append((_unit, len(keys)))
-                return _original(keys, dest, timeout=timeout)
-
-            channel.read = counting
+        calls = _spy_reads(clients)
         with Reader(clients, config) as reader:
             got = reader.fetch(shard)
         units_used = {r["logprobs"].unit for r in refs}
-        assert sorted(u for u, _ in calls) == sorted(units_used)  # one request per unit
-        assert sum(n for _, n in calls) == 24
+        assert sorted(u for u, *_ in calls) == sorted(units_used)  # one request per unit
+        assert sum(len(keys) for _, keys, *_ in calls) == 24
         for i, fields in enumerate(got):
             assert np.array_equal(fields["rollout_routed_experts"], np.full((9, 4, 2), i, np.int32))
             assert np.array_equal(fields["rollout_log_probs"], np.full(9, -i, np.float32))
@@ -84,3 +101,130 @@ def test_key_lists_are_split_at_the_batch_bound():
     requests, _ = _lay_out([_stage_field("logprobs", [s["logprobs"] for s in samples])])
     assert [len(r.keys) for r in requests] == [READ_BATCH_KEYS, 5]
     assert requests[1].start == requests[0].stop  # contiguous: no padding needed
+
+
+def test_requests_are_split_by_bytes_under_the_frame_limit():
+    samples = [{"logprobs": Layout.from_ref(_ref("su-0", f"k{i}", "logprobs", 150 * KIB, "float32", ()))}
+               for i in range(3)]  # 600 KiB each
+    stage = _stage_field("logprobs", [s["logprobs"] for s in samples])
+    requests, _ = _lay_out([stage], max_bytes=1 << 20)
+    assert [(r.keys, r.start, r.stop) for r in requests] == [
+        (["k0"], 0, 600 * KIB), (["k1"], 600 * KIB, 1200 * KIB), (["k2"], 1200 * KIB, 1800 * KIB)]
+    requests, _ = _lay_out([_stage_field("logprobs", [s["logprobs"] for s in samples])], max_bytes=1200 * KIB)
+    assert [r.keys for r in requests] == [["k0", "k1"], ["k2"]]  # exactly at the limit still fits
+    # A single key over the limit goes alone (the transport refuses it with a typed error).
+    requests, _ = _lay_out([_stage_field("logprobs", [s["logprobs"] for s in samples])], max_bytes=100 * KIB)
+    assert [r.keys for r in requests] == [["k0"], ["k1"], ["k2"]]
+
+
+def test_shard_larger_than_the_frame_limit_restores_bit_exact():
+    # Two 600 KiB keys under a 1 MiB frame limit: one request would be refused as too large.
+    with local_units("tcp", units=1, max_frame_bytes=1 << 20) as (config, _, clients):
+        rng = np.random.default_rng(7)
+        data = [rng.standard_normal(150 * KIB).astype(np.float32) for _ in range(2)]
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"big{i}", "p", {"logprobs": lp}) for i, lp in enumerate(data)]
+            writer.flush()
+        shard = [{"logprobs": Layout.from_ref(r["logprobs"])} for r in refs]
+        calls = _spy_reads(clients)
+        with Reader(clients, config) as reader:
+            got = reader.fetch(shard)
+        assert [keys for _, keys, *_ in calls] == [["big0/logprobs"], ["big1/logprobs"]]
+        for lp, fields in zip(data, got):
+            assert fields["rollout_log_probs"].tobytes() == lp.tobytes()
+
+
+def test_reads_carry_the_references_generations_and_incarnation():
+    with local_units("tcp", units=2) as (config, _, clients):
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((3, 2, 2), i, np.int32),
+                                              "logprobs": np.full(3, -i, np.float32)}) for i in range(6)]
+            writer.flush()
+        shard = [{f: Layout.from_ref(r) for f, r in ref.items()} for ref in refs]
+        by_key = {r.key: r for ref in refs for r in ref.values()}
+        calls = _spy_reads(clients)
+        with Reader(clients, config) as reader:
+            reader.fetch(shard)
+        assert sorted(k for _, keys, *_ in calls for k in keys) == sorted(by_key)
+        for unit, keys, generations, incarnation in calls:
+            assert generations == [by_key[k].generation for k in keys]
+            assert all(g >= 1 for g in generations)
+            assert incarnation == (by_key[keys[0]].incarnation or None)
+            assert all(by_key[k].unit == unit for k in keys)
+
+
+def test_one_request_per_incarnation_of_a_unit():
+    old = _ref("su-0", "a", "logprobs", 4, "float32", (), "aaaaaaaaaaaaaaaa", 5)
+    new = _ref("su-0", "b", "logprobs", 4, "float32", (), "bbbbbbbbbbbbbbbb", 6)
+    stage = _stage_field("logprobs", [Layout.from_ref(old), Layout.from_ref(new)])
+    requests, _ = _lay_out([stage])
+    assert [(r.incarnation, r.keys, r.generations) for r in requests] == [
+        ("aaaaaaaaaaaaaaaa", ["a"], [5]), ("bbbbbbbbbbbbbbbb", ["b"], [6])]
+
+
+def test_two_versions_of_one_key_in_a_shard_are_stale():
+    first = _ref("su-0", "k", "logprobs", 4, "float32", (), "aaaaaaaaaaaaaaaa", 5)
+    rewritten = _ref("su-0", "k", "logprobs", 4, "float32", (), "aaaaaaaaaaaaaaaa", 9)
+    with pytest.raises(StaleReadError, match=r"two versions of key 'k' on unit su-0"):
+        _stage_field("logprobs", [Layout.from_ref(first), Layout.from_ref(rewritten)])
+    unknown = _ref("su-0", "k", "logprobs", 4, "float32", ())  # unknown version: nothing to compare
+    assert _stage_field("logprobs", [Layout.from_ref(first), Layout.from_ref(unknown)]).refs_by_unit == {
+        "su-0": [("k", first)]}
+
+
+def _spy_calls(clients):
+    calls = []
+    for unit in clients.units:
+        channel = clients.channel(unit)
+        original = channel.call
+
+        def spy(method, timeout=None, _original=original, _unit=unit, **args):
+            calls.append((_unit, method, args))
+            return _original(method, timeout=timeout, **args)
+
+        channel.call = spy
+    return calls
+
+
+def test_default_release_id_names_the_reader_and_the_shard():
+    with local_units("tcp", units=1) as (config, _, clients):
+        shard = [{"logprobs": Layout.from_ref(_ref("su-0", f"k{i}", "logprobs", 2, "float32", ()))} for i in range(3)]
+        with Reader(clients, config, reader_id="rank-0") as r0, Reader(clients, config, reader_id="rank-1") as r1, \
+                Reader(clients, config) as anonymous:
+            uses = {"su-0": ["k0", "k1", "k2"]}
+            same = r0._default_release_id(uses, "p")
+            assert same.startswith("rank-0/") and same == r0._default_release_id({"su-0": ["k2", "k0", "k1"]}, "p")
+            assert r1._default_release_id(uses, "p") != same  # another rank's release is another release
+            assert r0._default_release_id({"su-0": ["k0", "k1"]}, "p") != same
+            assert r0._default_release_id({"su-0": ["k0", "k1", "k2", "k2"]}, "p") != same  # counts matter
+            assert r0._default_release_id(uses, "q") != same
+            assert len(anonymous.reader_id) == 32 and anonymous.reader_id != Reader(clients, config).reader_id
+            with pytest.raises(InvalidInputError, match="release_id"):
+                r0.release(shard, "p", release_id="")
+        with pytest.raises(InvalidInputError, match="reader_id"):
+            Reader(clients, config, reader_id="")
+
+
+_UNIT_EXACTLY_ONCE = "release_id" in inspect.signature(StorageUnit.release).parameters
+
+
+@pytest.mark.skipif(not _UNIT_EXACTLY_ONCE, reason="StorageUnit.release takes no release_id yet (unit side)")
+def test_a_repeated_release_frees_nothing_more():
+    with local_units("tcp", units=1) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"logprobs": np.full(4, -i, np.float32)}) for i in range(2)]
+            writer.flush()
+            shard = [{"logprobs": Layout.from_ref(r["logprobs"])} for r in refs]
+            # Two ranks each hold one reference per step (two segments share the steps).
+            writer.finalize(shard + shard, "p")
+        calls = _spy_calls(clients)
+        with Reader(clients, config, reader_id="rank-0") as rank0, Reader(clients, config, reader_id="rank-1") as rank1:
+            rank0.release(shard, "p")
+            rank0.release(shard, "p")  # a retry: must not take rank 1's references
+            assert services[0].stats()["keys"] == 2
+            (got,) = rank1.fetch(shard[:1])
+            assert np.array_equal(got["rollout_log_probs"], np.zeros(4, np.float32))
+            rank1.release(shard, "p")
+        assert services[0].stats()["keys"] == 0 and services[0].stats()["used"] == 0
+        ids = [args["release_id"] for _, method, args in calls if method == "release"]
+        assert len(ids) == 3 and ids[0] == ids[1] != ids[2]

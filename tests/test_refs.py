@@ -36,12 +36,16 @@ def fill_rows(n, fill=0):
 def test_fieldref_basics_and_roundtrip():
     ref = make_ref("p/s0/1/routed_experts", 10)
     assert ref.nbytes == 10 * L * K * 2 and ref.row_nbytes == 12
+    assert (ref.incarnation, ref.generation) == ("", 0)  # unknown: the unit checks nothing
     d = ref.to_dict()
-    assert d["schema"] == 1 and d["row_shape"] == [L, K]
+    assert d["schema"] == 2 and d["row_shape"] == [L, K]
+    assert (d["incarnation"], d["generation"]) == ("", 0)
     assert FieldRef.from_dict(json.loads(json.dumps(d))) == ref
     assert hash(FieldRef.from_dict(d)) == hash(ref)
-    with pytest.raises(InvalidInputError, match="schema version 2"):
-        FieldRef.from_dict(d | {"schema": 2})
+    with pytest.raises(InvalidInputError, match="schema version 3"):
+        FieldRef.from_dict(d | {"schema": 3})
+    with pytest.raises(InvalidInputError, match="schema version True"):
+        FieldRef.from_dict(d | {"schema": True})
     missing = {k: v for k, v in d.items() if k != "unit"}
     with pytest.raises(InvalidInputError, match=r"missing \['unit'\]"):
         FieldRef.from_dict(missing)
@@ -49,6 +53,32 @@ def test_fieldref_basics_and_roundtrip():
         FieldRef.from_dict(d | {"color": "red"})
     with pytest.raises(InvalidInputError, match="rows"):
         make_ref("k", -1)
+
+
+def test_fieldref_carries_incarnation_and_generation():
+    ref = FieldRef("k", "logprobs", "su-0", 4, "float32", (), "p", "0123456789abcdef", 2**63 - 1)
+    d = ref.to_dict()
+    assert (d["incarnation"], d["generation"]) == ("0123456789abcdef", 2**63 - 1)
+    back = FieldRef.from_dict(json.loads(json.dumps(d)))
+    assert back == ref and (back.incarnation, back.generation) == ("0123456789abcdef", 2**63 - 1)
+    assert back != FieldRef("k", "logprobs", "su-0", 4, "float32", (), "p", "0123456789abcdef", 7)
+    for bad in (-1, 2**63, True, 1.0, "3"):
+        with pytest.raises(InvalidInputError, match="generation"):
+            FieldRef.from_dict(d | {"generation": bad})
+    with pytest.raises(InvalidInputError, match="incarnation must be a str"):
+        FieldRef.from_dict(d | {"incarnation": 5})
+
+
+def test_schema_1_records_are_refused_with_the_reason():
+    v1 = {"schema": 1, "key": "k", "field": "logprobs", "unit": "su-0", "rows": 4, "dtype": "float32",
+          "row_shape": [], "partition": "p"}
+    with pytest.raises(InvalidInputError,
+                       match=r"FieldRef record has schema version 1; this gputq reads 2: .*incarnation"):
+        FieldRef.from_dict(v1)
+    layout_v1 = {"schema": 1, "field": "logprobs", "rows": 4, "fill": 0.0, "dtype": "float32", "row_shape": [],
+                 "refs": [v1], "fragments": [[0, 0, 0, 4]]}
+    with pytest.raises(InvalidInputError, match=r"Layout record has schema version 1; this gputq reads 2: "):
+        Layout.from_dict(layout_v1)
 
 
 def test_fragment_bounds():
@@ -137,7 +167,7 @@ def test_to_dict_roundtrip_is_compact():
     frags = tuple(Fragment(a, i, 2 * i, 1) for i in range(100))
     lay = Layout("routed_experts", 200, 0, frags, "int32", (L, K))
     d = json.loads(json.dumps(lay.to_dict()))
-    assert d["schema"] == 1 and len(d["refs"]) == 1 and len(d["fragments"]) == 100
+    assert d["schema"] == 2 and len(d["refs"]) == 1 and len(d["fragments"]) == 100
     assert Layout.from_dict(d) == lay
     lp = Layout.concat([Layout.empty("logprobs", 2, fill=0.0, dtype="float32", row_shape=()),
                         Layout.from_ref(make_ref("lp", 3, "float32", "logprobs", ()))])

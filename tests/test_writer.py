@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from gputq.clients import UnitClients
 from gputq.errors import GputqTimeoutError, TransferError
 from gputq.reader import Reader
 from gputq.refs import Layout
@@ -64,9 +65,9 @@ def test_wait_and_flush_time_out_typed():
             gate = threading.Event()
             original = writer._send
 
-            def slow_send(ref, compact):
+            def slow_send(*args):
                 gate.wait(5)
-                original(ref, compact)
+                original(*args)
 
             writer._send = slow_send
             writer.put("slow", "p", {"logprobs": np.ones(4, np.float32)})
@@ -76,3 +77,83 @@ def test_wait_and_flush_time_out_typed():
                 writer.flush(timeout=0.1)
             gate.set()
             writer.flush(timeout=5)
+
+
+def _with_incarnations(clients, config):
+    """Clients whose membership carries each unit's incarnation (a made-up one where units publish none)."""
+    membership = {unit: {"incarnation": f"{i:016x}", **address}
+                  for i, (unit, address) in enumerate(sorted(clients.membership.items()))}
+    return UnitClients(membership, config)
+
+
+def test_refs_carry_a_fresh_generation_and_the_units_incarnation():
+    with local_units("tcp", units=2) as (config, _, base), _with_incarnations(base, config) as clients:
+        metas = []
+        for unit in clients.units:
+            channel = clients.channel(unit)
+            original = channel.write
+
+            def spy(key, payload, meta, timeout=None, _original=original):
+                metas.append((key, dict(meta)))
+                return _original(key, payload, meta, timeout=timeout)
+
+            channel.write = spy
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((4, 2, 2), i, np.int32),
+                                              "logprobs": np.full(4, -i, np.float32)}) for i in range(20)]
+            writer.flush()
+        by_key = {r.key: r for ref in refs for r in ref.values()}
+        membership = clients.membership
+        assert all(r.incarnation == membership[r.unit]["incarnation"] for r in by_key.values())
+        generations = [r.generation for r in by_key.values()]
+        assert all(1 <= g < 2**63 for g in generations) and len(set(generations)) == len(generations)
+        assert len(metas) == len(by_key) == 40  # one write per stored key
+        assert {key: meta["generation"] for key, meta in metas} == {k: r.generation for k, r in by_key.items()}
+        with Reader(clients, config) as reader:
+            got = reader.fetch([{f: Layout.from_ref(r) for f, r in ref.items()} for ref in refs])
+        assert [int(g["rollout_routed_experts"][0, 0, 0]) for g in got] == list(range(20))
+
+
+class _LiveOnly:
+    """Clients that report one unit lost: the writer must place keys on the others."""
+
+    def __init__(self, clients, lost):
+        self._clients, self._lost = clients, lost
+
+    def __getattr__(self, name):
+        return getattr(self._clients, name)
+
+    @property
+    def live_units(self):
+        return [u for u in self._clients.units if u != self._lost]
+
+
+def test_keys_are_placed_on_live_units_only():
+    with local_units("tcp", units=3) as (config, services, clients):
+        with Writer(_LiveOnly(clients, "su-1"), config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"logprobs": np.full(4, -i, np.float32)}) for i in range(60)]
+            writer.flush()
+        assert {r["logprobs"].unit for r in refs} == {"su-0", "su-2"}
+        assert services[1].stats()["puts"] == 0
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"generation": 12345}, "stored s/logprobs as generation 12345, not the writer's"),
+    ({"incarnation": "ffffffffffffffff"}, "restarted: s/logprobs landed in incarnation ffffffffffffffff"),
+])
+def test_a_write_stored_under_another_version_fails(change, message):
+    with local_units("tcp", units=1) as (config, _, base), _with_incarnations(base, config) as clients:
+        channel = clients.channel("su-0")
+        original = channel.write
+
+        def other_version(key, payload, meta, timeout=None):
+            receipt = original(key, payload, meta, timeout=timeout)
+            return receipt | {"incarnation": clients.membership["su-0"]["incarnation"],
+                              "generation": meta["generation"]} | change
+
+        channel.write = other_version
+        with Writer(clients, config) as writer:
+            writer.put("s", "p", {"logprobs": np.ones(4, np.float32)})
+            with pytest.raises(TransferError, match=message) as info:
+                writer.flush()
+        assert info.value.keys == ("s/logprobs",)

@@ -1,0 +1,371 @@
+"""``Writer.put`` on the caller's thread against one numpy pass over the same step.
+
+``python -m bench.put [--tokens 1024,8192,65536] [--puts 1000] [--json] [--log]``
+
+``put`` runs on the rollout proxy's critical path once per model call. For
+steps of each token count this measures, in one run:
+
+- the **pass**: the one-pass numpy baseline, what any check-and-compact of
+  the step costs at least: ``min``, ``max`` and ``astype`` of the int32
+  expert IDs into the stored dtype, or the NaN check (a sum) and ``astype``
+  of float32 logprobs (a copy, as the step must outlive the caller's
+  buffer). Timed on a quiet writer after each flush;
+- **put**: ``Writer.put`` of that step at p50, p99 and p99.9, with a flush
+  after every ``--flush-every`` puts (the sends of earlier puts run while
+  later ones are timed) and each flushed round released, so the arena has
+  space. The in-flight bound is set to hold a round, so no put waits for
+  sends: that is the documented backpressure, measured by the throughput
+  table instead;
+- **throughput**: steps per second, bytes landed included, with 1 and 4
+  threads putting into one writer.
+
+Expert steps are ``[T, 48, 8]`` int32 IDs below 128 stored as uint8,
+uint16 or int32; logprob steps are ``[T]`` float32. The units run in child
+processes (``--units``, tcp over loopback), as in a deployment. Ratios are
+put p50 over the pass p50 of the same row, and p99 over p50 of put; the
+``--json`` line has the worst of each over the expert steps
+(``put_p50_vs_pass``, ``put_p99_vs_p50``) and, apart, over the logprob
+steps, whose pass of a few microseconds is below the fixed cost of a put.
+The pass includes ``astype``'s fresh result, as plain numpy code pays it.
+
+Where a put's time goes, and its tail: the checked pass itself (memory
+bound; chunked so each chunk is read from memory once); a fixed cost of
+tens of microseconds (placement, references, the hand-off to a sender),
+which dominates only for tiny fields such as the logprobs of a short step;
+and waiting. Waits come from (a) the in-flight bound, by design (excluded
+here, see above); (b) allocation, which the writer removes by reusing sent
+buffers (a fresh 12 MiB buffer faults in 3,000 pages); (c) the cores: on a
+small host the sends of earlier steps (the kernel's socket copies) and the
+units' receives compete with the put for CPU, which is why the senders run
+at a lower priority (``--sender-nice 0`` shows the difference); (d) the
+GIL, which the pass gives up and takes back around each chunk and which a
+sender holds for a few microseconds between its system calls. What is left
+is the host's: other processes' load and memory bandwidth. The ``tail_*``
+columns split the slowest 1% of puts' time (Linux): on a core, waiting for
+one, and blocked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import statistics
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Callable, Iterator
+
+import numpy as np
+
+from bench.common import add_json_flag, emit_json, print_header, print_table
+from gputq import writer as writer_module
+from gputq.clients import UnitClients
+from gputq.config import GputqConfig
+from gputq.writer import Writer
+
+__all__ = ["main", "remote_units", "step_fields", "one_pass"]
+
+LAYERS, TOPK = 48, 8
+KINDS = ("uint8", "uint16", "int32", "logprobs")
+_MIB = 1 << 20
+
+
+def step_fields(kind: str, tokens: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A step's fields as the engine hands them over (int32 IDs, float32 logprobs)."""
+    if kind == "logprobs":
+        return {"logprobs": -rng.random(tokens, dtype=np.float32)}
+    return {"routed_experts": rng.integers(0, 128, (tokens, LAYERS, TOPK), dtype=np.int32)}
+
+
+def one_pass(kind: str, fields: dict[str, np.ndarray]) -> Callable[[], object]:
+    """The baseline: check and compact ``fields`` with plain whole-array numpy."""
+    if kind == "logprobs":
+        logprobs = fields["logprobs"]
+        return lambda: (np.isnan(logprobs.sum()), logprobs.astype(np.float32))
+    experts, dtype = fields["routed_experts"], np.dtype(kind)
+    return lambda: (experts.min(), experts.max(), experts.astype(dtype))
+
+
+def _serve_unit(conn, name: str, config: GputqConfig) -> None:
+    from gputq.deploy import UnitService
+
+    service = UnitService(name, config)
+    try:
+        conn.send(service.address())
+        with contextlib.suppress(EOFError):
+            conn.recv()  # "stop", or the parent went away
+    finally:
+        service.close()
+
+
+@contextlib.contextmanager
+def remote_units(config: GputqConfig) -> Iterator[tuple[GputqConfig, UnitClients]]:
+    """``config.num_units`` UnitServices, each in its own child process, and clients to them."""
+    config = config.with_token()
+    ctx = multiprocessing.get_context("spawn")
+    children = []
+    try:
+        for i in range(config.num_units):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve_unit, args=(child, f"su-{i}", config), daemon=True)
+            proc.start()
+            children.append((proc, parent))
+        membership = {}
+        for i, (proc, parent) in enumerate(children):
+            if not parent.poll(120):
+                raise RuntimeError(f"unit su-{i} did not start within 120 s")
+            try:
+                membership[f"su-{i}"] = parent.recv()
+            except EOFError:
+                proc.join(5)
+                raise RuntimeError(f"unit su-{i} exited (code {proc.exitcode}) before serving") from None
+        with UnitClients(membership, config) as clients:
+            yield config, clients
+    finally:
+        for proc, parent in children:
+            with contextlib.suppress(OSError):
+                parent.send("stop")
+        for proc, _ in children:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+
+
+def _release(clients: UnitClients, partition: str) -> None:
+    for unit in clients.units:
+        clients.channel(unit).call("release_partition", timeout=60, partition=partition)
+
+
+class _SchedStat:
+    """This thread's time on a core and waiting for one (Linux ``schedstat``), to explain slow puts.
+
+    Of a put's wall time, what was neither on a core nor waiting for one was
+    blocked: on the GIL, a lock or the in-flight bound.
+    """
+
+    def __init__(self):
+        try:
+            self._file = open("/proc/thread-self/schedstat", "rb", buffering=0)
+        except OSError:
+            self._file = None
+
+    def read(self) -> tuple[int, int]:
+        """(ns on a core, ns runnable but waiting for a core) so far; zeros where unknown."""
+        if self._file is None:
+            return 0, 0
+        self._file.seek(0)
+        on_cpu, waiting, _ = self._file.read().split()
+        return int(on_cpu), int(waiting)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _tail_split(samples: list[tuple[float, int, int]]) -> dict:
+    """Where the slowest 1% of puts spent their time: on a core, waiting for one, blocked."""
+    slow = sorted(samples, key=lambda s: s[0])[int(0.99 * len(samples)):]
+    wall = sum(s[0] for s in slow) * 1e9
+    cpu, queued = sum(s[1] for s in slow), sum(s[2] for s in slow)
+    if not wall or not (cpu or queued):
+        return {}
+    # The kernel accounts a running thread's time at ticks and switches, so for puts of a few
+    # microseconds cpu + queued can pass the wall time: shares are of the larger of the two.
+    total = max(wall, cpu + queued)
+    return {"tail_cpu%": 100 * cpu / total, "tail_runq%": 100 * queued / total,
+            "tail_blocked%": 100 * (total - cpu - queued) / total}
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every: int, rng,
+                raw: dict) -> dict:
+    """Time ``puts`` puts of one step shape and the baseline pass between rounds."""
+    fields = step_fields(kind, tokens, rng)
+    baseline = one_pass(kind, fields)
+    step_bytes = sum(a.nbytes for a in fields.values())
+    cfg = config.replace(routed_experts_dtype="int32" if kind == "logprobs" else kind,
+                         writer_inflight_bytes=max(config.writer_inflight_bytes, (flush_every + 1) * step_bytes))
+    put_s, pass_s, sched = [], [], []
+    stat = _SchedStat()
+    with contextlib.closing(stat), Writer(clients, cfg) as writer:
+        for warm in range(2):  # connections, buffers, first-touch of the arena
+            writer.put(f"warm/{warm}", "warm", fields)
+        writer.flush()
+        _release(clients, "warm")
+        rounds = -(-puts // flush_every)
+        for r in range(rounds):
+            for _ in range(3):
+                started = time.perf_counter()
+                baseline()
+                pass_s.append(time.perf_counter() - started)
+            partition = f"{kind}-{tokens}-{r}"
+            for i in range(min(flush_every, puts - r * flush_every)):
+                cpu0, queued0 = stat.read()
+                started = time.perf_counter()
+                writer.put(f"{partition}/{i}", partition, fields)
+                put_s.append(time.perf_counter() - started)
+                cpu1, queued1 = stat.read()
+                sched.append((put_s[-1], cpu1 - cpu0, queued1 - queued0))
+            writer.flush()
+            _release(clients, partition)
+    raw[f"{kind} {tokens}"] = {"put_us": [round(s * 1e6, 1) for s in put_s],
+                               "pass_us": [round(s * 1e6, 1) for s in pass_s]}
+    p50, base = statistics.median(put_s), statistics.median(pass_s)
+    return {"kind": kind, "tokens": tokens, "step_MiB": round(step_bytes / _MIB, 2), "puts": len(put_s),
+            "pass_ms": base * 1e3, "put_p50_ms": p50 * 1e3, "put_p99_ms": _pct(put_s, 0.99) * 1e3,
+            "put_p99.9_ms": _pct(put_s, 0.999) * 1e3, "p50/pass": p50 / base,
+            "p99/p50": _pct(put_s, 0.99) / p50, **_tail_split(sched)}
+
+
+def throughput_row(clients, config, kind: str, tokens: int, threads: int, steps: int, rng) -> dict:
+    """Steps per second with ``threads`` threads putting into one writer, until all bytes landed."""
+    fields = step_fields(kind, tokens, rng)
+    step_bytes = sum(a.nbytes for a in fields.values())
+    cfg = config.replace(routed_experts_dtype="int32" if kind == "logprobs" else kind)
+    per_thread = -(-steps // threads)
+    errors: list[BaseException] = []
+    with Writer(clients, cfg) as writer:
+        writer.put("warm/0", "warm", fields)
+        writer.flush()
+        _release(clients, "warm")
+        start = threading.Barrier(threads + 1)
+
+        def putter(t: int) -> None:
+            try:
+                start.wait()
+                for i in range(per_thread):
+                    writer.put(f"tp/{t}/{i}", f"tp-{threads}", fields)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=putter, args=(t,)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        start.wait()
+        began = time.perf_counter()
+        for worker in workers:
+            worker.join()
+        writer.flush()
+        elapsed = time.perf_counter() - began
+        _release(clients, f"tp-{threads}")
+    if errors:
+        raise errors[0]
+    total = per_thread * threads
+    return {"kind": kind, "tokens": tokens, "threads": threads, "steps": total,
+            "steps_per_s": total / elapsed, "GB/s": total * step_bytes / elapsed / 1e9}
+
+
+class _Tee:
+    """Copy stdout to a log file as well."""
+
+    def __init__(self, stream, log):
+        self._stream, self._log = stream, log
+
+    def write(self, text):
+        self._log.write(text)
+        return self._stream.write(text)
+
+    def flush(self):
+        self._log.flush()
+        self._stream.flush()
+
+
+def run(args) -> dict:
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    kinds = args.kinds.split(",")
+    rng = np.random.default_rng(0)
+    biggest = max(t * LAYERS * TOPK * 4 for t in tokens_list)
+    # Room for two rounds of the largest int32 step: a round lands while the last one is released.
+    capacity = int(2 * args.flush_every * biggest / args.units) + 64 * _MIB
+    config = GputqConfig(transport="tcp", num_units=args.units, unit_capacity_bytes=capacity,
+                         host="127.0.0.1", writer_threads=args.sender_threads)
+    rows, tput, raw = [], [], {}
+    todo = [(k, t) for t in tokens_list for k in kinds]
+    with remote_units(config) as (config, clients):
+        for n, (kind, tokens) in enumerate(todo, 1):
+            puts = args.puts if tokens < 32768 else max(args.flush_every * 5, args.puts // 10)
+            print(f"  [{n}/{len(todo)}] {kind} x {tokens} tokens: {puts} puts ...", file=sys.stderr, flush=True)
+            rows.append(latency_row(clients, config, kind, tokens, puts, args.flush_every, rng, raw))
+        for threads in (1, 4):
+            print(f"  [throughput] {threads} thread(s) ...", file=sys.stderr, flush=True)
+            tput.append(throughput_row(clients, config, args.throughput_kind, args.throughput_tokens, threads,
+                                       args.throughput_steps, rng))
+    steps = [r for r in rows if r["kind"] != "logprobs"] or rows
+    small = [r for r in rows if r["kind"] == "logprobs"]
+    summary = {"put_p50_vs_pass": max(r["p50/pass"] for r in steps),
+               "put_p99_vs_p50": max(r["p99/p50"] for r in steps)}
+    if small:
+        summary |= {"logprobs_p50_vs_pass": max(r["p50/pass"] for r in small),
+                    "logprobs_p99_vs_p50": max(r["p99/p50"] for r in small),
+                    "logprobs_put_p50_us": max(r["put_p50_ms"] for r in small) * 1e3}
+    return {"rows": rows, "throughput": tput, "raw": raw, "summary": summary}
+
+
+def main(argv=None) -> int:
+    parser = add_json_flag(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--tokens", default="1024,8192,65536", help="step sizes in tokens")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="stored expert dtypes and/or logprobs")
+    parser.add_argument("--puts", type=int, default=1000, help="timed puts per row (a tenth at 32K+ tokens)")
+    parser.add_argument("--flush-every", type=int, default=10, help="puts per round between flushes")
+    parser.add_argument("--units", type=int, default=2, help="StorageUnits, each in a child process")
+    parser.add_argument("--sender-threads", type=int, default=2, help="the writer's background senders")
+    parser.add_argument("--sender-nice", type=int, default=writer_module.SENDER_NICE,
+                        help="how much lower the senders' CPU priority is (0: the caller's)")
+    parser.add_argument("--throughput-steps", type=int, default=200, help="steps per throughput run")
+    parser.add_argument("--throughput-tokens", type=int, default=8192)
+    parser.add_argument("--throughput-kind", default="uint16", choices=KINDS)
+    parser.add_argument("--log", nargs="?", const="", default=None, metavar="PATH",
+                        help="also save the output and every raw latency (default docs/logs/put-<UTC time>.log)")
+    args = parser.parse_args(argv)
+    writer_module.SENDER_NICE = args.sender_nice
+    log = None
+    if args.log is not None:
+        path = args.log or os.path.join("docs", "logs", f"put-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.log")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        log = open(path, "w", encoding="utf-8")
+        sys.stdout = _Tee(sys.stdout, log)
+    try:
+        print_header("gputq put: the caller's cost of one step", cpus=os.cpu_count(),
+                     units=f"{args.units} in child processes, tcp", flush_every=args.flush_every,
+                     sender_threads=args.sender_threads, sender_nice=args.sender_nice,
+                     load=" ".join(f"{x:.2f}" for x in os.getloadavg()))
+        started = time.perf_counter()
+        result = run(args)
+        print_table(result["rows"], ["kind", "tokens", "step_MiB", "puts", "pass_ms", "put_p50_ms",
+                                     "put_p99_ms", "put_p99.9_ms", "p50/pass", "p99/p50", "tail_cpu%",
+                                     "tail_runq%", "tail_blocked%"])
+        print("  tail_*: of the slowest 1% of puts' time, the share on a core, waiting for a core "
+              "(other threads and processes had it), and blocked (GIL, locks, in-flight bound)")
+        print()
+        print_table(result["throughput"], ["kind", "tokens", "threads", "steps", "steps_per_s", "GB/s"])
+        summary = result["summary"]
+        print(f"  put_p50_vs_pass (worst expert step): {summary['put_p50_vs_pass']:.2f}  (goal <= 1.5)")
+        print(f"  put_p99_vs_p50 (worst expert step): {summary['put_p99_vs_p50']:.2f}  (goal <= 3)")
+        if "logprobs_put_p50_us" in summary:
+            print(f"  logprobs-only steps: p50/pass {summary['logprobs_p50_vs_pass']:.2f}, p99/p50 "
+                  f"{summary['logprobs_p99_vs_p50']:.2f}, put p50 {summary['logprobs_put_p50_us']:.0f} us "
+                  f"(their pass takes microseconds: the fixed cost of a put dominates)")
+        print(f"  elapsed: {time.perf_counter() - started:.1f} s")
+        if log is not None:
+            for name, values in result["raw"].items():
+                print(f"raw {name} put_us: {' '.join(map(str, values['put_us']))}", file=log)
+                print(f"raw {name} pass_us: {' '.join(map(str, values['pass_us']))}", file=log)
+        if args.json:
+            emit_json({"bench": "put", "rows": result["rows"], "throughput": result["throughput"], **summary})
+    finally:
+        if log is not None:
+            sys.stdout = sys.stdout._stream
+            log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
