@@ -74,6 +74,12 @@ class GputqConfig:
         when unset.
     shm_dir:
         Folder of the arenas' shared-memory files (``/dev/shm`` when unset).
+    heartbeat_interval_s:
+        How often the controller probes every unit, and clients probe the
+        units they marked lost; a killed unit is marked lost within this.
+    probe_timeout_s:
+        How long a probe waits for a unit's answer; a hung unit is marked
+        lost within ``heartbeat_interval_s + probe_timeout_s``.
     """
 
     enabled: bool = False
@@ -92,6 +98,8 @@ class GputqConfig:
     host: str | None = None
     token: str | None = None
     shm_dir: str | None = None
+    heartbeat_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -106,7 +114,8 @@ class GputqConfig:
                      "writer_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("put_timeout_s", "read_timeout_s", "control_timeout_s"):
+        for name in ("put_timeout_s", "read_timeout_s", "control_timeout_s", "heartbeat_interval_s",
+                     "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -33,10 +33,10 @@ def test_partial_rollout_transfer_survives_release_of_old_partition():
             by_unit.setdefault(ref.unit, []).append(ref.key)
         controller.transfer(by_unit, "r0", "r1")
         assert controller.partitions() == ["r0", "r1"]
-        assert controller.release_partition("r0") == 4
+        assert controller.release_partition("r0") == {"freed": 4, "unreachable": {}}
         stats = controller.stats()
         assert stats["totals"]["keys"] == 2 and set(stats["units"]) == {"su-0", "su-1"}
-        assert controller.release_partition("r1") == 2
+        assert controller.release_partition("r1") == {"freed": 2, "unreachable": {}}
         assert controller.stats()["totals"]["keys"] == 0
         assert controller.partitions() == []
         controller.close()
@@ -48,8 +48,8 @@ def test_shared_step_with_two_live_rollouts_is_freed_at_last_reference():
         controller.register_unit("su-0", services[0].address())
         (ref,) = _write_steps(clients, config, "r0", 1)
         clients.channel("su-0").call("add_ref", keys=[ref.key], partition="r1")  # async training
-        assert controller.release_partition("r0") == 0
-        assert controller.release_partition("r1") == 1
+        assert controller.release_partition("r0")["freed"] == 0
+        assert controller.release_partition("r1")["freed"] == 1
         controller.close()
 
 
