@@ -49,7 +49,8 @@ class UnitProcess:
     """One StorageUnit served over tcp by a child Python process.
 
     The child gets its config (token included) through its environment,
-    prints its address as one JSON line, and serves until its stdin closes.
+    prints its address as one JSON line, and serves until its stdin closes
+    or it is killed.
 
     Parameters
     ----------
@@ -66,11 +67,18 @@ class UnitProcess:
         self.name = name
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.faults", "--serve-unit", name],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        try:
-            self.address = json.loads(_read_line(self.proc, _START_S))
-        except BaseException:
-            self.kill()
-            raise
+        self._address: dict | None = None
+
+    @property
+    def address(self) -> dict:
+        """The unit's tcp address; waits for the child to start serving (started children in parallel)."""
+        if self._address is None:
+            try:
+                self._address = json.loads(_read_line(self.proc, _START_S))
+            except BaseException:
+                self.kill()
+                raise
+        return self._address
 
     @property
     def pid(self) -> int:
@@ -90,14 +98,9 @@ class UnitProcess:
         os.kill(self.proc.pid, signal.SIGCONT)
 
     def close(self) -> None:
-        """End the child (gracefully if it is alive and running). Idempotent."""
-        if self.proc.poll() is None:
-            self.cont()
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        """End the child. Idempotent. It is killed: its arena file lives in a folder the caller removes."""
+        self.kill()
+        self.proc.stdin.close()
         self.proc.stdout.close()
 
 
@@ -130,8 +133,10 @@ class unit_processes:
 
     def __enter__(self):
         try:
-            for i in range(self._n):
+            for i in range(self._n):  # start every child, then wait: they import in parallel
                 self.units[f"su-{i}"] = UnitProcess(f"su-{i}", self.config)
+            for unit in self.units.values():
+                unit.address
         except BaseException:
             self.__exit__()
             raise

@@ -231,7 +231,8 @@ class UnitClients(Closeable):
             lost = unit in self._lost
         if not lost:
             try:
-                self._run(unit, (), "ping", lambda chan: chan.call(PING_METHOD, timeout=timeout, keys=[]))
+                self._run(unit, (), "ping", lambda chan: chan.call(PING_METHOD, timeout=timeout, keys=[]),
+                          connect_timeout=timeout)
             except GputqError:
                 return False
             return True
@@ -292,7 +293,7 @@ class UnitClients(Closeable):
         cls = UnitTimeoutError if isinstance(cause, GputqTimeoutError) else UnitLostError
         return cls(message, unit=unit, keys=keys, reason=reason)
 
-    def _transport_channel(self, unit: str, keys: Sequence[str], what: str):
+    def _transport_channel(self, unit: str, keys: Sequence[str], what: str, connect_timeout: float | None = None):
         """The live transport channel of ``unit``, connected if need be; UnitLostError if lost."""
         with self._lock:
             self._check_open()
@@ -314,7 +315,8 @@ class UnitClients(Closeable):
             if chan is not None:
                 return chan
             try:
-                chan, choice = _connect(address, self._config, self._config.control_timeout_s)
+                chan, choice = _connect(address, self._config, self._config.control_timeout_s
+                                        if connect_timeout is None else connect_timeout)
             except GputqError as exc:
                 if not _is_loss(exc):
                     raise
@@ -328,8 +330,9 @@ class UnitClients(Closeable):
                 self._choices[unit] = choice
             return chan
 
-    def _run(self, unit: str, keys: Sequence[str], what: str, request: Callable[[Any], Any]) -> Any:
-        chan = self._transport_channel(unit, keys, what)
+    def _run(self, unit: str, keys: Sequence[str], what: str, request: Callable[[Any], Any], *,
+             connect_timeout: float | None = None) -> Any:
+        chan = self._transport_channel(unit, keys, what, connect_timeout)
         try:
             return request(chan)
         except GputqError as exc:
