@@ -137,15 +137,38 @@ def drop(samples: Iterable[Mapping[str, Layout]], partition: str, clients, *,
 
     One reference of ``partition`` per sample and key, the count
     :meth:`Writer.finalize` gave them: a key is freed only when no other
-    live segment uses it. Strict: dropping more references than
-    ``partition`` holds raises ``InvalidInputError`` on that unit before it
-    changes anything. ``release_id`` makes a retry a no-op on units that
-    support it.
+    live segment uses it. Strict: every unit is asked first whether
+    ``partition`` holds that many references, and nothing is released
+    anywhere if one does not (a second drop of the same samples raises
+    instead of eating other segments' references). ``release_id`` makes a
+    retry a no-op on units that support it.
+
+    Raises
+    ------
+    UnknownKeyError
+        A key is no longer stored.
+    InvalidInputError
+        ``partition`` holds fewer references to a key than the samples use.
+    PartialFailureError
+        Some units were unreachable; the others released theirs.
     """
     timeout = clients.config.control_timeout_s if timeout is None else timeout
+    work = uses_by_unit(list(samples))
+    partition = str(partition)
+
+    def short(chan, keys) -> int:
+        wanted = Counter(keys)
+        for entry in chan.call("lookup", timeout=timeout, keys=sorted(wanted)):
+            held = int(entry["holders"].get(partition, 0))
+            if held < wanted[entry["key"]]:
+                raise InvalidInputError(f"unit {chan.unit}: partition {partition!r} holds {held} reference(s) "
+                                        f"to key {entry['key']!r}; cannot drop {wanted[entry['key']]}")
+        return 0
+
+    _per_unit(clients, work, short, f"drop from {partition!r}")
     extra = {} if release_id is None else {"release_id": release_id}
-    freed = _per_unit(clients, uses_by_unit(list(samples)), lambda chan, keys: chan.call(
-        "release", timeout=timeout, keys=keys, partition=str(partition), **extra), f"drop from {partition!r}")
+    freed = _per_unit(clients, work, lambda chan, keys: chan.call(
+        "release", timeout=timeout, keys=keys, partition=partition, **extra), f"drop from {partition!r}")
     return sum(freed.values())
 
 
@@ -161,7 +184,7 @@ def _continue(session, writer, partition: str, rng: np.random.Generator, layers:
     arrays = {"logprobs": -rng.exponential(1.0, tokens).astype(np.float32),
               "routed_experts": rng.integers(0, experts, (len(prompt) + tokens - 1 - start, layers, topk),
                                              dtype=np.int32)}
-    key = f"{partition}/{session.session_id}/{len(session.steps)}"
+    key = f"{partition}/carried/{session.session_id}/{len(session.steps)}"  # apart from the rollout's own
     session.append_step(prompt, output, arrays=arrays, refs=writer.put(key, partition, arrays))
 
 
