@@ -71,10 +71,15 @@ class Controller:
 
     # -- membership ------------------------------------------------------
     def register_unit(self, name: str, address: dict, node_id: str | None = None) -> None:
-        """Add (or re-add, with a new address) a unit; writers created afterwards place keys on it."""
+        """Add a unit; writers created afterwards place keys on it.
+
+        Re-adding a name (a restarted unit, a new address) starts it afresh:
+        it is live, and releases it missed are forgotten (its old keys are gone).
+        """
         with self._lock:
             self._units[name] = dict(address)
             self._nodes[name] = node_id
+            self._missed.pop(name, None)
             self._reset_clients(fresh=name)
             if self._heartbeat_on and self._beat is None and not self._stop.is_set():
                 self._beat = threading.Thread(target=self._beat_loop, name="gputq-heartbeat", daemon=True)

@@ -29,7 +29,7 @@ from .clients import fan_out
 from .errors import InvalidInputError, PartialFailureError, UnitLostError
 from .refs import FieldRef, Layout, uses_by_unit
 
-__all__ = ["uses_of", "keys_by_unit", "carry", "drop", "overlapping_rollouts"]
+__all__ = ["uses_of", "keys_by_unit", "carry", "drop", "overlapping_rollouts", "blocking"]
 
 
 def _samples(what: Any) -> Iterable[Mapping[str, Layout] | FieldRef]:
@@ -173,6 +173,22 @@ def drop(samples: Iterable[Mapping[str, Layout]], partition: str, clients, *,
 
 
 # -- two overlapping rollouts (``gputq demo --overlap``) --------------------------------
+
+class blocking:
+    """A Ray actor handle whose methods return their result (``ray.get``), not an ObjectRef.
+
+    Passes a remote :class:`~gputq.controller.Controller` where a plain one is expected.
+    """
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __getattr__(self, name: str):
+        from .deploy import import_ray
+
+        method = getattr(self._handle, name)
+        return lambda *args, **kwargs: import_ray().get(method.remote(*args, **kwargs))
+
 
 def _continue(session, writer, partition: str, rng: np.random.Generator, layers: int, topk: int,
               experts: int, tokens: int):

@@ -169,3 +169,37 @@ def test_controller_marks_killed_and_hung_units_lost_within_the_heartbeat_bound(
             report = controller.check_invariants()
             assert report["violations"] == [] and set(report["unreachable"]) == {"su-0"}
         controller.close()
+
+
+# -- in-process: the same rules without child processes ---------------------------------
+
+def test_requests_to_a_lost_unit_fail_fast_until_a_probe_reaches_it():
+    from .conftest import local_units
+
+    with local_units("tcp", units=2, heartbeat_interval_s=0.05) as (config, services, clients):
+        clients.channel("su-0").call("stats", timeout=5)
+        clients.mark_lost("su-0", "operator says so")
+        with pytest.raises(UnitLostError, match=r"unit su-0 is lost \(operator says so") as info:
+            clients.channel("su-0").read(["a", "b"], np.empty(8, np.uint8), timeout=5)
+        assert info.value.keys == ("a", "b") and "['a', 'b']" in str(info.value)
+        assert clients.live_units == ["su-1"]
+        # The background probe finds the unit answering and re-admits it.
+        _wait_for(lambda: clients.live_units == ["su-0", "su-1"], 10, "su-0 re-admitted")
+        assert clients.channel("su-0").call("stats", timeout=5)["keys"] == 0
+        services[1].close()  # a unit that is gone: refused connections
+        with pytest.raises(UnitLostError, match="su-1"):
+            clients.channel("su-1").call("stats", timeout=5)
+        assert set(clients.lost) == {"su-1"} and clients.ping("su-1") is False
+
+
+def test_a_full_unit_is_alive_and_its_capacity_error_passes_through():
+    from gputq.errors import CapacityError
+
+    from .conftest import local_units
+
+    with local_units("tcp", units=1, capacity=1 << 20) as (config, services, clients):
+        channel = clients.channel("su-0")
+        channel.write("big", np.zeros(1 << 20, np.uint8), {"partition": "p"}, timeout=1)
+        with pytest.raises(CapacityError):
+            channel.write("more", np.zeros(1 << 10, np.uint8), {"partition": "p"}, timeout=0.05)
+        assert clients.live_units == ["su-0"] and clients.lost == {}
