@@ -222,30 +222,43 @@ def kill_mid_read(size_mib: int = 16) -> dict:
                     "error": str(error)[:160]}
 
 
-def stop_writes(timeout_s: float = 0.5) -> dict:
-    from gputq.clients import UnitClients
+def _four_writes(channel, timeout_s: float) -> list[float]:
     from gputq.errors import GputqError
 
-    with unit_processes(2, put_timeout_s=timeout_s) as (config, units):
+    waits, payload = [], np.ones(1 << 16, np.uint8)
+    for i in range(4):
+        t = time.monotonic()
+        try:
+            channel.write(f"hung/{i}", payload, {"partition": "r0"}, timeout=timeout_s)
+        except GputqError:
+            pass
+        waits.append(time.monotonic() - t)
+    return waits
+
+
+def stop_writes(timeout_s: float = 0.5, baseline: bool = False) -> dict:
+    from gputq.clients import UnitClients
+    from transport import get_transport
+
+    with unit_processes(3 if baseline else 2, put_timeout_s=timeout_s) as (config, units):
         with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
             survivor = _put(clients, config, "su-1", "survivor", 8, 1 << 20)
             clients.channel("su-0").call("stats", timeout=5)  # connected before the fault
             units["su-0"].stop()
-            waits, payload = [], np.ones(1 << 16, np.uint8)
-            started = time.monotonic()
-            for i in range(4):
-                t = time.monotonic()
-                try:
-                    clients.channel("su-0").write(f"hung/{i}", payload, {"partition": "r0"}, timeout=timeout_s)
-                except GputqError:
-                    pass
-                waits.append(time.monotonic() - t)
-            total = time.monotonic() - started
+            waits = _four_writes(clients.channel("su-0"), timeout_s)
             units["su-0"].cont()
             checked, lost = _check(clients, config, "su-1", survivor)
-            return {"scenario": "stop-writes", "fault": f"SIGSTOP su-0; 4 writes with put timeout {timeout_s} s",
-                    "detect_s": waits[0], "bytes_checked": checked, "data_lost": lost,
-                    "longest_wait_s": max(waits), "four_writes_s": total}
+            row = {"scenario": "stop-writes", "fault": f"SIGSTOP su-0; 4 writes with put timeout {timeout_s} s",
+                   "detect_s": waits[0], "bytes_checked": checked, "data_lost": lost,
+                   "longest_wait_s": max(waits), "four_writes_s": sum(waits)}
+            if baseline:  # the transport's channel alone: no loss detection, each write waits
+                with get_transport("tcp").connect(units["su-2"].address, token=config.token,
+                                                  max_frame_bytes=config.max_frame_bytes, timeout=5) as raw:
+                    raw.call("stats", timeout=5)
+                    units["su-2"].stop()
+                    row["four_writes_transport_only_s"] = sum(_four_writes(raw, timeout_s))
+                    units["su-2"].cont()
+            return row
 
 
 def kill_release() -> dict:
@@ -345,11 +358,14 @@ def main(argv=None) -> int:
                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--serve-unit", metavar="NAME", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=sorted(SCENARIOS), action="append", help="run only these scenarios")
+    parser.add_argument("--baseline", action="store_true",
+                        help="stop-writes also times the same writes on a bare transport channel")
     args = parser.parse_args(argv)
     if args.serve_unit:
         _serve_unit(args.serve_unit)
         return 0
-    rows = [SCENARIOS[name]() for name in (args.only or SCENARIOS)]
+    rows = [SCENARIOS[name](baseline=True) if name == "stop-writes" and args.baseline else SCENARIOS[name]()
+            for name in (args.only or SCENARIOS)]
     if not args.json:
         print_header("gputq faults")
         print_table(rows, ["scenario", "detect_s", "bytes_checked", "data_lost", "longest_wait_s"])

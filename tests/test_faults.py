@@ -1,7 +1,7 @@
-"""Faults with StorageUnits in their own processes: killed (SIGKILL) or hung (SIGSTOP).
+"""Faults: StorageUnits killed (SIGKILL) or hung (SIGSTOP) in their own processes, and
+the same rules in-process (a closed unit, a handler that blocks) for the fast suite.
 
-Each test ends with the controller's invariant check over the units that
-are still reachable.
+The process tests are marked slow: starting three interpreters takes seconds.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_release_partition_frees_the_survivors_when_one_of_three_units_is_killed():
     with unit_processes(3) as (config, units):
@@ -73,6 +74,7 @@ def test_release_partition_frees_the_survivors_when_one_of_three_units_is_killed
         controller.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_reader_of_keys_on_a_killed_unit_gets_a_typed_error_naming_unit_and_keys():
     with unit_processes(2) as (config, units):
@@ -95,6 +97,7 @@ def test_reader_of_keys_on_a_killed_unit_gets_a_typed_error_naming_unit_and_keys
             assert clients.live_units == ["su-0"] and set(clients.lost) == {"su-1"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_hung_unit_costs_one_timeout_not_one_per_request():
     with unit_processes(2) as (config, units):
@@ -140,6 +143,7 @@ def test_four_writes_to_a_stopped_unit_finish_in_about_one_timeout():
             units["su-0"].cont()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_controller_marks_killed_and_hung_units_lost_within_the_heartbeat_bound():
     interval, probe = 0.2, 0.5
@@ -203,3 +207,43 @@ def test_a_full_unit_is_alive_and_its_capacity_error_passes_through():
         with pytest.raises(CapacityError):
             channel.write("more", np.zeros(1 << 10, np.uint8), {"partition": "p"}, timeout=0.05)
         assert clients.live_units == ["su-0"] and clients.lost == {}
+
+
+def test_a_unit_whose_handler_hangs_costs_one_timeout():
+    import threading
+
+    from .conftest import local_units
+
+    with local_units("tcp", units=2) as (config, services, clients):
+        clients.channel("su-0").call("stats", timeout=5)
+        gate = threading.Event()
+        unit = services[0].unit
+        original = unit.control
+        unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
+        try:
+            timeout = 0.3
+            started = time.monotonic()
+            with pytest.raises(UnitTimeoutError, match="su-0"):
+                clients.channel("su-0").call("stats", timeout=timeout)
+            for _ in range(3):
+                with pytest.raises(UnitLostError, match="su-0 is lost"):
+                    clients.channel("su-0").call("stats", timeout=timeout)
+            assert time.monotonic() - started < 2 * timeout  # before: 4 x 0.3 s
+            assert clients.live_units == ["su-1"]
+        finally:
+            gate.set()
+            unit.control = original
+        assert clients.ping("su-0") and clients.live_units == ["su-0", "su-1"]
+
+
+def test_reader_of_keys_on_a_closed_unit_gets_a_typed_error_naming_unit_and_keys():
+    from .conftest import local_units
+
+    with local_units("tcp", units=2) as (config, services, clients):
+        refs = _write(clients, config, "r0", 10)
+        shard = [{"logprobs": Layout.from_ref(ref)} for ref in refs]
+        services[1].close()
+        with Reader(clients, config) as reader:
+            with pytest.raises(UnitLostError, match="su-1") as info:
+                reader.fetch(shard)
+        assert info.value.unit == "su-1" and set(info.value.keys) == {r.key for r in refs if r.unit == "su-1"}
