@@ -91,8 +91,16 @@ class UnitProcess:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        """SIGSTOP: the process hangs; its listening socket still accepts connections."""
+        """SIGSTOP: the process hangs; its listening socket still accepts connections.
+
+        Returns once the kernel reports the process stopped (delivery is not instant).
+        """
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _state(self.proc.pid) not in ("T", "t"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"unit process {self.proc.pid} did not stop")
+            time.sleep(0.001)
 
     def cont(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
@@ -102,6 +110,12 @@ class UnitProcess:
         self.kill()
         self.proc.stdin.close()
         self.proc.stdout.close()
+
+
+def _state(pid: int) -> str:
+    """The process state letter from ``/proc/<pid>/stat`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:
