@@ -111,7 +111,7 @@ class UnitChannel(Channel):
         """Nothing to do: the connection belongs to :class:`UnitClients`."""
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):
+        if name.startswith("_"):  # private and dunder lookups (copy, pickle) are not forwarded
             raise AttributeError(name)
         return getattr(self._owner._transport_channel(self.unit, (), name), name)
 
