@@ -350,7 +350,7 @@ def test_random_lifecycles_match_the_reference_model(lifecycle_env, ops):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(_op, max_size=40))
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_op, max_size=50))
 def test_random_lifecycles_match_the_reference_model_long(lifecycle_env, ops):
     _run_lifecycle(ops, lifecycle_env, check_every_op=True)
