@@ -354,3 +354,43 @@ def test_random_lifecycles_match_the_reference_model(lifecycle_env, ops):
 @given(ops=st.lists(_op, max_size=50))
 def test_random_lifecycles_match_the_reference_model_long(lifecycle_env, ops):
     _run_lifecycle(ops, lifecycle_env, check_every_op=True)
+
+
+def test_check_invariants_with_the_units_keys_call(monkeypatch):
+    """The ``keys`` branch: a stand-in for the unit's own call where this unit lacks it."""
+    import gputq.storage_unit as su
+
+    rng = np.random.default_rng(7)
+    with local_units("tcp", units=2) as (config, services, clients):
+        if "keys" not in su.CONTROL_METHODS:
+            monkeypatch.setattr(su, "CONTROL_METHODS", su.CONTROL_METHODS | {"keys"})
+            for service in services:
+                unit = service.unit
+
+                def keys(unit=unit):
+                    with unit._cond:
+                        return {p: {k: unit._table[k].holders[p] for k in ks} for p, ks in unit._partitions.items()}
+
+                unit.keys = keys
+        controller = _controller(config, services)
+        controller.open_partition("live")
+        with Writer(clients, config) as writer:
+            kept = Session.create("kept", FieldRegistry.builtin(L, K))
+            for _ in range(3):
+                _step(kept, writer, "live", rng)
+            stray = Session.create("stray", FieldRegistry.builtin(L, K))
+            _step(stray, writer, "gone", rng)
+            writer.flush()
+            segments = timeline_segments(kept)
+            writer.finalize([seg.layouts for seg in segments], "live")
+            report = controller.check_invariants(segments)
+            assert report["method"] == "keys" and report["keys_checked"] == 8
+            stray_units = sorted({r.unit for r in stray.steps[0].refs.values()})
+            assert sorted(v.split()[1] for v in report["violations"]) == stray_units
+            assert all("partition 'gone', which is not live" in v for v in report["violations"])
+            assert controller.release_partition("gone")["freed"] == 2
+            assert controller.check_invariants(segments)["ok"]
+            # One use more than the references held: the segment counts must match the table.
+            report = controller.check_invariants(segments + [segments[-1]])
+            assert not report["ok"] and all("references for" in v for v in report["violations"])
+        controller.close()
