@@ -29,7 +29,7 @@ from .clients import fan_out
 from .errors import InvalidInputError, PartialFailureError, UnitLostError
 from .refs import FieldRef, Layout, uses_by_unit
 
-__all__ = ["uses_of", "keys_by_unit", "carry", "drop", "overlapping_rollouts", "blocking"]
+__all__ = ["uses_of", "keys_by_unit", "on_units", "carry", "drop", "overlapping_rollouts", "blocking"]
 
 
 def _samples(what: Any) -> Iterable[Mapping[str, Layout] | FieldRef]:
@@ -82,6 +82,17 @@ def keys_by_unit(what: Any) -> dict[str, list[str]]:
     for unit, key in sorted(uses_of(what)):
         out.setdefault(unit, []).append(key)
     return out
+
+
+def on_units(samples: Iterable[Mapping[str, Layout]], units: Iterable[str]) -> list[int]:
+    """Indices of the samples whose every stored key is on one of ``units``.
+
+    With ``clients.live_units`` these are the samples a reader can still
+    fetch after a unit was lost; the others are skipped or regenerated.
+    """
+    units = set(units)
+    return [i for i, sample in enumerate(samples)
+            if all(ref.unit in units for layout in sample.values() for ref in layout.refs())]
 
 
 def _per_unit(clients, work: Mapping[str, Any], call, what: str) -> dict[str, int]:

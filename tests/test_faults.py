@@ -14,6 +14,7 @@ import pytest
 from bench.faults import unit_processes
 from gputq.clients import UnitClients
 from gputq.controller import Controller
+from gputq.lifecycle import on_units
 from gputq.errors import (
     GputqTimeoutError,
     PartialFailureError,
@@ -90,9 +91,10 @@ def test_reader_of_keys_on_a_killed_unit_gets_a_typed_error_naming_unit_and_keys
                 assert isinstance(info.value, PeerLostError) and info.value.unit == "su-1"
                 assert set(info.value.keys) == lost_keys and sorted(lost_keys)[0] in str(info.value)
                 # The survivor's samples still restore bit-exact; the lost ones are what to skip.
-                kept = [(i, s) for i, (s, ref) in enumerate(zip(shard, refs)) if ref.unit == "su-0"]
-                got = reader.fetch([s for _, s in kept])
-                for (i, _), fields in zip(kept, got):
+                kept = on_units(shard, clients.live_units)
+                assert kept == [i for i, ref in enumerate(refs) if ref.unit == "su-0"]
+                got = reader.fetch([shard[i] for i in kept])
+                for i, fields in zip(kept, got):
                     assert np.array_equal(fields["rollout_log_probs"], np.full(256, i, np.float32))
             assert clients.live_units == ["su-0"] and set(clients.lost) == {"su-1"}
 
@@ -247,6 +249,11 @@ def test_reader_of_keys_on_a_closed_unit_gets_a_typed_error_naming_unit_and_keys
             with pytest.raises(UnitLostError, match="su-1") as info:
                 reader.fetch(shard)
         assert info.value.unit == "su-1" and set(info.value.keys) == {r.key for r in refs if r.unit == "su-1"}
+        kept = on_units(shard, clients.live_units)
+        assert kept == [i for i, ref in enumerate(refs) if ref.unit == "su-0"]
+        with Reader(clients, config) as reader:
+            got = reader.fetch([shard[i] for i in kept])
+        assert [float(g["rollout_log_probs"][0]) for g in got] == [float(i) for i in kept]
 
 
 def test_writer_places_new_keys_on_live_units_only():
