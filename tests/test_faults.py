@@ -267,3 +267,33 @@ def test_writer_places_new_keys_on_live_units_only():
         clients.mark_lost("su-1", "test")
         refs = _write(clients, config, "r0", 30)
         assert {ref.unit for ref in refs} == {"su-0", "su-2"}
+
+
+def test_the_first_timeout_ends_the_other_requests_in_flight_to_the_hung_unit():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .conftest import local_units
+
+    with local_units("tcp", units=1) as (config, services, clients):
+        clients.channel("su-0").call("stats", timeout=5)
+        gate = threading.Event()
+        unit = services[0].unit
+        original = unit.control
+        unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
+
+        def call(timeout):
+            started = time.monotonic()
+            with pytest.raises(UnitLostError, match="su-0"):
+                clients.channel("su-0").call("stats", timeout=timeout)
+            return time.monotonic() - started
+
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                patient = [pool.submit(call, 20.0) for _ in range(3)]
+                assert call(0.3) >= 0.3
+                waits = [f.result(timeout=10) for f in patient]
+            assert max(waits) < 5.0  # ended with the first timeout, not at their own 20 s
+        finally:
+            gate.set()
+            unit.control = original
