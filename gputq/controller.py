@@ -31,6 +31,7 @@ from typing import Iterable
 from .clients import UnitClients, fan_out
 from .config import GputqConfig
 from .errors import GputqError, InvalidInputError, PartialFailureError, UnitLostError, UnknownKeyError
+from .lifecycle import uses_of
 
 __all__ = ["Controller"]
 
@@ -263,8 +264,6 @@ class Controller:
             ``partitions`` (the live ones) and ``method`` (``"keys"``, or
             ``"stats+lookup"`` with units that lack the ``keys`` call).
         """
-        from .lifecycle import uses_of
-
         uses = uses_of(referenced) if referenced is not None else Counter()
         uses_on: dict[str, dict[str, int]] = {}
         for (unit, key), count in uses.items():
