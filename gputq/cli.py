@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu", help="trainer restore device: cpu or cuda")
     demo.add_argument("--view", choices=("timeline", "lineage"), default="lineage")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--overlap", action="store_true",
+                      help="then run two overlapping rollouts (sessions carried over, groups filtered out)")
     demo.add_argument("--json", action="store_true", help="last line of output: one JSON object")
 
     info = sub.add_parser("info", help="versions, transports, devices and what auto would choose")

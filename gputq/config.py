@@ -82,6 +82,12 @@ class GputqConfig:
         it, new connections are closed at once.
     handshake_timeout_s:
         Time a client has from connecting to completing the token handshake.
+    heartbeat_interval_s:
+        How often the controller probes every unit, and clients probe the
+        units they marked lost; a killed unit is marked lost within this.
+    probe_timeout_s:
+        How long a probe waits for a unit's answer; a hung unit is marked
+        lost within ``heartbeat_interval_s + probe_timeout_s``.
     """
 
     enabled: bool = False
@@ -103,6 +109,8 @@ class GputqConfig:
     send_timeout_s: float = 60.0
     max_connections: int = 256
     handshake_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -118,7 +126,7 @@ class GputqConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("put_timeout_s", "read_timeout_s", "control_timeout_s", "send_timeout_s",
-                     "handshake_timeout_s"):
+                     "handshake_timeout_s", "heartbeat_interval_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 

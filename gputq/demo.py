@@ -43,6 +43,7 @@ class DemoOptions:
     device: str = "cpu"
     view: str = "lineage"
     seed: int = 0
+    overlap: bool = False
 
 
 def digest_fields(fields: dict) -> dict[str, str]:
@@ -170,12 +171,23 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
         expected = {seg.segment_id: digest_fields(inline_fields(seg)) for seg in segments}
         got = {sid: d for report in reports for sid, d in report["digests"].items()}
         mismatched = sorted(sid for sid in expected if got.get(sid) != expected[sid])
-        freed = ray.get(deployment.controller.release_partition.remote(partition))
+        freed = ray.get(deployment.controller.release_partition.remote(partition))["freed"]
+        overlap = None
+        if options.overlap:
+            from .lifecycle import blocking, overlapping_rollouts
+
+            _say(progress, "[+] two overlapping rollouts: sessions carried over, groups filtered out")
+            overlap = overlapping_rollouts(blocking(deployment.controller), clients, config,
+                                           sessions=options.sessions, steps=options.steps, layers=options.layers,
+                                           topk=options.topk, experts=options.experts,
+                                           tokens=max(2, options.tokens // 2), seed=options.seed)
+        invariants = ray.get(deployment.controller.check_invariants.remote())
         stats = deployment.stats()
         clients.close()
     fetch_seconds = max(r["fetch_seconds"] for r in reports)
     result = {
-        "verified": not mismatched and len(got) == len(expected),
+        "verified": (not mismatched and len(got) == len(expected) and invariants["ok"]
+                     and (overlap is None or overlap["verified"])),
         "mismatched": mismatched[:10],
         "segments": len(segments),
         "steps": sum(len(s.steps) for s in sessions),
@@ -190,6 +202,9 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
         "dtype": options.dtype,
         "keys_left_after_release": int(stats["totals"]["keys"]),
         "keys_freed_at_rollout_release": int(freed),
+        "invariants_ok": invariants["ok"],
+        "invariant_violations": invariants["violations"][:10],
+        "overlap": overlap,
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if progress:
@@ -207,3 +222,10 @@ def _print_summary(r: dict) -> None:
     print(f"  keys left after the ranks released their segments and the rollout was released: "
           f"{r['keys_left_after_release']} ({r['keys_freed_at_rollout_release']} freed by the latter); "
           f"{r['seconds']} s in all")
+    print(f"  invariants at the end (every stored key held by a live rollout): "
+          f"{'ok' if r['invariants_ok'] else r['invariant_violations']}")
+    if r["overlap"] is not None:
+        o = r["overlap"]
+        print(f"  overlapping rollouts: {o['segments_consumed']} segments consumed, {o['segments_dropped']} "
+              f"dropped, {o['sessions_carried']} sessions carried; arena left {o['keys_left']} keys, "
+              f"{o['bytes_left']} bytes; verified {o['verified']}")

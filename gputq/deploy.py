@@ -173,14 +173,20 @@ class Deployment:
         return import_ray().get(self.controller.membership.remote())
 
     def clients(self):
-        """Channels to this deployment's units, for a writer or reader in this process."""
-        return UnitClients(self.membership(), self.config)
+        """Channels to this deployment's units, for a writer or reader in this process.
+
+        Units the controller knows to be lost start out lost (no request waits on them).
+        """
+        clients = UnitClients(self.membership(), self.config)
+        for unit, reason in import_ray().get(self.controller.lost_units.remote()).items():
+            clients.mark_lost(unit, reason)
+        return clients
 
     def stats(self) -> dict:
         return import_ray().get(self.controller.stats.remote())
 
-    def release_partition(self, partition: str) -> int:
-        """Drop a rollout's references on every unit; returns keys freed."""
+    def release_partition(self, partition: str) -> dict:
+        """Drop a rollout's references on every unit: ``{"freed", "unreachable"}`` (see Controller)."""
         return import_ray().get(self.controller.release_partition.remote(partition))
 
     def shutdown(self) -> None:

@@ -49,6 +49,8 @@ __all__ = [
     "RequestTooLargeError",
     "StaleReadError",
     "TransferError",
+    "UnitLostError",
+    "UnitTimeoutError",
     "UnknownKeyError",
 ]
 
@@ -79,3 +81,41 @@ class LayoutError(InvalidInputError):
 
 class ConfigError(InvalidInputError):
     """A configuration value is missing, malformed or inconsistent."""
+
+
+class PartialFailureError(GputqError):
+    """A fan-out call reached some units but not all; ``result`` holds what was done.
+
+    Raised only after every reachable unit has been served, so the work
+    that could be done is done; ``result["unreachable"]`` names the units
+    that were not, with the reason.
+    """
+
+    def __init__(self, message: str, result: dict | None = None):
+        super().__init__(message)
+        self.result = result
+
+    def __reduce__(self):  # keep ``result`` across pickling (Ray actors)
+        return type(self), (str(self), self.result)
+
+
+class UnitLostError(PeerLostError):
+    """A unit stopped answering and is marked lost; names the unit and the keys asked for.
+
+    Requests to a lost unit fail at once with this error until a probe
+    reaches the unit again. ``unit``, ``keys`` and ``reason`` (the first
+    failure) are attributes.
+    """
+
+    def __init__(self, message: str, unit: str | None = None, keys=(), reason: str = ""):
+        super().__init__(message)
+        self.unit = unit
+        self.keys = tuple(keys)
+        self.reason = reason
+
+    def __reduce__(self):
+        return type(self), (str(self), self.unit, self.keys, self.reason)
+
+
+class UnitTimeoutError(UnitLostError, GputqTimeoutError):
+    """The request that found a unit hung: it timed out, and the unit is now marked lost."""

@@ -34,3 +34,19 @@ def test_order_starts_with_owner():
 def test_no_units_is_typed_error():
     with pytest.raises(InvalidInputError):
         rendezvous_unit("k", [])
+
+
+def test_new_keys_go_to_live_units_only():
+    from gputq.clients import UnitClients
+    from gputq.config import GputqConfig
+
+    clients = UnitClients({f"su-{i}": {"transport": "tcp", "host": "127.0.0.1", "port": 1} for i in range(3)},
+                          GputqConfig(token="t" * 32), reprobe=False)
+    keys = [f"k{i}" for i in range(600)]
+    before = {k: rendezvous_unit(k, clients.live_units) for k in keys}
+    clients.mark_lost("su-1", "test")
+    assert clients.units == ["su-0", "su-1", "su-2"] and clients.live_units == ["su-0", "su-2"]
+    after = {k: rendezvous_unit(k, clients.live_units) for k in keys}
+    assert "su-1" not in after.values()
+    assert all(after[k] == before[k] for k in keys if before[k] != "su-1")  # only the lost unit's keys move
+    clients.close()

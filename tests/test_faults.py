@@ -1,0 +1,299 @@
+"""Faults: StorageUnits killed (SIGKILL) or hung (SIGSTOP) in their own processes, and
+the same rules in-process (a closed unit, a handler that blocks) for the fast suite.
+
+The process tests are marked slow: starting three interpreters takes seconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from bench.faults import unit_processes
+from gputq.clients import UnitClients
+from gputq.controller import Controller
+from gputq.lifecycle import on_units
+from gputq.errors import (
+    GputqTimeoutError,
+    PartialFailureError,
+    PeerLostError,
+    UnitLostError,
+    UnitTimeoutError,
+)
+from gputq.reader import Reader
+from gputq.refs import Layout
+from gputq.writer import Writer
+
+
+def _controller(config, units, **kwargs) -> Controller:
+    controller = Controller(config, **kwargs)
+    for name, unit in units.items():
+        controller.register_unit(name, unit.address)
+    return controller
+
+
+def _write(clients, config, partition: str, n: int, rows: int = 256) -> list:
+    with Writer(clients, config) as writer:
+        refs = [writer.put(f"{partition}/s{i}/0", partition, {"logprobs": np.full(rows, i, np.float32)})
+                for i in range(n)]
+        writer.flush()
+    return [r["logprobs"] for r in refs]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_release_partition_frees_the_survivors_when_one_of_three_units_is_killed():
+    with unit_processes(3) as (config, units):
+        controller = _controller(config, units, heartbeat=False)
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            controller.open_partition("r0")
+            refs = _write(clients, config, "r0", 40)
+            on = {name: sum(ref.unit == name for ref in refs) for name in units}
+            assert all(on.values())  # every unit holds some of the rollout
+            units["su-0"].kill()  # the first unit fanned out to: the old loop stopped there
+            with pytest.raises(PartialFailureError, match="su-0") as info:
+                controller.release_partition("r0")
+            assert info.value.result["freed"] == on["su-1"] + on["su-2"]
+            assert set(info.value.result["unreachable"]) == {"su-0"}
+            for name in ("su-1", "su-2"):
+                assert clients.channel(name).call("stats", timeout=5)["keys"] == 0
+            report = controller.check_invariants()
+            assert report["violations"] == [] and set(report["unreachable"]) == {"su-0"}
+            assert not report["ok"] and report["units_checked"] == 2
+        controller.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_reader_of_keys_on_a_killed_unit_gets_a_typed_error_naming_unit_and_keys():
+    with unit_processes(2) as (config, units):
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            refs = _write(clients, config, "r0", 12)
+            shard = [{"logprobs": Layout.from_ref(ref)} for ref in refs]
+            with Reader(clients, config) as reader:
+                reader.fetch(shard)  # connected and warm before the fault
+                units["su-1"].kill()
+                with pytest.raises(UnitLostError, match="su-1") as info:
+                    reader.fetch(shard)
+                lost_keys = {ref.key for ref in refs if ref.unit == "su-1"}
+                assert isinstance(info.value, PeerLostError) and info.value.unit == "su-1"
+                assert set(info.value.keys) == lost_keys and sorted(lost_keys)[0] in str(info.value)
+                # The survivor's samples still restore bit-exact; the lost ones are what to skip.
+                kept = on_units(shard, clients.live_units)
+                assert kept == [i for i, ref in enumerate(refs) if ref.unit == "su-0"]
+                got = reader.fetch([shard[i] for i in kept])
+                for i, fields in zip(kept, got):
+                    assert np.array_equal(fields["rollout_log_probs"], np.full(256, i, np.float32))
+            assert clients.live_units == ["su-0"] and set(clients.lost) == {"su-1"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_hung_unit_costs_one_timeout_not_one_per_request():
+    with unit_processes(2) as (config, units):
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            clients.channel("su-0").call("stats", timeout=5)
+            units["su-0"].stop()
+            timeout = 0.5
+            started = time.monotonic()
+            with pytest.raises(UnitTimeoutError, match="su-0") as first:
+                clients.channel("su-0").call("stats", timeout=timeout)
+            assert isinstance(first.value, GputqTimeoutError)  # still a TimeoutError to callers
+            one = time.monotonic() - started
+            for _ in range(3):
+                with pytest.raises(UnitLostError, match="su-0 is lost"):
+                    clients.channel("su-0").call("release", timeout=timeout, keys=["k"], partition="p")
+            four = time.monotonic() - started
+            assert one >= timeout and four < one + 0.5 * timeout  # the old path: 4 x 0.5 s
+            assert clients.live_units == ["su-1"]
+            assert clients.channel("su-1").call("stats", timeout=5)["keys"] == 0  # others unaffected
+            units["su-0"].cont()
+            assert clients.ping("su-0") is True  # a probe re-admits it
+            assert clients.live_units == ["su-0", "su-1"]
+            assert clients.channel("su-0").call("stats", timeout=5)["keys"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_four_writes_to_a_stopped_unit_finish_in_about_one_timeout():
+    with unit_processes(2, put_timeout_s=0.5) as (config, units):
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            clients.channel("su-0").call("stats", timeout=5)
+            units["su-0"].stop()
+            payload = np.ones(1 << 16, np.uint8)
+            waits = []
+            for i in range(4):
+                started = time.monotonic()
+                with pytest.raises(UnitLostError, match="su-0"):
+                    clients.channel("su-0").write(f"k{i}", payload, {"partition": "p"}, timeout=0.5)
+                waits.append(time.monotonic() - started)
+            # The first write waits its timeout plus the transport's reply grace; the rest fail fast
+            # (before: four times that, 20 s with the default grace).
+            assert waits[0] >= 0.5 and sum(waits[1:]) < 0.1 * waits[0]
+            units["su-0"].cont()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_controller_marks_killed_and_hung_units_lost_within_the_heartbeat_bound():
+    interval, probe = 0.2, 0.5
+    with unit_processes(3, heartbeat_interval_s=interval, probe_timeout_s=probe) as (config, units):
+        controller = _controller(config, units)
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            controller.open_partition("r0")
+            refs = _write(clients, config, "r0", 30)
+            on = {name: sum(ref.unit == name for ref in refs) for name in units}
+            assert controller.heartbeat() == {} and controller.lost_units() == {}
+            started = time.monotonic()
+            units["su-0"].kill()
+            units["su-1"].stop()
+            _wait_for(lambda: set(controller.lost_units()) == {"su-0", "su-1"}, 10, "both units marked lost")
+            # Bound: one interval plus the probe timeout; the rest is margin for a loaded 2-core box.
+            assert time.monotonic() - started < interval + probe + 2.0
+            assert controller.live_units() == ["su-2"]
+            with pytest.raises(PartialFailureError) as info:
+                controller.release_partition("r0")  # lost units fail fast: no timeout is waited
+            assert info.value.result["freed"] == on["su-2"]
+            assert set(info.value.result["unreachable"]) == {"su-0", "su-1"}
+            units["su-1"].cont()
+            _wait_for(lambda: set(controller.lost_units()) == {"su-0"}, 10, "su-1 re-admitted")
+            # The release su-1 missed while stopped is replayed when it answers again.
+            _wait_for(lambda: clients.ping("su-1") and
+                      clients.channel("su-1").call("stats", timeout=5)["keys"] == 0, 10, "su-1 released r0")
+            report = controller.check_invariants()
+            assert report["violations"] == [] and set(report["unreachable"]) == {"su-0"}
+        controller.close()
+
+
+# -- in-process: the same rules without child processes ---------------------------------
+
+def test_requests_to_a_lost_unit_fail_fast_until_a_probe_reaches_it():
+    from .conftest import local_units
+
+    with local_units("tcp", units=2, heartbeat_interval_s=0.05) as (config, services, clients):
+        clients.channel("su-0").call("stats", timeout=5)
+        clients.mark_lost("su-0", "operator says so")
+        with pytest.raises(UnitLostError, match=r"unit su-0 is lost \(operator says so") as info:
+            clients.channel("su-0").read(["a", "b"], np.empty(8, np.uint8), timeout=5)
+        assert info.value.keys == ("a", "b") and "['a', 'b']" in str(info.value)
+        assert clients.live_units == ["su-1"]
+        # The background probe finds the unit answering and re-admits it.
+        _wait_for(lambda: clients.live_units == ["su-0", "su-1"], 10, "su-0 re-admitted")
+        assert clients.channel("su-0").call("stats", timeout=5)["keys"] == 0
+        services[1].close()  # a unit that is gone: refused connections
+        with pytest.raises(UnitLostError, match="su-1"):
+            clients.channel("su-1").call("stats", timeout=5)
+        assert set(clients.lost) == {"su-1"} and clients.ping("su-1") is False
+
+
+def test_a_full_unit_is_alive_and_its_capacity_error_passes_through():
+    from gputq.errors import CapacityError
+
+    from .conftest import local_units
+
+    with local_units("tcp", units=1, capacity=1 << 20) as (config, services, clients):
+        channel = clients.channel("su-0")
+        channel.write("big", np.zeros(1 << 20, np.uint8), {"partition": "p"}, timeout=1)
+        with pytest.raises(CapacityError):
+            channel.write("more", np.zeros(1 << 10, np.uint8), {"partition": "p"}, timeout=0.05)
+        assert clients.live_units == ["su-0"] and clients.lost == {}
+
+
+def test_a_unit_whose_handler_hangs_costs_one_timeout():
+    import threading
+
+    from .conftest import local_units
+
+    with local_units("tcp", units=2) as (config, services, clients):
+        clients.channel("su-0").call("stats", timeout=5)
+        gate = threading.Event()
+        unit = services[0].unit
+        original = unit.control
+        unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
+        try:
+            timeout = 0.3
+            started = time.monotonic()
+            with pytest.raises(UnitTimeoutError, match="su-0"):
+                clients.channel("su-0").call("stats", timeout=timeout)
+            for _ in range(3):
+                with pytest.raises(UnitLostError, match="su-0 is lost"):
+                    clients.channel("su-0").call("stats", timeout=timeout)
+            assert time.monotonic() - started < 2 * timeout  # before: 4 x 0.3 s
+            assert clients.live_units == ["su-1"]
+        finally:
+            gate.set()
+            unit.control = original
+        assert clients.ping("su-0") and clients.live_units == ["su-0", "su-1"]
+
+
+def test_reader_of_keys_on_a_closed_unit_gets_a_typed_error_naming_unit_and_keys():
+    from .conftest import local_units
+
+    with local_units("tcp", units=2) as (config, services, clients):
+        refs = _write(clients, config, "r0", 10)
+        shard = [{"logprobs": Layout.from_ref(ref)} for ref in refs]
+        services[1].close()
+        with Reader(clients, config) as reader:
+            with pytest.raises(UnitLostError, match="su-1") as info:
+                reader.fetch(shard)
+        assert info.value.unit == "su-1" and set(info.value.keys) == {r.key for r in refs if r.unit == "su-1"}
+        kept = on_units(shard, clients.live_units)
+        assert kept == [i for i, ref in enumerate(refs) if ref.unit == "su-0"]
+        with Reader(clients, config) as reader:
+            got = reader.fetch([shard[i] for i in kept])
+        assert [float(g["rollout_log_probs"][0]) for g in got] == [float(i) for i in kept]
+
+
+def test_writer_places_new_keys_on_live_units_only():
+    import inspect
+
+    from .conftest import local_units
+
+    if "live_units" not in inspect.getsource(Writer.put):
+        pytest.skip("this Writer places keys over the whole membership (the writer's side adopts live_units)")
+    with local_units("tcp", units=3) as (config, services, clients):
+        clients.mark_lost("su-1", "test")
+        refs = _write(clients, config, "r0", 30)
+        assert {ref.unit for ref in refs} == {"su-0", "su-2"}
+
+
+def test_the_first_timeout_ends_the_other_requests_in_flight_to_the_hung_unit():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .conftest import local_units
+
+    with local_units("tcp", units=1) as (config, services, clients):
+        clients.channel("su-0").call("stats", timeout=5)
+        gate = threading.Event()
+        unit = services[0].unit
+        original = unit.control
+        unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
+
+        def call(timeout):
+            started = time.monotonic()
+            with pytest.raises(UnitLostError, match="su-0"):
+                clients.channel("su-0").call("stats", timeout=timeout)
+            return time.monotonic() - started
+
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                patient = [pool.submit(call, 20.0) for _ in range(3)]
+                assert call(0.3) >= 0.3
+                waits = [f.result(timeout=10) for f in patient]
+            assert max(waits) < 5.0  # ended with the first timeout, not at their own 20 s
+        finally:
+            gate.set()
+            unit.control = original
