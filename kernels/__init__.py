@@ -15,9 +15,9 @@ Nothing here knows about RL, and only numpy is needed to import it.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
+
+from transport.cuda import cuda_available
 
 from .plan import PlanError, plan_bytes, validate_plan
 from .reference import reference_widen_scatter
@@ -104,22 +104,3 @@ def widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stream=No
     raise PlanError(f"unsupported array type {type(staging).__name__}")
 
 
-@functools.lru_cache(maxsize=None)
-def cuda_available() -> bool:
-    """Return True when a CUDA device is usable through CuPy or torch.
-
-    Quietly False where CuPy imports but finds no driver, or neither
-    library is installed.
-    """
-    from .cupy_backend import cupy_usable
-
-    if cupy_usable():
-        return True
-    try:
-        import torch
-    except ImportError:
-        return False
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:  # a broken CUDA setup means "not usable"
-        return False

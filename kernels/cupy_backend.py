@@ -60,17 +60,9 @@ def _import_cupy():
     return cupy
 
 
-@functools.lru_cache(maxsize=None)
 def cupy_usable() -> bool:
-    """Return True when CuPy imports and sees at least one working CUDA device.
-
-    Quiet where CuPy is installed without a driver or device.
-    """
-    try:
-        cp = _import_cupy()
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver, no device, broken install: all mean "no"
-        return False
+    """Return True when CuPy imports and sees a CUDA device (:mod:`transport.cuda`'s probe)."""
+    return usable_cupy() is not None
 
 
 def fragment_table(
