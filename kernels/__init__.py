@@ -8,7 +8,9 @@ the rows of fill plan rows. It dispatches on the array type:
 - numpy arrays: the vectorised numpy reference (the semantics);
 - CuPy arrays: the CUDA kernel, one launch per call;
 - CUDA torch tensors: the CUDA kernel through CuPy when CuPy has a working
-  device, else the torch fallback; CPU torch tensors: the torch fallback.
+  device, else the torch fallback; CPU torch tensors: the torch fallback;
+- a :class:`MappedSource` (compact bytes left in mapped host memory) with a
+  CUDA ``out``: the CUDA kernel reading them in place (zero-copy).
 
 Nothing here knows about RL, and only numpy is needed to import it.
 """
@@ -19,6 +21,7 @@ import numpy as np
 
 from transport.cuda import cuda_available
 
+from .mapped import MappedSource
 from .plan import PlanError, plan_bytes, validate_plan
 from .reference import reference_widen_scatter
 
@@ -29,6 +32,7 @@ __all__ = [
     "plan_bytes",
     "PlanError",
     "cuda_available",
+    "MappedSource",
 ]
 
 
@@ -77,6 +81,8 @@ def widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stream=No
         On an invalid plan or buffers, or ``staging`` and ``out`` of
         different array types.
     """
+    if isinstance(staging, MappedSource):  # zero-copy: compact bytes left in mapped host memory
+        return staging.widen_scatter(plan, width, out, fill, validate=validate, stream=stream)
     kind = _array_kind(staging)
     if kind != _array_kind(out):
         raise PlanError(

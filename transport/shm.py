@@ -54,7 +54,8 @@ from transport.errors import (
 )
 from transport.staging import device_nbytes
 
-__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "LEASE", "END_LEASE", "ARENA_FILE"]
+__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "zero_copy_max_bytes",
+           "ZERO_COPY_ENV", "DEFAULT_ZERO_COPY_MAX_BYTES", "LEASE", "END_LEASE", "ARENA_FILE"]
 
 _log = logging.getLogger(__name__)
 
@@ -62,6 +63,16 @@ _log = logging.getLogger(__name__)
 LEASE, END_LEASE, ARENA_FILE = "lease", "end_lease", "arena_file"
 # The confirmation must get through even when the read's own timeout is spent.
 _END_TIMEOUT_S = 10.0
+
+#: Largest shard (compact bytes) a GPU restore reads in place from the mapped arenas
+#: (zero-copy); larger shards are copied to the GPU first, then widened there. Both move
+#: the compact bytes over PCIe once; zero-copy saves a launch and a sync per run of
+#: regions, the copy reads the bus in fewer, larger transfers. ``bench/gpu_check.sh``
+#: times both at 64 and 256 MiB on the same machine to set it.
+DEFAULT_ZERO_COPY_MAX_BYTES = 64 << 20
+#: Environment override of that threshold in bytes: 0 turns zero-copy off,
+#: ``inf`` uses it for every shard.
+ZERO_COPY_ENV = "GPUTQ_ZERO_COPY_MAX_BYTES"
 
 
 def merge_runs(regions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -368,6 +379,26 @@ class ShmChannel(Channel):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"shm channel to {self.unit} is closed")
+
+
+def zero_copy_max_bytes() -> float:
+    """Largest shard a GPU restore reads in place: ``GPUTQ_ZERO_COPY_MAX_BYTES``, else the default.
+
+    Raises
+    ------
+    InvalidInputError
+        The variable is neither a number of bytes nor ``inf``.
+    """
+    text = os.environ.get(ZERO_COPY_ENV, "").strip().lower()
+    if not text:
+        return DEFAULT_ZERO_COPY_MAX_BYTES
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidInputError(f"{ZERO_COPY_ENV}={text!r} is not a number of bytes (or inf)") from None
+    if value < 0:
+        raise InvalidInputError(f"{ZERO_COPY_ENV} must be >= 0, got {text}")
+    return value
 
 
 def _read_checks(generations, incarnation) -> dict:
