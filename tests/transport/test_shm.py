@@ -14,7 +14,6 @@ from transport.cuda import cuda_available, usable_cupy
 from transport.errors import InvalidInputError, RequestTooLargeError, StaleReadError, UnknownKeyError
 from transport.shm import ShmChannel, merge_runs
 
-from .shm_control import answer_shm_control  # noqa: F401 - a fixture
 
 TOKEN = "s" * 32
 needs_cupy = pytest.mark.skipif(usable_cupy() is None, reason="CuPy sees no CUDA device")
