@@ -8,7 +8,7 @@ the figures behind the rule (2-core dev box, ``python -m bench.transport``,
   from it (``shm``): one memcpy, against 4-9 GB/s for NIXL's cross-memory
   attach (cma) and 2-3 GB/s for the tcp backend => shm. Where the file
   cannot be mapped (another container's /dev/shm, permissions) the shm
-  channel reads over the unit's tcp lane and says why;
+  channel reads over rdma (cma) or the unit's tcp lane and says why;
 - InfiniBand on this host (and on the peer, when its address says): one-sided
   RDMA READ with no CPU copy => rdma;
 - remote peer without InfiniBand: UCX falls back to its tcp lane, which
@@ -153,7 +153,7 @@ def choose_transport(requested: str = "auto", peer_address: dict | None = None) 
         return name, f"{source} explicitly"
     if is_same_host(peer_address) and shm_supported():
         return "shm", ("auto: peer on the same host, reads copy from its arena file mapped read-only "
-                       "(tcp reads where the file cannot be mapped)")
+                       "(rdma or tcp reads where the file cannot be mapped)")
     missing = nixl_import_error()
     if missing is not None:
         return "tcp", f"auto: nixl does not import ({missing}); pip install 'gputq[rdma]' for rdma"

@@ -24,7 +24,8 @@ everything but the bytes. A read is
 
 Where the arena file cannot be mapped (another host or container, no
 permission, a server that does not answer ``"arena_file"``) the channel
-reads over the control lane's tcp path instead and says why in
+reads over rdma instead when the unit serves it and NIXL imports (cma on
+one host), else over the control lane's tcp path, and says why in
 :attr:`ShmChannel.fallback_reason`.
 
 :meth:`ShmChannel.mapped_source` lends the leased regions as device
@@ -220,7 +221,7 @@ class ShmChannel(Channel):
     mapping : ArenaMapping or None
         The arena mapping; ``None`` when the channel fell back to tcp reads.
     fallback_reason : str or None
-        Why reads go over tcp, when they do.
+        Why reads go over rdma or tcp, when they do.
     """
 
     def __init__(self, address: dict, *, token: str, max_frame_bytes: int, timeout: float | None = None):
@@ -246,8 +247,25 @@ class ShmChannel(Channel):
                 self.mapping = ArenaMapping(str(info["path"]), int(info["nbytes"]))
             except Exception as exc:  # InvalidInputError from an older server, OSError, ...
                 self.fallback_reason = f"cannot map the arena file of unit {self.unit}: {exc}"
+        self._fallback = None  # the channel reads go through when the arena is not mapped
         if self.fallback_reason is not None:
-            _log.warning("shm channel to %s reads over tcp: %s", self.unit, self.fallback_reason)
+            self._fallback = self._fallback_channel(address, token, max_frame_bytes, timeout)
+            _log.warning("shm channel to %s reads over %s: %s", self.unit,
+                         "rdma" if self._fallback is not self._tcp else "tcp", self.fallback_reason)
+
+    def _fallback_channel(self, address: dict, token: str, max_frame_bytes: int, timeout) -> Channel:
+        """rdma for a unit that serves it and where NIXL imports (cma on one host), else the tcp lane."""
+        from transport.policy import nixl_import_error
+
+        if address.get("transport") == "rdma" and nixl_import_error() is None:
+            try:
+                from transport.nixl import NixlTransport
+
+                return NixlTransport().connect(address, token=token, max_frame_bytes=max_frame_bytes,
+                                               timeout=timeout)
+            except Exception as exc:  # NIXL's agent or UCX refused: tcp still works
+                _log.info("shm fallback to rdma for %s failed (%s); reading over tcp", self.unit, exc)
+        return self._tcp
 
     # -- reads -------------------------------------------------------------------------
 
@@ -268,7 +286,7 @@ class ShmChannel(Channel):
         self._check_open()
         keys = list(keys)
         if self.mapping is None:
-            return self._tcp.read(keys, dest, timeout, **_read_checks(generations, incarnation))
+            return self._fallback.read(keys, dest, timeout, **_read_checks(generations, incarnation))
         on_device = is_device_buffer(dest)
         if on_device:
             capacity = device_nbytes(dest)
@@ -374,6 +392,8 @@ class ShmChannel(Channel):
         self._closed = True
         if self.mapping is not None:
             self.mapping.close()
+        if self._fallback is not None and self._fallback is not self._tcp:
+            self._fallback.close()
         self._tcp.close()
 
     def _check_open(self) -> None:

@@ -12,6 +12,7 @@ from gputq.storage_unit import StorageUnit
 from transport import get_transport
 from transport.cuda import cuda_available, usable_cupy
 from transport.errors import InvalidInputError, RequestTooLargeError, StaleReadError, UnknownKeyError
+from transport.policy import nixl_import_error
 from transport.shm import ShmChannel, merge_runs
 
 
@@ -110,6 +111,26 @@ def test_unmappable_arena_falls_back_to_tcp_reads(served, monkeypatch):
         with pytest.raises(Exception, match="no mapped arena"):
             with denied.mapped_source(["a"]):
                 pass
+
+
+@pytest.mark.rdma
+@pytest.mark.skipif(nixl_import_error() is not None, reason=f"NIXL not importable: {nixl_import_error()}")
+@pytest.mark.timeout(60)
+def test_unmappable_arena_of_an_rdma_unit_falls_back_to_rdma(answer_shm_control, tmp_path):
+    with StorageUnit("su-rdma", 1 << 20, shm_dir=str(tmp_path)) as unit:
+        blob = np.arange(5000, dtype=np.uint32).view(np.uint8)
+        unit.put("k", blob, {"partition": "p"})
+        server = get_transport("rdma").serve(unit, host="127.0.0.1", port=0, token=TOKEN,
+                                             max_frame_bytes=1 << 26)
+        try:
+            address = dict(server.address, hostname="elsewhere")
+            with ShmChannel(address, token=TOKEN, max_frame_bytes=1 << 26, timeout=10) as channel:
+                assert channel.mapping is None and type(channel._fallback).__name__ == "NixlChannel"
+                dest = np.empty(blob.size, np.uint8)
+                assert channel.read(["k"], dest, timeout=10) == [blob.size]
+                assert np.array_equal(dest, blob)
+        finally:
+            server.close()
 
 
 def test_closed_channel_raises(served):
