@@ -354,10 +354,13 @@ def _mapped_staging(reader: Reader, per_field: dict, stats: FetchStats, lent: co
     from kernels import MappedSource
     from transport.shm import zero_copy_max_bytes
 
+    units = {unit for _, stage in per_field.values() for unit in stage.refs_by_unit}
+    channels = {unit: reader._clients.channel(unit) for unit in units}
+    if not units or not all(getattr(channel, "device_mappable", lambda: False)()
+                            for channel in channels.values()):
+        return None
     requests, nbytes = _lay_out([stage for _, stage in per_field.values()])
-    channels = {r.unit: reader._clients.channel(r.unit) for r in requests}
-    if not requests or nbytes > zero_copy_max_bytes() or not all(
-            getattr(channel, "device_mappable", lambda: False)() for channel in channels.values()):
+    if nbytes > zero_copy_max_bytes():
         return None
     refs = {(unit, key): ref for _, stage in per_field.values()
             for unit, pairs in stage.refs_by_unit.items() for key, ref in pairs}
