@@ -169,3 +169,34 @@ def test_mapped_source_lends_device_addresses_under_a_lease(served):
         cp.cuda.runtime.memcpy(out.data.ptr, int(regions[0, 0]), int(regions[0, 1]),
                                cp.cuda.runtime.memcpyDeviceToDevice)
         assert np.array_equal(out.get(), blobs["c"])
+
+
+def test_one_cached_cuda_probe_answers_everywhere():
+    import kernels
+    from kernels import cupy_backend
+    from transport import cuda, staging
+
+    assert kernels.cuda_available is cuda.cuda_available is staging.cuda_available
+    assert cupy_backend.cupy_usable() is (cuda.usable_cupy() is not None)
+    assert cuda.usable_cupy.cache_info().currsize == 1  # probed once, then cached
+    if cuda.cuda_available():
+        pytest.skip("CUDA is usable here: the no-CUDA answers do not apply")
+    assert cuda.usable_cupy() is None and cuda.usable_torch() is None
+    with pytest.raises(ImportError, match="CuPy"):
+        cuda.require_cupy("zero-copy")
+    with pytest.raises(ImportError, match="CUDA"):
+        cuda.host_register(0, 4096, cuda.HOST_REGISTER_READ_ONLY)
+
+
+def test_zero_copy_threshold_is_configurable(monkeypatch):
+    from transport.shm import DEFAULT_ZERO_COPY_MAX_BYTES, ZERO_COPY_ENV, zero_copy_max_bytes
+
+    monkeypatch.delenv(ZERO_COPY_ENV, raising=False)
+    assert zero_copy_max_bytes() == DEFAULT_ZERO_COPY_MAX_BYTES
+    for text, value in (("0", 0), ("inf", float("inf")), ("1048576", 1 << 20)):
+        monkeypatch.setenv(ZERO_COPY_ENV, text)
+        assert zero_copy_max_bytes() == value
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv(ZERO_COPY_ENV, bad)
+        with pytest.raises(InvalidInputError, match=ZERO_COPY_ENV):
+            zero_copy_max_bytes()
