@@ -14,7 +14,8 @@ everything but the bytes. A read is
    a deadline: a reader that dies does not pin them forever) and answers
    their offsets, checking the reference's generations and incarnation;
 2. the copy from the mapping: into host memory one ``numpy.copyto`` per run
-   of regions adjacent in the arena (usually the whole read); into GPU
+   of regions adjacent in the arena (usually the whole read; large reads
+   are split over a few threads); into GPU
    memory one ``cudaMemcpyAsync`` per run, from the mapping registered with
    CUDA once per channel (read-only, page-locked);
 3. ``"end_lease"``, which confirms the lease was still held when the copy
@@ -40,6 +41,7 @@ import logging
 import mmap
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -64,6 +66,15 @@ _log = logging.getLogger(__name__)
 LEASE, END_LEASE, ARENA_FILE = "lease", "end_lease", "arena_file"
 # The confirmation must get through even when the read's own timeout is spent.
 _END_TIMEOUT_S = 10.0
+
+#: Threads copying one large host read: one memcpy thread moves ~10 GB/s on
+#: server CPUs, a few of them saturate more of the memory bus. Half the cores,
+#: at most 4, none on a 2-core box.
+COPY_THREADS = min(4, (os.cpu_count() or 2) // 2)
+#: Host reads from this size are split over :data:`COPY_THREADS`.
+PARALLEL_COPY_BYTES = 8 << 20
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 #: Largest shard (compact bytes) a GPU restore reads in place from the mapped arenas
 #: (zero-copy); larger shards are copied to the GPU first, then widened there. Both move
@@ -93,6 +104,33 @@ def merge_runs(regions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     run_lengths = packed[ends - 1] + lengths[ends - 1] - packed[starts]
     keep = run_lengths > 0
     return offsets[starts][keep], packed[starts][keep], run_lengths[keep]
+
+
+def _copy_pool():
+    """Threads for large host copies, created on first use (several threads outrun one memcpy)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="gputq-shm-copy")
+        return _POOL
+
+
+def _host_copy(out: np.ndarray, src: np.ndarray, runs) -> None:
+    """Copy runs (arena offset, destination offset, length) from ``src`` into ``out``.
+
+    A read of at least :data:`PARALLEL_COPY_BYTES` is cut into
+    :data:`COPY_THREADS` parts copied at once (numpy releases the GIL while
+    copying); smaller reads are one ``copyto`` per run in this thread.
+    """
+    runs = list(runs)
+    total = sum(n for _, _, n in runs)
+    if COPY_THREADS < 2 or total < PARALLEL_COPY_BYTES:
+        for offset, packed, n in runs:
+            np.copyto(out[packed:packed + n], src[offset:offset + n])
+        return
+    part = -(-total // COPY_THREADS)
+    parts = [(offset + i, packed + i, min(part, n - i)) for offset, packed, n in runs for i in range(0, n, part)]
+    list(_copy_pool().map(lambda p: np.copyto(out[p[1]:p[1] + p[2]], src[p[0]:p[0] + p[2]]), parts))
 
 
 class ArenaMapping:
@@ -307,9 +345,7 @@ class ShmChannel(Channel):
                 _DeviceCopier(dest).copy(int(dest.__cuda_array_interface__["data"][0]),
                                          self.mapping.address, runs)
             else:
-                src = self.mapping.array
-                for offset, packed, n in runs:
-                    np.copyto(out[packed:packed + n], src[offset:offset + n])
+                _host_copy(out, self.mapping.array, runs)
         return lengths.tolist()
 
     @contextlib.contextmanager

@@ -200,3 +200,16 @@ def test_zero_copy_threshold_is_configurable(monkeypatch):
         monkeypatch.setenv(ZERO_COPY_ENV, bad)
         with pytest.raises(InvalidInputError, match=ZERO_COPY_ENV):
             zero_copy_max_bytes()
+
+
+def test_large_reads_are_split_over_threads(served, monkeypatch):
+    from transport import shm
+
+    unit, blobs, channel, _, _ = served
+    monkeypatch.setattr(shm, "COPY_THREADS", 3)
+    monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 1000)
+    keys = ["a", "b", "c", "a"]
+    want = np.concatenate([blobs[k] for k in keys])
+    dest = np.zeros(want.size, np.uint8)
+    assert channel.read(keys, dest, timeout=5) == [blobs[k].size for k in keys]
+    assert np.array_equal(dest, want)
