@@ -26,8 +26,10 @@ class ShmControl:
     def __init__(self, handler):
         self._handler = handler
         self.name = handler.name
-        params = inspect.signature(handler.lease_regions).parameters
-        self._checks = "generations" in params  # a unit that checks generations and incarnation
+        lease_regions = getattr(handler, "lease_regions", None)
+        if lease_regions is None:
+            raise TypeError(f"{type(handler).__name__} has no lease_regions(); serve a StorageUnit")
+        self._checks = "generations" in inspect.signature(lease_regions).parameters  # a unit that checks them
         self.held_override = None  # tests force an expired lease with False
 
     @property
