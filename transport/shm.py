@@ -58,7 +58,8 @@ from transport.errors import (
 from transport.staging import device_nbytes
 
 __all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "zero_copy_max_bytes",
-           "ZERO_COPY_ENV", "DEFAULT_ZERO_COPY_MAX_BYTES", "LEASE", "END_LEASE", "ARENA_FILE"]
+           "ZERO_COPY_ENV", "DEFAULT_ZERO_COPY_MAX_BYTES", "COPY_THREADS", "PARALLEL_COPY_BYTES",
+           "LEASE", "END_LEASE", "ARENA_FILE"]
 
 _log = logging.getLogger(__name__)
 
