@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check in one call (under 5 minutes on one H200 with 16 cores), for a short GPU lease:
+# Every GPU check in one call, for a short GPU lease: the step timeouts add up to under 5 minutes
+# (100 + 20 + 50 + 4 x 30 s) on one H200 with 16 cores:
 #   1. the GPU tests (kernel vs numpy reference bit for bit, zero-copy from mapped host memory,
 #      pinned arenas, tcp staging into CUDA memory, shm reads into CUDA memory, full shard restore
 #      into GPU memory over tcp, shm (in place and copied) and rdma);
@@ -29,11 +30,11 @@ nvidia-smi -L | tee "$OUT/gpu"
 step() { echo; echo "=== $1"; }
 
 step "GPU tests"
-timeout 110 $PY -m pytest -q -p no:cacheprovider -m "gpu or rdma" tests/kernels tests/transport \
+timeout 100 $PY -m pytest -q -p no:cacheprovider -m "gpu or rdma" tests/kernels tests/transport \
     tests/test_storage_unit.py tests/test_gpu_restore.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 
 step "anchors"
-timeout 30 $PY -m bench.anchors --mib 256 --json 2>&1 | tee "$OUT/anchors.log" | tail -7
+timeout 20 $PY -m bench.anchors --mib 256 --json 2>&1 | tee "$OUT/anchors.log" | tail -7
 
 step "kernel benchmark"
 timeout 50 $PY -m bench.kernel --json ${KERNEL_STEPS:+--steps "$KERNEL_STEPS"} 2>&1 \
@@ -43,7 +44,7 @@ timeout 50 $PY -m bench.kernel --json ${KERNEL_STEPS:+--steps "$KERNEL_STEPS"} 2
 for run in "shm-copy shm 0" "shm-zero-copy shm inf" "rdma rdma 0" "tcp tcp 0"; do
   set -- $run
   step "shard fetch+restore into GPU over $1"
-  GPUTQ_ZERO_COPY_MAX_BYTES=$3 timeout 40 $PY -m bench.fetch --device cuda --transport "$2" \
+  GPUTQ_ZERO_COPY_MAX_BYTES=$3 timeout 30 $PY -m bench.fetch --device cuda --transport "$2" \
       --sizes 64,256 --repeats 3 --json 2>&1 | tee "$OUT/fetch_$1.log" | tail -5
 done
 
