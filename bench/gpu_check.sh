@@ -87,6 +87,8 @@ for name in ("shm-copy", "shm-zero-copy", "rdma", "tcp"):
                      f"{total} GB/s{ratio} (fetch alone {r['fetch_GBps']} GB/s)"))
     if "error" in fetch:
         rows.append((f"fetch {name}", fetch["error"]))
+    if name.startswith("shm") and "reads over" in (out / f"fetch_{name}.log").read_text():
+        rows.append((f"fetch {name}", "WARNING: the shm channel fell back (see the log): not an shm figure"))
 width = max(len(k) for k, _ in rows)
 print(f"gputq GPU check {(out / 'date').read_text().strip()} on {(out / 'gpu').read_text().strip()}")
 print(f"goals: shm fetch+restore >= 0.8x pinned copy; kernel >= 0.9x device copy; host <= 50 us")
