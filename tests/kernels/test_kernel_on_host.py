@@ -126,3 +126,33 @@ def test_kernel_source_tiny_huge_and_empty_fragments(tmp_path_factory, dtype):
         out = _shifted(poisoned_out(dtype, out_len), d_shift)
         _run(launch, _shifted(staging, 1), plan, 1, out, 4, 4)
         np.testing.assert_array_equal(bits(out), bits(want), err_msg=f"dst shift {d_shift}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["uint8", "uint16"])
+def test_kernel_source_reads_a_mapped_source_in_place(tmp_path_factory, dtype):
+    """The zero-copy launch: a row plan over staging translated to blobs scattered in memory."""
+    from kernels import MappedSource
+
+    launch = _kernel(tmp_path_factory, 4)
+    rng = np.random.default_rng(8)
+    width, src_rows, dst_rows = 48, 600, 900
+    staging = random_staging(rng, dtype, src_rows * width)
+    row_bytes = width * staging.itemsize
+    cuts = np.unique(np.concatenate([[0, src_rows], rng.integers(1, src_rows, 9)]))
+    starts, lengths = cuts[:-1] * row_bytes, np.diff(cuts) * row_bytes
+    memory = _shifted(np.zeros(int(lengths.sum()) + 512 * len(lengths), np.uint8), 0)
+    addresses = np.zeros(len(starts), np.int64)
+    cursor = 256
+    for i in rng.permutation(len(starts)):  # blobs out of order, 256-byte aligned like an arena's
+        addresses[i] = memory.ctypes.data + cursor
+        memory[cursor:cursor + lengths[i]] = staging.view(np.uint8)[starts[i]:starts[i] + lengths[i]]
+        cursor += -(-int(lengths[i]) // 256) * 256
+    source = MappedSource(starts, addresses, lengths, staging.nbytes).view(dtype)
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=1)  # fragments never cross a blob
+    elements, base, src_elems = source.element_plan(plan, width)
+    table, nblocks = fragment_table(elements, 1, chunk_elements(staging.itemsize))
+    out = poisoned_out(dtype, dst_rows * width)
+    launch(_KINDS[dtype], base, out.ctypes.data, table.ctypes.data, len(elements), nblocks, 6, 0.0)
+    want = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), 6)
+    np.testing.assert_array_equal(out, want)
