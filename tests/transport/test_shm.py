@@ -213,3 +213,56 @@ def test_large_reads_are_split_over_threads(served, monkeypatch):
     dest = np.zeros(want.size, np.uint8)
     assert channel.read(keys, dest, timeout=5) == [blobs[k].size for k in keys]
     assert np.array_equal(dest, want)
+
+
+@pytest.mark.timeout(60)
+def test_zero_copy_restore_path_replayed_on_the_host(answer_shm_control, monkeypatch):
+    """The reader's zero-copy hook end to end, with host memory standing in for the GPU.
+
+    Channels claim a mapped arena (device address = host address), the
+    kernel launch becomes the numpy reference reading those addresses, and
+    device buffers are numpy arrays: everything else (leases, the shard's
+    translation to arena addresses, the confirmation) runs as on a GPU.
+    """
+    import ctypes
+    import types
+
+    from gputq import reader as reader_module
+    from gputq.fields import FieldRegistry
+    from gputq.synthetic import SyntheticConfig, build_sessions
+    from gputq.trajectory import inline_fields, lineage_segments
+    from gputq.writer import Writer
+    from kernels import MappedSource, reference_widen_scatter
+    from tests.conftest import local_units
+    from transport import cuda
+
+    def host_widen_scatter(self, plan, width, out, fill=0, *, validate=True, stream=None):
+        elements, base, src_elems = self.element_plan(plan, width)
+        nbytes = src_elems * self.dtype.itemsize
+        memory = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(base))
+        launches.append(len(elements))
+        return reference_widen_scatter(memory[:nbytes].view(self.dtype), elements, 1, out, fill)
+
+    launches: list = []
+    monkeypatch.setattr(ShmChannel, "device_mappable", lambda self: self.mapping is not None)
+    monkeypatch.setattr(cuda, "mapped_device_pointer", lambda ptr: ptr)
+    monkeypatch.setattr(MappedSource, "widen_scatter", host_widen_scatter)
+    monkeypatch.setattr(reader_module, "_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))))
+    synth = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=4, num_experts=200, prompt_tokens=40,
+                            tokens_per_step=30, tool_tokens=6, branch_prob=0.5, rewrite_prob=0.3, seed=3)
+    with local_units("shm", routed_experts_dtype="uint16") as (config, services, clients):
+        with Writer(clients, config) as writer:
+            sessions = build_sessions(synth, fields=FieldRegistry.builtin(3, 4, "uint16"), writer=writer)
+            writer.flush()
+        with reader_module.Reader(clients, config) as reader:
+            reader._device = "cuda"  # the GPU path, on host buffers
+            monkeypatch.setattr(reader, "_empty", lambda nbytes: np.empty(nbytes, np.uint8))
+            monkeypatch.setattr(reader, "_to_output", lambda array: array)
+            segments = [seg for s in sessions for seg in lineage_segments(s)]
+            restored = reader.fetch([seg.layouts for seg in segments])
+            for seg, got in zip(segments, restored):
+                for name, want in inline_fields(seg).items():
+                    assert np.array_equal(got[name], want), (seg.segment_id, name)
+            assert launches and reader.last_stats.bytes_fetched > 0
+        assert all(s.stats()["leases"] == 0 for s in services)  # every lease confirmed and ended
