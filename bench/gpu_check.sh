@@ -74,8 +74,8 @@ for dtype, r in kernel.get("results", {}).items():
                  f"({r['copy_gbps']:.0f}), {r['speedup_vs_naive']:.1f}x naive ({r['naive_gbps']:.0f})"))
 host = kernel.get("host", {})
 if host:
-    rows.append((f"kernel host side, {host.get('fragments')} frags",
-                 f"table {host.get('table_us', 0):.0f} us, whole call {host.get('launch_us', 0):.0f} us"))
+    call = f", whole call {host['launch_us']:.0f} us" if "launch_us" in host else ""
+    rows.append((f"kernel host side, {host.get('fragments')} frags", f"table {host.get('table_us', 0):.0f} us{call}"))
 if "error" in kernel:
     rows.append(("kernel", kernel["error"]))
 for name in ("shm-copy", "shm-zero-copy", "rdma", "tcp"):
