@@ -203,9 +203,10 @@ def test_zero_copy_from_mapped_host_memory(dtype):
     width = 384
     staging, plan, fill, want = _case(77, dtype, width, 700, 1500, max_frag=200)
     page = 4096
-    raw = np.zeros(staging.nbytes + 2 * page, np.uint8)  # page-aligned, with room to misalign
+    size = -(-(staging.nbytes + 16) // page) * page  # whole pages, with room to misalign
+    raw = np.zeros(size + page, np.uint8)
     start = (-raw.ctypes.data) % page
-    host = raw[start:start + staging.nbytes + page]
+    host = raw[start:start + size]
     host_register(host.ctypes.data, host.nbytes, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
     try:
         base = mapped_device_pointer(host.ctypes.data)

@@ -167,7 +167,7 @@ def test_mapped_source_lends_device_addresses_under_a_lease(served):
         assert regions[:, 1].tolist() == [blobs["c"].size, blobs["a"].size]
         out = cp.empty(int(regions[0, 1]), cp.uint8)
         cp.cuda.runtime.memcpy(out.data.ptr, int(regions[0, 0]), int(regions[0, 1]),
-                               cp.cuda.runtime.memcpyDeviceToDevice)
+                               cp.cuda.runtime.memcpyDefault)  # unified addressing tells the kinds
         assert np.array_equal(out.get(), blobs["c"])
 
 
