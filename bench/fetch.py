@@ -7,7 +7,9 @@ their own threads, over loopback); a writer stores R3-shaped steps; a
 reader fetches the shard (one batched read per unit and field) and
 restores it. The baseline is a plain socket moving the same byte count
 with ``sendall``/``recv_into`` in the same run, each socket read right
-before a fetch; the ratio is the median of these pairs. ``fetch`` is the transfer
+before a fetch; the ratio is the median of these pairs. A single-thread
+host memcpy of the same bytes is timed beside each fetch too: the anchor
+of the same-host path (``--transport shm``). ``fetch`` is the transfer
 (lease, read, completion); ``restore`` adds widen+scatter (numpy on the
 CPU, the CUDA kernel with ``--device cuda``).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import numpy as np
 
@@ -55,24 +58,29 @@ def run(args) -> dict:
             shard = _shard(writer, size, args.rows_per_step, args.layers, args.topk, args.dtype, rng)
             reader.fetch(shard)  # warm-up: connections, buffers
             nbytes = reader.last_stats.bytes_fetched
-            fetch_s, total_s, socket_s = [], [], []
+            fetch_s, total_s, socket_s, memcpy_s = [], [], [], []
+            copy_src, copy_dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
             with SocketBaseline(nbytes) as baseline:
                 baseline.read(nbytes)
                 for _ in range(args.repeats):
                     socket_s.append(baseline.read(nbytes))
+                    started = time.perf_counter()
+                    np.copyto(copy_dst, copy_src)
+                    memcpy_s.append(time.perf_counter() - started)
                     reader.fetch(shard)
                     stats = reader.last_stats
                     fetch_s.append(stats.fetch_seconds)
                     total_s.append(stats.fetch_seconds + stats.restore_seconds)
             transports = sorted({clients.transport_of(u)[0] for u in clients.units})
-        fetch, total, sock = (statistics.median(x) for x in (fetch_s, total_s, socket_s))
+        fetch, total, sock, memcpy = (statistics.median(x) for x in (fetch_s, total_s, socket_s, memcpy_s))
         # Each fetch is paired with the socket read just before it, so the ratio sees the
         # same machine state (this box's loopback speed drifts by 30% between seconds).
         paired = statistics.median(s / f for s, f in zip(socket_s, fetch_s))
         rows.append({"shard_MiB": round(nbytes / _MIB, 1), "samples": len(shard), "transport": "+".join(transports),
                      "socket_GBps": round(gbps(nbytes, sock), 2), "fetch_GBps": round(gbps(nbytes, fetch), 2),
                      "fetch+restore_GBps": round(gbps(nbytes, total), 2),
-                     "ratio_vs_socket": round(paired, 3)})
+                     "ratio_vs_socket": round(paired, 3), "memcpy_GBps": round(gbps(nbytes, memcpy), 2),
+                     "ratio_vs_memcpy": round(statistics.median(m / f for m, f in zip(memcpy_s, fetch_s)), 3)})
     big = [r["ratio_vs_socket"] for r in rows if r["shard_MiB"] >= 16]
     return {"rows": rows, "ratio_vs_socket": min(big) if big else None,
             "dtype": args.dtype, "layers": args.layers, "topk": args.topk, "units": args.units,
@@ -82,7 +90,7 @@ def run(args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.fetch", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="16,64,256", help="shard sizes in MiB, comma separated")
-    parser.add_argument("--transport", choices=("tcp", "rdma", "auto"), default="tcp")
+    parser.add_argument("--transport", choices=("tcp", "shm", "rdma", "auto"), default="tcp")
     parser.add_argument("--units", type=int, default=1)
     parser.add_argument("--dtype", choices=("uint8", "uint16", "int32"), default="uint16")
     parser.add_argument("--layers", type=int, default=48)

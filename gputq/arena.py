@@ -217,13 +217,12 @@ def _pin(array: np.ndarray):
     Only "CUDA is not usable here" is swallowed (library missing, no driver,
     no device). A registration that fails on a working CUDA is an error.
     """
-    try:
-        import cupy
-    except Exception:  # not installed, or a broken CUDA install
-        return _torch_pin(array)
-    # CuPy's answer is final: torch would talk to the same driver, and
-    # importing torch only to hear "no CUDA" again costs seconds.
-    return _cupy_pin(cupy.cuda.runtime, array)
+    from transport.cuda import usable_cupy, usable_torch
+
+    cupy = usable_cupy()
+    if cupy is not None:
+        return _cupy_pin(cupy.cuda.runtime, array)
+    return _torch_pin(array) if usable_torch() is not None else None
 
 
 def _cupy_pin(runtime, array: np.ndarray):

@@ -25,7 +25,7 @@ __all__ = [
     "OFFLOADABLE_FIELDS",
 ]
 
-TRANSPORTS = ("auto", "rdma", "tcp")
+TRANSPORTS = ("auto", "shm", "rdma", "tcp")
 EXPERT_DTYPES = ("uint8", "uint16", "int32")
 OFFLOADABLE_FIELDS = ("logprobs", "routed_experts")
 _MIB = 1 << 20
@@ -48,8 +48,8 @@ class GputqConfig:
         Stored dtype of expert IDs (uint8 up to 256 experts, uint16 up to
         65,536); always restored as int32.
     transport:
-        ``auto`` (rdma where NIXL can use RDMA or same-host memory, else tcp),
-        ``rdma`` or ``tcp``.
+        ``auto`` (shm for units on this host, rdma where NIXL can use RDMA,
+        else tcp), ``shm``, ``rdma`` or ``tcp``.
     num_units:
         StorageUnits of the embedded deployment; on a cluster one per node.
     unit_capacity_bytes:
@@ -256,5 +256,5 @@ def add_transfer_queue_arguments(parser: argparse.ArgumentParser) -> argparse.Ar
     group.add_argument("--use-rollout-routing-replay", action="store_true", default=False,
                        help="R3 on: required to offload routed_experts")
     group.add_argument("--transport", choices=TRANSPORTS, default=None,
-                       help="byte transport: auto (default), rdma (NIXL) or tcp")
+                       help="byte transport: auto (default), shm (same host), rdma (NIXL) or tcp")
     return parser

@@ -34,8 +34,11 @@ def import_ray():
 
 
 def serving_transport(requested: str) -> str:
-    """The backend a unit serves with: rdma (which also serves tcp) when NIXL loads."""
-    if requested == "tcp":
+    """The backend a unit serves with: rdma (which also serves tcp) when NIXL loads.
+
+    Readers forced onto shm need only the tcp control lane.
+    """
+    if requested in ("tcp", "shm"):
         return "tcp"
     from transport.policy import nixl_import_error
 

@@ -288,7 +288,9 @@ class Reader(Closeable):
                                     for layout in layouts)
         with contextlib.ExitStack() as lent:  # pooled staging goes back once restored
             started = time.perf_counter()
-            staging = self._read_all(per_field, stats, lent)
+            staging = _mapped_staging(self, per_field, stats, lent)  # zero-copy over shm, else None
+            if staging is None:
+                staging = self._read_all(per_field, stats, lent)
             stats.fetch_seconds = time.perf_counter() - started
             started = time.perf_counter()
             results = self._restore(per_field, staging, len(shard))
@@ -439,6 +441,50 @@ def _unit_takes_release_id() -> bool:
 
 
 _UNIT_TAKES_RELEASE_ID = _unit_takes_release_id()
+
+
+# -- zero-copy restore from same-host arenas (the shm backend) ---------------------------
+
+def _mapped_staging(reader: Reader, per_field: dict, stats: FetchStats, lent: contextlib.ExitStack):
+    """The shard's compact bytes left in the units' arenas, for the kernel to read in place.
+
+    Taken when restoring into GPU memory, every unit of the shard is read
+    over shm with its arena registered as mapped memory, and the shard is
+    no larger than :func:`transport.shm.zero_copy_max_bytes`. Each unit's
+    keys are leased into ``lent``; the leases are confirmed when it closes,
+    after the restore synchronised. Returns ``None`` to stage as usual.
+    """
+    if reader._device == "cpu":
+        return None
+    from kernels import MappedSource
+    from transport.shm import zero_copy_max_bytes
+
+    units = {unit for _, stage in per_field.values() for unit in stage.refs_by_unit}
+    channels = {unit: reader._clients.channel(unit) for unit in units}
+    if not units or not all(getattr(channel, "device_mappable", lambda: False)()
+                            for channel in channels.values()):
+        return None
+    requests, nbytes = _lay_out([stage for _, stage in per_field.values()], reader._config.max_frame_bytes)
+    if nbytes > zero_copy_max_bytes():
+        return None
+    refs = {(unit, key): ref for _, stage in per_field.values()
+            for unit, pairs in stage.refs_by_unit.items() for key, ref in pairs}
+    starts, addresses, lengths = [], [], []
+    for r in requests:
+        generations = [getattr(refs[(r.unit, key)], "generation", 0) for key in r.keys]
+        regions = lent.enter_context(channels[r.unit].mapped_source(
+            r.keys, reader._config.read_timeout_s, generations=generations,
+            incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None)))
+        if int(regions[:, 1].sum()) != r.stop - r.start:
+            raise TransferError(f"unit {r.unit} leased {int(regions[:, 1].sum())} bytes for {len(r.keys)} "
+                                f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
+        starts.append(r.start + np.cumsum(regions[:, 1]) - regions[:, 1])
+        addresses.append(regions[:, 0])
+        lengths.append(regions[:, 1])
+        stats.unique_keys += len(r.keys)
+        stats.unique_keys_per_unit[r.unit] = stats.unique_keys_per_unit.get(r.unit, 0) + len(r.keys)
+        stats.bytes_fetched += r.stop - r.start
+    return MappedSource(np.concatenate(starts), np.concatenate(addresses), np.concatenate(lengths), nbytes)
 
 
 def _cupy():

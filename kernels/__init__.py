@@ -8,17 +8,20 @@ the rows of fill plan rows. It dispatches on the array type:
 - numpy arrays: the vectorised numpy reference (the semantics);
 - CuPy arrays: the CUDA kernel, one launch per call;
 - CUDA torch tensors: the CUDA kernel through CuPy when CuPy has a working
-  device, else the torch fallback; CPU torch tensors: the torch fallback.
+  device, else the torch fallback; CPU torch tensors: the torch fallback;
+- a :class:`MappedSource` (compact bytes left in mapped host memory) with a
+  CUDA ``out``: the CUDA kernel reading them in place (zero-copy).
 
 Nothing here knows about RL, and only numpy is needed to import it.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
+from transport.cuda import cuda_available
+
+from .mapped import MappedSource
 from .plan import PlanError, plan_bytes, validate_plan
 from .reference import reference_widen_scatter
 
@@ -29,6 +32,7 @@ __all__ = [
     "plan_bytes",
     "PlanError",
     "cuda_available",
+    "MappedSource",
 ]
 
 
@@ -77,6 +81,8 @@ def widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stream=No
         On an invalid plan or buffers, or ``staging`` and ``out`` of
         different array types.
     """
+    if isinstance(staging, MappedSource):  # zero-copy: compact bytes left in mapped host memory
+        return staging.widen_scatter(plan, width, out, fill, validate=validate, stream=stream)
     kind = _array_kind(staging)
     if kind != _array_kind(out):
         raise PlanError(
@@ -104,22 +110,3 @@ def widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stream=No
     raise PlanError(f"unsupported array type {type(staging).__name__}")
 
 
-@functools.lru_cache(maxsize=None)
-def cuda_available() -> bool:
-    """Return True when a CUDA device is usable through CuPy or torch.
-
-    Quietly False where CuPy imports but finds no driver, or neither
-    library is installed.
-    """
-    from .cupy_backend import cupy_usable
-
-    if cupy_usable():
-        return True
-    try:
-        import torch
-    except ImportError:
-        return False
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:  # a broken CUDA setup means "not usable"
-        return False

@@ -1,39 +1,51 @@
 """CUDA widen+scatter through CuPy: host side of ``widen_scatter.cu``.
 
 One call is one kernel launch: the plan becomes a small fragment table
-(see the header of ``widen_scatter.cu``), uploaded with one host-to-device
-copy on the launch stream, and one grid covers every fragment. The module
-is compiled with NVRTC once per (device, chunk size) and cached.
+(see the header of ``widen_scatter.cu``) built with a handful of numpy
+operations straight into page-locked host memory, copied asynchronously
+into a device buffer that is reused from launch to launch, and one grid
+covers every fragment. Nothing is allocated per launch: a few table slots
+per device rotate, and a slot is refilled only after the kernel that last
+read it finished (one CUDA event per slot). The module is compiled with
+NVRTC once per (device, steps) and cached.
 
 CuPy arrays are used directly; CUDA torch tensors are launched on by raw
 pointer, on torch's current stream unless a stream is given, so the call
-orders with the caller's torch work.
+orders with the caller's torch work. :func:`widen_scatter_from_pointer`
+reads the compact source from any device-accessible address, e.g. host
+memory registered as mapped (zero-copy).
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from transport.cuda import usable_cupy
+
 from .plan import PlanError, check_call, dtype_name
 
 __all__ = [
-    "DEFAULT_CHUNK",
+    "DEFAULT_STEPS",
     "THREADS",
+    "TABLE_SLOTS",
     "cupy_usable",
+    "chunk_elements",
     "fragment_table",
     "cupy_widen_scatter",
     "torch_widen_scatter_cupy",
+    "widen_scatter_from_pointer",
 ]
 
-# Elements of one fragment a block handles, and threads per block; each
-# thread moves DEFAULT_CHUNK / (4 * THREADS) 16-byte vectors per chunk.
-DEFAULT_CHUNK = 4096
+#: 16-byte groups each thread moves per block, and threads per block: a
+#: block reads 16 * DEFAULT_STEPS * THREADS source bytes, whatever the dtype.
+DEFAULT_STEPS = 4
 THREADS = 256
+#: Fragment tables in flight per device before a launch waits for an old one.
+TABLE_SLOTS = 4
 
 _SOURCE = Path(__file__).with_name("widen_scatter.cu")
 _KERNELS = {
@@ -45,6 +57,8 @@ _KERNELS = {
 _INT32_MAX = 2**31 - 1
 _modules: dict = {}
 _modules_lock = threading.Lock()
+_rings: dict = {}
+_rings_lock = threading.Lock()
 
 
 def _import_cupy():
@@ -60,77 +74,124 @@ def _import_cupy():
     return cupy
 
 
-@functools.lru_cache(maxsize=None)
 def cupy_usable() -> bool:
-    """Return True when CuPy imports and sees at least one working CUDA device.
-
-    Quiet where CuPy is installed without a driver or device.
-    """
-    try:
-        cp = _import_cupy()
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver, no device, broken install: all mean "no"
-        return False
+    """Return True when CuPy imports and sees a CUDA device (:mod:`transport.cuda`'s probe)."""
+    return usable_cupy() is not None
 
 
-def fragment_table(
-    plan: np.ndarray, width: int, src_ptr: int, src_itemsize: int, dst_ptr: int,
-    chunk: int = DEFAULT_CHUNK,
-) -> tuple[np.ndarray, int, int]:
+def chunk_elements(itemsize: int, steps: int = DEFAULT_STEPS) -> int:
+    """Source elements one block moves: ``steps`` 16-byte groups per thread."""
+    return steps * THREADS * (16 // itemsize)
+
+
+def fragment_table(plan: np.ndarray, width: int, chunk: int, out: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, int]:
     """Build the kernel's fragment table from a validated plan.
 
     Parameters
     ----------
     plan : numpy.ndarray, int64 [n, 3]
+        Row plan (``src_row`` -1 for fill rows).
     width : int
-    src_ptr, dst_ptr : int
-        Device addresses of the staging and (4-byte element) output buffers;
-        the table's alignment bits depend on them.
-    src_itemsize : int
-        Bytes per staging element.
+        Elements per row: the table counts elements.
     chunk : int
-        Elements per block; a multiple of ``4 * THREADS``.
+        Elements per block (:func:`chunk_elements`).
+    out : numpy.ndarray of int64, optional
+        Where to build the table (at least ``4 * n`` entries), e.g. a
+        page-locked upload buffer; default a new array.
 
     Returns
     -------
     table : numpy.ndarray of int64
-        ``4 * nfrag`` fragment entries then ``nfrag`` first-block indices.
-    nfrag : int
-        Fragments (plan rows with ``rows > 0``).
+        ``3 * n`` entries (source element or negative for fill, destination
+        element, elements) then ``n`` first-block indices.
     nblocks : int
-        Grid size.
+        Grid size. A fragment gets ``ceil(elements / chunk)`` blocks; an
+        empty one none (it shares its first block with the next fragment,
+        and the kernel's search picks the later one).
     """
-    live = plan[plan[:, 2] > 0]
-    is_fill = live[:, 0] < 0
-    n = live[:, 2] * width
-    src = np.where(is_fill, 0, live[:, 0] * width)
-    dst = live[:, 1] * width
-    # Elements before the first 16-byte-aligned destination element.
-    head = np.minimum(n, (-(dst_ptr // 4 + dst)) % 4)
-    vec_bytes = 4 * src_itemsize
-    src_aligned = ~is_fill & ((src_ptr + (src + head) * src_itemsize) % vec_bytes == 0)
-    blocks = np.maximum(1, -(-(n - head) // chunk))
-    first_block = np.cumsum(blocks) - blocks
-    meta = head | (is_fill.astype(np.int64) << 2) | (src_aligned.astype(np.int64) << 3)
-    table = np.concatenate([np.stack([src, dst, n, meta], axis=1).ravel(), first_block])
-    return np.ascontiguousarray(table, dtype=np.int64), len(live), int(blocks.sum())
+    n = len(plan)
+    table = np.empty(4 * n, np.int64) if out is None else out[:4 * n]
+    if n == 0:
+        return table, 0
+    elems = table[:3 * n].reshape(n, 3)
+    np.multiply(plan, width, out=elems)  # a fill row's -1 stays negative
+    first = table[3 * n:]
+    blocks = elems[:, 2] + (chunk - 1)
+    blocks //= chunk
+    np.cumsum(blocks, out=blocks)
+    nblocks = int(blocks[-1])
+    first[0] = 0
+    first[1:] = blocks[:-1]
+    return table, nblocks
 
 
-def _module(cp, device_id: int, chunk: int):
-    key = (device_id, chunk)
+def _module(cp, device_id: int, steps: int):
+    key = (device_id, steps)
     with _modules_lock:
         mod = _modules.get(key)
         if mod is None:
             with cp.cuda.Device(device_id):
                 mod = cp.RawModule(
                     code=_SOURCE.read_text(),
-                    options=("-std=c++17", f"-DWS_CHUNK={chunk}", f"-DWS_THREADS={THREADS}"),
+                    options=("-std=c++17", f"-DWS_STEPS={steps}", f"-DWS_THREADS={THREADS}"),
                 )
                 # Compile and load now, on this device, not at first launch.
                 for name in _KERNELS.values():
                     mod.get_function(name)
             _modules[key] = mod
     return mod
+
+
+class _TableRing:
+    """Page-locked host and device buffers for fragment tables, reused across launches.
+
+    A launch takes the next slot, waits for the kernel that last read it
+    (long finished unless launches outrun the GPU by :data:`TABLE_SLOTS`),
+    builds the table in its host buffer, copies it on the launch stream and
+    records the slot's event after the kernel. The whole sequence holds the
+    ring's lock, so no thread refills a host buffer a queued copy still reads.
+    """
+
+    def __init__(self, cp):
+        self._cp = cp
+        self._lock = threading.Lock()
+        self._slots: list = [None] * TABLE_SLOTS  # (pinned memory, host int64 view, device array, event)
+        self._next = 0
+
+    def launch(self, plan: np.ndarray, width: int, chunk: int, stream, kernel, args) -> None:
+        """Upload ``plan``'s table and launch ``kernel(grid, block, (*args[:2], table, nfrag, *args[2:]))``."""
+        cp = self._cp
+        entries = 4 * len(plan)
+        with self._lock:
+            index = self._next
+            self._next = (index + 1) % TABLE_SLOTS
+            slot = self._slots[index]
+            if slot is not None:
+                slot[3].synchronize()
+            if slot is None or slot[1].size < entries:
+                size = max(entries, 4096, 2 * (slot[1].size if slot is not None else 0))
+                pinned = cp.cuda.alloc_pinned_memory(size * 8)
+                event = slot[3] if slot is not None else cp.cuda.Event(block=False, disable_timing=True)
+                slot = (pinned, np.frombuffer(pinned, np.int64, size), cp.empty(size, cp.int64), event)
+                self._slots[index] = slot
+            table, nblocks = fragment_table(plan, width, chunk, out=slot[1])
+            if nblocks == 0:
+                return
+            if nblocks > _INT32_MAX:
+                raise PlanError(f"plan needs {nblocks} blocks, more than one grid holds")
+            cp.cuda.runtime.memcpyAsync(slot[2].data.ptr, slot[1].ctypes.data, table.nbytes,
+                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            kernel((nblocks,), (THREADS,), (*args[:2], slot[2], np.int32(len(plan)), *args[2:]), stream=stream)
+            slot[3].record(stream)
+
+
+def _ring(cp, device_id: int) -> _TableRing:
+    with _rings_lock:
+        ring = _rings.get(device_id)
+        if ring is None:
+            ring = _rings[device_id] = _TableRing(cp)
+        return ring
 
 
 def _cupy_stream(cp, stream, torch_device=None):
@@ -150,36 +211,26 @@ def _cupy_stream(cp, stream, torch_device=None):
     raise PlanError(f"unsupported stream {stream!r}: pass a CuPy or torch stream or a handle")
 
 
-def _launch(cp, src_ptr, in_dtype, dst_ptr, plan, width, fill, device_id, stream, chunk):
-    if src_ptr % np.dtype(in_dtype).itemsize or dst_ptr % 4:
+def _launch(cp, src_ptr, in_dtype, dst_ptr, plan, width, fill, device_id, stream, steps):
+    itemsize = np.dtype(in_dtype).itemsize
+    if src_ptr % itemsize or dst_ptr % 4:
         raise PlanError("staging and out must be aligned to their element size")
-    table, nfrag, nblocks = fragment_table(
-        plan, width, src_ptr, np.dtype(in_dtype).itemsize, dst_ptr, chunk
-    )
-    if nfrag == 0:
-        return
-    if nblocks > _INT32_MAX or nfrag > _INT32_MAX:
-        raise PlanError(f"plan needs {nblocks} blocks, more than one grid holds")
-    module = _module(cp, device_id, chunk)
+    if len(plan) > _INT32_MAX:
+        raise PlanError(f"plan has {len(plan)} rows, more than one launch holds")
+    kernel = _module(cp, device_id, steps).get_function(_KERNELS[in_dtype])
     with cp.cuda.Device(device_id):
-        kernel = module.get_function(_KERNELS[in_dtype])
-        with stream if stream is not None else cp.cuda.get_current_stream():
-            table_dev = cp.asarray(table)
-            kernel(
-                (nblocks,), (THREADS,),
-                (np.uint64(src_ptr), np.uint64(dst_ptr), table_dev, np.int32(nfrag), fill),
-            )
-            # table_dev returns to CuPy's pool for this stream: a later
-            # allocation reusing it is ordered after the kernel.
+        stream = stream if stream is not None else cp.cuda.get_current_stream()
+        _ring(cp, device_id).launch(plan, width, chunk_elements(itemsize, steps), stream, kernel,
+                                    (np.uint64(src_ptr), np.uint64(dst_ptr), fill))
 
 
 def cupy_widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stream=None,
-                       chunk=DEFAULT_CHUNK):
+                       steps=DEFAULT_STEPS):
     """Widen+scatter CuPy arrays with the CUDA kernel (one launch).
 
     Parameters and semantics as :func:`kernels.widen_scatter`; ``stream`` is
     a CuPy stream, a torch stream or a raw handle (default: CuPy's current
-    stream). ``chunk`` tunes elements per block (benchmarks only).
+    stream). ``steps`` tunes the 16-byte groups per thread (benchmarks only).
 
     Returns
     -------
@@ -200,12 +251,12 @@ def cupy_widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stre
         raise PlanError("staging must be C-contiguous")
     cs = _cupy_stream(cp, stream)
     _launch(cp, staging.data.ptr, staging.dtype.name, out.data.ptr, plan, int(width), fill,
-            out.device.id, cs, chunk)
+            out.device.id, cs, steps)
     return out
 
 
 def torch_widen_scatter_cupy(staging, plan, width, out, fill=0, *, validate=True,
-                             stream=None, chunk=DEFAULT_CHUNK):
+                             stream=None, steps=DEFAULT_STEPS):
     """Widen+scatter CUDA torch tensors with the CuPy-loaded CUDA kernel.
 
     Runs on torch's current stream of ``out``'s device unless ``stream`` is
@@ -227,5 +278,51 @@ def torch_widen_scatter_cupy(staging, plan, width, out, fill=0, *, validate=True
     )
     cs = _cupy_stream(cp, stream, torch_device=out.device)
     _launch(cp, staging.data_ptr(), in_dtype, out.data_ptr(), plan, int(width), fill,
-            out.device.index, cs, chunk)
+            out.device.index, cs, steps)
     return out
+
+
+def widen_scatter_from_pointer(src_ptr: int, src_dtype, src_elems: int, plan, out, fill=0, *,
+                               validate=True, stream=None, steps=DEFAULT_STEPS):
+    """Widen+scatter from a raw device-accessible address into ``out`` (one launch).
+
+    The zero-copy restore: ``src_ptr`` may be page-locked host memory
+    registered as mapped, which the kernel reads over PCIe, so only the
+    compact bytes cross the bus and nothing is staged.
+
+    Parameters
+    ----------
+    src_ptr : int
+        Device address of the compact source (element 0).
+    src_dtype : str or dtype
+        uint8, uint16, int32 or float32.
+    src_elems : int
+        Elements readable from ``src_ptr`` (bounds the plan's sources).
+    plan : array-like of int, shape [n, 3]
+        In *elements*: ``(src_elem, dst_elem, elems)``, ``src_elem`` -1 for
+        fill; destination ranges must not overlap.
+    out : cupy.ndarray or CUDA torch.Tensor
+        Contiguous int32 (float32 for float32 sources) output.
+    fill, validate, stream, steps
+        As :func:`cupy_widen_scatter`.
+
+    Returns
+    -------
+    ``out``.
+    """
+    cp = _import_cupy()
+    in_dtype = dtype_name(src_dtype)
+    if isinstance(out, cp.ndarray):
+        if not out.flags.c_contiguous:
+            raise PlanError("out must be C-contiguous")
+        dst_ptr, out_dtype, out_len, device_id = out.data.ptr, out.dtype.name, out.size, out.device.id
+        cs = _cupy_stream(cp, stream)
+    else:
+        if not out.is_cuda or not out.is_contiguous():
+            raise PlanError("out must be a contiguous CUDA tensor")
+        dst_ptr, out_dtype, out_len, device_id = out.data_ptr(), dtype_name(out.dtype), out.numel(), out.device.index
+        cs = _cupy_stream(cp, stream, torch_device=out.device)
+    plan, fill = check_call(in_dtype, int(src_elems), out_dtype, out_len, plan, 1, fill, validate)
+    _launch(cp, int(src_ptr), in_dtype, dst_ptr, plan, 1, fill, device_id, cs, steps)
+    return out
+

@@ -1,67 +1,76 @@
-// Widen + scatter: copy row ranges of a compact staging buffer into an int32
+// Widen + scatter: copy element ranges of a compact source into an int32
 // (or float32) output, widening each element, in one launch for a whole plan.
 //
 // The host (kernels/cupy_backend.py) turns the plan into a table of
-// fragments, 4 long longs each:
-//   [0] source element offset     [1] destination element offset
-//   [2] element count n (> 0)     [3] meta: bits 0-1 head, bit 2 fill,
-//                                       bit 3 source vector-aligned
+// fragments, 3 long longs each, in elements:
+//   [0] source element offset from src (negative: a fill fragment)
+//   [1] destination element offset from dst
+//   [2] element count n (>= 0)
 // followed by nfrag long longs: the first block index of each fragment.
-// A fragment's elements [0, head) are the scalar part before the first
-// 16-byte-aligned destination element; the rest is cut into chunks of
-// WS_CHUNK elements, one block each, so every block but the fragment's last
-// stores whole 16-byte vectors only. The last chunk ends in a scalar tail
-// of fewer than 4 elements. Loads take 4 source elements at once (what one
-// 16-byte store consumes: 4, 8 or 16 bytes) where the source is aligned
-// for it, and 4 scalar loads where it is not.
+// The source may be device memory or page-locked host memory mapped into
+// the device's address space (zero-copy: the loads then cross PCIe).
+//
+// Every thread moves WS_STEPS groups of VEC = 16 / sizeof(In) elements per
+// block: one 16-byte load each (16 uint8, 8 uint16 or 4 int32 elements) and
+// VEC / 4 16-byte stores, all loads issued before any store. A block thus
+// reads the same 16 * WS_STEPS * WS_THREADS source bytes whatever the dtype,
+// so the per-block cost (finding the fragment) is spread over as many bytes
+// for uint8 as for int32. A fragment's elements before its first 16-byte
+// aligned destination element (its head, < 4) and after its last whole group
+// (its tail, < VEC) are moved one by one. A source that is not 16-byte
+// aligned where the destination is falls back to 4-byte loads (or 1- and
+// 2-byte loads where even that is misaligned).
 //
 // Offsets are 64-bit (outputs pass 2^31 elements); the per-thread loop uses
 // 32-bit indices within a chunk and never divides.
 
-#ifndef WS_CHUNK
-#define WS_CHUNK 4096
+#ifndef WS_STEPS
+#define WS_STEPS 4
 #endif
 #ifndef WS_THREADS
 #define WS_THREADS 256
 #endif
-
-// Vectors of 4 elements each thread moves per step of its loop.
-#define WS_STEPS (WS_CHUNK / (4 * WS_THREADS))
-static_assert(WS_CHUNK % (4 * WS_THREADS) == 0, "a chunk must be whole steps of the block");
-static_assert(WS_STEPS >= 1, "a chunk must give every thread work");
+static_assert(WS_STEPS >= 1, "every thread moves at least one group");
 
 template <typename T> struct Vec4;
-template <> struct Vec4<unsigned char> { typedef uchar4 type; };
-template <> struct Vec4<unsigned short> { typedef ushort4 type; };
 template <> struct Vec4<int> { typedef int4 type; };
 template <> struct Vec4<float> { typedef float4 type; };
 
-template <typename In, typename Out>
-__device__ __forceinline__ typename Vec4<Out>::type load_widen4(const In* __restrict__ p,
-                                                                bool aligned) {
-    typename Vec4<Out>::type r;
-    if (aligned) {
-        const typename Vec4<In>::type v = *reinterpret_cast<const typename Vec4<In>::type*>(p);
-        r.x = static_cast<Out>(v.x);
-        r.y = static_cast<Out>(v.y);
-        r.z = static_cast<Out>(v.z);
-        r.w = static_cast<Out>(v.w);
+// 16 source bytes seen as a vector, as 32-bit words, or as elements.
+template <typename In> union Group {
+    uint4 v;
+    unsigned int w[4];
+    In e[16 / sizeof(In)];
+};
+
+// Alignment of a fragment's grouped part in the source.
+enum { SRC_ALIGN_16 = 0, SRC_ALIGN_4 = 1, SRC_ALIGN_ELEM = 2 };
+
+template <typename In>
+__device__ __forceinline__ void load_group(Group<In>& g, const In* __restrict__ p, int align) {
+    constexpr int VEC = 16 / sizeof(In);
+    if (align == SRC_ALIGN_16) {
+        g.v = *reinterpret_cast<const uint4*>(p);
+    } else if (align == SRC_ALIGN_4) {
+        const unsigned int* q = reinterpret_cast<const unsigned int*>(p);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) g.w[j] = q[j];
     } else {
-        r.x = static_cast<Out>(p[0]);
-        r.y = static_cast<Out>(p[1]);
-        r.z = static_cast<Out>(p[2]);
-        r.w = static_cast<Out>(p[3]);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g.e[j] = p[j];
     }
-    return r;
 }
 
 template <typename In, typename Out>
-__device__ __forceinline__ void widen_scatter_body(const In* __restrict__ src,
+__device__ __forceinline__ void widen_scatter_body(const unsigned char* __restrict__ src,
                                                    Out* __restrict__ dst,
                                                    const long long* __restrict__ table,
                                                    int nfrag, Out fill) {
     typedef typename Vec4<Out>::type Out4;
-    const long long* __restrict__ first_block = table + 4LL * nfrag;
+    constexpr int VEC = 16 / sizeof(In);  // elements per group
+    constexpr int OUT_VECS = VEC / 4;     // 16-byte stores per group
+    constexpr int CHUNK = WS_STEPS * WS_THREADS * VEC;
+    const long long* __restrict__ first_block = table + 3LL * nfrag;
     const long long b = blockIdx.x;
 
     // The fragment of this block: the last one whose first block is <= b.
@@ -70,31 +79,32 @@ __device__ __forceinline__ void widen_scatter_body(const In* __restrict__ src,
         const int mid = (lo + hi + 1) >> 1;
         if (first_block[mid] <= b) lo = mid; else hi = mid - 1;
     }
-    const long long* __restrict__ frag = table + 4LL * lo;
+    const long long* __restrict__ frag = table + 3LL * lo;
+    const long long src_off = frag[0];
     const long long n = frag[2];
-    const int meta = static_cast<int>(frag[3]);
-    const int head = meta & 3;
-    const bool is_fill = (meta & 4) != 0;
-    const bool src_aligned = (meta & 8) != 0;
+    const bool is_fill = src_off < 0;
     const long long chunk = b - first_block[lo];
 
     Out* __restrict__ d = dst + frag[1];
-    const In* __restrict__ s = src + frag[0];
+    const In* __restrict__ s = reinterpret_cast<const In*>(src) + (is_fill ? 0 : src_off);
+    // Elements before the first 16-byte-aligned destination element.
+    const long long to_aligned = ((16 - (reinterpret_cast<unsigned long long>(d) & 15)) & 15) / sizeof(Out);
+    const int head = static_cast<int>(n < to_aligned ? n : to_aligned);
     const int t = threadIdx.x;
     if (chunk == 0 && t < head) {
         d[t] = is_fill ? fill : static_cast<Out>(s[t]);
     }
 
     // This block's part: [begin, begin + len) of the fragment; begin is
-    // 16-byte aligned in dst. The host guarantees len >= 0 (len > 0 unless
-    // the fragment is all head).
-    const long long begin = head + chunk * WS_CHUNK;
+    // 16-byte aligned in dst. The host sizes the grid from n alone, so a
+    // fragment may get one block more than its grouped part needs: len <= 0.
+    const long long begin = head + chunk * CHUNK;
     const long long left = n - begin;
-    const int len = left < WS_CHUNK ? static_cast<int>(left) : WS_CHUNK;
+    const int len = left <= 0 ? 0 : (left < CHUNK ? static_cast<int>(left) : CHUNK);
     d += begin;
     s += begin;
     Out4* __restrict__ d4 = reinterpret_cast<Out4*>(d);
-    const int nvec = len >> 2;
+    const int ngroups = len / VEC;
 
     if (is_fill) {
         Out4 f4;
@@ -102,33 +112,48 @@ __device__ __forceinline__ void widen_scatter_body(const In* __restrict__ src,
 #pragma unroll
         for (int k = 0; k < WS_STEPS; ++k) {
             const int i = t + k * WS_THREADS;
-            if (i < nvec) d4[i] = f4;
+            if (i < ngroups) {
+#pragma unroll
+                for (int j = 0; j < OUT_VECS; ++j) d4[i * OUT_VECS + j] = f4;
+            }
         }
     } else {
-        // All loads first, then all stores: WS_STEPS loads in flight per thread.
-        Out4 v[WS_STEPS];
+        const unsigned long long addr = reinterpret_cast<unsigned long long>(s);
+        const int align = (addr & 15) == 0 ? SRC_ALIGN_16 : ((addr & 3) == 0 ? SRC_ALIGN_4 : SRC_ALIGN_ELEM);
+        // All loads first, then all stores: WS_STEPS 16-byte loads in flight per thread.
+        Group<In> g[WS_STEPS];
 #pragma unroll
         for (int k = 0; k < WS_STEPS; ++k) {
             const int i = t + k * WS_THREADS;
-            if (i < nvec) v[k] = load_widen4<In, Out>(s + 4 * i, src_aligned);
+            if (i < ngroups) load_group<In>(g[k], s + i * VEC, align);
         }
 #pragma unroll
         for (int k = 0; k < WS_STEPS; ++k) {
             const int i = t + k * WS_THREADS;
-            if (i < nvec) d4[i] = v[k];
+            if (i < ngroups) {
+#pragma unroll
+                for (int j = 0; j < OUT_VECS; ++j) {
+                    Out4 o;
+                    o.x = static_cast<Out>(g[k].e[4 * j]);
+                    o.y = static_cast<Out>(g[k].e[4 * j + 1]);
+                    o.z = static_cast<Out>(g[k].e[4 * j + 2]);
+                    o.w = static_cast<Out>(g[k].e[4 * j + 3]);
+                    d4[i * OUT_VECS + j] = o;
+                }
+            }
         }
     }
 
-    const int tail = len & 3;  // non-zero only in a fragment's last chunk
+    const int tail = len - ngroups * VEC;  // non-zero only in a fragment's last chunk
     if (t < tail) {
-        const int i = (nvec << 2) + t;
+        const int i = ngroups * VEC + t;
         d[i] = is_fill ? fill : static_cast<Out>(s[i]);
     }
 }
 
 #define WS_KERNEL(name, In, Out)                                                      \
     extern "C" __global__ void __launch_bounds__(WS_THREADS)                          \
-        name(const In* __restrict__ src, Out* __restrict__ dst,                       \
+        name(const unsigned char* __restrict__ src, Out* __restrict__ dst,            \
              const long long* __restrict__ table, int nfrag, Out fill) {             \
         widen_scatter_body<In, Out>(src, dst, table, nfrag, fill);                    \
     }

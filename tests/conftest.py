@@ -6,6 +6,7 @@ import pytest
 
 from gputq.config import GputqConfig
 from gputq.deploy import local_cluster
+from tests.transport.shm_control import answer_shm_control  # noqa: F401 - a fixture
 
 
 def nixl_usable() -> str | None:
@@ -18,6 +19,7 @@ def nixl_usable() -> str | None:
 
 TRANSPORT_PARAMS = [
     "tcp",
+    "shm",
     pytest.param("rdma", marks=[pytest.mark.rdma,
                                 pytest.mark.skipif(nixl_usable() is not None, reason=str(nixl_usable()))]),
 ]
@@ -32,4 +34,6 @@ def local_units(transport: str = "tcp", *, units: int = 2, capacity: int = 64 <<
 
 @pytest.fixture(params=TRANSPORT_PARAMS)
 def transport_name(request):
+    if request.param == "shm":
+        request.getfixturevalue("answer_shm_control")
     return request.param

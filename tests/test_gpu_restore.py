@@ -1,4 +1,9 @@
-"""The reader restoring into GPU memory, checked against the inline path (needs a GPU)."""
+"""The reader restoring into GPU memory, checked against the inline path (needs a GPU).
+
+Over shm the restore reads compact bytes in place from the mapped arenas
+(zero-copy) up to a size threshold and copies them to the GPU first above
+it; both are checked.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +23,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.cuda_available(), reason="no CUDA device")]
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
-def test_gpu_restore_matches_inline_path(transport_name, dtype):
+def _restore_and_compare(transport_name, dtype):
     torch = pytest.importorskip("torch")
     synth = SyntheticConfig(sessions=4, steps_per_session=3, layers=6, topk=8, num_experts=250,
                             prompt_tokens=300, tokens_per_step=400, tool_tokens=17, branch_prob=0.5,
@@ -41,3 +45,23 @@ def test_gpu_restore_matches_inline_path(transport_name, dtype):
                         assert tensor.is_cuda and tuple(tensor.shape) == want.shape
                         assert tensor.dtype == {np.int32: torch.int32, np.float32: torch.float32}[want.dtype.type]
                         assert np.array_equal(tensor.cpu().numpy(), want), (seg.segment_id, name)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_gpu_restore_matches_inline_path(transport_name, dtype):
+    _restore_and_compare(transport_name, dtype)
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "copied"])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16"])
+def test_gpu_restore_over_shm_in_place_or_copied(answer_shm_control, monkeypatch, zero_copy, dtype):
+    from kernels import MappedSource
+    from transport.shm import ZERO_COPY_ENV
+
+    monkeypatch.setenv(ZERO_COPY_ENV, "inf" if zero_copy else "0")
+    launches = []
+    original = MappedSource.widen_scatter
+    monkeypatch.setattr(MappedSource, "widen_scatter",
+                        lambda self, *a, **k: launches.append(self) or original(self, *a, **k))
+    _restore_and_compare("shm", dtype)
+    assert bool(launches) == zero_copy

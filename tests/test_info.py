@@ -36,7 +36,7 @@ def test_without_nixl_reports_everything_else(no_nixl):
     assert data["nixl"]["available"] is False and "nixl" in data["nixl"]["error"]
     assert data["nixl"]["plugins"] == []
     assert data["versions"]["numpy"] not in ("unknown", "not installed")
-    assert data["transport"]["same_host"]["choice"] == "tcp"
+    assert data["transport"]["same_host"]["choice"] == "shm"
     assert data["transport"]["remote"]["choice"] == "tcp"
     json.dumps(data)  # `gputq info --json` must serialise it
     text = info.format_info(data)
@@ -70,7 +70,7 @@ def test_with_nixl_lists_plugins_and_auto_choices():
     assert "cma" in data["ucx"]["bundled_modules"]
     expected = "tcp" if not data["infiniband"] else "rdma"
     if not data["transport"]["env"]:
-        assert data["transport"]["same_host"]["choice"] == "rdma"
+        assert data["transport"]["same_host"]["choice"] == "shm"
         assert data["transport"]["remote"]["choice"] == expected
 
 

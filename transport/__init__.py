@@ -61,11 +61,12 @@ __all__ = [
 TRANSPORTS: dict[str, tuple[str, str]] = {
     "tcp": ("transport.tcp", "TcpTransport"),
     "rdma": ("transport.nixl", "NixlTransport"),
+    "shm": ("transport.shm", "ShmTransport"),
 }
 
 
 def get_transport(name: str) -> TransportType:
-    """Return a backend by name (``"tcp"`` or ``"rdma"``).
+    """Return a backend by name (``"tcp"``, ``"rdma"`` or ``"shm"``).
 
     Raises
     ------

@@ -93,17 +93,12 @@ class CudaOps:
     """Allocate device buffers and copy between raw pointers (CuPy, else torch)."""
 
     def __init__(self):
-        try:
-            import cupy
-            cupy.cuda.runtime.getDeviceCount()
-            self._cp, self._torch = cupy, None
-        except Exception:
-            try:
-                import torch
-            except ImportError as exc:
-                raise MissingDependencyError(
-                    "a CUDA destination needs CuPy or torch: pip install cupy-cuda12x") from exc
-            self._cp, self._torch = None, torch
+        from transport.cuda import usable_cupy, usable_torch
+
+        self._cp, self._torch = usable_cupy(), usable_torch()
+        if self._cp is None and self._torch is None:
+            raise MissingDependencyError(
+                "a CUDA destination needs CuPy or torch with a device: pip install cupy-cuda12x")
 
     def alloc(self, nbytes: int, device: int) -> tuple[Any, int]:
         """A device uint8 array of ``nbytes`` on ``device`` and its address."""
@@ -153,18 +148,14 @@ def _page_locker() -> tuple[Callable[[int, int], None], Callable[[int], None]] |
 
     CuPy first, else torch's CUDA runtime binding, as transport.staging does.
     """
-    from transport.staging import cuda_available
+    from transport.cuda import usable_cupy, usable_torch
 
-    if not cuda_available():
-        return None
-    try:
-        import cupy
+    cupy, torch = usable_cupy(), usable_torch()
+    if cupy is not None:
         rt = cupy.cuda.runtime
-        rt.getDeviceCount()
         return (lambda ptr, nbytes: rt.hostRegister(ptr, nbytes, 0)), rt.hostUnregister
-    except Exception:  # no CuPy, or CuPy without a driver: torch saw the device
-        pass
-    import torch
+    if torch is None:
+        return None
     cudart = torch.cuda.cudart()
 
     def lock(ptr: int, nbytes: int) -> None:

@@ -1,24 +1,29 @@
-"""Which backend a channel uses: the ``--transport auto|rdma|tcp`` decision.
+"""Which backend a channel uses: the ``--transport auto|shm|rdma|tcp`` decision.
 
-``auto`` picks ``rdma`` (NIXL) only where NIXL has a lane faster than the tcp
-backend, and ``tcp`` otherwise. The lanes and the figures behind the rule
-(2-core dev box, ``python -m bench.transport`` and docs/operations.md):
+``auto`` picks the fastest lane the peer and this host share. The lanes and
+the figures behind the rule (2-core dev box, ``python -m bench.transport``,
+``python -m bench.fetch`` and docs/operations.md):
 
-- same host: UCX reads by cross-memory attach (cma): 4-9 GB/s for R3-shaped
-  shards, against 2-3 GB/s for the tcp backend => rdma;
+- same host: the reader maps the unit's arena file read-only and copies
+  from it (``shm``): one memcpy, against 4-9 GB/s for NIXL's cross-memory
+  attach (cma) and 2-3 GB/s for the tcp backend => shm. Where the file
+  cannot be mapped (another container's /dev/shm, permissions) the shm
+  channel reads over rdma (cma) or the unit's tcp lane and says why;
 - InfiniBand on this host (and on the peer, when its address says): one-sided
   RDMA READ with no CPU copy => rdma;
 - remote peer without InfiniBand: UCX falls back to its tcp lane, which
   emulates READ in software at 1.1-1.5 GB/s, below the tcp backend => tcp.
 
-``GPUTQ_TRANSPORT`` (``auto``, ``rdma`` or ``tcp``) overrides the requested
-value, so an operator can force a backend without touching the job's flags.
+``GPUTQ_TRANSPORT`` (``auto``, ``shm``, ``rdma`` or ``tcp``) overrides the
+requested value, so an operator can force a backend without touching the
+job's flags.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import mmap
 import os
 import socket
 
@@ -34,10 +39,11 @@ __all__ = [
     "infiniband_devices",
     "local_hostname",
     "is_same_host",
+    "shm_supported",
     "gpudirect_support",
 ]
 
-TRANSPORT_NAMES = ("auto", "rdma", "tcp")
+TRANSPORT_NAMES = ("auto", "shm", "rdma", "tcp")
 ENV_VAR = "GPUTQ_TRANSPORT"
 _IB_SYSFS = "/sys/class/infiniband"
 
@@ -98,6 +104,11 @@ def is_same_host(peer_address: dict | None) -> bool:
     return bool(peer_address) and peer_address.get("hostname") == local_hostname()
 
 
+def shm_supported() -> bool:
+    """Whether this process can map another process's arena file (POSIX shared mappings)."""
+    return os.name == "posix" and hasattr(mmap, "MAP_SHARED")
+
+
 def _requested(requested: str) -> tuple[str, str]:
     override = os.environ.get(ENV_VAR, "").strip().lower()
     if override:
@@ -118,7 +129,8 @@ def choose_transport(requested: str = "auto", peer_address: dict | None = None) 
     Parameters
     ----------
     requested : str
-        ``"auto"``, ``"rdma"`` or ``"tcp"``; ``GPUTQ_TRANSPORT`` overrides it.
+        ``"auto"``, ``"shm"``, ``"rdma"`` or ``"tcp"``; ``GPUTQ_TRANSPORT``
+        overrides it.
     peer_address : dict or None
         The unit's published address. Its ``hostname`` tells whether the peer
         shares this host; its ``ib_devices`` (when present) whether the peer
@@ -128,16 +140,20 @@ def choose_transport(requested: str = "auto", peer_address: dict | None = None) 
     Returns
     -------
     (str, str)
-        The backend name (``"rdma"`` or ``"tcp"``) and a one-line reason.
+        The backend name (``"shm"``, ``"rdma"`` or ``"tcp"``) and a one-line
+        reason.
 
     Raises
     ------
     InvalidInputError
-        For a name other than auto/rdma/tcp.
+        For a name other than auto/shm/rdma/tcp.
     """
     name, source = _requested(requested)
     if name != "auto":
         return name, f"{source} explicitly"
+    if is_same_host(peer_address) and shm_supported():
+        return "shm", ("auto: peer on the same host, reads copy from its arena file mapped read-only "
+                       "(rdma or tcp reads where the file cannot be mapped)")
     missing = nixl_import_error()
     if missing is not None:
         return "tcp", f"auto: nixl does not import ({missing}); pip install 'gputq[rdma]' for rdma"

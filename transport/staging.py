@@ -8,7 +8,7 @@ previous copy finished (one CUDA event per slot), and a read returns only
 after the stream is synchronised, so the caller sees complete data.
 
 The CUDA work is done by a *copier*: CuPy when it imports and sees a device,
-else torch. Both are imported lazily. The ring logic itself is independent
+else torch (:mod:`transport.cuda` decides, once per process). Both are imported lazily. The ring logic itself is independent
 of CUDA, which lets tests drive it with a host-only copier.
 """
 
@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from transport.cuda import cuda_available, usable_cupy
 from transport.errors import InvalidInputError, MissingDependencyError
 
 __all__ = [
@@ -48,27 +49,6 @@ def device_nbytes(buf) -> int:
         if tuple(reversed(expected)) != tuple(strides) and int(np.prod(shape)) > 1:
             raise InvalidInputError("CUDA destination must be C-contiguous")
     return int(np.prod(shape, dtype=np.int64)) * itemsize
-
-
-def _cupy_usable():
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy
-    except Exception:  # ImportError, or CUDARuntimeError without a driver
-        pass
-    return None
-
-
-def cuda_available() -> bool:
-    """True when CuPy or torch can run CUDA work in this process."""
-    if _cupy_usable() is not None:
-        return True
-    try:
-        import torch
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
 
 
 class _CupyCopier:
@@ -151,7 +131,7 @@ def _device_of(dest) -> int:
     device_id = getattr(device, "id", None)  # cupy
     if device_id is not None:
         return int(device_id)
-    cupy = _cupy_usable()
+    cupy = usable_cupy()
     if cupy is not None:
         ptr = dest.__cuda_array_interface__["data"][0]
         return int(cupy.cuda.runtime.pointerGetAttributes(ptr).device)
@@ -159,7 +139,7 @@ def _device_of(dest) -> int:
 
 
 def _make_copier(dest, nchunks: int, chunk_bytes: int):
-    cupy = _cupy_usable()
+    cupy = usable_cupy()
     if cupy is not None:
         return _CupyCopier(cupy, _device_of(dest), nchunks, chunk_bytes)
     try:

@@ -175,3 +175,69 @@ def test_torch_fallback_on_cuda(dtype, width):
     torch_widen_scatter(_torch_tensor(torch, staging, "cuda"), plan, width, out, fill)
     assert out.dtype == getattr(torch, out_dtype(dtype).name)
     np.testing.assert_array_equal(bits(out.cpu().numpy()), bits(want))
+
+
+@needs_cupy
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("steps", [1, 2, 8])
+def test_cupy_kernel_other_steps_per_thread(dtype, steps):
+    import cupy as cp
+    from kernels.cupy_backend import cupy_widen_scatter
+
+    staging, plan, fill, want = _case(steps * 13, dtype, 24, 3000, 5000, max_frag=900)
+    for s_shift, d_shift in ((0, 0), (5, 1)):
+        out = _shifted(cp, poisoned_out(dtype, want.size), d_shift)
+        cupy_widen_scatter(_shifted(cp, staging, s_shift), plan, 24, out, fill, steps=steps)
+        np.testing.assert_array_equal(bits(out.get()), bits(want), err_msg=f"shifts {s_shift, d_shift}")
+
+
+@needs_cupy
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_copy_from_mapped_host_memory(dtype):
+    """The kernel reads compact elements straight from registered, mapped host memory."""
+    import cupy as cp
+    from kernels.cupy_backend import widen_scatter_from_pointer
+    from transport.cuda import (HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, host_register,
+                                host_unregister, mapped_device_pointer)
+
+    width = 384
+    staging, plan, fill, want = _case(77, dtype, width, 700, 1500, max_frag=200)
+    page = 4096
+    size = -(-(staging.nbytes + 16) // page) * page  # whole pages, with room to misalign
+    raw = np.zeros(size + page, np.uint8)
+    start = (-raw.ctypes.data) % page
+    host = raw[start:start + size]
+    host_register(host.ctypes.data, host.nbytes, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
+    try:
+        base = mapped_device_pointer(host.ctypes.data)
+        for shift in (0, 1, 3):
+            offset = shift * staging.itemsize
+            host[offset:offset + staging.nbytes] = staging.view(np.uint8)
+            elems = plan.copy()
+            copy = elems[:, 0] >= 0
+            elems[:, 0] = np.where(copy, elems[:, 0] * width, -1)
+            elems[:, 1] *= width
+            elems[:, 2] *= width
+            out = cp.asarray(poisoned_out(dtype, want.size))
+            widen_scatter_from_pointer(base + offset, dtype, staging.size, elems, out, fill)
+            cp.cuda.get_current_stream().synchronize()
+            np.testing.assert_array_equal(bits(out.get()), bits(want), err_msg=f"shift {shift}")
+        with pytest.raises(PlanError, match="reads past"):
+            widen_scatter_from_pointer(base, dtype, 10, [[0, 0, 11]], out)
+    finally:
+        host_unregister(host.ctypes.data)
+
+
+@needs_cupy
+def test_table_buffers_are_reused_across_launches():
+    import cupy as cp
+    from kernels import cupy_backend
+
+    staging, plan, fill, want = _case(4, "uint8", 8, 400, 800, 30)
+    stg = cp.asarray(staging)
+    for _ in range(3 * cupy_backend.TABLE_SLOTS):
+        out = cp.asarray(poisoned_out("uint8", want.size))
+        widen_scatter(stg, plan, 8, out, fill)
+    ring = cupy_backend._rings[stg.device.id]
+    assert all(slot is not None for slot in ring._slots)
+    np.testing.assert_array_equal(out.get(), want)

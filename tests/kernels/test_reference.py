@@ -1,5 +1,5 @@
-"""The numpy reference, plan validation, the kernel's fragment table and the
-torch fallback, checked on the host against a naive per-row oracle."""
+"""The numpy reference, plan validation and the torch fallback, checked on
+the host against a naive per-row oracle."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 
 import kernels
 from kernels import PlanError, plan_bytes, reference_widen_scatter, validate_plan, widen_scatter
-from kernels.cupy_backend import DEFAULT_CHUNK, THREADS, fragment_table
 
 DTYPES = ["uint8", "uint16", "int32", "float32"]
 WIDTHS = [1, 3, 7, 8, 600]
@@ -228,63 +227,6 @@ def test_mixed_array_types_raise():
 
 def test_cuda_available_is_a_quiet_bool():
     assert isinstance(kernels.cuda_available(), bool)
-
-
-# --- the CUDA kernel's fragment table, emulated on the host ---------------------
-
-
-def emulate_kernel(table, nfrag, nblocks, staging, out, fill, src_ptr, dst_ptr, chunk):
-    """Run widen_scatter.cu's block logic in Python; check alignment and coverage."""
-    frags = table[: 4 * nfrag].reshape(nfrag, 4)
-    first = table[4 * nfrag:]
-    written = np.zeros(out.size, np.int64)
-    isz = staging.itemsize
-    for b in range(nblocks):
-        f = int(np.searchsorted(first, b, side="right") - 1)
-        s_off, d_off, n, meta = (int(v) for v in frags[f])
-        head, is_fill, aligned = meta & 3, bool(meta & 4), bool(meta & 8)
-        c = b - int(first[f])
-        parts = [(0, head)] if c == 0 else []
-        begin = head + c * chunk
-        length = min(n - begin, chunk)
-        assert length >= 0 and (length > 0 or c == 0)
-        nvec = length >> 2
-        assert (dst_ptr + 4 * (d_off + begin)) % 16 == 0 or nvec == 0
-        if aligned and nvec:
-            assert (src_ptr + isz * (s_off + begin)) % (4 * isz) == 0
-        parts.append((begin, begin + length))
-        for lo, hi in parts:
-            dst = slice(d_off + lo, d_off + hi)
-            out[dst] = fill if is_fill else staging[s_off + lo: s_off + hi]
-            written[dst] += 1
-    return written
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_fragment_table_covers_every_element_once(seed):
-    rng = np.random.default_rng(100 + seed)
-    dtype = DTYPES[seed % 4]
-    width = int(rng.choice([1, 3, 7, 8, 37]))
-    chunk = 4 * THREADS * int(rng.choice([1, 2]))
-    src_rows, dst_rows = int(rng.integers(1, 400)), int(rng.integers(1, 900))
-    staging = random_staging(rng, dtype, src_rows * width)
-    plan = random_plan(rng, src_rows, dst_rows, max_frag=int(rng.choice([3, 300])))
-    # Device addresses whose misalignment the table must absorb.
-    src_ptr = 256 * 1024 + staging.itemsize * int(rng.integers(0, 16))
-    dst_ptr = 512 * 1024 + 4 * int(rng.integers(0, 4))
-    table, nfrag, nblocks = fragment_table(plan, width, src_ptr, staging.itemsize, dst_ptr, chunk)
-    out = poisoned_out(dtype, dst_rows * width)
-    written = emulate_kernel(table, nfrag, nblocks, staging, out, 9, src_ptr, dst_ptr, chunk)
-    want = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), 9)
-    np.testing.assert_array_equal(bits(out), bits(want))
-    covered = np.zeros(dst_rows, bool)
-    for _, d, r in plan.tolist():
-        covered[d: d + r] = True
-    np.testing.assert_array_equal(written, np.repeat(covered, width).astype(np.int64))
-
-
-def test_default_chunk_is_whole_steps_of_a_block():
-    assert DEFAULT_CHUNK % (4 * THREADS) == 0
 
 
 # --- the torch fallback ---------------------------------------------------------

@@ -27,9 +27,26 @@ def test_explicit_names_are_kept():
     assert policy.choose_transport(" RDMA ", None)[0] == "rdma"
 
 
-def test_auto_same_host_uses_rdma_over_cma():
+def test_auto_same_host_maps_the_arena(machine):
     name, reason = policy.choose_transport("auto", HERE)
-    assert name == "rdma" and "same host" in reason
+    assert name == "shm" and "same host" in reason and "mapped read-only" in reason
+    # shm needs no NIXL
+    machine.setattr(policy, "nixl_import_error", lambda: "ImportError: No module named 'nixl'")
+    assert policy.choose_transport("auto", HERE)[0] == "shm"
+
+
+def test_auto_same_host_without_shared_mappings_uses_rdma_over_cma(machine):
+    machine.setattr(policy, "shm_supported", lambda: False)
+    name, reason = policy.choose_transport("auto", HERE)
+    assert name == "rdma" and "cma" in reason
+
+
+def test_shm_is_forced_by_name_or_environment(machine):
+    assert policy.choose_transport("shm", REMOTE) == ("shm", "requested shm explicitly")
+    machine.setenv(policy.ENV_VAR, "shm")
+    name, reason = policy.choose_transport("tcp", REMOTE)
+    assert name == "shm" and policy.ENV_VAR in reason
+    assert "shm" in policy.TRANSPORT_NAMES
 
 
 def test_auto_remote_without_infiniband_stays_on_tcp():
@@ -50,9 +67,8 @@ def test_auto_remote_with_infiniband_uses_rdma(machine):
 def test_auto_without_nixl_is_tcp_everywhere(machine):
     machine.setattr(policy, "nixl_import_error", lambda: "ImportError: No module named 'nixl'")
     machine.setattr(policy, "infiniband_devices", lambda: ["mlx5_0"])
-    for peer in (HERE, REMOTE):
-        name, reason = policy.choose_transport("auto", peer)
-        assert name == "tcp" and "nixl" in reason and "pip install" in reason
+    name, reason = policy.choose_transport("auto", REMOTE)
+    assert name == "tcp" and "nixl" in reason and "pip install" in reason
 
 
 def test_env_var_overrides_the_request(machine):
@@ -60,7 +76,7 @@ def test_env_var_overrides_the_request(machine):
     name, reason = policy.choose_transport("rdma", HERE)
     assert name == "tcp" and policy.ENV_VAR in reason
     machine.setenv(policy.ENV_VAR, "auto")
-    assert policy.choose_transport("tcp", HERE)[0] == "rdma"
+    assert policy.choose_transport("tcp", HERE)[0] == "shm"
 
 
 def test_bad_names_are_typed_errors(machine):

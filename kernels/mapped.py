@@ -1,0 +1,109 @@
+"""A compact source that stays where it is: byte ranges of mapped host memory.
+
+The zero-copy restore reads a shard's compact bytes straight out of the
+units' arenas (page-locked, mapped into the GPU's address space) instead of
+copying them into a staging buffer first. :class:`MappedSource` stands in
+for that staging buffer: it describes where each staging byte range lives
+(a device address per segment) and behaves like the staging array as far
+as a restore uses it (``nbytes``, a leading slice, ``view(dtype)``).
+:func:`kernels.widen_scatter` given one translates the plan's staging rows
+into those addresses and launches the kernel on them: only compact bytes
+cross PCIe, once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .plan import PlanError, as_plan_array
+
+__all__ = ["MappedSource"]
+
+
+class MappedSource:
+    """Staging bytes scattered over device-accessible (mapped host) memory.
+
+    Parameters
+    ----------
+    starts : array of int
+        Staging byte offset of each segment, ascending; segments do not
+        overlap (gaps are bytes no plan reads).
+    addresses : array of int
+        Device address of each segment's first byte.
+    lengths : array of int
+        Bytes of each segment.
+    nbytes : int
+        Size of the staging buffer this stands for.
+    dtype : numpy dtype, optional
+        Element type seen through :meth:`view`.
+    """
+
+    def __init__(self, starts, addresses, lengths, nbytes: int, dtype=np.uint8):
+        self.starts = np.asarray(starts, np.int64)
+        self.addresses = np.asarray(addresses, np.int64)
+        self.lengths = np.asarray(lengths, np.int64)
+        self.nbytes = int(nbytes)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def size(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+    def __getitem__(self, key) -> "MappedSource":
+        """A leading slice ``[:n]`` (what a restore takes of its staging buffer)."""
+        if not isinstance(key, slice) or key.start not in (None, 0) or key.step not in (None, 1):
+            raise PlanError("a mapped source supports leading slices [:n] only")
+        stop = self.size if key.stop is None else min(int(key.stop), self.size)
+        return MappedSource(self.starts, self.addresses, self.lengths, stop * self.dtype.itemsize, self.dtype)
+
+    def view(self, dtype) -> "MappedSource":
+        dtype = np.dtype(dtype)
+        if self.nbytes % dtype.itemsize:
+            raise PlanError(f"{self.nbytes} bytes are not whole {dtype.name} elements")
+        return MappedSource(self.starts, self.addresses, self.lengths, self.nbytes, dtype)
+
+    def element_plan(self, plan, width: int) -> tuple[np.ndarray, int, int]:
+        """Translate a row plan over the staging bytes into one over device memory.
+
+        Returns
+        -------
+        plan : numpy.ndarray, int64 [n, 3]
+            ``(src_elem, dst_elem, elems)`` relative to ``base`` (``-1`` fill).
+        base : int
+            Device address of source element 0 (the lowest segment address).
+        src_elems : int
+            Elements readable from ``base`` (up to the highest segment end).
+
+        Raises
+        ------
+        PlanError
+            A copied fragment does not lie inside one segment.
+        """
+        plan = as_plan_array(plan)
+        itemsize = self.dtype.itemsize
+        row_bytes = width * itemsize
+        base = int(self.addresses.min()) if len(self.addresses) else 0
+        top = int((self.addresses + self.lengths).max()) if len(self.addresses) else 0
+        out = np.empty_like(plan)
+        np.multiply(plan[:, 1:], width, out=out[:, 1:])
+        copy = plan[:, 0] >= 0
+        first = plan[copy, 0] * row_bytes
+        seg = np.searchsorted(self.starts, first, side="right") - 1
+        inside = (seg >= 0) & (first + plan[copy, 2] * row_bytes <= self.starts[seg] + self.lengths[seg])
+        if not inside.all():
+            i = int(np.flatnonzero(copy)[np.flatnonzero(~inside)[0]])
+            raise PlanError(f"plan row {i} reads staging bytes that no mapped segment holds")
+        src = self.addresses[seg] + (first - self.starts[seg]) - base
+        if (src % itemsize).any():
+            raise PlanError(f"mapped segments are not aligned to {itemsize}-byte elements")
+        out[:, 0] = -1
+        out[copy, 0] = src // itemsize
+        return out, base, (top - base) // itemsize
+
+    def widen_scatter(self, plan, width: int, out, fill=0, *, validate=True, stream=None):
+        """:func:`kernels.widen_scatter` with this as the staging buffer (CUDA ``out`` only)."""
+        from .cupy_backend import widen_scatter_from_pointer
+
+        elements, base, src_elems = self.element_plan(plan, int(width))
+        return widen_scatter_from_pointer(base, self.dtype, src_elems, elements, out, fill,
+                                          validate=validate, stream=stream)

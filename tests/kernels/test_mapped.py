@@ -1,0 +1,50 @@
+"""MappedSource: a row plan over staging bytes translated to scattered memory (host replay, no GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import MappedSource, PlanError, reference_widen_scatter
+from tests.kernels.test_reference import DTYPES, bits, poisoned_out, random_plan, random_staging
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 6, 384])
+def test_element_plan_reads_the_same_elements_from_the_segments(dtype, width):
+    rng = np.random.default_rng(width)
+    src_rows, dst_rows = 400 // width + 30, 900 // width + 50
+    staging = random_staging(rng, dtype, src_rows * width)
+    row_bytes = width * staging.itemsize
+    # Staging rows cut into segments of whole rows, scattered (out of order, with gaps) in one
+    # "memory" array whose byte offsets play the device addresses.
+    cuts = np.unique(np.concatenate([[0, src_rows], rng.integers(1, src_rows, 6)]))
+    starts, lengths = cuts[:-1] * row_bytes, np.diff(cuts) * row_bytes
+    memory = np.zeros(int(lengths.sum()) + 4096 * len(lengths), np.uint8)
+    cursor = 256
+    order = rng.permutation(len(starts))
+    addresses = np.zeros(len(starts), np.int64)
+    for i in order:
+        addresses[i] = cursor
+        memory[cursor:cursor + lengths[i]] = staging.view(np.uint8)[starts[i]:starts[i] + lengths[i]]
+        cursor += int(lengths[i]) + 16 * int(rng.integers(0, 3))
+    source = MappedSource(starts, addresses, lengths, staging.nbytes)[:staging.nbytes].view(dtype)
+    assert source.size == staging.size
+    # Fragments that stay inside one segment (the reader's always do: one blob each).
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=1)
+    elements, base, src_elems = source.element_plan(plan, width)
+    assert base == 256
+    flat = memory[base:base + src_elems * staging.itemsize].view(dtype)
+    got = reference_widen_scatter(flat, elements, 1, poisoned_out(dtype, dst_rows * width), 3)
+    want = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), 3)
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_fragments_outside_the_segments_are_refused():
+    source = MappedSource([0, 100], [4096, 8192], [50, 50], 200).view(np.uint16)
+    with pytest.raises(PlanError, match="plan row 1"):
+        source.element_plan([[0, 0, 5], [20, 5, 5]], 5)  # row 20 = bytes 200..250: no segment
+    with pytest.raises(PlanError, match="leading slices"):
+        source[1:]
+    with pytest.raises(PlanError, match="whole"):
+        MappedSource([0], [0], [3], 3).view(np.uint16)

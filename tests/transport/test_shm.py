@@ -1,0 +1,268 @@
+"""The shm backend: reads copied from a same-host unit's arena mapping (GPU cases skip without one)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from gputq.storage_unit import StorageUnit
+from transport import get_transport
+from transport.cuda import cuda_available, usable_cupy
+from transport.errors import InvalidInputError, RequestTooLargeError, StaleReadError, UnknownKeyError
+from transport.policy import nixl_import_error
+from transport.shm import ShmChannel, merge_runs
+
+
+TOKEN = "s" * 32
+needs_cupy = pytest.mark.skipif(usable_cupy() is None, reason="CuPy sees no CUDA device")
+
+
+@pytest.fixture
+def served(answer_shm_control, tmp_path):
+    """A unit with three keys (two adjacent in the arena), its tcp server, and an shm channel."""
+    unit = StorageUnit("su-shm", 4 << 20, shm_dir=str(tmp_path), alignment=256)
+    rng = np.random.default_rng(3)
+    blobs = {"a": rng.integers(0, 256, 1000, dtype=np.uint8), "b": rng.integers(0, 256, 24, dtype=np.uint8),
+             "c": rng.integers(0, 256, 70_000, dtype=np.uint8)}
+    for key, blob in blobs.items():
+        unit.put(key, blob, {"partition": "p"})
+    server = get_transport("tcp").serve(unit, host="127.0.0.1", port=0, token=TOKEN, max_frame_bytes=1 << 26)
+    channel = get_transport("shm").connect(server.address, token=TOKEN, max_frame_bytes=1 << 26, timeout=10)
+    try:
+        yield unit, blobs, channel, answer_shm_control, server.address
+    finally:
+        channel.close()
+        server.close()
+        unit.close()
+
+
+def test_merge_runs_joins_regions_adjacent_in_the_arena():
+    regions = np.array([[0, 10], [10, 5], [100, 3], [103, 0], [103, 7], [50, 0]], np.int64)
+    offsets, packed, lengths = merge_runs(regions)
+    assert offsets.tolist() == [0, 100]
+    assert packed.tolist() == [0, 15]
+    assert lengths.tolist() == [15, 10]
+    empty = merge_runs(np.zeros((0, 2), np.int64))
+    assert all(len(a) == 0 for a in empty)
+
+
+@pytest.mark.timeout(30)
+def test_read_copies_from_the_read_only_mapping(served):
+    unit, blobs, channel, _, _ = served
+    assert isinstance(channel, ShmChannel) and channel.fallback_reason is None
+    assert channel.mapping.path == unit.arena_path
+    assert not channel.mapping.array.flags.writeable  # mapped PROT_READ
+    keys = ["c", "a", "b", "a"]
+    want = np.concatenate([blobs[k] for k in keys])
+    dest = np.full(want.size + 9, 7, np.uint8)
+    assert channel.read(keys, dest, timeout=5) == [blobs[k].size for k in keys]
+    assert np.array_equal(dest[:want.size], want) and (dest[want.size:] == 7).all()
+    assert channel.read([], dest) == []
+    assert unit.stats()["leases"] == 0  # every read confirmed (ended) its lease
+    # the unit's arena file keeps the permissions the unit gave it
+    assert stat.S_IMODE(os.stat(unit.arena_path).st_mode) == 0o600
+
+
+def test_read_errors_are_typed_and_end_the_lease(served):
+    unit, blobs, channel, _, _ = served
+    with pytest.raises(UnknownKeyError, match="ghost"):
+        channel.read(["a", "ghost"], np.empty(2000, np.uint8), timeout=5)
+    with pytest.raises(RequestTooLargeError, match="needs 1024 bytes"):
+        channel.read(["a", "b"], np.empty(100, np.uint8), timeout=5)
+    # the failed read's lease ended: a release frees the key's bytes at once
+    assert unit.release(["a"], "p") == 1
+    with pytest.raises(InvalidInputError, match="read-only"):
+        channel.read(["b"], b"x" * 24)
+
+
+def test_an_expired_lease_is_a_stale_read(served):
+    _, blobs, channel, wrappers, _ = served
+    wrappers[0].held_override = False  # the unit answers end_lease: no longer held
+    with pytest.raises(StaleReadError, match="expired"):
+        channel.read(["a"], np.empty(1000, np.uint8), timeout=5)
+    wrappers[0].held_override = None
+    dest = np.empty(1000, np.uint8)
+    assert channel.read(["a"], dest, timeout=5) == [1000] and np.array_equal(dest, blobs["a"])
+
+
+def test_writes_and_control_go_over_the_tcp_lane(served):
+    unit, _, channel, _, _ = served
+    receipt = channel.write("d", np.arange(10, dtype=np.uint8), {"partition": "p"}, timeout=5)
+    assert receipt["offset"] >= 0
+    assert channel.call("stats", timeout=5)["keys"] == 4
+    dest = np.empty(10, np.uint8)
+    channel.read(["d"], dest, timeout=5)
+    assert dest.tolist() == list(range(10))
+
+
+def test_unmappable_arena_falls_back_to_tcp_reads(served, monkeypatch):
+    unit, blobs, channel, _, address = served
+    remote = ShmChannel(dict(address, hostname="elsewhere"), token=TOKEN, max_frame_bytes=1 << 26, timeout=5)
+    with remote:
+        assert remote.mapping is None and "elsewhere" in remote.fallback_reason
+        dest = np.empty(1000, np.uint8)
+        assert remote.read(["a"], dest, timeout=5) == [1000] and np.array_equal(dest, blobs["a"])
+    monkeypatch.setattr(os, "open", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    with ShmChannel(address, token=TOKEN, max_frame_bytes=1 << 26, timeout=5) as denied:
+        assert denied.mapping is None and "denied" in denied.fallback_reason
+        with pytest.raises(Exception, match="no mapped arena"):
+            with denied.mapped_source(["a"]):
+                pass
+
+
+@pytest.mark.rdma
+@pytest.mark.skipif(nixl_import_error() is not None, reason=f"NIXL not importable: {nixl_import_error()}")
+@pytest.mark.timeout(60)
+def test_unmappable_arena_of_an_rdma_unit_falls_back_to_rdma(answer_shm_control, tmp_path):
+    with StorageUnit("su-rdma", 1 << 20, shm_dir=str(tmp_path)) as unit:
+        blob = np.arange(5000, dtype=np.uint32).view(np.uint8)
+        unit.put("k", blob, {"partition": "p"})
+        server = get_transport("rdma").serve(unit, host="127.0.0.1", port=0, token=TOKEN,
+                                             max_frame_bytes=1 << 26)
+        try:
+            address = dict(server.address, hostname="elsewhere")
+            with ShmChannel(address, token=TOKEN, max_frame_bytes=1 << 26, timeout=10) as channel:
+                assert channel.mapping is None and type(channel._fallback).__name__ == "NixlChannel"
+                dest = np.empty(blob.size, np.uint8)
+                assert channel.read(["k"], dest, timeout=10) == [blob.size]
+                assert np.array_equal(dest, blob)
+        finally:
+            server.close()
+
+
+def test_closed_channel_raises(served):
+    _, _, channel, _, _ = served
+    channel.close()
+    channel.close()
+    with pytest.raises(Exception, match="closed"):
+        channel.read(["a"], np.empty(1000, np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+def test_read_into_gpu_memory_from_the_registered_mapping(served):
+    unit, blobs, channel, _, _ = served
+    torch = pytest.importorskip("torch")
+    keys = ["b", "c", "a"]
+    want = np.concatenate([blobs[k] for k in keys])
+    dest = torch.full((want.size + 16,), 9, dtype=torch.uint8, device="cuda")
+    assert channel.read(keys, dest, timeout=10) == [blobs[k].size for k in keys]
+    got = dest.cpu().numpy()
+    assert np.array_equal(got[:want.size], want) and (got[want.size:] == 9).all()
+    assert channel.mapping.registered or channel.mapping.register_error
+
+
+@pytest.mark.gpu
+@needs_cupy
+def test_mapped_source_lends_device_addresses_under_a_lease(served):
+    import cupy as cp
+
+    unit, blobs, channel, _, _ = served
+    if not channel.device_mappable():
+        pytest.skip(f"mapping not registrable here: {channel.mapping.register_error}")
+    with channel.mapped_source(["c", "a"], timeout=10) as regions:
+        assert regions[:, 1].tolist() == [blobs["c"].size, blobs["a"].size]
+        out = cp.empty(int(regions[0, 1]), cp.uint8)
+        cp.cuda.runtime.memcpy(out.data.ptr, int(regions[0, 0]), int(regions[0, 1]),
+                               cp.cuda.runtime.memcpyDefault)  # unified addressing tells the kinds
+        assert np.array_equal(out.get(), blobs["c"])
+
+
+def test_one_cached_cuda_probe_answers_everywhere():
+    import kernels
+    from kernels import cupy_backend
+    from transport import cuda, staging
+
+    assert kernels.cuda_available is cuda.cuda_available is staging.cuda_available
+    assert cupy_backend.cupy_usable() is (cuda.usable_cupy() is not None)
+    assert cuda.usable_cupy.cache_info().currsize == 1  # probed once, then cached
+    if cuda.cuda_available():
+        pytest.skip("CUDA is usable here: the no-CUDA answers do not apply")
+    assert cuda.usable_cupy() is None and cuda.usable_torch() is None
+    with pytest.raises(ImportError, match="CuPy"):
+        cuda.require_cupy("zero-copy")
+    with pytest.raises(ImportError, match="CUDA"):
+        cuda.host_register(0, 4096, cuda.HOST_REGISTER_READ_ONLY)
+
+
+def test_zero_copy_threshold_is_configurable(monkeypatch):
+    from transport.shm import DEFAULT_ZERO_COPY_MAX_BYTES, ZERO_COPY_ENV, zero_copy_max_bytes
+
+    monkeypatch.delenv(ZERO_COPY_ENV, raising=False)
+    assert zero_copy_max_bytes() == DEFAULT_ZERO_COPY_MAX_BYTES
+    for text, value in (("0", 0), ("inf", float("inf")), ("1048576", 1 << 20)):
+        monkeypatch.setenv(ZERO_COPY_ENV, text)
+        assert zero_copy_max_bytes() == value
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv(ZERO_COPY_ENV, bad)
+        with pytest.raises(InvalidInputError, match=ZERO_COPY_ENV):
+            zero_copy_max_bytes()
+
+
+def test_large_reads_are_split_over_threads(served, monkeypatch):
+    from transport import shm
+
+    unit, blobs, channel, _, _ = served
+    monkeypatch.setattr(shm, "COPY_THREADS", 3)
+    monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 1000)
+    keys = ["a", "b", "c", "a"]
+    want = np.concatenate([blobs[k] for k in keys])
+    dest = np.zeros(want.size, np.uint8)
+    assert channel.read(keys, dest, timeout=5) == [blobs[k].size for k in keys]
+    assert np.array_equal(dest, want)
+
+
+@pytest.mark.timeout(60)
+def test_zero_copy_restore_path_replayed_on_the_host(answer_shm_control, monkeypatch):
+    """The reader's zero-copy hook end to end, with host memory standing in for the GPU.
+
+    Channels claim a mapped arena (device address = host address), the
+    kernel launch becomes the numpy reference reading those addresses, and
+    device buffers are numpy arrays: everything else (leases, the shard's
+    translation to arena addresses, the confirmation) runs as on a GPU.
+    """
+    import ctypes
+    import types
+
+    from gputq import reader as reader_module
+    from gputq.fields import FieldRegistry
+    from gputq.synthetic import SyntheticConfig, build_sessions
+    from gputq.trajectory import inline_fields, lineage_segments
+    from gputq.writer import Writer
+    from kernels import MappedSource, reference_widen_scatter
+    from tests.conftest import local_units
+    from transport import cuda
+
+    def host_widen_scatter(self, plan, width, out, fill=0, *, validate=True, stream=None):
+        elements, base, src_elems = self.element_plan(plan, width)
+        nbytes = src_elems * self.dtype.itemsize
+        memory = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(base))
+        launches.append(len(elements))
+        return reference_widen_scatter(memory[:nbytes].view(self.dtype), elements, 1, out, fill)
+
+    launches: list = []
+    monkeypatch.setattr(ShmChannel, "device_mappable", lambda self: self.mapping is not None)
+    monkeypatch.setattr(cuda, "mapped_device_pointer", lambda ptr: ptr)
+    monkeypatch.setattr(MappedSource, "widen_scatter", host_widen_scatter)
+    monkeypatch.setattr(reader_module, "_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
+        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))))
+    synth = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=4, num_experts=200, prompt_tokens=40,
+                            tokens_per_step=30, tool_tokens=6, branch_prob=0.5, rewrite_prob=0.3, seed=3)
+    with local_units("shm", routed_experts_dtype="uint16") as (config, services, clients):
+        with Writer(clients, config) as writer:
+            sessions = build_sessions(synth, fields=FieldRegistry.builtin(3, 4, "uint16"), writer=writer)
+            writer.flush()
+        with reader_module.Reader(clients, config) as reader:
+            reader._device = "cuda"  # the GPU path, on host buffers
+            monkeypatch.setattr(reader, "_empty", lambda nbytes: np.empty(nbytes, np.uint8))
+            monkeypatch.setattr(reader, "_to_output", lambda array: array)
+            segments = [seg for s in sessions for seg in lineage_segments(s)]
+            restored = reader.fetch([seg.layouts for seg in segments])
+            for seg, got in zip(segments, restored):
+                for name, want in inline_fields(seg).items():
+                    assert np.array_equal(got[name], want), (seg.segment_id, name)
+            assert launches and reader.last_stats.bytes_fetched > 0
+        assert all(s.stats()["leases"] == 0 for s in services)  # every lease confirmed and ended

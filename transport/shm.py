@@ -1,0 +1,491 @@
+"""The shm backend: same-host reads straight out of a StorageUnit's arena file.
+
+A unit's arena is a ``MAP_SHARED`` mapping of a file in ``/dev/shm``. A
+reader on the same host maps that file too, read-only (``PROT_READ``; the
+file's permissions stay as the unit set them), and copies the bytes of a
+read straight from its mapping: no socket, no kernel copy, no server thread
+on the data path.
+
+The backend is client-side: the unit serves tcp (or rdma, whose ``control``
+address is tcp) and an :class:`ShmChannel` talks to that lane for
+everything but the bytes. A read is
+
+1. ``"lease"`` over the control lane: the unit pins the keys' regions (with
+   a deadline: a reader that dies does not pin them forever) and answers
+   their offsets, checking the reference's generations and incarnation;
+2. the copy from the mapping: into host memory one ``numpy.copyto`` per run
+   of regions adjacent in the arena (usually the whole read; large reads
+   are split over a few threads); into GPU
+   memory one ``cudaMemcpyAsync`` per run, from the mapping registered with
+   CUDA once per channel (read-only, page-locked);
+3. ``"end_lease"``, which confirms the lease was still held when the copy
+   finished. An expired lease means the unit may have reused a region while
+   it was copied: the read raises :class:`StaleReadError` and the
+   destination is garbage.
+
+Where the arena file cannot be mapped (another host or container, no
+permission, a server that does not answer ``"arena_file"``) the channel
+reads over rdma instead when the unit serves it and NIXL imports (cma on
+one host), else over the control lane's tcp path, and says why in
+:attr:`ShmChannel.fallback_reason`.
+
+:meth:`ShmChannel.mapped_source` lends the leased regions as device
+addresses of the mapping (mapped, page-locked host memory), so a kernel can
+read compact bytes from the arena over PCIe with no copy at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+
+from transport.base import Channel, TransportType, byte_view, is_device_buffer
+from transport.errors import (
+    ClosedError,
+    InvalidInputError,
+    MissingDependencyError,
+    RequestTooLargeError,
+    StaleReadError,
+    TransferError,
+)
+from transport.staging import device_nbytes
+
+__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "zero_copy_max_bytes",
+           "ZERO_COPY_ENV", "DEFAULT_ZERO_COPY_MAX_BYTES", "COPY_THREADS", "PARALLEL_COPY_BYTES",
+           "LEASE", "END_LEASE", "ARENA_FILE"]
+
+_log = logging.getLogger(__name__)
+
+#: Control methods every tcp server answers for one-sided readers.
+LEASE, END_LEASE, ARENA_FILE = "lease", "end_lease", "arena_file"
+# The confirmation must get through even when the read's own timeout is spent.
+_END_TIMEOUT_S = 10.0
+
+#: Threads copying one large host read: one memcpy thread moves ~10 GB/s on
+#: server CPUs, a few of them saturate more of the memory bus. Half the cores,
+#: at most 4, none on a 2-core box.
+COPY_THREADS = min(4, (os.cpu_count() or 2) // 2)
+#: Host reads from this size are split over :data:`COPY_THREADS`.
+PARALLEL_COPY_BYTES = 8 << 20
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+#: Largest shard (compact bytes) a GPU restore reads in place from the mapped arenas
+#: (zero-copy); larger shards are copied to the GPU first, then widened there. Both move
+#: the compact bytes over PCIe once. The copy runs on the DMA engines (55.3 GB/s from a
+#: read-only registered mapping on one H200 host, against 51.1 GB/s for a kernel reading
+#: it) but costs one ``cudaMemcpyAsync`` per run of regions: a shard interleaving two
+#: fields is ~2 runs per step, ~170 runs for 256 MiB, ~1 ms of launches on ~5 ms of
+#: transfer. Zero-copy is one launch whatever the layout, so it is the default at every
+#: size until ``bench/gpu_check.sh`` (which times both at 64 and 256 MiB on the same
+#: machine) says otherwise.
+DEFAULT_ZERO_COPY_MAX_BYTES = float("inf")
+#: Environment override of that threshold in bytes: 0 turns zero-copy off,
+#: ``inf`` uses it for every shard.
+ZERO_COPY_ENV = "GPUTQ_ZERO_COPY_MAX_BYTES"
+
+
+def merge_runs(regions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of ``regions`` (int64 ``[n, 2]`` of offset, length) adjacent in the arena.
+
+    Regions are packed back to back in the destination. Returns, per run,
+    its arena offset, its destination offset and its length; empty runs
+    are dropped. Keys written in sequence usually lie back to back, so a
+    read of many keys is one run: one copy instead of one per key.
+    """
+    offsets, lengths = regions[:, 0], regions[:, 1]
+    packed = np.cumsum(lengths) - lengths
+    if not len(regions):
+        return offsets, packed, lengths
+    starts = np.concatenate(([0], np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1))
+    ends = np.concatenate((starts[1:], [len(regions)]))
+    run_lengths = packed[ends - 1] + lengths[ends - 1] - packed[starts]
+    keep = run_lengths > 0
+    return offsets[starts][keep], packed[starts][keep], run_lengths[keep]
+
+
+def _copy_pool():
+    """Threads for large host copies, created on first use (several threads outrun one memcpy)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="gputq-shm-copy")
+        return _POOL
+
+
+def _host_copy(out: np.ndarray, src: np.ndarray, runs) -> None:
+    """Copy runs (arena offset, destination offset, length) from ``src`` into ``out``.
+
+    A read of at least :data:`PARALLEL_COPY_BYTES` is cut into
+    :data:`COPY_THREADS` parts copied at once (numpy releases the GIL while
+    copying); smaller reads are one ``copyto`` per run in this thread.
+    """
+    runs = list(runs)
+    total = sum(n for _, _, n in runs)
+    if COPY_THREADS < 2 or total < PARALLEL_COPY_BYTES:
+        for offset, packed, n in runs:
+            np.copyto(out[packed:packed + n], src[offset:offset + n])
+        return
+    part = -(-total // COPY_THREADS)
+    parts = [(offset + i, packed + i, min(part, n - i)) for offset, packed, n in runs for i in range(0, n, part)]
+    list(_copy_pool().map(lambda p: np.copyto(out[p[1]:p[1] + p[2]], src[p[0]:p[0] + p[2]]), parts))
+
+
+class ArenaMapping:
+    """A unit's arena file mapped read-only into this process.
+
+    Parameters
+    ----------
+    path : str
+        The arena file (``"arena_file"`` control call).
+    nbytes : int
+        The arena's size; the file must hold at least that much.
+
+    Raises
+    ------
+    OSError
+        The file cannot be opened or mapped (another host, no permission).
+    """
+
+    def __init__(self, path: str, nbytes: int):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise OSError(f"{path} holds {size} bytes, the unit's arena {nbytes}")
+            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.nbytes = int(nbytes)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # read-only: the mapping is
+        self.address = int(self.array.ctypes.data)
+        self._lock = threading.Lock()
+        self._registered: bool | None = None  # None: not tried yet
+        self.register_error: str | None = None
+
+    def register(self) -> bool:
+        """Page-lock the mapping with CUDA, read-only and mapped, once; True when it is.
+
+        A refusal (no read-only registration on this driver, the page-lock
+        limit) is remembered: copies then run from pageable memory.
+        """
+        with self._lock:
+            if self._registered is None:
+                from transport.cuda import (
+                    HOST_REGISTER_MAPPED,
+                    HOST_REGISTER_PORTABLE,
+                    HOST_REGISTER_READ_ONLY,
+                    host_register,
+                    read_only_register_supported,
+                )
+
+                try:
+                    if not read_only_register_supported():
+                        raise TransferError("this GPU does not register read-only host memory")
+                    host_register(self.address, self.nbytes,
+                                  HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED | HOST_REGISTER_READ_ONLY)
+                    self._registered = True
+                except Exception as exc:  # the copy still works from pageable memory
+                    self.register_error = f"{type(exc).__name__}: {exc}"
+                    _log.warning("cannot page-lock the arena mapping %s (%s); GPU copies from it run "
+                                 "from pageable memory", self.path, self.register_error)
+                    self._registered = False
+            return self._registered
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._registered)
+
+    def close(self) -> None:
+        """Unregister and unmap. Idempotent; a view still held keeps the mapping alive."""
+        with self._lock:
+            if self._registered:
+                from transport.cuda import host_unregister
+
+                with contextlib.suppress(Exception):  # best effort at teardown
+                    host_unregister(self.address)
+            self._registered = False
+            if self.array is None:
+                return
+            self.array = None
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+
+
+class _DeviceCopier:
+    """Host-to-device copies of runs of a mapping on the destination's stream (CuPy, else torch)."""
+
+    def __init__(self, dest):
+        from transport.cuda import usable_cupy, usable_torch
+
+        self._cp, self._torch = usable_cupy(), usable_torch()
+        if self._cp is None and self._torch is None:
+            raise MissingDependencyError("reading into a CUDA buffer over shm needs CuPy or torch with a device")
+        self._dest = dest
+
+    def copy(self, dst: int, src_base: int, runs) -> None:
+        """Copy every run (src offset, dst offset, length), then wait for the copies."""
+        if self._cp is not None:
+            cp = self._cp
+            rt = cp.cuda.runtime
+            with cp.cuda.Device(rt.pointerGetAttributes(dst).device):
+                stream = cp.cuda.get_current_stream()
+                for src, off, n in runs:
+                    rt.memcpyAsync(dst + off, src_base + src, n, rt.memcpyHostToDevice, stream.ptr)
+                stream.synchronize()  # the lease must cover the copy
+            return
+        torch = self._torch
+        out = self._dest if isinstance(self._dest, torch.Tensor) else torch.as_tensor(self._dest, device="cuda")
+        out = out.reshape(-1).view(torch.uint8)
+        import ctypes
+
+        for src, off, n in runs:
+            host = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(src_base + src)))
+            out[off:off + n].copy_(host, non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+
+
+class ShmChannel(Channel):
+    """A channel reading a same-host unit's arena through a read-only mapping.
+
+    Build it with :meth:`ShmTransport.connect`. Writes and control calls go
+    over the unit's tcp lane unchanged.
+
+    Attributes
+    ----------
+    mapping : ArenaMapping or None
+        The arena mapping; ``None`` when the channel fell back to tcp reads.
+    fallback_reason : str or None
+        Why reads go over rdma or tcp, when they do.
+    """
+
+    def __init__(self, address: dict, *, token: str, max_frame_bytes: int, timeout: float | None = None):
+        from transport.policy import local_hostname
+        from transport.tcp import TcpTransport
+
+        control = address.get("control") if address.get("transport") == "rdma" else address
+        if not isinstance(control, dict):
+            raise InvalidInputError(f"not a tcp or rdma address: {address!r}")
+        self._closed = False
+        self._tcp = TcpTransport().connect(control, token=token, max_frame_bytes=max_frame_bytes,
+                                           timeout=timeout)
+        self.unit = self._tcp.unit
+        self.incarnation = getattr(self._tcp, "incarnation", address.get("incarnation"))
+        self.mapping: ArenaMapping | None = None
+        self.fallback_reason: str | None = None
+        host = address.get("hostname")
+        if host is not None and host != local_hostname():
+            self.fallback_reason = f"unit {self.unit} runs on host {host!r}, not here ({local_hostname()!r})"
+        else:
+            try:
+                info = self._tcp.call(ARENA_FILE, timeout=timeout)
+                self.mapping = ArenaMapping(str(info["path"]), int(info["nbytes"]))
+            except Exception as exc:  # InvalidInputError from an older server, OSError, ...
+                self.fallback_reason = f"cannot map the arena file of unit {self.unit}: {exc}"
+        self._fallback = None  # the channel reads go through when the arena is not mapped
+        if self.fallback_reason is not None:
+            self._fallback = self._fallback_channel(address, token, max_frame_bytes, timeout)
+            _log.warning("shm channel to %s reads over %s: %s", self.unit,
+                         "rdma" if self._fallback is not self._tcp else "tcp", self.fallback_reason)
+
+    def _fallback_channel(self, address: dict, token: str, max_frame_bytes: int, timeout) -> Channel:
+        """rdma for a unit that serves it and where NIXL imports (cma on one host), else the tcp lane."""
+        from transport.policy import nixl_import_error
+
+        if address.get("transport") == "rdma" and nixl_import_error() is None:
+            try:
+                from transport.nixl import NixlTransport
+
+                return NixlTransport().connect(address, token=token, max_frame_bytes=max_frame_bytes,
+                                               timeout=timeout)
+            except Exception as exc:  # NIXL's agent or UCX refused: tcp still works
+                _log.info("shm fallback to rdma for %s failed (%s); reading over tcp", self.unit, exc)
+        return self._tcp
+
+    # -- reads -------------------------------------------------------------------------
+
+    def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
+             generations: Sequence[int] | None = None, incarnation: str | None = None) -> list[int]:
+        """Read ``keys`` back to back into ``dest`` (host or CUDA memory) from the mapping.
+
+        Raises
+        ------
+        UnknownKeyError
+            A key is not stored on the unit.
+        StaleReadError
+            A generation or the incarnation does not match, or the lease
+            expired before the copy finished (``dest`` is then garbage).
+        RequestTooLargeError
+            ``dest`` is smaller than the keys' bytes.
+        """
+        self._check_open()
+        keys = list(keys)
+        if self.mapping is None:
+            return self._fallback.read(keys, dest, timeout, **_read_checks(generations, incarnation))
+        on_device = is_device_buffer(dest)
+        if on_device:
+            capacity = device_nbytes(dest)
+        else:
+            out = np.frombuffer(byte_view(dest, writable=True), np.uint8)
+            capacity = out.nbytes
+        if not keys:
+            return []
+        with self._leased(keys, generations, incarnation, timeout) as regions:
+            lengths = regions[:, 1]
+            total = int(lengths.sum())
+            if total > capacity:
+                raise RequestTooLargeError(
+                    f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
+            runs = zip(*(a.tolist() for a in merge_runs(regions)))
+            if on_device:
+                self.mapping.register()
+                _DeviceCopier(dest).copy(int(dest.__cuda_array_interface__["data"][0]),
+                                         self.mapping.address, runs)
+            else:
+                _host_copy(out, self.mapping.array, runs)
+        return lengths.tolist()
+
+    @contextlib.contextmanager
+    def mapped_source(self, keys: Sequence[str], timeout: float | None = None, *,
+                      generations: Sequence[int] | None = None, incarnation: str | None = None):
+        """Lease ``keys`` and lend their bytes as device addresses of the mapping.
+
+        Yields an int64 ``[n, 2]`` array of (device address, length) per key:
+        page-locked, mapped host memory a kernel reads over PCIe. Keep every
+        kernel reading them inside the ``with`` block and synchronised
+        before it ends: the lease is confirmed on exit, and an expired
+        lease raises :class:`StaleReadError` (what was read is garbage).
+
+        Raises
+        ------
+        MissingDependencyError
+            The mapping cannot be registered with CUDA here (see
+            :meth:`device_mappable`).
+        """
+        self._check_open()
+        if not self.device_mappable():
+            reason = self.fallback_reason or (self.mapping.register_error if self.mapping else None)
+            raise MissingDependencyError(f"unit {self.unit}: no mapped arena for zero-copy reads ({reason})")
+        from transport.cuda import mapped_device_pointer
+
+        base = mapped_device_pointer(self.mapping.address)
+        with self._leased(list(keys), generations, incarnation, timeout) as regions:
+            lent = regions.copy()
+            lent[:, 0] += base
+            yield lent
+
+    def device_mappable(self) -> bool:
+        """True when the arena is mapped here and registered with CUDA (tried once)."""
+        return self.mapping is not None and self.mapping.register()
+
+    @contextlib.contextmanager
+    def _leased(self, keys: list, generations, incarnation, timeout: float | None):
+        """Lease ``keys`` for the block; yields their regions; confirms the lease after it."""
+        args = {"keys": keys, **_read_checks(generations, incarnation)}
+        reply = self._tcp.call(LEASE, timeout=timeout, **args)
+        lease_id = int(reply["lease_id"])
+        ok = False
+        try:
+            regions = np.frombuffer(reply["regions"], dtype="<i8").reshape(len(keys), 2)
+            if len(regions) and (int(regions.min()) < 0 or
+                                 int((regions[:, 0] + regions[:, 1]).max()) > self.mapping.nbytes):
+                raise TransferError(f"unit {self.unit} leased regions outside its arena", self.unit, keys)
+            yield regions
+            ok = True
+        finally:
+            held = self._end_lease(lease_id, quiet=not ok)
+        if not held:
+            raise StaleReadError(
+                f"unit {self.unit}: the lease on {len(keys)} keys expired before the copy finished; "
+                "the bytes read may belong to other keys")
+
+    def _end_lease(self, lease_id: int, *, quiet: bool) -> bool:
+        try:
+            reply = self._tcp.call(END_LEASE, timeout=_END_TIMEOUT_S, lease_ids=[lease_id])
+        except Exception:
+            if quiet:  # the read already failed; its error is the one to see
+                return True
+            raise
+        held = (reply or {}).get("held") if isinstance(reply, dict) else None
+        return bool(held[0]) if held else False
+
+    # -- writes and control ------------------------------------------------------------
+
+    def write(self, key: str, payload, meta: dict | None = None, timeout: float | None = None) -> dict:
+        self._check_open()
+        return self._tcp.write(key, payload, meta, timeout=timeout)
+
+    def call(self, method: str, timeout: float | None = None, **args) -> Any:
+        self._check_open()
+        return self._tcp.call(method, timeout=timeout, **args)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.mapping is not None:
+            self.mapping.close()
+        if self._fallback is not None and self._fallback is not self._tcp:
+            self._fallback.close()
+        self._tcp.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"shm channel to {self.unit} is closed")
+
+
+def zero_copy_max_bytes() -> float:
+    """Largest shard a GPU restore reads in place: ``GPUTQ_ZERO_COPY_MAX_BYTES``, else the default.
+
+    Raises
+    ------
+    InvalidInputError
+        The variable is neither a number of bytes nor ``inf``.
+    """
+    text = os.environ.get(ZERO_COPY_ENV, "").strip().lower()
+    if not text:
+        return DEFAULT_ZERO_COPY_MAX_BYTES
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidInputError(f"{ZERO_COPY_ENV}={text!r} is not a number of bytes (or inf)") from None
+    if value < 0:
+        raise InvalidInputError(f"{ZERO_COPY_ENV} must be >= 0, got {text}")
+    return value
+
+
+def _read_checks(generations, incarnation) -> dict:
+    """The optional staleness checks of a read, as keyword arguments (absent when unset)."""
+    checks = {}
+    if generations is not None:
+        checks["generations"] = [int(g or 0) for g in generations]
+    if incarnation:
+        checks["incarnation"] = str(incarnation)
+    return checks
+
+
+class ShmTransport(TransportType):
+    """The shm backend: ``connect`` maps a same-host unit's arena.
+
+    Units have no shm server of their own: :meth:`serve` starts the tcp
+    server, whose control lane is all an shm reader needs.
+    """
+
+    name = "shm"
+
+    def serve(self, handler, *, host: str = "127.0.0.1", port: int = 0, token: str, max_frame_bytes: int):
+        from transport.tcp import TcpTransport
+
+        return TcpTransport().serve(handler, host=host, port=port, token=token, max_frame_bytes=max_frame_bytes)
+
+    def connect(self, address: dict, *, token: str, max_frame_bytes: int,
+                timeout: float | None = None) -> ShmChannel:
+        return ShmChannel(address, token=token, max_frame_bytes=max_frame_bytes, timeout=timeout)
