@@ -43,8 +43,9 @@ def serving_transport(requested: str) -> str:
     if missing is None:
         return "rdma"
     if requested == "rdma":
-        raise MissingDependencyError(
-            f"transport 'rdma' needs NIXL ({missing}): pip install 'gputq[rdma]'")
+        from .info import nixl_fix
+
+        raise MissingDependencyError(f"transport 'rdma' needs NIXL: {nixl_fix(missing)}")
     return "tcp"
 
 
