@@ -182,8 +182,8 @@ def format_table(units: dict[str, dict], previous: dict[str, dict] | None = None
                 value /= 1 << 20
             elif key in ("bytes_written", "bytes_read"):
                 value /= 1e6
-            cells.append(f"{value:.1f}".rjust(width) if key in _RATES or value % 1 else
-                         f"{int(value)}".rjust(width))
+            counted = key not in _RATES and key not in ("used", "capacity", "rss_bytes")
+            cells.append((f"{int(value)}" if counted else f"{value:.1f}").rjust(width))
         lines.append(" ".join(cells))
     return "\n".join(lines)
 
