@@ -35,6 +35,7 @@ __all__ = [
     "OFFLOADABLE_FIELDS",
     "MIN_TOKEN_CHARS",
     "ENV_PREFIX",
+    "OTHER_ENV_VARS",
 ]
 
 TRANSPORTS = TRANSPORT_NAMES
@@ -43,6 +44,8 @@ OFFLOADABLE_FIELDS = (LOGPROBS, ROUTED_EXPERTS)
 #: Shortest token a user may supply: 16 characters (generated ones have 32).
 MIN_TOKEN_CHARS = 16
 ENV_PREFIX = "GPUTQ_"
+#: ``GPUTQ_*`` variables that are not settings but are read elsewhere (no warning for them).
+OTHER_ENV_VARS = ("GPUTQ_CONFIG", "GPUTQ_RDMA_WRITE_PATH", "GPUTQ_KERNEL_TEST_GIB")
 _REDACTED = "***"
 _MIB = 1 << 20
 
@@ -310,11 +313,11 @@ def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     out = {}
     known = {ENV_PREFIX + name.upper(): name for name in _FIELD_NAMES}
     for var, raw in env.items():
-        if not var.startswith(ENV_PREFIX) or var == ENV_PREFIX + "CONFIG":
+        if not var.startswith(ENV_PREFIX) or var in OTHER_ENV_VARS:
             continue
         name = known.get(var)
         if name is None:
-            close = difflib.get_close_matches(var, [*known, ENV_PREFIX + "CONFIG"], n=1)
+            close = difflib.get_close_matches(var, [*known, *OTHER_ENV_VARS], n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             warnings.warn(f"environment variable {var} is not a gputq setting{hint}", ConfigWarning,
                           stacklevel=3)

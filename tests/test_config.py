@@ -1,4 +1,5 @@
 import argparse
+import warnings
 
 import pytest
 
@@ -142,6 +143,9 @@ def test_unknown_env_variable_warns_with_closest_name():
     with pytest.warns(ConfigWarning, match="GPUTQ_TRANSPROT is not a gputq setting; did you mean GPUTQ_TRANSPORT"):
         config = GputqConfig.load(env={"GPUTQ_TRANSPROT": "tcp"})
     assert config.transport == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # variables read by other layers are not mistakes
+        GputqConfig.load(env={"GPUTQ_RDMA_WRITE_PATH": "tcp", "GPUTQ_CONFIG": "", "GPUTQ_TOKEN": "t" * 16})
 
 
 def test_token_is_redacted_and_checked():
