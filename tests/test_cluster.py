@@ -55,6 +55,13 @@ def _read_on(node_id, membership, config, samples):
     return ray.get(reader.read.remote(membership, config, samples), timeout=120)
 
 
+def _wait_for(condition, what, timeout=90):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.2)  # poll interval while Ray and the watcher catch up
+
+
 def test_one_unit_per_node_remote_readers_and_a_late_node():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
@@ -91,15 +98,16 @@ def test_one_unit_per_node_remote_readers_and_a_late_node():
             assert got == {"node": late.node_id, "digest": expected}
             assert dep.sync_nodes() == {"added": [], "removed": []}
 
-            # A node that leaves takes its unit out of the membership.
-            gone = change["added"][0]
+        # With a watcher, joins and departures need no call at all.
+        with Deployment.start(config, ray_address=cluster.address, watch_nodes_s=0.5) as dep:
+            assert len(dep.membership()) == 3
             cluster.remove_node(late)
-            deadline = time.monotonic() + 90
-            while gone in dep.membership():
-                assert time.monotonic() < deadline, "the departed node's unit is still a member"
-                dep.sync_nodes()
-                time.sleep(0.5)  # poll interval while Ray notices the node is gone
-            assert len(dep.membership()) == 2
+            _wait_for(lambda: len(dep.membership()) == 2, "the departed node's unit left the membership")
+            assert late.node_id not in ray.get(dep.controller.nodes.remote()).values()
+            joined = cluster.add_node(num_cpus=1)
+            _wait_for(lambda: joined.node_id in ray.get(dep.controller.nodes.remote()).values(),
+                      "the joining node got a unit")
+            assert len(dep.membership()) == 3
     finally:
         ray.shutdown()
         cluster.shutdown()
