@@ -111,7 +111,10 @@ def decode_response(response: Mapping[str, Any], num_layers: int, topk: int, *,
     ids = response.get("output_ids")
     if ids is None:
         ids = triple_ids
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    try:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidInputError(f"{where}: output_ids is not a sequence of token ids") from None
     if len(ids) != len(logprobs) or not np.array_equal(ids, triple_ids):
         raise InvalidInputError(f"{where}: {len(ids)} output_ids but {len(logprobs)} output_token_logprobs "
                                 f"triples (or their token ids differ)")

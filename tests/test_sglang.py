@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from gputq.config import GputqConfig
@@ -53,6 +55,7 @@ def test_wire_round_trip_decodes_exactly():
     (lambda w: w["meta_info"]["output_token_logprobs"].__setitem__(1, (None, 5, None)), "has logprob None"),
     (lambda w: w["meta_info"]["output_token_logprobs"].__setitem__(1, 0.5), r"\[1\] is not a .*triple"),
     (lambda w: w.pop("meta_info"), "no meta_info"),
+    (lambda w: w.update(output_ids=["a", "b", "c", "d"]), "output_ids is not a sequence of token ids"),
 ])
 def test_malformed_responses_name_the_mismatch(mutate, message):
     rng = np.random.default_rng(1)
@@ -176,3 +179,32 @@ def test_r3_offload_needs_routed_experts_in_the_response():
         ingest = _ingest(config, writer)
         with pytest.raises(InvalidInputError, match="no meta_info\\['routed_experts'\\]"):
             ingest.add(ingest.session("s0"), [1, 2], encode_response([3], [-0.5], None))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 5), st.integers(0, 100), st.booleans()),
+                min_size=1, max_size=6))
+def test_any_start_len_and_variant_rebuilds_the_context_routing(turns):
+    """Whatever start_len each turn sends (up to where the session stands), and whichever
+    row-count variant the engine uses, the steps hold each position's routing exactly once."""
+    from gputq.trajectory import inline_fields, lineage_segments
+
+    truth = np.random.default_rng(len(turns)).integers(0, 64, (400, L, K), dtype=np.int32)
+    ingest = _ingest(GputqConfig())
+    session = ingest.session("s0")
+    prompt = np.arange(3)
+    for tool, n_out, back, extra in turns:
+        seqlen = len(prompt) + n_out
+        start_len = max(0, session.next_start - back % (session.next_start + 1))
+        rows = truth[start_len:seqlen - 1 + (1 if extra else 0)]
+        response = encode_response(np.arange(n_out), -np.ones(n_out, np.float32), rows)
+        step = ingest.add(session, prompt, response, start_len=start_len)
+        if n_out == 0:
+            assert step is None
+            continue  # an aborted request is retried with the same prompt
+        assert np.array_equal(step.arrays["routed_experts"], truth[step.start:seqlen - 1])
+        prompt = np.concatenate([session.context, np.arange(tool) + 1000])
+    if session.steps:
+        (segment,) = lineage_segments(session)
+        experts = inline_fields(segment)["rollout_routed_experts"]
+        assert np.array_equal(experts, truth[:len(segment.tokens) - 1])
