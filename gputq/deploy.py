@@ -313,7 +313,12 @@ class Deployment:
             return
         if self.controller is not None:
             with self._sync_lock:
-                ray.get([handle.close.remote() for handle in self.units.values()])
+                closing = {name: handle.close.remote() for name, handle in self.units.items()}
+                for name, ref in closing.items():
+                    try:
+                        ray.get(ref, timeout=self.config.control_timeout_s)
+                    except (ray.exceptions.RayError, TimeoutError) as exc:  # its node may be gone
+                        _log.warning("gputq: unit %s did not close cleanly: %s", name, exc)
                 for handle in self.units.values():
                     ray.kill(handle)
                 self.units, self.unit_nodes = {}, {}
