@@ -88,3 +88,47 @@ def test_stats_table_rates_and_rows():
     assert row[0] == "su-0" and row[1] == "1.0" and row[5] == "10.0" and row[7] == "2.0"
     assert table[2].startswith("su-1") and "unreachable: PeerLostError: gone" in table[2]
     assert rss_bytes() > 1 << 20
+
+
+def _free_port_pair() -> int:
+    """A port p with p + 1 free too, found by binding port 0 (the metrics port is p)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    pytest.skip("no two adjacent free ports")
+
+
+def test_unit_service_and_controller_serve_metrics_when_a_port_is_set():
+    from gputq.deploy import ControllerService, UnitService
+
+    port = _free_port_pair()
+    config = GputqConfig(transport="tcp", host="127.0.0.1", unit_capacity_bytes=4 << 20, metrics_port=port,
+                         token="t" * 32)
+    controller = ControllerService(config)
+    service = UnitService("su-0", config)
+    try:
+        assert controller.metrics_address() == f"127.0.0.1:{port}"
+        stats = service.stats()
+        assert stats["metrics"] == f"127.0.0.1:{port + 1}" and stats["rss_bytes"] > 1 << 20
+        with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=10) as resp:
+            values = _values(resp.read().decode())
+        assert values["gputq_unit_capacity_bytes"] == 4 << 20 and values["gputq_unit_keys"] == 0
+    finally:
+        service.close()
+        controller.close()
+    assert GputqConfig(token="t" * 32).metrics_port == 0  # default: no endpoint
+    quiet = UnitService("su-1", GputqConfig(transport="tcp", host="127.0.0.1", unit_capacity_bytes=4 << 20,
+                                            token="t" * 32))
+    try:
+        assert quiet.stats()["metrics"] is None
+    finally:
+        quiet.close()
