@@ -223,14 +223,12 @@ class GputqConfig:
         return _build(cls().to_dict(include_secrets=True), layered)
 
 
-# Value kinds by field, so YAML/environment strings coerce to exactly one type.
-_KINDS = {"enabled": bool, "transfer_params": "fields", "use_rollout_routing_replay": bool,
-          "routed_experts_dtype": str, "transport": str, "num_units": int, "unit_capacity_bytes": int,
-          "put_timeout_s": float, "read_timeout_s": float, "control_timeout_s": float,
-          "max_frame_bytes": int, "writer_inflight_bytes": int, "writer_threads": int,
-          "host": "optional str", "token": "optional str", "shm_dir": "optional str", "metrics_port": int}
-_FIELD_NAMES = tuple(f.name for f in fields(GputqConfig))
-assert set(_KINDS) == set(_FIELD_NAMES)
+# Value kinds by annotation, so YAML/environment strings coerce to exactly one type. Fields
+# added later need no entry here as long as they use one of these annotations.
+_KIND_OF_ANNOTATION = {"bool": bool, "int": int, "float": float, "str": str, "str | None": "optional str",
+                       "tuple[str, ...] | None": "fields"}
+_KINDS = {f.name: _KIND_OF_ANNOTATION[str(f.type)] for f in fields(GputqConfig)}
+_FIELD_NAMES = tuple(_KINDS)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
