@@ -31,7 +31,9 @@ unchanged, so the caller retries with the same ``start_len``.
 
 Fields not offloaded (offload off, or not in ``transfer_params``) stay
 inline on the step, so the samples built from it carry the arrays and the
-trainer gets the same tensors either way.
+trainer gets the same tensors either way. Routed experts are kept only with
+``use_rollout_routing_replay`` (R3) on: without it the trainer does not
+replay them, so a response that carries them anyway costs nothing.
 """
 
 from __future__ import annotations
@@ -199,10 +201,10 @@ class RolloutIngest:
             return None
         prompt = np.asarray(prompt_ids).reshape(-1)
         arrays = {LOGPROBS: out.logprobs}
-        if out.routed_experts is not None:
+        if out.routed_experts is not None and self.config.use_rollout_routing_replay:
             arrays[ROUTED_EXPERTS] = self._new_rows(session, where, len(prompt), len(out.output_ids),
                                                     out.routed_experts, start_len)
-        elif ROUTED_EXPERTS in self.offloaded:
+        elif self.config.use_rollout_routing_replay:
             raise InvalidInputError(f"{where}: R3 is on but the response has no meta_info['routed_experts'] "
                                     f"(was the request sent with return_routed_experts?)")
         offload = {name: a for name, a in arrays.items() if name in self.offloaded}

@@ -17,6 +17,7 @@ from gputq.writer import Writer
 from .conftest import local_units
 
 L, K = 3, 2
+R3_INLINE = GputqConfig(use_rollout_routing_replay=True)  # R3 on, offload off
 
 
 def _engine(rng, prompt_len, n_out, start, *, extra_row=False, experts=64):
@@ -101,7 +102,7 @@ def test_multi_turn_trims_resent_rows_and_stores_only_new_ones():
 
 def test_seqlen_rows_variant_and_aborted_request():
     rng = np.random.default_rng(3)
-    ingest = _ingest(GputqConfig())  # offload off: no writer, fields inline
+    ingest = _ingest(R3_INLINE)  # offload off: no writer, fields inline
     session = ingest.session("s0")
     prompt = rng.integers(0, 1000, 5)
     out, lp, routed = _engine(rng, 5, 3, 0, extra_row=True)
@@ -120,7 +121,7 @@ def test_seqlen_rows_variant_and_aborted_request():
 ])
 def test_rows_against_tokens_against_start_len(rows_delta, start_len, message):
     rng = np.random.default_rng(4)
-    ingest = _ingest(GputqConfig())
+    ingest = _ingest(R3_INLINE)
     session = ingest.session("s0")
     out, lp, routed = _engine(rng, 5, 3, 0)
     routed = routed[:len(routed) + rows_delta] if rows_delta else routed
@@ -130,7 +131,7 @@ def test_rows_against_tokens_against_start_len(rows_delta, start_len, message):
 
 def test_start_len_past_the_session_is_a_gap():
     rng = np.random.default_rng(5)
-    ingest = _ingest(GputqConfig())
+    ingest = _ingest(R3_INLINE)
     session = ingest.session("s0")
     out, lp, routed = _engine(rng, 5, 3, 0)
     ingest.add(session, rng.integers(0, 1000, 5), encode_response(out, lp, routed))
@@ -190,7 +191,7 @@ def test_any_start_len_and_variant_rebuilds_the_context_routing(turns):
     from gputq.trajectory import inline_fields, lineage_segments
 
     truth = np.random.default_rng(len(turns)).integers(0, 64, (400, L, K), dtype=np.int32)
-    ingest = _ingest(GputqConfig())
+    ingest = _ingest(R3_INLINE)
     session = ingest.session("s0")
     prompt = np.arange(3)
     for tool, n_out, back, extra in turns:
@@ -208,3 +209,11 @@ def test_any_start_len_and_variant_rebuilds_the_context_routing(turns):
         (segment,) = lineage_segments(session)
         experts = inline_fields(segment)["rollout_routed_experts"]
         assert np.array_equal(experts, truth[:len(segment.tokens) - 1])
+
+
+def test_without_r3_routed_experts_are_not_kept():
+    rng = np.random.default_rng(8)
+    ingest = _ingest(GputqConfig())
+    out, lp, routed = _engine(rng, 4, 2, 0)
+    step = ingest.add(ingest.session("s0"), [1, 2, 3, 4], encode_response(out, lp, routed))
+    assert set(step.arrays) == {"logprobs"} and step.refs == {}

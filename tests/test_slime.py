@@ -22,6 +22,7 @@ from .conftest import local_units
 SYNTH = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=2, num_experts=200, prompt_tokens=24,
                         tokens_per_step=12, tool_tokens=4, branch_prob=0.5, rewrite_prob=0.3, seed=11)
 PARTITION = "rollout-0"
+R3_INLINE = GputqConfig(use_rollout_routing_replay=True)  # R3 on, offload off
 
 
 def _samples(config, writer=None, view=lineage_segments):
@@ -35,7 +36,7 @@ def _samples(config, writer=None, view=lineage_segments):
 
 
 def _inline_reference(view):
-    return _samples(GputqConfig(), view=view)
+    return _samples(R3_INLINE, view=view)
 
 
 def _assert_same_tensors(got, want):
@@ -86,8 +87,7 @@ def test_fields_kept_inline_reach_the_trainer_unchanged(overrides):
 
 
 def test_loss_mask_marks_generated_tokens_only():
-    config = GputqConfig()
-    ingest = RolloutIngest(config, num_layers=SYNTH.layers, topk=SYNTH.topk, partition=PARTITION)
+    ingest = RolloutIngest(R3_INLINE, num_layers=SYNTH.layers, topk=SYNTH.topk, partition=PARTITION)
     session = ingest_synthetic(SyntheticConfig(sessions=1, steps_per_session=2, layers=3, topk=2,
                                                tool_tokens=3, seed=1), ingest)[0]
     seg = lineage_segments(session)[0]
