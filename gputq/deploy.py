@@ -216,8 +216,13 @@ class Deployment:
             ray.init(log_to_driver=False, namespace=NAMESPACE, **kwargs)
             started = True
         config = config.with_token()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # The controller lives on the driver's node: a num_cpus=0 actor could otherwise land on
+        # any node, and take the membership down with it when an autoscaled node leaves.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         controller = ray.remote(num_cpus=0, max_concurrency=16)(ControllerService).options(
-            name=controller_name, namespace=NAMESPACE).remote(config)
+            name=controller_name, namespace=NAMESPACE, scheduling_strategy=here).remote(config)
         alive = [n for n in ray.nodes() if n.get("Alive")]
         if per_node is None:
             per_node = len(alive) > 1
@@ -239,13 +244,13 @@ class Deployment:
 
     def _add_units(self, placements: list[tuple[str, str | None]]) -> list[str]:
         ray = import_ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         actor_cls = ray.remote(num_cpus=0, max_concurrency=16)(UnitService)
         handles = {}
         for name, node in placements:
             options = {"name": unit_actor_name(name, self.controller_name), "namespace": NAMESPACE}
             if node is not None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
             handles[name] = actor_cls.options(**options).remote(name, self.config)
         addresses = ray.get([handle.address.remote() for handle in handles.values()])

@@ -79,6 +79,10 @@ def test_one_unit_per_node_remote_readers_and_a_late_node():
             for name, handle in dep.units.items():
                 assert ray.get(handle.stats.remote())["name"] == name
             assert ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE) is not None
+            # The controller sits on the driver's node, not on one that may leave.
+            where = ray.get(dep.controller.__ray_call__.remote(
+                lambda _: ray.get_runtime_context().get_node_id()))
+            assert where == ray.get_runtime_context().get_node_id()
             rng = np.random.default_rng(0)
             with dep.clients() as clients:
                 samples, expected = _write(clients, dep.config, 12, "rollout-0", rng)
