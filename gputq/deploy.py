@@ -207,6 +207,10 @@ class Deployment:
             deployment on a cluster; ``gputq stats`` attaches to the default).
         """
         ray = import_ray()
+        if config.metrics_port:
+            from .metrics import require_prometheus
+
+            require_prometheus()  # here, in one line, not as a failed actor on every node
         started = False
         if not ray.is_initialized():
             import os

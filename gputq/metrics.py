@@ -40,10 +40,10 @@ import sys
 import time
 from typing import Callable, Iterable
 
-from .errors import MissingDependencyError
+from .errors import InvalidInputError, MissingDependencyError
 
 __all__ = ["UNIT_METRICS", "MetricsServer", "unit_metrics", "controller_metrics", "serve_metrics",
-           "rss_bytes", "format_table", "run_stats"]
+           "rss_bytes", "format_table", "run_stats", "require_prometheus"]
 
 #: (metric name, kind, unit stats key, help); every unit stats key here is a counter or gauge.
 UNIT_METRICS = (
@@ -70,6 +70,11 @@ def rss_bytes() -> int:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def require_prometheus():
+    """Raise ``MissingDependencyError`` naming the extra unless prometheus_client imports."""
+    _prometheus()
 
 
 def _prometheus():
@@ -196,11 +201,11 @@ def _attach(address: str):
         try:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
         except ConnectionError as exc:
-            raise MissingDependencyError(f"no Ray cluster at {address!r}: {exc}") from None
+            raise InvalidInputError(f"no Ray cluster at --address {address!r}: {exc}") from None
     try:
         return ray, ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:
-        raise MissingDependencyError(f"no gputq deployment on this Ray cluster (no actor {CONTROLLER_NAME!r} "
+        raise InvalidInputError(f"no gputq deployment on this Ray cluster (no actor {CONTROLLER_NAME!r} "
                                      f"in namespace {NAMESPACE!r})") from None
 
 
