@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gputq-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-slow bench install-check clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -12,16 +12,21 @@ $(STAMP): setup.py
 	# torch first and pinned: the CPU wheel of exactly this version is what dev machines carry;
 	# anything that pulls torch later must find it satisfied instead of fetching a CUDA build.
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[dev,rdma]"
-	# nixl-cu12 provides the bindings; this adds the `nixl` import name without its CUDA torch pin.
-	$(PY) -m pip install --no-deps nixl==1.5.1
+	$(PY) -m pip install -e ".[dev,rdma,metrics]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/gputq demo
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
+
+# A fresh venv with only `pip install 'gputq[rdma,ray]'`: rdma must work with no extra step.
+install-check:
+	$(PYTHON) scripts/install_check.py
 
 bench: $(STAMP)
 	$(PY) -m bench.fetch

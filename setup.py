@@ -16,7 +16,8 @@ setup(
         "ray": ["ray>=2.40"],
         "rdma": ["nixl-cu12==1.5.1"],
         "gpu": ["cupy-cuda12x"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ray>=2.40"],
+        "metrics": ["prometheus_client>=0.17"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ray>=2.40", "prometheus_client>=0.17"],
     },
     entry_points={"console_scripts": ["gputq=gputq.cli:main"]},
 )

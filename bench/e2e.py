@@ -5,8 +5,8 @@
 Both paths start from the same synthetic sessions on an embedded local Ray
 and end with every trainer rank holding its shard's restored fields:
 
-- **gputq**: the writer stores each step's fields in StorageUnits; samples
-  carry layouts through a rollout-manager actor; each rank fetches its
+- **gputq**: the writer stores each step's fields in StorageUnits; slime
+  samples carry layouts through a rollout-manager actor; each rank fetches its
   shard from the units and restores it.
 - **centralised** (no offload): each sample carries its restored fields
   (`rollout_log_probs`, `rollout_routed_experts` int32) through the same
@@ -31,6 +31,7 @@ from gputq.config import GputqConfig
 from gputq.demo import RolloutManager, TrainerRank, digest_fields
 from gputq.deploy import Deployment, import_ray
 from gputq.fields import FieldRegistry
+from gputq.slime import to_slime_sample
 from gputq.synthetic import SyntheticConfig, build_sessions
 from gputq.trajectory import inline_fields, lineage_segments
 from gputq.writer import Writer
@@ -58,13 +59,13 @@ def _gputq_step(ray, deployment, synth, fields, config, trainers, partition):
         writer.finalize([seg.layouts for seg in segments], partition)
     manager = ray.remote(num_cpus=0)(RolloutManager).remote()
     started = time.perf_counter()
-    samples = [seg.to_sample() for seg in segments]
+    samples = [{**to_slime_sample(seg), "index": i} for i, seg in enumerate(segments)]
     ray.get(manager.submit.remote(samples))
     reports = ray.get([t.train_step.remote(manager, len(trainers), partition) for t in trainers])
     seconds = time.perf_counter() - started
     deployment.release_partition(partition)
-    return seconds, len(pickle.dumps(samples)), {sid: d for r in reports for sid, d in r["digests"].items()}, \
-        segments
+    return seconds, len(pickle.dumps(samples)), \
+        {segments[i].segment_id: d for r in reports for i, d in r["digests"].items()}, segments
 
 
 def _central_step(ray, segments, trainers):

@@ -3,32 +3,61 @@
 Precedence, lowest to highest: the dataclass defaults, the YAML file given by
 ``--transfer-queue-config`` (or ``GPUTQ_CONFIG``), ``GPUTQ_<FIELD>`` environment
 variables, then command-line flags. An RL framework adds the flags to its
-own parser with :func:`add_transfer_queue_arguments`.
+own parser with :func:`add_transfer_queue_arguments` and turns the parsed
+namespace into a config with ``GputqConfig.load(args=args)``.
+
+Values are checked strictly: a float is not an int, ``"maybe"`` is not a
+boolean, and every error names the file, variable or flag it came from.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import secrets
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from transport.policy import TRANSPORT_NAMES
+
 from .errors import ConfigError
+from .fields import LOGPROBS, ROUTED_EXPERTS, ROUTED_EXPERTS_DTYPES, FieldRegistry
 
 __all__ = [
     "GputqConfig",
+    "ConfigWarning",
     "add_transfer_queue_arguments",
     "TRANSPORTS",
     "EXPERT_DTYPES",
     "OFFLOADABLE_FIELDS",
+    "MIN_TOKEN_CHARS",
+    "ENV_PREFIX",
+    "OTHER_ENV_VARS",
 ]
 
-TRANSPORTS = ("auto", "shm", "rdma", "tcp")
-EXPERT_DTYPES = ("uint8", "uint16", "int32")
-OFFLOADABLE_FIELDS = ("logprobs", "routed_experts")
+TRANSPORTS = TRANSPORT_NAMES
+EXPERT_DTYPES = ROUTED_EXPERTS_DTYPES
+OFFLOADABLE_FIELDS = (LOGPROBS, ROUTED_EXPERTS)
+#: Shortest token a user may supply: 16 characters (generated ones have 32).
+MIN_TOKEN_CHARS = 16
+ENV_PREFIX = "GPUTQ_"
+#: ``GPUTQ_*`` variables that are not settings but are read elsewhere (no warning for them).
+OTHER_ENV_VARS = ("GPUTQ_CONFIG", "GPUTQ_RDMA_WRITE_PATH", "GPUTQ_KERNEL_TEST_GIB")
+_REDACTED = "***"
 _MIB = 1 << 20
+
+
+class ConfigWarning(UserWarning):
+    """A setting that is probably a mistake but not an error (an unknown ``GPUTQ_*`` variable)."""
+
+
+def _error(setting: str, message: str) -> ConfigError:
+    error = ConfigError(message)
+    error.setting = setting  # lets load() say which file, variable or flag set it
+    return error
 
 
 @dataclass(frozen=True)
@@ -38,22 +67,26 @@ class GputqConfig:
     Attributes
     ----------
     enabled:
-        Offload the large fields at all (``--enable-transfer-queue``).
+        Offload the large fields at all (``--enable-transfer-queue``). Off,
+        every field stays inline and the trainer gets the same tensors.
     transfer_params:
-        Fields to offload; ``routed_experts`` also needs
-        ``use_rollout_routing_replay``.
+        Fields to offload (``--transfer-params``); ``None`` means every
+        offloadable field that is on: ``logprobs``, plus ``routed_experts``
+        with R3. Naming ``routed_experts`` without
+        ``use_rollout_routing_replay`` is an error.
     use_rollout_routing_replay:
         R3 is on: engines return routed experts and the trainer replays them.
     routed_experts_dtype:
         Stored dtype of expert IDs (uint8 up to 256 experts, uint16 up to
-        65,536); always restored as int32.
+        65,536); always restored as int32. The only place it is given:
+        :meth:`field_registry` derives the field specs from it.
     transport:
         ``auto`` (shm for units on this host, rdma where NIXL can use RDMA,
         else tcp), ``shm``, ``rdma`` or ``tcp``.
     num_units:
         StorageUnits of the embedded deployment; on a cluster one per node.
     unit_capacity_bytes:
-        Arena size of each StorageUnit; bounds the memory held (rule 6).
+        Arena size of each StorageUnit; bounds the memory held.
     put_timeout_s:
         How long a write waits for arena space before ``CapacityError``.
     read_timeout_s:
@@ -70,8 +103,9 @@ class GputqConfig:
         Address StorageUnits bind; ``None`` picks the node's IP under Ray and
         127.0.0.1 otherwise.
     token:
-        Shared secret of the transport handshake; generated per deployment
-        when unset.
+        Shared secret of the transport handshake, at least 16 characters;
+        generated per deployment when unset. Never shown by ``repr`` or
+        :meth:`to_dict`.
     shm_dir:
         Folder of the arenas' shared-memory files (``/dev/shm`` when unset).
     send_timeout_s:
@@ -88,10 +122,13 @@ class GputqConfig:
     probe_timeout_s:
         How long a probe waits for a unit's answer; a hung unit is marked
         lost within ``heartbeat_interval_s + probe_timeout_s``.
+    metrics_port:
+        First port of the Prometheus endpoints (the controller takes it, each
+        unit the next free one above); 0 (default) serves no metrics.
     """
 
     enabled: bool = False
-    transfer_params: tuple[str, ...] = OFFLOADABLE_FIELDS
+    transfer_params: tuple[str, ...] | None = None
     use_rollout_routing_replay: bool = False
     routed_experts_dtype: str = "int32"
     transport: str = "auto"
@@ -111,32 +148,51 @@ class GputqConfig:
     handshake_timeout_s: float = 5.0
     heartbeat_interval_s: float = 1.0
     probe_timeout_s: float = 2.0
+    metrics_port: int = 0
 
     def __post_init__(self):
+        for f in fields(self):
+            value = _typed(f.name, _KINDS[f.name], getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
         if self.transport not in TRANSPORTS:
-            raise ConfigError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+            raise _error("transport", f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.routed_experts_dtype not in EXPERT_DTYPES:
-            raise ConfigError(
-                f"routed_experts_dtype must be one of {EXPERT_DTYPES}, got {self.routed_experts_dtype!r}")
-        unknown = set(self.transfer_params) - set(OFFLOADABLE_FIELDS)
-        if unknown:
-            raise ConfigError(f"unknown transfer_params {sorted(unknown)}; known: {OFFLOADABLE_FIELDS}")
+            raise _error("routed_experts_dtype", f"routed_experts_dtype must be one of {EXPERT_DTYPES}, "
+                                                 f"got {self.routed_experts_dtype!r}")
+        if self.transfer_params is not None:
+            unknown = sorted(set(self.transfer_params) - set(OFFLOADABLE_FIELDS))
+            if unknown:
+                raise _error("transfer_params", f"unknown transfer_params {unknown}; known: {OFFLOADABLE_FIELDS}")
+            if self.enabled and ROUTED_EXPERTS in self.transfer_params and not self.use_rollout_routing_replay:
+                raise _error("transfer_params", "offloading routed_experts needs R3: pass "
+                                                "--use-rollout-routing-replay (use_rollout_routing_replay=True) "
+                                                "or drop routed_experts from --transfer-params")
         for name in ("num_units", "unit_capacity_bytes", "max_frame_bytes", "writer_inflight_bytes",
                      "writer_threads", "max_connections"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise _error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("put_timeout_s", "read_timeout_s", "control_timeout_s", "send_timeout_s",
                      "handshake_timeout_s", "heartbeat_interval_s", "probe_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+            if not getattr(self, name) > 0:
+                raise _error(name, f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise _error("metrics_port", f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.token is not None and len(self.token) < MIN_TOKEN_CHARS:
+            raise _error("token", f"token must have at least {MIN_TOKEN_CHARS} characters, "
+                                  f"got {len(self.token)} (leave it unset to generate one per deployment)")
 
     @property
     def offloaded_fields(self) -> tuple[str, ...]:
-        """Fields actually offloaded: routed_experts only with R3 on."""
+        """Fields actually offloaded; the others stay inline in the samples."""
         if not self.enabled:
             return ()
-        return tuple(f for f in self.transfer_params
-                     if f != "routed_experts" or self.use_rollout_routing_replay)
+        if self.transfer_params is None:
+            return OFFLOADABLE_FIELDS if self.use_rollout_routing_replay else (LOGPROBS,)
+        return tuple(self.transfer_params)
+
+    def field_registry(self, num_layers: int, topk: int) -> FieldRegistry:
+        """The built-in field specs, with this config's ``routed_experts_dtype``."""
+        return FieldRegistry.builtin(num_layers, topk, self.routed_experts_dtype)
 
     def with_token(self) -> "GputqConfig":
         """This config with a fresh random token if none is set."""
@@ -145,8 +201,16 @@ class GputqConfig:
     def replace(self, **changes) -> "GputqConfig":
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def to_dict(self, *, include_secrets: bool = False) -> dict[str, Any]:
+        """Every setting by name; the token is ``"***"`` unless ``include_secrets``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["token"] is not None and not include_secrets:
+            out["token"] = _REDACTED
+        return out
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{name}={value!r}" for name, value in self.to_dict().items())
+        return f"GputqConfig({body})"
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "mapping") -> "GputqConfig":
@@ -154,59 +218,131 @@ class GputqConfig:
         return cls().merge(values, source=source)
 
     def merge(self, values: Mapping[str, Any], *, source: str) -> "GputqConfig":
-        known = {f.name: f for f in fields(self)}
-        changes = {}
-        for name, raw in values.items():
-            if name not in known:
-                raise ConfigError(f"{source}: unknown setting {name!r}; known: {sorted(known)}")
-            if raw is None:
-                continue
-            changes[name] = _coerce(name, known[name].default, raw, source)
-        return self.replace(**changes)
+        """This config with ``values`` applied; errors name ``source``."""
+        return _build(self.to_dict(include_secrets=True),
+                      {name: (raw, source) for name, raw in values.items()})
 
     @classmethod
     def load(cls, *, yaml_path: str | None = None, env: Mapping[str, str] | None = None,
              args: argparse.Namespace | None = None) -> "GputqConfig":
-        """Defaults < YAML < ``GPUTQ_*`` environment < flags."""
+        """Defaults < YAML < ``GPUTQ_*`` environment < flags.
+
+        The layers are combined first and checked once, so settings that
+        depend on each other (``transfer_params`` and R3) may come from
+        different layers. An unknown ``GPUTQ_*`` variable warns
+        (:class:`ConfigWarning`) with the closest valid name.
+        """
         env = os.environ if env is None else env
-        config = cls()
+        layered: dict[str, tuple[Any, str]] = {}
         yaml_path = yaml_path or (getattr(args, "transfer_queue_config", None) if args else None) \
-            or env.get("GPUTQ_CONFIG")
+            or env.get(ENV_PREFIX + "CONFIG")
         if yaml_path:
-            config = config.merge(_read_yaml(yaml_path), source=yaml_path)
-        prefix = "GPUTQ_"
-        from_env = {k[len(prefix):].lower(): v for k, v in env.items()
-                    if k.startswith(prefix) and k != "GPUTQ_CONFIG"}
-        config = config.merge({k: v for k, v in from_env.items() if k in _FIELD_NAMES},
-                              source="environment")
+            layered.update({name: (raw, f"{yaml_path}: {name}") for name, raw in _read_yaml(yaml_path).items()})
+        layered.update(_from_env(env))
         if args is not None:
-            config = config.merge(_from_args(args), source="flags")
-        return config
+            layered.update({name: (raw, f"flag {flag}") for name, (raw, flag) in _from_args(args).items()})
+        return _build(cls().to_dict(include_secrets=True), layered)
 
 
-_FIELD_NAMES = frozenset(f.name for f in fields(GputqConfig))
+# Value kinds by annotation, so YAML/environment strings coerce to exactly one type. Fields
+# added later need no entry here as long as they use one of these annotations.
+_KIND_OF_ANNOTATION = {"bool": bool, "int": int, "float": float, "str": str, "str | None": "optional str",
+                       "tuple[str, ...] | None": "fields"}
+_KINDS = {f.name: _KIND_OF_ANNOTATION[str(f.type)] for f in fields(GputqConfig)}
+_FIELD_NAMES = tuple(_KINDS)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _coerce(name: str, default: Any, raw: Any, source: str) -> Any:
+def _typed(name: str, kind: Any, value: Any) -> Any:
+    """``value`` as ``kind``, accepting only what converts without loss."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise _error(name, f"{name} must be true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _error(name, f"{name} must be an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _error(name, f"{name} must be a number, got {value!r}")
+    if kind == "fields":
+        if value is None:
+            return None
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise _error(name, f"{name} must be a list of field names, got {value!r}")
+    if kind == "optional str" and value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    raise _error(name, f"{name} must be a string, got {value!r}")
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    """A YAML value or an environment string converted to ``name``'s kind (strictly)."""
+    kind = _KINDS[name]
+    if not isinstance(raw, str):
+        return raw  # YAML gave a typed value; _typed checks it
+    text = raw.strip()
+    if kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        return raw
+    if kind is int:
+        try:
+            return int(text, 10)
+        except ValueError:
+            return raw
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            return raw
+    if kind == "fields":
+        return tuple(text.replace(",", " ").split())
+    return raw
+
+
+def _build(base: dict[str, Any], layered: Mapping[str, tuple[Any, str]]) -> GputqConfig:
+    values = dict(base)
+    sources: dict[str, str] = {}
+    for name, (raw, source) in layered.items():
+        if name not in _KINDS:
+            close = difflib.get_close_matches(name, _FIELD_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {list(_FIELD_NAMES)}"
+            raise ConfigError(f"{source}: unknown setting {name!r}{hint}")
+        if raw is None:
+            continue
+        values[name] = _coerce(name, raw)
+        sources[name] = source
     try:
-        if isinstance(default, bool):
-            if isinstance(raw, str):
-                if raw.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if raw.lower() in ("0", "false", "no", "off", ""):
-                    return False
-                raise ValueError(raw)
-            return bool(raw)
-        if isinstance(default, tuple):
-            items = raw.replace(",", " ").split() if isinstance(raw, str) else list(raw)
-            return tuple(str(i) for i in items)
-        if isinstance(default, int):
-            return int(raw)
-        if isinstance(default, float):
-            return float(raw)
-        return str(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {name}={raw!r} is not a valid {type(default).__name__}") from None
+        return GputqConfig(**values)
+    except ConfigError as exc:
+        setting = getattr(exc, "setting", None)
+        if setting in sources:
+            raise ConfigError(f"{sources[setting]}: {exc}") from None
+        raise
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    out = {}
+    known = {ENV_PREFIX + name.upper(): name for name in _FIELD_NAMES}
+    for var, raw in env.items():
+        if not var.startswith(ENV_PREFIX) or var in OTHER_ENV_VARS:
+            continue
+        name = known.get(var)
+        if name is None:
+            close = difflib.get_close_matches(var, [*known, *OTHER_ENV_VARS], n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            warnings.warn(f"environment variable {var} is not a gputq setting{hint}", ConfigWarning,
+                          stacklevel=3)
+            continue
+        out[name] = (raw, f"environment variable {var}={raw!r}" if name != "token" else f"environment variable {var}")
+    return out
 
 
 def _read_yaml(path: str) -> dict:
@@ -214,43 +350,53 @@ def _read_yaml(path: str) -> dict:
 
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
+            data = yaml.safe_load(fh)
     except OSError as exc:
         raise ConfigError(f"cannot read transfer-queue config {path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{line}: {getattr(exc, 'problem', None) or exc}") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
+# Flag dest -> (config field, flag as typed).
 _FLAG_TO_FIELD = {
-    "enable_transfer_queue": "enabled",
-    "transfer_params": "transfer_params",
-    "routed_experts_dtype": "routed_experts_dtype",
-    "use_rollout_routing_replay": "use_rollout_routing_replay",
-    "transport": "transport",
+    "enable_transfer_queue": ("enabled", "--enable-transfer-queue"),
+    "transfer_params": ("transfer_params", "--transfer-params"),
+    "routed_experts_dtype": ("routed_experts_dtype", "--routed-experts-dtype"),
+    "use_rollout_routing_replay": ("use_rollout_routing_replay", "--use-rollout-routing-replay"),
+    "transport": ("transport", "--transport"),
 }
 
 
-def _from_args(args: argparse.Namespace) -> dict:
+def _from_args(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     values = {}
-    for flag, name in _FLAG_TO_FIELD.items():
-        value = getattr(args, flag, None)
+    for dest, (name, flag) in _FLAG_TO_FIELD.items():
+        value = getattr(args, dest, None)
         # store_true flags left at False must not override YAML or environment.
         if value is None or value is False:
             continue
-        values[name] = value
+        values[name] = (tuple(value) if isinstance(value, list) else value, flag)
     return values
 
 
 def add_transfer_queue_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add gputq's flags to an RL framework's parser; returns the parser."""
+    """Add gputq's flags to an RL framework's parser; returns the parser.
+
+    Then ``GputqConfig.load(args=parser.parse_args())`` is the config.
+    """
     group = parser.add_argument_group("gputq (transfer queue)")
     group.add_argument("--enable-transfer-queue", action="store_true", default=False,
-                       help="offload large per-token fields to StorageUnits")
+                       help="offload large per-token fields to StorageUnits (off: all fields stay inline)")
     group.add_argument("--transfer-queue-config", metavar="PATH", default=None,
-                       help="YAML file of gputq settings (flags and GPUTQ_* variables override it)")
+                       help="YAML file of gputq settings (GPUTQ_* variables and flags override it)")
     group.add_argument("--transfer-params", nargs="+", choices=OFFLOADABLE_FIELDS, default=None,
-                       help="fields to offload (default: logprobs routed_experts)")
+                       help="fields to offload (default: logprobs, plus routed_experts with R3)")
     group.add_argument("--routed-experts-dtype", choices=EXPERT_DTYPES, default=None,
                        help="stored dtype of expert IDs (default int32; restored as int32)")
     group.add_argument("--use-rollout-routing-replay", action="store_true", default=False,

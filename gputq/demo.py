@@ -1,10 +1,13 @@
 """``gputq demo``: the whole offload path on an embedded local Ray.
 
-1. synthetic SGLang-shaped sessions (branches, context rewrites);
-2. the writer puts each step's fields into StorageUnits (commit regions);
-3. segments are composed from references only;
-4. lightweight samples go through a rollout-manager actor;
-5. trainer actors (one per data-parallel rank) each fetch their shard;
+1. synthetic sessions (branches, context rewrites) whose model calls come
+   back in SGLang's wire format (base64 routed experts, logprob triples);
+2. each response goes through the SGLang ingest path: decoded, trimmed,
+   range-checked and stored with the step in one commit region;
+3. segments are composed from references only, and become slime samples;
+4. the samples go through a rollout-manager actor;
+5. trainer actors (one per data-parallel rank) hydrate their split in place,
+   which also runs slime's shape checks, and release it;
 6. every restored field is compared bit for bit with the inline path.
 
 Payload bytes never cross Ray: samples carry layouts, trainers return
@@ -72,7 +75,7 @@ class RolloutManager:
 
 
 class TrainerRank:
-    """One data-parallel rank: fetches its shard and reports digests and stats."""
+    """One data-parallel rank: hydrates its slime samples and reports digests and stats."""
 
     def __init__(self, rank: int, membership: dict, config: GputqConfig, device: str = "cpu"):
         from .clients import UnitClients
@@ -87,17 +90,14 @@ class TrainerRank:
     def train_step(self, manager, world: int, partition: str) -> dict:
         import ray
 
-        from .trajectory import Segment
+        from .slime import LOG_PROBS, ROUTED_EXPERTS_KEY, hydrate
 
         samples = ray.get(manager.shard.remote(self.rank, world))
-        segments = [Segment.from_sample(s) for s in samples]
-        shard = [seg.layouts for seg in segments]
-        restored = self._reader.fetch(shard)
+        # In place, slime's checks included; the consumed shard is released.
+        hydrate(samples, self._reader, partition)
         stats = self._reader.last_stats
-        digests = {seg.segment_id: digest_fields(fields) for seg, fields in zip(segments, restored)}
-        # Consumed: drop this rank's segment references; a step shared with another
-        # rank's segments stays until that rank is done too.
-        self._reader.release(shard, partition)
+        digests = {s["index"]: digest_fields({k: s[k] for k in (LOG_PROBS, ROUTED_EXPERTS_KEY) if k in s})
+                   for s in samples}
         return {"rank": self.rank, "digests": digests, "unique_keys": stats.unique_keys,
                 "referenced_keys": stats.referenced_keys, "bytes_fetched": stats.bytes_fetched,
                 "fetch_seconds": stats.fetch_seconds, "restore_seconds": stats.restore_seconds,
@@ -113,11 +113,17 @@ def _say(progress: bool, message: str) -> None:
         print(message, file=sys.stdout, flush=True)
 
 
-def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
-    """Run the demo; returns the summary (``verified`` and the figures)."""
+def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progress: bool = True) -> dict:
+    """Run the demo; returns the summary (``verified`` and the figures).
+
+    ``config`` (default: ``GputqConfig.load()``, the file and ``GPUTQ_*``
+    variables) supplies every setting the options do not fix.
+    """
+    from .controller import Controller
     from .deploy import Deployment, import_ray
-    from .fields import FieldRegistry
-    from .synthetic import SyntheticConfig, build_sessions
+    from .sglang import RolloutIngest, ingest_synthetic
+    from .slime import to_slime_sample
+    from .synthetic import SyntheticConfig
     from .trajectory import inline_fields, lineage_segments, timeline_segments
     from .writer import Writer
 
@@ -132,20 +138,24 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
     per_session = (synth.prompt_tokens + 2 * options.steps * (options.tokens + synth.tool_tokens))
     estimate = options.sessions * per_session * options.layers * options.topk * np.dtype(options.dtype).itemsize
     capacity = max(64 << 20, int(1.5 * estimate / options.units))
-    config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=options.dtype,
-                         transport=options.transport, num_units=options.units, unit_capacity_bytes=capacity)
+    config = (config if config is not None else GputqConfig.load()).replace(
+        enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=options.dtype,
+        transport=options.transport, num_units=options.units, unit_capacity_bytes=capacity)
     partition = "rollout-0"
-    _say(progress, f"[1/6] starting Ray with {options.units} StorageUnits of {capacity >> 20} MiB "
-                   f"(transport {options.transport})")
+    _say(progress, f"[1/6] starting Ray with {options.units} StorageUnits of {capacity >> 20} MiB")
     with Deployment.start(config, num_cpus=2) as deployment:
         config = deployment.config
         ray.get(deployment.controller.open_partition.remote(partition))
         clients = deployment.clients()
-        fields = FieldRegistry.builtin(options.layers, options.topk, options.dtype)
-        _say(progress, f"[2/6] generating {options.sessions} sessions and writing their fields")
+        used = {clients.transport_of(unit) for unit in clients.units}
+        _say(progress, "      transport: " + "; ".join(f"{name} ({reason})" for name, reason in sorted(used)))
+        _say(progress, f"[2/6] {options.sessions} sessions: SGLang responses (base64 meta_info) "
+                       f"through the ingest path into StorageUnits")
         with Writer(clients, config) as writer:
             t_write = time.perf_counter()
-            sessions = build_sessions(synth, fields=fields, writer=writer, partition=partition, inline=True)
+            ingest = RolloutIngest(config, num_layers=options.layers, topk=options.topk, partition=partition,
+                                   writer=writer, keep_inline=True)
+            sessions = ingest_synthetic(synth, ingest)
             writer.flush()
             write_seconds = time.perf_counter() - t_write
             bytes_offloaded = writer.bytes_written
@@ -154,24 +164,24 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
             # From here on each step lives as long as a segment that uses it.
             writer.finalize([seg.layouts for seg in segments], partition)
         _say(progress, f"[3/6] composed {len(segments)} {options.view} segments from references")
-        samples = [seg.to_sample() for seg in segments]
+        samples = [{**to_slime_sample(seg), "index": i} for i, seg in enumerate(segments)]
         sample_bytes = len(pickle.dumps(samples))
         manager = ray.remote(num_cpus=0)(RolloutManager).remote()
         ray.get(manager.submit.remote(samples))
-        _say(progress, f"[4/6] {len(samples)} samples ({sample_bytes / 1e6:.2f} MB) sent through the "
+        _say(progress, f"[4/6] {len(samples)} slime samples ({sample_bytes / 1e6:.2f} MB) sent through the "
                        f"rollout manager; {bytes_offloaded / 1e6:.1f} MB stayed in StorageUnits")
         membership = deployment.membership()
         trainer_cls = ray.remote(num_cpus=0)(TrainerRank)
         trainers = [trainer_cls.remote(rank, membership, config, options.device)
                     for rank in range(options.ranks)]
-        _say(progress, f"[5/6] {options.ranks} trainer ranks fetching their shards")
+        _say(progress, f"[5/6] {options.ranks} trainer ranks hydrating their samples (slime's checks)")
         reports = ray.get([t.train_step.remote(manager, options.ranks, partition) for t in trainers])
         ray.get([t.close.remote() for t in trainers])
         _say(progress, "[6/6] comparing with the inline (non-offloaded) path")
-        expected = {seg.segment_id: digest_fields(inline_fields(seg)) for seg in segments}
-        got = {sid: d for report in reports for sid, d in report["digests"].items()}
-        mismatched = sorted(sid for sid in expected if got.get(sid) != expected[sid])
-        freed = ray.get(deployment.controller.release_partition.remote(partition))["freed"]
+        expected = {i: digest_fields(inline_fields(seg)) for i, seg in enumerate(segments)}
+        got = {i: d for report in reports for i, d in report["digests"].items()}
+        mismatched = sorted(segments[i].segment_id for i in expected if got.get(i) != expected[i])
+        released = ray.get(deployment.controller.release_partition.remote(partition))
         overlap = None
         if options.overlap:
             from .lifecycle import blocking, overlapping_rollouts
@@ -191,6 +201,7 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
         "mismatched": mismatched[:10],
         "segments": len(segments),
         "steps": sum(len(s.steps) for s in sessions),
+        "aborted_requests": ingest.aborted,
         "unique_keys_fetched_per_rank": [r["unique_keys"] for r in reports],
         "referenced_keys_per_rank": [r["referenced_keys"] for r in reports],
         "bytes_offloaded": bytes_offloaded,
@@ -201,8 +212,8 @@ def run_demo(options: DemoOptions, *, progress: bool = True) -> dict:
         "transport": sorted({t for r in reports for t in r["transports"]}),
         "dtype": options.dtype,
         "keys_left_after_release": int(stats["totals"]["keys"]),
-        "keys_freed_at_rollout_release": int(freed),
-        "invariants_ok": invariants["ok"],
+        "keys_freed_at_rollout_release": int(released["freed"]),
+        "invariants_ok": bool(invariants["ok"]),
         "invariant_violations": invariants["violations"][:10],
         "overlap": overlap,
         "seconds": round(time.perf_counter() - t0, 2),
@@ -222,7 +233,7 @@ def _print_summary(r: dict) -> None:
     print(f"  keys left after the ranks released their segments and the rollout was released: "
           f"{r['keys_left_after_release']} ({r['keys_freed_at_rollout_release']} freed by the latter); "
           f"{r['seconds']} s in all")
-    print(f"  invariants at the end (every stored key held by a live rollout): "
+    print(f"  invariants at the end (every stored key held by a live rollout, every reference stored): "
           f"{'ok' if r['invariants_ok'] else r['invariant_violations']}")
     if r["overlap"] is not None:
         o = r["overlap"]

@@ -5,12 +5,22 @@ its transport server); Ray actors are thin wrappers made on demand, so the
 unit tests run everything in-process. Serving actors take ``num_cpus=0``:
 they only serve sockets and must not starve trainers of CPU slots.
 
-Ray carries control only: addresses, stats, lifecycle calls (rule 1).
+On a multi-node cluster each node gets one unit pinned to it (hard node
+affinity); :meth:`Deployment.sync_nodes` (or the watcher started with
+``watch_nodes_s``) gives a node that joins later its unit and drops the
+units of nodes that left. The controller is the named actor
+``gputq-controller`` in the ``gputq`` namespace, and each unit
+``gputq-controller/<unit>``, so ``gputq stats`` can attach to a running job.
+
+Ray carries control only: addresses, stats, lifecycle calls; payload bytes
+go over the transports.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -22,7 +32,17 @@ from .controller import Controller
 from .errors import MissingDependencyError
 from .storage_unit import StorageUnit
 
-__all__ = ["UnitService", "Deployment", "local_cluster", "serving_transport", "import_ray"]
+__all__ = ["UnitService", "ControllerService", "Deployment", "local_cluster", "serving_transport", "import_ray",
+           "CONTROLLER_NAME", "NAMESPACE", "unit_actor_name"]
+
+CONTROLLER_NAME = "gputq-controller"
+NAMESPACE = "gputq"
+_log = logging.getLogger(__name__)
+
+
+def unit_actor_name(unit: str, controller_name: str = CONTROLLER_NAME) -> str:
+    """The Ray actor name of ``unit`` (in :data:`NAMESPACE`)."""
+    return f"{controller_name}/{unit}"
 
 
 def import_ray():
@@ -46,8 +66,9 @@ def serving_transport(requested: str) -> str:
     if missing is None:
         return "rdma"
     if requested == "rdma":
-        raise MissingDependencyError(
-            f"transport 'rdma' needs NIXL ({missing}): pip install 'gputq[rdma]'")
+        from .info import nixl_fix
+
+        raise MissingDependencyError(f"transport 'rdma' needs NIXL: {nixl_fix(missing)}")
     return "tcp"
 
 
@@ -70,12 +91,20 @@ class UnitService(Closeable):
         self._unit = StorageUnit(name, config.unit_capacity_bytes, put_timeout_s=config.put_timeout_s,
                                  shm_dir=config.shm_dir, lease_timeout_s=2 * config.read_timeout_s)
         host = config.host or _default_host()
+        self._metrics = None
         try:
             self._server = get_transport(serving_transport(config.transport)).serve(
                 self._unit, host=host, port=0, token=config.token,
                 max_frame_bytes=config.max_frame_bytes, send_timeout_s=config.send_timeout_s,
                 max_connections=config.max_connections, handshake_timeout_s=config.handshake_timeout_s)
+            if config.metrics_port:
+                from .metrics import serve_metrics, unit_metrics
+
+                # The next free port above the controller's: one unit per node -> metrics_port + 1.
+                self._metrics = serve_metrics(unit_metrics(self._unit.stats), config.metrics_port + 1, host)
         except BaseException:
+            if getattr(self, "_server", None) is not None:
+                self._server.close()
             self._unit.close()
             raise
         self._closed = False
@@ -88,13 +117,41 @@ class UnitService(Closeable):
         return self._server.address
 
     def stats(self) -> dict:
-        return self._unit.stats()
+        """The unit's stats plus this process's RSS and metrics endpoint."""
+        from .metrics import rss_bytes
+
+        return {**self._unit.stats(), "rss_bytes": rss_bytes(),
+                "metrics": None if self._metrics is None else f"{self._metrics.host}:{self._metrics.port}"}
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._metrics is not None:
+                self._metrics.close()
             self._server.close()
             self._unit.close()
+
+
+class ControllerService(Controller):
+    """The controller as it runs in its actor: plus its Prometheus endpoint."""
+
+    def __init__(self, config: GputqConfig):
+        super().__init__(config)
+        self._metrics = None
+        if config.metrics_port:
+            from .metrics import controller_metrics, serve_metrics
+
+            self._metrics = serve_metrics(controller_metrics(self), config.metrics_port,
+                                          config.host or _default_host())
+
+    def metrics_address(self) -> str | None:
+        return None if self._metrics is None else f"{self._metrics.host}:{self._metrics.port}"
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        super().close()
 
 
 def _default_host() -> str:
@@ -120,57 +177,129 @@ class Deployment:
     controller: object
     units: dict = field(default_factory=dict)
     started_ray: bool = False
+    per_node: bool = False
+    unit_nodes: dict = field(default_factory=dict)
+    controller_name: str = CONTROLLER_NAME
+
+    def __post_init__(self):
+        self._sync_lock = threading.Lock()
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @classmethod
     def start(cls, config: GputqConfig, *, ray_address: str | None = None,
-              num_cpus: int | None = None, per_node: bool | None = None) -> "Deployment":
+              num_cpus: int | None = None, per_node: bool | None = None,
+              watch_nodes_s: float | None = None, controller_name: str = CONTROLLER_NAME) -> "Deployment":
         """Start a controller and units on Ray.
 
         Parameters
         ----------
         ray_address:
-            Connect to this cluster; ``None`` starts an embedded local Ray
-            if none is running.
+            Connect to this cluster (``"auto"``, ``"ray://head:10001"``, ...);
+            ``None`` starts an embedded local Ray if none is running.
         num_cpus:
             CPUs of the embedded Ray (default: this machine's count, at least 2).
         per_node:
             One unit per alive node with hard node affinity (cluster mode).
             Default: on when Ray has more than one node, else
             ``config.num_units`` local units.
+        watch_nodes_s:
+            In cluster mode, check for joined and departed nodes this often
+            (seconds) and run :meth:`sync_nodes`; ``None`` leaves it to the caller.
+        controller_name:
+            Name of the controller actor in the ``gputq`` namespace (one per
+            deployment on a cluster; ``gputq stats`` attaches to the default).
         """
         ray = import_ray()
+        if config.metrics_port:
+            from .metrics import require_prometheus
+
+            require_prometheus()  # here, in one line, not as a failed actor on every node
         started = False
         if not ray.is_initialized():
             import os
 
             kwargs = {"address": ray_address} if ray_address else {
                 "num_cpus": num_cpus or max(2, os.cpu_count() or 2), "include_dashboard": False}
-            ray.init(log_to_driver=False, **kwargs)
+            ray.init(log_to_driver=False, namespace=NAMESPACE, **kwargs)
             started = True
         config = config.with_token()
-        actor_cls = ray.remote(num_cpus=0, max_concurrency=16)(UnitService)
-        controller = ray.remote(num_cpus=0, max_concurrency=16)(Controller).remote(config)
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        if per_node is None:
-            per_node = len(nodes) > 1
-        units = {}
-        if per_node:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            for node in nodes:
-                name = f"su-{node['NodeManagerAddress']}-{node['NodeID'][:8]}"
-                units[name] = (actor_cls.options(
-                    name=None, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-                    .remote(name, config), node["NodeID"])
-        else:
-            for i in range(config.num_units):
-                name = f"su-{i}"
-                units[name] = (actor_cls.remote(name, config), None)
-        addresses = ray.get([handle.address.remote() for handle, _ in units.values()])
-        ray.get([controller.register_unit.remote(name, addr, node)
-                 for (name, (_, node)), addr in zip(units.items(), addresses)])
-        return cls(config=config, controller=controller,
-                   units={name: handle for name, (handle, _) in units.items()}, started_ray=started)
+        # The controller lives on the driver's node: a num_cpus=0 actor could otherwise land on
+        # any node, and take the membership down with it when an autoscaled node leaves.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        controller = ray.remote(num_cpus=0, max_concurrency=16)(ControllerService).options(
+            name=controller_name, namespace=NAMESPACE, scheduling_strategy=here).remote(config)
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        if per_node is None:
+            per_node = len(alive) > 1
+        deployment = cls(config=config, controller=controller, started_ray=started, per_node=per_node,
+                         controller_name=controller_name)
+        try:
+            if per_node:
+                deployment.sync_nodes()
+            else:
+                deployment._add_units([(f"su-{i}", None) for i in range(config.num_units)])
+        except BaseException:
+            deployment.shutdown()
+            raise
+        if per_node and watch_nodes_s:
+            deployment._watcher = threading.Thread(target=deployment._watch, args=(watch_nodes_s,),
+                                                   name="gputq-node-watcher", daemon=True)
+            deployment._watcher.start()
+        return deployment
+
+    def _add_units(self, placements: list[tuple[str, str | None]]) -> list[str]:
+        ray = import_ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=16)(UnitService)
+        handles = {}
+        for name, node in placements:
+            options = {"name": unit_actor_name(name, self.controller_name), "namespace": NAMESPACE}
+            if node is not None:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+            handles[name] = actor_cls.options(**options).remote(name, self.config)
+        addresses = ray.get([handle.address.remote() for handle in handles.values()])
+        ray.get([self.controller.register_unit.remote(name, address, node)
+                 for (name, node), address in zip(placements, addresses)])
+        self.units.update(handles)
+        self.unit_nodes.update(dict(placements))
+        return list(handles)
+
+    def sync_nodes(self) -> dict[str, list[str]]:
+        """Match units to the cluster's alive nodes (cluster mode): one per node.
+
+        A node without a unit gets one, pinned to it; the unit of a node
+        that is gone leaves the membership (its keys are lost with it).
+        Returns ``{"added": [unit, ...], "removed": [unit, ...]}``.
+        """
+        if not self.per_node:
+            return {"added": [], "removed": []}
+        ray = import_ray()
+        with self._sync_lock:
+            alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+            placed = set(self.unit_nodes.values())
+            new = [(f"su-{n['NodeManagerAddress']}-{node_id[:8]}", node_id)
+                   for node_id, n in alive.items() if node_id not in placed]
+            gone = [name for name, node in self.unit_nodes.items() if node not in alive]
+            for name in gone:
+                ray.get(self.controller.deregister_unit.remote(name))
+                with contextlib.suppress(Exception):  # its node is gone; the handle may be dead already
+                    ray.kill(self.units.pop(name))
+                self.unit_nodes.pop(name, None)
+            added = self._add_units(new) if new else []
+        if added or gone:
+            _log.info("gputq: units added %s, removed %s", added, gone)
+        return {"added": added, "removed": gone}
+
+    def _watch(self, interval: float) -> None:
+        while not self._watch_stop.wait(interval):
+            try:
+                self.sync_nodes()
+            except Exception:  # a transient Ray error must not end the watcher
+                _log.warning("gputq: node sync failed", exc_info=True)
 
     def membership(self) -> dict[str, dict]:
         return import_ray().get(self.controller.membership.remote())
@@ -195,15 +324,26 @@ class Deployment:
     def shutdown(self) -> None:
         """Stop units and controller (and Ray, if started here). Idempotent."""
         ray = import_ray()
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=30)
+            self._watcher = None
         if not ray.is_initialized():
             return
-        if self.units:
-            ray.get([handle.close.remote() for handle in self.units.values()])
-            for handle in self.units.values():
-                ray.kill(handle)
-            ray.get(self.controller.close.remote())
-            ray.kill(self.controller)
-            self.units = {}
+        if self.controller is not None:
+            with self._sync_lock:
+                closing = {name: handle.close.remote() for name, handle in self.units.items()}
+                for name, ref in closing.items():
+                    try:
+                        ray.get(ref, timeout=self.config.control_timeout_s)
+                    except (ray.exceptions.RayError, TimeoutError) as exc:  # its node may be gone
+                        _log.warning("gputq: unit %s did not close cleanly: %s", name, exc)
+                for handle in self.units.values():
+                    ray.kill(handle)
+                self.units, self.unit_nodes = {}, {}
+                ray.get(self.controller.close.remote())
+                ray.kill(self.controller)
+                self.controller = None
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False

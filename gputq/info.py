@@ -26,7 +26,7 @@ from transport.policy import (
     nixl_import_error,
 )
 
-__all__ = ["collect_info", "format_info"]
+__all__ = ["collect_info", "format_info", "nixl_fix"]
 
 # Distribution names to report, first installed one wins per label.
 _PACKAGES = {
@@ -61,6 +61,23 @@ def _run(cmd: list[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def nixl_fix(error: str) -> str:
+    """What fixes a NIXL that does not import: installing it, or repairing the installed wheel."""
+    installed = [f"{dist} {metadata.version(dist)}" for dist in _PACKAGES["nixl"] if _installed(dist)]
+    if not installed:
+        return "pip install 'gputq[rdma]' (installs nixl-cu12; CUDA 13 hosts: pip install nixl-cu13)"
+    return (f"{', '.join(installed)} is installed but does not load ({error}); reinstall it with "
+            f"pip install --force-reinstall 'gputq[rdma]' and check its bundled libraries with gputq info")
+
+
+def _installed(dist: str) -> bool:
+    try:
+        metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _nixl_libs_dir() -> str | None:
     """The directory of libraries bundled with the NIXL wheel (``nixl_cu12.libs``)."""
     from transport.policy import load_nixl_api
@@ -76,7 +93,8 @@ def _nixl_libs_dir() -> str | None:
 
 def _nixl_info() -> dict:
     error = nixl_import_error()
-    info = {"available": error is None, "error": error, "plugins": [], "ucx_mem_types": []}
+    info = {"available": error is None, "error": error, "plugins": [], "ucx_mem_types": [],
+            "fix": None if error is None else nixl_fix(error)}
     if error is not None:
         return info
     try:
@@ -190,6 +208,8 @@ def format_info(info: dict) -> str:
                      f"UCX memory types {', '.join(nixl['ucx_mem_types']) or '(none)'}")
     else:
         lines.append(f"nixl: unavailable ({nixl['error']})")
+        if nixl.get("fix"):
+            lines.append(f"  fix: {nixl['fix']}")
     ucx = info["ucx"]
     lines.append(f"ucx (bundled with nixl): {ucx['bundled_version'] or 'not found'}; "
                  f"modules {', '.join(ucx['bundled_modules']) or '(none)'} + built-in tcp, self, posix, sysv")

@@ -149,6 +149,11 @@ class Session:
         """Tokens the next prompt must start with."""
         return self._context
 
+    @property
+    def next_start(self) -> int:
+        """First context position the next step's context-span fields cover."""
+        return self._last.seqlen - 1 if self._last is not None else 0
+
     def append_step(self, prompt_ids: Any, output_ids: Any, *,
                     arrays: Mapping[str, np.ndarray] | None = None,
                     refs: Mapping[str, FieldRef] | None = None) -> StepRecord:

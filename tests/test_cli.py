@@ -6,21 +6,78 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from gputq.cli import build_parser
+from gputq.cli import build_parser, demo_setup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(*args, timeout=150):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _run(*args, timeout=150, env=None):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPUTQ_")}, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": ROOT, **(env or {})}
     return subprocess.run([sys.executable, "-m", "gputq.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
 def test_parser_defaults_match_documented_demo():
     args = build_parser().parse_args(["demo"])
-    assert (args.sessions, args.units, args.dtype, args.transport) == (8, 2, "uint16", "auto")
+    assert (args.sessions, args.units, args.dtype, args.transport) == (8, None, None, None)
+    options, config = demo_setup(args, env={})
+    assert (options.units, options.dtype, options.transport) == (2, "int32", "auto")
+
+
+def test_demo_reads_the_libraries_file_and_environment(tmp_path):
+    path = tmp_path / "tq.yaml"
+    path.write_text("num_units: 3\nrouted_experts_dtype: uint8\n")
+    args = build_parser().parse_args(["demo", "--experts", "200"])
+    options, config = demo_setup(args, env={"GPUTQ_CONFIG": str(path), "GPUTQ_TRANSPORT": "tcp"})
+    assert (options.units, options.dtype, options.transport) == (3, "uint8", "tcp")
+    args = build_parser().parse_args(["demo", "--units", "1", "--transport", "auto", "--dtype", "uint16"])
+    options, _ = demo_setup(args, env={"GPUTQ_CONFIG": str(path), "GPUTQ_TRANSPORT": "tcp"})
+    assert (options.units, options.dtype, options.transport) == (1, "uint16", "auto")  # flags win
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["demo", "--units", "0"], {}, "argument --units: must be at least 1, got 0"),
+    (["demo", "--ranks", "0"], {}, "argument --ranks: must be at least 1, got 0"),
+    (["demo", "--tokens", "many"], {}, "argument --tokens: 'many' is not an integer"),
+    (["demo", "--device", "tpu"], {}, "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["demo", "--dtype", "uint8", "--experts", "300"], {}, "expert IDs up to 299 do not fit uint8"),
+    (["demo"], {"GPUTQ_TRANSPORT": "udp"}, "environment variable GPUTQ_TRANSPORT='udp': transport must be one of"),
+    (["demo"], {"GPUTQ_NUM_UNITS": "2.5"}, "GPUTQ_NUM_UNITS='2.5': num_units must be an integer"),
+    (["demo", "--config", "/nonexistent/tq.yaml"], {}, "cannot read transfer-queue config /nonexistent/tq.yaml"),
+    (["stats", "--interval", "0"], {}, "argument --interval: must be > 0"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_ray(args, env, message):
+    started = time.monotonic()
+    proc = _run(*args, env=env, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "Ray" not in proc.stderr
+    assert time.monotonic() - started < 20  # refused before any Ray start-up
+
+
+def test_cuda_without_a_gpu_is_refused():
+    from kernels import cuda_available
+
+    if cuda_available():
+        pytest.skip("this machine has a CUDA device")
+    proc = _run("demo", "--device", "cuda", timeout=60)
+    assert proc.returncode == 2 and "no usable CUDA device" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_shows_defaults():
+    proc = _run("demo", "--help", timeout=60)
+    assert proc.returncode == 0
+    assert "(default: 8)" in proc.stdout and "(default: 1024)" in proc.stdout
+    assert "(default: lineage)" in proc.stdout
+    proc = _run("stats", "--help", timeout=60)
+    assert "(default: auto)" in proc.stdout and "--check" in proc.stdout
 
 
 @pytest.mark.ray
@@ -32,16 +89,18 @@ def test_demo_json_last_line_reports_verified():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("verified", "segments", "unique_keys_fetched_per_rank", "bytes_offloaded", "fetch_gbps"):
         assert key in result
-    assert result["verified"] is True
+    assert result["verified"] is True and result["transport"] == ["tcp"]
     assert result["bytes_offloaded"] > 0 and result["segments"] >= 2
+    assert result["keys_left_after_release"] == 0
 
 
 def test_import_needs_only_numpy():
-    blocked = ["torch", "cupy", "nixl", "ray", "msgpack", "yaml"]
+    blocked = ["torch", "cupy", "nixl", "ray", "msgpack", "yaml", "prometheus_client"]
     code = ("import sys\n"
             f"for name in {blocked!r}: sys.modules[name] = None\n"
-            "import gputq, transport, kernels\n"
+            "import gputq, transport, kernels, gputq.sglang, gputq.slime, gputq.metrics\n"
             "print(len(gputq.__all__))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) > 20

@@ -1,8 +1,9 @@
 import argparse
+import warnings
 
 import pytest
 
-from gputq.config import GputqConfig, add_transfer_queue_arguments
+from gputq.config import ConfigWarning, GputqConfig, add_transfer_queue_arguments
 from gputq.errors import ConfigError
 
 
@@ -17,10 +18,27 @@ def test_defaults_are_valid_and_offload_nothing():
     assert config.offloaded_fields == ()
 
 
-def test_routed_experts_need_r3():
+def test_default_offload_follows_r3():
     assert GputqConfig(enabled=True).offloaded_fields == ("logprobs",)
     both = GputqConfig(enabled=True, use_rollout_routing_replay=True).offloaded_fields
     assert both == ("logprobs", "routed_experts")
+
+
+def test_offloading_routed_experts_without_r3_is_refused():
+    with pytest.raises(ValueError, match="use-rollout-routing-replay"):
+        GputqConfig(enabled=True, transfer_params=("logprobs", "routed_experts"))
+    args = _parse(["--enable-transfer-queue", "--transfer-params", "routed_experts"])
+    with pytest.raises(ConfigError, match="flag --transfer-params: .*use-rollout-routing-replay"):
+        GputqConfig.load(env={}, args=args)
+    # Offload off: the list does not matter, nothing is offloaded.
+    assert GputqConfig(transfer_params=("routed_experts",)).offloaded_fields == ()
+
+
+def test_r3_and_params_may_come_from_different_layers(tmp_path):
+    path = tmp_path / "tq.yaml"
+    path.write_text("transfer_params: [routed_experts]\nenabled: true\n")
+    config = GputqConfig.load(yaml_path=str(path), env={"GPUTQ_USE_ROLLOUT_ROUTING_REPLAY": "yes"})
+    assert config.offloaded_fields == ("routed_experts",)
 
 
 def test_precedence_yaml_env_flags(tmp_path):
@@ -43,8 +61,8 @@ def test_flags_left_unset_do_not_override():
 
 
 def test_transfer_params_flag_and_env():
-    config = GputqConfig.load(env={}, args=_parse(["--transfer-params", "logprobs"]))
-    assert config.transfer_params == ("logprobs",)
+    config = GputqConfig.load(env={}, args=_parse(["--enable-transfer-queue", "--transfer-params", "logprobs"]))
+    assert config.transfer_params == ("logprobs",) and config.offloaded_fields == ("logprobs",)
     config = GputqConfig.load(env={"GPUTQ_TRANSFER_PARAMS": "routed_experts,logprobs"})
     assert config.transfer_params == ("routed_experts", "logprobs")
 
@@ -64,14 +82,16 @@ def test_bad_values_raise_config_error(changes, message):
 
 
 def test_bad_environment_value_names_setting():
-    with pytest.raises(ConfigError, match="num_units"):
+    with pytest.raises(ConfigError, match="environment variable GPUTQ_NUM_UNITS='many': num_units must be an integer"):
         GputqConfig.load(env={"GPUTQ_NUM_UNITS": "many"})
+    with pytest.raises(ConfigError, match="GPUTQ_TRANSPORT='udp': transport must be one of"):
+        GputqConfig.load(env={"GPUTQ_TRANSPORT": "udp"})
 
 
 def test_unknown_yaml_key_is_an_error(tmp_path):
     path = tmp_path / "tq.yaml"
     path.write_text("trasnport: tcp\n")
-    with pytest.raises(ConfigError, match="trasnport"):
+    with pytest.raises(ConfigError, match="unknown setting 'trasnport'; did you mean 'transport'"):
         GputqConfig.load(yaml_path=str(path), env={})
 
 
@@ -79,3 +99,78 @@ def test_with_token_generates_once():
     config = GputqConfig().with_token()
     assert config.token and len(config.token) == 32
     assert config.with_token().token == config.token
+
+
+def test_malformed_yaml_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("transport: [tcp\nnum_units: 2\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML at line \d+"):
+        GputqConfig.load(yaml_path=str(path), env={})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("num_units: 2.5\n", "num_units: num_units must be an integer, got 2.5"),
+    ("num_units: 2.0\n", "num_units must be an integer, got 2.0"),
+    ("unit_capacity_bytes: 1e9\n", "unit_capacity_bytes must be an integer"),
+    ("enabled: maybe\n", "enabled must be true or false, got 'maybe'"),
+    ("enabled: 1\n", "enabled must be true or false, got 1"),
+    ("use_rollout_routing_replay: 0.0\n", "use_rollout_routing_replay must be true or false"),
+    ("put_timeout_s: fast\n", "put_timeout_s must be a number"),
+    ("transfer_params: 3\n", "transfer_params must be a list"),
+])
+def test_yaml_values_are_typed_strictly_and_name_the_file(tmp_path, text, message):
+    path = tmp_path / "tq.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"tq\\.yaml: .*{message}"):
+        GputqConfig.load(yaml_path=str(path), env={})
+
+
+def test_constructor_is_strict_too():
+    with pytest.raises(ConfigError, match="num_units must be an integer, got 2.5"):
+        GputqConfig(num_units=2.5)
+    with pytest.raises(ConfigError, match="enabled must be true or false"):
+        GputqConfig(enabled="yes")
+    assert GputqConfig(put_timeout_s=5).put_timeout_s == 5.0
+
+
+@pytest.mark.parametrize("value", ["2.5", "3.0", "0x10"])
+def test_env_float_for_int_is_an_error(value):
+    with pytest.raises(ConfigError, match=f"GPUTQ_WRITER_THREADS='{value}'"):
+        GputqConfig.load(env={"GPUTQ_WRITER_THREADS": value})
+
+
+def test_unknown_env_variable_warns_with_closest_name():
+    with pytest.warns(ConfigWarning, match="GPUTQ_TRANSPROT is not a gputq setting; did you mean GPUTQ_TRANSPORT"):
+        config = GputqConfig.load(env={"GPUTQ_TRANSPROT": "tcp"})
+    assert config.transport == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # variables read by other layers are not mistakes
+        GputqConfig.load(env={"GPUTQ_RDMA_WRITE_PATH": "tcp", "GPUTQ_CONFIG": "", "GPUTQ_TOKEN": "t" * 16})
+
+
+def test_token_is_redacted_and_checked():
+    token = "s3cret-token-0123456789"
+    config = GputqConfig(token=token)
+    assert token not in repr(config) and "token='***'" in repr(config)
+    assert config.to_dict()["token"] == "***"
+    assert config.to_dict(include_secrets=True)["token"] == token
+    assert token not in str(config.to_dict())
+    with pytest.raises(ConfigError, match="at least 16 characters, got 5"):
+        GputqConfig(token="short")
+    with pytest.raises(ConfigError, match="environment variable GPUTQ_TOKEN: token must have"):
+        GputqConfig.load(env={"GPUTQ_TOKEN": "short"})
+    assert GputqConfig.load(env={"GPUTQ_TOKEN": token}).token == token
+
+
+def test_field_registry_comes_from_config():
+    registry = GputqConfig(routed_experts_dtype="uint8").field_registry(4, 2)
+    assert registry.get("routed_experts").dtype == "uint8"
+    assert registry.get("routed_experts").row_shape == (4, 2)
+    assert registry.get("logprobs").dtype == "float32"
+
+
+def test_metrics_port_setting():
+    assert GputqConfig().metrics_port == 0
+    assert GputqConfig.load(env={"GPUTQ_METRICS_PORT": "9400"}).metrics_port == 9400
+    with pytest.raises(ConfigError, match="metrics_port"):
+        GputqConfig(metrics_port=70000)

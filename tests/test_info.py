@@ -78,3 +78,25 @@ def test_gpudirect_needs_gpu_and_infiniband(monkeypatch):
     assert info._gpudirect([]) == {"possible": False, "reason": "no GPU"}
     monkeypatch.setattr(policy, "infiniband_devices", lambda: [])
     assert info._gpudirect(["GPU 0"]) == {"possible": False, "reason": "no InfiniBand/RoCE device"}
+
+
+def test_install_hint_names_what_fixes_it(monkeypatch):
+    installed = {"nixl-cu12": "1.5.1"}
+
+    def version(dist):
+        if dist in installed:
+            return installed[dist]
+        raise info.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(info.metadata, "version", version)
+    hint = info.nixl_fix("libucs.so.0: cannot open shared object file")
+    assert "nixl-cu12 1.5.1 is installed but does not load (libucs.so.0" in hint
+    assert "--force-reinstall" in hint
+    installed.clear()
+    assert info.nixl_fix("No module named 'nixl'").startswith("pip install 'gputq[rdma]'")
+
+
+def test_missing_nixl_report_carries_the_fix(no_nixl):
+    data = info.collect_info()
+    assert data["nixl"]["fix"] and "gputq[rdma]" in data["nixl"]["fix"]
+    assert "fix:" in info.format_info(data)

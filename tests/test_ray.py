@@ -66,3 +66,92 @@ def test_readme_example_runs_and_restores_exactly():
     assert np.array_equal(fields["rollout_routed_experts"], scope["experts"])
     assert fields["rollout_routed_experts"].dtype == np.int32
     assert np.array_equal(fields["rollout_log_probs"], scope["logprobs"])
+
+
+def test_stats_attaches_to_a_running_deployment():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from gputq.deploy import CONTROLLER_NAME, NAMESPACE
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = GputqConfig(transport="tcp", unit_capacity_bytes=8 << 20, num_units=2)
+    with Deployment.start(config) as deployment:
+        assert ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE) is not None
+        ray.get(deployment.controller.open_partition.remote("rollout-7"))
+        address = ray.get_runtime_context().gcs_address
+        env = {**os.environ, "PYTHONPATH": root}
+        proc = subprocess.run([sys.executable, "-m", "gputq.cli", "stats", "--address", address, "--json",
+                               "--check"], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert sorted(report["units"]) == ["su-0", "su-1"]
+        assert all(u["capacity"] == 8 << 20 and u["keys"] == 0 and u["rss_bytes"] > 0
+                   for u in report["units"].values())
+        assert report["partitions"] == ["rollout-7"]
+        from gputq.controller import Controller
+
+        if hasattr(Controller, "check_invariants"):
+            assert report["check"]["available"] is True and report["check"]["ok"] is True
+        else:
+            assert report["check"] == {"available": False,
+                                       "reason": "this deployment's controller has no check_invariants"}
+        table = subprocess.run([sys.executable, "-m", "gputq.cli", "stats", "--address", address, "--once"],
+                               capture_output=True, text=True, timeout=120, env=env)
+        assert table.returncode == 0 and table.stdout.splitlines()[0].startswith("unit")
+        assert "partitions: rollout-7" in table.stdout
+
+
+def test_stats_without_a_deployment_is_one_line():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.run([sys.executable, "-m", "gputq.cli", "stats", "--address", address, "--once"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 2 and "no gputq deployment on this Ray cluster" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_readme_multi_turn_path_runs_and_passes_slimes_checks(tmp_path):
+    import argparse
+    import pathlib
+    import re
+
+    import numpy as np
+
+    from gputq import GputqConfig as Config, Reader, Writer, add_transfer_queue_arguments
+    from gputq.sglang import RolloutIngest, encode_response
+    from gputq.slime import LOG_PROBS, ROUTED_EXPERTS_KEY, check_sample, hydrate, to_slime_sample
+    from gputq.trajectory import lineage_segments
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"## The multi-turn path.*?```python\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "tq.yaml").write_text("unit_capacity_bytes: 8388608\n")
+    args = add_transfer_queue_arguments(argparse.ArgumentParser()).parse_args(
+        ["--enable-transfer-queue", "--use-rollout-routing-replay", "--routed-experts-dtype", "uint8",
+         "--transport", "tcp", "--transfer-queue-config", str(tmp_path / "tq.yaml")])
+    rng = np.random.default_rng(0)
+    L, K = 4, 2
+    sent = []
+
+    def generate(prompt, start_len):
+        n_out = int(rng.integers(1, 9))
+        experts = rng.integers(0, 200, (len(prompt) + n_out - 1 - start_len, L, K), dtype=np.int32)
+        sent.append(experts)
+        return encode_response(rng.integers(0, 1000, n_out), -rng.random(n_out), experts)
+
+    scope = {"args": args, "L": L, "K": K, "first_prompt": rng.integers(0, 1000, 12),
+             "tool_outputs": [rng.integers(0, 1000, 3) for _ in range(4)], "generate": generate,
+             "rank": 0, "world": 1, "np": np, "GputqConfig": Config, "Deployment": Deployment,
+             "Writer": Writer, "Reader": Reader, "RolloutIngest": RolloutIngest,
+             "lineage_segments": lineage_segments, "to_slime_sample": to_slime_sample, "hydrate": hydrate}
+    exec(compile(code, "README.md", "exec"), scope)
+    (sample,) = scope["samples"]
+    check_sample(sample)
+    assert np.array_equal(sample[ROUTED_EXPERTS_KEY], np.concatenate(sent))
+    assert sample[LOG_PROBS].dtype == np.float32 and len(sample[LOG_PROBS]) == sample["response_length"]
