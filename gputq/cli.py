@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions, transports, devices and what auto would choose")
     info.add_argument("--json", action="store_true")
+
+    from .capacity import build_parser as capacity_parser
+
+    capacity_parser(sub.add_parser("capacity", help="R3 bytes of a rollout and the master node's projected peak"))
     return parser
 
 
@@ -46,6 +50,10 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps(result))
         return 0 if result["verified"] else 1
+    if args.command == "capacity":
+        from .capacity import run
+
+        return run(args)
     if args.command == "info":
         from .info import collect_info, format_info
 
