@@ -29,6 +29,7 @@ __all__ = [
     "emit_json",
     "add_json_flag",
     "SocketBaseline",
+    "Progress",
 ]
 
 
@@ -172,6 +173,50 @@ class SocketBaseline:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Progress:
+    """A plain-text progress bar on stderr: ``label [#####.....] 3/8 12.1 s detail``.
+
+    Redraws in place on a terminal and prints one line per step otherwise
+    (logs stay readable). stdout is left to the tables and the JSON line.
+    """
+
+    def __init__(self, label: str, total: int, width: int = 24, stream=None):
+        self.label, self.total, self.width = label, max(1, int(total)), width
+        self.done = 0
+        self._stream = stream or sys.stderr
+        self._tty = getattr(self._stream, "isatty", lambda: False)()
+        self._started = time.perf_counter()
+        self._draw("")
+
+    def _draw(self, detail: str) -> None:
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        line = (f"{self.label} [{bar}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self._started:6.1f} s {detail}")
+        self._stream.write(("\r" + line + "\x1b[K") if self._tty else line + "\n")
+        self._stream.flush()
+
+    def step(self, detail: str = "") -> None:
+        """Mark one more unit of work done; ``detail`` says what is next or what just finished."""
+        self.done = min(self.total, self.done + 1)
+        self._draw(detail)
+
+    def note(self, detail: str) -> None:
+        """Redraw with a new ``detail`` without advancing."""
+        self._draw(detail)
+
+    def close(self) -> None:
+        if self._tty:
+            self._stream.write("\n")
+            self._stream.flush()
+
+    def __enter__(self) -> "Progress":
+        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
