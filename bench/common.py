@@ -31,6 +31,7 @@ __all__ = [
     "add_json_flag",
     "SocketBaseline",
     "Progress",
+    "progress_range",
 ]
 
 
@@ -253,3 +254,11 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def progress_range(label: str, total: int):
+    """``range(total)`` that draws a :class:`Progress` bar as it goes."""
+    with Progress(label, total) as progress:
+        for i in range(total):
+            yield i
+            progress.step()
