@@ -480,7 +480,9 @@ def run(args) -> dict:
     dtypes = args.dtypes.split(",")
     r3_int32 = rollout_plan(rollout, ["su-0"], "int32")["r3_int32"]
     store = int(max(4 * r3_int32, 256 * _MIB))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=store)
+    # address="local": a new cluster of our own, never one another job left on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=store)
     runs = []
     try:
         with Progress("bench.memory", 1 + len(units_list) * len(dtypes)) as progress:
@@ -513,7 +515,7 @@ def run(args) -> dict:
         "headline": {"units": headline["units"], "dtype": headline["dtype"]},
         "verified": all(r.get("verified", True) for r in runs),
         "calibration": calibration(r3_int32, central, runs),
-        "runs": [{k: v for k, v in r.items() if k != "timeline" or not args.json_compact} for r in runs],
+        "runs": runs,
         "config": {"sessions": rollout.sessions, "steps": args.steps, "tokens": tokens, "layers": args.layers,
                    "topk": args.topk, "ranks": args.ranks, "interval_s": args.interval,
                    "transport": args.transport},
@@ -559,6 +561,8 @@ def main(argv=None) -> None:
         for path in plots.memory_figures(result, args.plots):
             print(f"wrote {path}")
     if args.json:
+        if args.json_compact:
+            result["runs"] = [{k: v for k, v in r.items() if k != "timeline"} for r in result["runs"]]
         emit_json(result)
 
 

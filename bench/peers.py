@@ -22,7 +22,8 @@ Every system runs in its own child process (this module with
 ``--worker``), and nothing of one system is alive while another is
 timed: on a 2-core machine background threads left behind by one system
 cut another's throughput several times over. Times are medians of
-``--repeats`` after one warm-up; each put goes to fresh keys.
+``--repeats`` after one warm-up; each put goes to fresh keys, and the
+round is freed after its get, outside both timers.
 """
 
 from __future__ import annotations
@@ -59,14 +60,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _measure(put, get, check, repeats: int) -> tuple[float, float]:
-    """Median put and get seconds; ``put(i)`` stores under round ``i``, ``get(i)`` returns what it stored."""
+def _measure(put, get, drop, check, repeats: int) -> tuple[float, float]:
+    """Median put and get seconds over ``repeats`` rounds after a warm-up round.
+
+    ``put(i)`` stores the shard under round ``i``'s keys, ``get(i)`` returns
+    it, ``drop(i)`` frees it; dropping is not timed (no system's is).
+    """
     put(0)
     check(get(0))
+    drop(0)
     puts, gets = [], []
     for i in range(1, repeats + 1):
         puts.append(_timed(lambda: put(i)))
         gets.append(_timed(lambda: get(i)))
+        drop(i)
     return statistics.median(puts), statistics.median(gets)
 
 
@@ -88,29 +95,33 @@ def _gputq(transport: str, shards: dict, repeats: int) -> dict:
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype="int32",
                          transport=transport, num_units=1, unit_capacity_bytes=3 * biggest + 64 * _MIB)
     out = {}
-    with Deployment.start(config, num_cpus=2) as deployment:
-        config = deployment.config
-        with deployment.clients() as clients, Writer(clients, config) as writer, \
-                Reader(clients, config) as reader:
-            for size, shard in shards.items():
-                layouts: dict[int, list] = {}
+    import ray
 
-                def put(i):
-                    refs = [writer.put(f"{size}/{i}/{j}", f"p{size}.{i}", {"routed_experts": a})
-                            for j, a in enumerate(shard)]
-                    writer.flush()
-                    layouts[i] = [{"routed_experts": Layout.from_ref(r["routed_experts"])} for r in refs]
-                    if i >= 2:  # keep the arena to two rounds: drop the round before last
-                        deployment.release_partition(f"p{size}.{i - 2}")
+    # address="local": our own cluster, never one another job left on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with Deployment.start(config) as deployment:
+            config = deployment.config
+            with deployment.clients() as clients, Writer(clients, config) as writer, \
+                    Reader(clients, config) as reader:
+                for size, shard in shards.items():
+                    layouts: dict[int, list] = {}
 
-                def get(i):
-                    # One field per sample; the reader names it as the trainer does.
-                    return [next(iter(sample.values())) for sample in reader.fetch(layouts[i])]
+                    def put(i):
+                        refs = [writer.put(f"{size}/{i}/{j}", f"p{size}.{i}", {"routed_experts": a})
+                                for j, a in enumerate(shard)]
+                        writer.flush()
+                        layouts[i] = [{"routed_experts": Layout.from_ref(r["routed_experts"])} for r in refs]
 
-                out[size] = _measure(put, get, lambda got: _same(shard, got), repeats)
-                for i in range(max(0, repeats - 1), repeats + 1):
-                    deployment.release_partition(f"p{size}.{i}")
-            chosen = sorted({clients.transport_of(u)[0] for u in clients.units})
+                    def get(i):
+                        # One field per sample; the reader names it as the trainer does.
+                        return [next(iter(sample.values())) for sample in reader.fetch(layouts[i])]
+
+                    out[size] = _measure(put, get, lambda i: deployment.release_partition(f"p{size}.{i}"),
+                                         lambda got: _same(shard, got), repeats)
+                chosen = sorted({clients.transport_of(u)[0] for u in clients.units})
+    finally:
+        ray.shutdown()
     return {"timings": out, "transport": "+".join(chosen)}
 
 
@@ -121,7 +132,7 @@ def _transferqueue(shards: dict, repeats: int) -> dict:
 
     # TransferQueue's controller and storage actors each take a CPU: with fewer
     # than 3 declared, its init waits forever for a slot.
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     import transfer_queue as tq
 
     tq.init()
@@ -134,16 +145,13 @@ def _transferqueue(shards: dict, repeats: int) -> dict:
             def put(i):
                 keys[i] = [f"{size}/{i}/{j}" for j in range(len(shard))]
                 tq.kv_batch_put(keys=keys[i], partition_id="bench", fields=batch)
-                if i >= 2:
-                    tq.kv_clear(keys=keys.pop(i - 2), partition_id="bench")
 
             def get(i):
                 got = tq.kv_batch_get(keys=keys[i], partition_id="bench")["routed_experts"]
                 return [t.numpy() for t in got.unbind()]  # samples as arrays, as the others return
 
-            out[size] = _measure(put, get, lambda got: _same(shard, got), repeats)
-            for i in list(keys):
-                tq.kv_clear(keys=keys.pop(i), partition_id="bench")
+            out[size] = _measure(put, get, lambda i: tq.kv_clear(keys=keys.pop(i), partition_id="bench"),
+                                 lambda got: _same(shard, got), repeats)
     finally:
         tq.close()
         ray.shutdown()
@@ -170,17 +178,14 @@ class _ArrayStore:
 def _ray(shards: dict, repeats: int) -> dict:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     store = ray.remote(num_cpus=0)(_ArrayStore).remote()
     out = {}
     try:
         for size, shard in shards.items():
-            def put(i):
-                ray.get(store.put.remote(f"{size}/{i}", shard))
-                if i >= 2:
-                    ray.get(store.drop.remote(f"{size}/{i - 2}"))
-
-            out[size] = _measure(put, lambda i: ray.get(store.get.remote(f"{size}/{i}")),
+            out[size] = _measure(lambda i: ray.get(store.put.remote(f"{size}/{i}", shard)),
+                                 lambda i: ray.get(store.get.remote(f"{size}/{i}")),
+                                 lambda i: ray.get(store.drop.remote(f"{size}/{i}")),
                                  lambda got: _same(shard, got), repeats)
     finally:
         ray.shutdown()
