@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
@@ -131,20 +132,25 @@ class Calibration:
 
     @classmethod
     def from_bench(cls, path: str) -> "Calibration":
-        """Read the ``calibration`` object of a ``bench.memory --json`` line (the file's last line)."""
+        """Read the ``calibration`` object of the last ``bench.memory --json`` line in ``path``.
+
+        A committed log (command line first, status after) reads as well as the bare output.
+        """
         with open(path, encoding="utf-8") as fh:
-            lines = [line for line in fh.read().splitlines() if line.strip()]
-        try:
-            data = json.loads(lines[-1])["calibration"]
-            return cls(float(data["centralised"]), float(data["residual"]), float(data["local_unit"]),
-                       source=path)
-        except (IndexError, KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}: not a bench.memory --json output ({exc!r})") from None
+            lines = [line for line in fh.read().splitlines() if line.startswith("{")]
+        for line in reversed(lines):
+            try:
+                data = json.loads(line)["calibration"]
+                return cls(float(data["centralised"]), float(data["residual"]), float(data["local_unit"]),
+                           source=path)
+            except (KeyError, TypeError, ValueError):
+                continue
+        raise ConfigError(f"{path}: no bench.memory --json line with a calibration in it")
 
 
 #: From ``python -m bench.memory --json`` on the 2-core dev box, 2026-11-30
 #: (docs/logs/memory-2026-11-30.log); rerun it and pass ``--calibration`` on other machines.
-DEFAULT_CALIBRATION = Calibration(centralised=2.5, residual=0.02, local_unit=1.06,
+DEFAULT_CALIBRATION = Calibration(centralised=2.1095, residual=0.0836, local_unit=1.3093,
                                   source="bench.memory, dev box, 2026-11-30")
 
 
@@ -348,8 +354,12 @@ def shape_from_args(args: argparse.Namespace) -> RolloutShape:
 
 def run(args: argparse.Namespace) -> int:
     """Print the projection for parsed ``args``; returns the exit status."""
-    calibration = Calibration.from_bench(args.calibration) if args.calibration else DEFAULT_CALIBRATION
-    result = project(shape_from_args(args), calibration, args.host_tb * 1e12)
+    try:
+        calibration = Calibration.from_bench(args.calibration) if args.calibration else DEFAULT_CALIBRATION
+        result = project(shape_from_args(args), calibration, args.host_tb * 1e12)
+    except (ConfigError, OSError) as exc:
+        print(f"gputq capacity: {exc}", file=sys.stderr)
+        return 2
     if args.reference:
         result["reference"] = reference_figures(calibration)
     if args.json:

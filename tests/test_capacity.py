@@ -104,9 +104,20 @@ def test_calibration_from_bench_reads_the_last_line(tmp_path):
     path.write_text("table\n" + json.dumps({"calibration": {"centralised": 3, "residual": 0.5,
                                                             "local_unit": 1.1}}) + "\n")
     assert Calibration.from_bench(str(path)) == Calibration(3.0, 0.5, 1.1, source=str(path))
-    path.write_text("no json here\n")
+    path.write_text("$ python -m bench.memory --json\n" + json.dumps({"calibration": {
+        "centralised": 2, "residual": 0.1, "local_unit": 1}}) + "\nrc=0\n")
+    assert Calibration.from_bench(str(path)).centralised == 2.0
+    path.write_text("no json here\n{\"rows\": []}\n")
     with pytest.raises(ConfigError):
         Calibration.from_bench(str(path))
+
+
+def test_cli_reports_a_bad_calibration_file_without_a_traceback(tmp_path, capsys):
+    path = tmp_path / "empty.log"
+    path.write_text("")
+    assert main(["--calibration", str(path)]) == 2
+    assert "no bench.memory --json line" in capsys.readouterr().err
+    assert main(["--context", "abc"]) == 2
 
 
 def test_json_output_has_r3_and_master_peak_both_ways(capsys):
