@@ -119,7 +119,8 @@ def capacity_figure(calibration: dict, outdir: str) -> str:
     ax.scatter([512, 512], [3.84, 0.33], marker="x", color="grey", zorder=3, label="published (512 prompts)")
     ax.set_xlabel("prompts per rollout (x 8 samples, 256K tokens, 75 layers, top-8)")
     ax.set_ylabel("master peak, TiB")
-    ax.set_title("744B-A40B master-node projection (calibrated by bench.memory)")
+    ax.set_title(f"744B-A40B master-node projection; per R3 byte: centralised {cal.centralised:.3g}, "
+                 f"residual {cal.residual:.3g}, local unit {cal.local_unit:.3g}", fontsize=9)
     ax.legend(fontsize=8)
     return _save(fig, outdir, "capacity_curve.png")
 

@@ -148,10 +148,11 @@ class Calibration:
         raise ConfigError(f"{path}: no bench.memory --json line with a calibration in it")
 
 
-#: From ``python -m bench.memory --json`` on the 2-core dev box, 2026-11-30
-#: (docs/logs/memory-2026-11-30.log); rerun it and pass ``--calibration`` on other machines.
-DEFAULT_CALIBRATION = Calibration(centralised=2.1095, residual=0.0836, local_unit=1.3093,
-                                  source="bench.memory, dev box, 2026-11-30")
+#: From ``python -m bench.memory --scale 4 --units 2 --dtypes uint16 --json`` on the 2-core dev
+#: box, 2026-11-30 (docs/logs/memory-scale4-2026-11-30.log): the largest batch measured, whose
+#: fixed per-session costs weigh least per R3 byte. Rerun it and pass ``--calibration`` elsewhere.
+DEFAULT_CALIBRATION = Calibration(centralised=2.0353, residual=0.02557, local_unit=1.1145,
+                                  source="bench.memory --scale 4, dev box, 2026-11-30")
 
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2}
