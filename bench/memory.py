@@ -98,6 +98,14 @@ class ObjectStoreGauge:
 
     def __init__(self):
         import ray
+
+        try:
+            import grpc  # noqa: F401 -- Ray's memory-info call needs it; a minimal Ray lacks it
+        except ImportError:
+            from gputq.errors import MissingDependencyError
+
+            raise MissingDependencyError("bench.memory reads the object store's used bytes through "
+                                         "Ray's grpc client: pip install 'gputq[bench]'") from None
         from ray._private.internal_api import get_state_from_address
 
         self._state = get_state_from_address(ray.get_runtime_context().gcs_address)
