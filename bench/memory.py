@@ -138,9 +138,13 @@ class MemorySampler:
         self._thread.start()
         return self
 
+    def now(self) -> float:
+        """Seconds since the sampler was made (the timeline's clock)."""
+        return time.perf_counter() - self._t0
+
     def mark(self, label: str) -> None:
         """Note a phase boundary (drawn on the timeline)."""
-        self.marks.append((time.perf_counter() - self._t0, label))
+        self.marks.append((self.now(), label))
 
     def sample(self) -> dict[str, int]:
         row = {}
@@ -160,7 +164,7 @@ class MemorySampler:
         try:
             while not self._stop.is_set():
                 row = self.sample()
-                self.samples.append((time.perf_counter() - self._t0, row))
+                self.samples.append((self.now(), row))
                 self._stop.wait(self.interval)
         except BaseException as exc:  # reported by stop(): a silent sampler would fake a flat line
             self._error = exc
@@ -371,7 +375,7 @@ def _measure(ray, pids: dict, args, work) -> tuple[dict, object]:
     """Sample ``pids`` while ``work(sampler)`` runs; an idle second first sets each baseline."""
     sampler = MemorySampler(pids, args.interval).start()
     time.sleep(args.idle)  # the idle window the baselines come from
-    baseline_until = time.perf_counter() - sampler._t0
+    baseline_until = sampler.now()
     sampler.mark("start")
     try:
         result = work(sampler)
@@ -517,7 +521,6 @@ def run(args) -> dict:
         "bench": "memory",
         "rows": rows,
         "r3_int32_bytes": r3_int32,
-        "segments_bytes_carried": r3_int32,
         "master_peak_ratio": headline["master_data"] / central["master_data"],
         "master_peak_ratio_raw": headline["master_raw"] / central["master_raw"],
         "headline": {"units": headline["units"], "dtype": headline["dtype"]},
