@@ -569,7 +569,7 @@ def main(argv=None) -> None:
     if args.plots:
         from bench import plots
 
-        for path in plots.memory_figures(result, args.plots):
+        for path in plots.write_figures(plots.memory_figures, result, args.plots):
             print(f"wrote {path}")
     if args.json:
         if args.json_compact:

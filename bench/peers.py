@@ -287,6 +287,8 @@ def main(argv=None) -> None:
         emit_json(run_worker(args.worker, args))
         return
     systems = args.systems.split(",") if args.systems else available_systems()
+    if "transferqueue" not in systems and not args.systems:
+        print("transferqueue is not installed, so it is left out: pip install 'gputq[bench]'", file=sys.stderr)
     print_header("R3 shard put/get: gputq vs peers, one system at a time", sizes_MiB=args.sizes,
                  systems=",".join(systems), repeats=args.repeats,
                  sample=f"[{args.rows}, {args.layers}, {args.topk}] int32", cpus=os.cpu_count())
@@ -310,7 +312,8 @@ def main(argv=None) -> None:
     if args.plots and rows:
         from bench import plots
 
-        print(f"wrote {plots.peers_figure(result, args.plots)}")
+        for path in plots.write_figures(plots.peers_figure, result, args.plots):
+            print(f"wrote {path}")
     if args.json:
         emit_json(result)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-__all__ = ["memory_figures", "capacity_figure", "peers_figure"]
+__all__ = ["memory_figures", "capacity_figure", "peers_figure", "write_figures"]
 
 _MIB = 1 << 20
 _COLORS = {"proxy": "#4c72b0", "rollout_manager": "#dd8452", "object_store": "#55a868",
@@ -28,6 +28,20 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def write_figures(draw, *args) -> list[str]:
+    """Call ``draw(*args)`` and return the paths it wrote; without matplotlib, say so and return []."""
+    import sys
+
+    from gputq.errors import MissingDependencyError
+
+    try:
+        paths = draw(*args)
+    except MissingDependencyError as exc:
+        print(f"no figures: {exc}", file=sys.stderr)
+        return []
+    return [paths] if isinstance(paths, str) else list(paths)
 
 
 def _save(fig, outdir: str, name: str) -> str:

@@ -78,3 +78,15 @@ def test_socket_worker_reports_one_row_per_size():
     result = run_worker("socket", Args)
     assert [r["shard_MiB"] for r in result["rows"]] == [0.25, 0.5]
     assert all(r["get_GBps"] > 0 and r["put_GBps"] > 0 for r in result["rows"])
+
+
+def test_write_figures_without_matplotlib_says_so(capsys):
+    from bench.plots import write_figures
+    from gputq.errors import MissingDependencyError
+
+    def draw(_):
+        raise MissingDependencyError("figures need matplotlib: pip install 'gputq[bench]'")
+
+    assert write_figures(draw, None) == []
+    assert "gputq[bench]" in capsys.readouterr().err
+    assert write_figures(lambda path: path, "a.png") == ["a.png"]
