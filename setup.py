@@ -18,6 +18,11 @@ setup(
         "gpu": ["cupy-cuda12x"],
         "metrics": ["prometheus_client>=0.17"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ray>=2.40", "prometheus_client>=0.17"],
+        # python -m bench.memory / bench.peers: the peer system, its runtime, Ray's grpc client
+        # (object-store gauge) and the figures. On a dev box that wants Ray minimal, install
+        # transferqueue with --no-deps: its ray[default] requirement only adds the dashboard.
+        "bench": ["transferqueue==0.1.11", "tensordict>=0.10", "pyzmq", "hydra-core", "omegaconf",
+                  "msgspec", "psutil", "prometheus_client>=0.20", "grpcio", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["gputq=gputq.cli:main"]},
 )

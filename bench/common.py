@@ -3,19 +3,20 @@
 Every benchmark prints a header and a table for people and, with
 ``--json``, ends with exactly one JSON line for machines
 (:func:`emit_json`). Ratios are measured against a baseline in the same
-run; :class:`SocketBaseline` is the reference for the tcp transport.
+run; :class:`SocketBaseline` (its server in a child process) is the
+reference for the tcp transport.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import platform
 import socket
 import statistics
 import struct
 import sys
-import threading
 import time
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -29,6 +30,8 @@ __all__ = [
     "emit_json",
     "add_json_flag",
     "SocketBaseline",
+    "Progress",
+    "progress_range",
 ]
 
 
@@ -96,82 +99,166 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+_REQUEST = struct.Struct("!cQ")  # op (b"R" read, b"W" write), length
+
+
+def _tune(sock: socket.socket, bufsize: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, bufsize)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, bufsize)
+
+
+def _serve_socket(conn, max_bytes: int, bufsize: int) -> None:
+    """The baseline server's process: one connection, reads answered from and writes landed in one buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    conn.send(listener.getsockname())
+    client, _ = listener.accept()
+    listener.close()
+    _tune(client, bufsize)
+    buffer = memoryview(bytearray(max_bytes))
+    request = bytearray(_REQUEST.size)
+    with client:
+        while True:
+            try:
+                _recv_exact(client, memoryview(request))
+            except (ConnectionError, OSError):
+                return
+            op, n = _REQUEST.unpack(request)
+            if op == b"R":
+                client.sendall(buffer[:n])
+            else:
+                _recv_exact(client, buffer[:n])
+                client.sendall(b"k")
+
+
 class SocketBaseline:
     """Plain loopback socket reference: ``sendall`` from a buffer, ``recv_into`` a buffer.
 
-    A server thread answers each 8-byte request (a length) by sending that
-    many bytes of a preallocated buffer; :meth:`read` receives them into a
-    preallocated buffer and returns the seconds taken. Socket options match
-    the tcp transport's (TCP_NODELAY, same buffer sizes), so a ratio against
-    it measures the transport's own overhead.
+    The server runs in a child process, as a StorageUnit's server does in a
+    deployment, so both sides of a ratio pay for crossing processes. It
+    answers a read of n bytes by sending n bytes of a preallocated buffer
+    and lands a write of n bytes in it (then acknowledges with one byte).
+    Socket options match the tcp transport's (TCP_NODELAY, same buffer
+    sizes), so a ratio against it measures the transport's own overhead.
 
     Parameters
     ----------
     max_bytes
-        Largest read; both buffers are this size.
+        Largest read or write; the buffers are this size.
     socket_buffer_bytes
         SO_SNDBUF/SO_RCVBUF; ``None`` keeps the transport's default.
     """
-
-    _REQUEST = struct.Struct("!Q")
 
     def __init__(self, max_bytes: int, socket_buffer_bytes: int | None = None):
         self.max_bytes = int(max_bytes)
         self._bufsize = socket_buffer_bytes or SOCKET_BUFFER_BYTES
         self._source = bytearray(self.max_bytes)
         self._dest = bytearray(self.max_bytes)
-        self._listener: socket.socket | None = None
         self._client: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-
-    def _tune(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._bufsize)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._bufsize)
-
-    def _serve(self) -> None:
-        conn, _ = self._listener.accept()
-        self._tune(conn)
-        source = memoryview(self._source)
-        request = bytearray(self._REQUEST.size)
-        with conn:
-            while True:
-                try:
-                    _recv_exact(conn, memoryview(request))
-                except (ConnectionError, OSError):
-                    return
-                (n,) = self._REQUEST.unpack(request)
-                conn.sendall(source[:n])
+        self._process = None
 
     def __enter__(self) -> "SocketBaseline":
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._thread = threading.Thread(target=self._serve, name="bench-socket-baseline", daemon=True)
-        self._thread.start()
-        self._client = socket.create_connection(self._listener.getsockname())
-        self._tune(self._client)
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
+        parent, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve_socket, args=(child, self.max_bytes, self._bufsize),
+                                    name="bench-socket-baseline", daemon=True)
+        self._process.start()
+        try:
+            if not parent.poll(60):
+                raise RuntimeError("the socket baseline's server did not start within 60 s")
+            self._client = socket.create_connection(parent.recv())
+        except BaseException:
+            self.close()
+            raise
+        _tune(self._client, self._bufsize)
         return self
 
-    def read(self, nbytes: int) -> float:
-        """Fetch ``nbytes`` from the server thread; return the seconds taken."""
+    def _check(self, nbytes: int) -> None:
         if not 0 <= nbytes <= self.max_bytes:
             raise ValueError(f"nbytes must be in [0, {self.max_bytes}]")
+
+    def read(self, nbytes: int) -> float:
+        """Fetch ``nbytes`` from the server process; return the seconds taken."""
+        self._check(nbytes)
         dest = memoryview(self._dest)
         start = time.perf_counter()
-        self._client.sendall(self._REQUEST.pack(nbytes))
+        self._client.sendall(_REQUEST.pack(b"R", nbytes))
         _recv_exact(self._client, dest[:nbytes])
         return time.perf_counter() - start
 
+    def write(self, nbytes: int) -> float:
+        """Send ``nbytes`` into the server's buffer and wait for its acknowledgement; return the seconds."""
+        self._check(nbytes)
+        ack = memoryview(bytearray(1))
+        start = time.perf_counter()
+        self._client.sendall(_REQUEST.pack(b"W", nbytes))
+        self._client.sendall(memoryview(self._source)[:nbytes])
+        _recv_exact(self._client, ack)
+        return time.perf_counter() - start
+
     def close(self) -> None:
-        """Stop the server thread and close both sockets. Idempotent."""
+        """Close the connection and stop the server process. Idempotent."""
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        if self._process is not None:
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+            self._process = None
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Progress:
+    """A plain-text progress bar on stderr: ``label [#####.....] 3/8 12.1 s detail``.
+
+    Redraws in place on a terminal and prints one line per step otherwise
+    (logs stay readable). stdout is left to the tables and the JSON line.
+    """
+
+    def __init__(self, label: str, total: int, width: int = 24, stream=None):
+        self.label, self.total, self.width = label, max(1, int(total)), width
+        self.done = 0
+        self._stream = stream or sys.stderr
+        self._tty = getattr(self._stream, "isatty", lambda: False)()
+        self._started = time.perf_counter()
+        self._draw("")
+
+    def _draw(self, detail: str) -> None:
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        line = (f"{self.label} [{bar}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self._started:6.1f} s {detail}")
+        self._stream.write(("\r" + line + "\x1b[K") if self._tty else line + "\n")
+        self._stream.flush()
+
+    def step(self, detail: str = "") -> None:
+        """Mark one more unit of work done; ``detail`` says what is next or what just finished."""
+        self.done = min(self.total, self.done + 1)
+        self._draw(detail)
+
+    def note(self, detail: str) -> None:
+        """Redraw with a new ``detail`` without advancing."""
+        self._draw(detail)
+
+    def close(self) -> None:
+        if self._tty:
+            self._stream.write("\n")
+            self._stream.flush()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def progress_range(label: str, total: int):
+    """``range(total)`` that draws a :class:`Progress` bar as it goes."""
+    with Progress(label, total) as progress:
+        for i in range(total):
+            yield i
+            progress.step()

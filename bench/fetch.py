@@ -6,12 +6,15 @@ For each shard size, StorageUnits run in this process (their servers on
 their own threads, over loopback); a writer stores R3-shaped steps; a
 reader fetches the shard (one batched read per unit and field) and
 restores it. The baseline is a plain socket moving the same byte count
-with ``sendall``/``recv_into`` in the same run, each socket read right
-before a fetch; the ratio is the median of these pairs. A single-thread
-host memcpy of the same bytes is timed beside each fetch too: the anchor
-of the same-host path (``--transport shm``). ``fetch`` is the transfer
-(lease, read, completion); ``restore`` adds widen+scatter (numpy on the
-CPU, the CUDA kernel with ``--device cuda``).
+with ``sendall``/``recv_into`` to a server in a child process, in the same
+run, each socket read right before a fetch; the ratio is the median of
+these pairs. A single-thread host memcpy of the same bytes is timed beside
+each fetch too: the anchor of the same-host path (``--transport shm``).
+
+``fetch+restore`` (and the ratio) is timed here, from the call of
+``Reader.fetch`` to its return: planning, lease, transfer, completion and
+widen+scatter (numpy on the CPU, the CUDA kernel with ``--device cuda``).
+``fetch`` is the transfer part alone, as the reader's own stats time it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 
 import numpy as np
 
-from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table
+from bench.common import SocketBaseline, add_json_flag, progress_range, emit_json, gbps, print_header, print_table
 from gputq.config import GputqConfig
 from gputq.deploy import local_cluster
 from gputq.reader import Reader
@@ -62,20 +65,20 @@ def run(args) -> dict:
             copy_src, copy_dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
             with SocketBaseline(nbytes) as baseline:
                 baseline.read(nbytes)
-                for _ in range(args.repeats):
+                for _ in progress_range(f"fetch {size // _MIB} MiB", args.repeats):
                     socket_s.append(baseline.read(nbytes))
                     started = time.perf_counter()
                     np.copyto(copy_dst, copy_src)
                     memcpy_s.append(time.perf_counter() - started)
+                    started = time.perf_counter()
                     reader.fetch(shard)
-                    stats = reader.last_stats
-                    fetch_s.append(stats.fetch_seconds)
-                    total_s.append(stats.fetch_seconds + stats.restore_seconds)
+                    total_s.append(time.perf_counter() - started)
+                    fetch_s.append(reader.last_stats.fetch_seconds)
             transports = sorted({clients.transport_of(u)[0] for u in clients.units})
         fetch, total, sock, memcpy = (statistics.median(x) for x in (fetch_s, total_s, socket_s, memcpy_s))
         # Each fetch is paired with the socket read just before it, so the ratio sees the
         # same machine state (this box's loopback speed drifts by 30% between seconds).
-        paired = statistics.median(s / f for s, f in zip(socket_s, fetch_s))
+        paired = statistics.median(s / t for s, t in zip(socket_s, total_s))
         rows.append({"shard_MiB": round(nbytes / _MIB, 1), "samples": len(shard), "transport": "+".join(transports),
                      "socket_GBps": round(gbps(nbytes, sock), 2), "fetch_GBps": round(gbps(nbytes, fetch), 2),
                      "fetch+restore_GBps": round(gbps(nbytes, total), 2),

@@ -11,14 +11,17 @@ is read, as one batched read, through:
   way the Reader should stage: no copy after the READ);
 - ``rdma+copy``: the same read into a plain numpy array (one extra memcpy);
 - ``nixl``: the baseline for rdma: a raw NIXL READ of the same regions from
-  the same serving agent, no lease, no gputq. It builds its descriptor lists
+  the same serving agent, no lease, no gputq, with adjacent regions merged
+  into one descriptor as gputq merges them (the strongest raw baseline,
+  not one descriptor per key). It builds its descriptor lists
   for each read (numpy arrays, ``initialize_xfer``), as any reader of
   changing regions must: a trainer reads new keys at every step;
 - ``nixl prep``: the same READ from descriptor lists prepared once
   (``prep_xfer_dlist``/``make_prepped_xfer``), only possible when the
   regions repeat: the floor, shown for reference;
 - ``tcp``: :meth:`TcpChannel.read` into a numpy array;
-- ``socket``: the baseline for tcp, :class:`bench.common.SocketBaseline`.
+- ``socket``: the baseline for tcp, :class:`bench.common.SocketBaseline`
+  (its server in a child process, like the unit's).
 
 Ratios: ``rdma / nixl``, ``rdma / nixl prep`` and ``tcp / socket`` per
 shape; the JSON line has their minima over shapes. A second table times writes through the rdma
@@ -36,12 +39,12 @@ import time
 
 import numpy as np
 
-from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table
+from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, progress_range
 from gputq.storage_unit import StorageUnit
 from transport.nixl import NixlTransport, import_nixl
 from transport.tcp import TcpTransport
 
-__all__ = ["SHAPES", "main"]
+__all__ = ["SHAPES", "merge_regions", "main"]
 
 #: (name, keys, bytes per key): R3 shards as a trainer reads them.
 SHAPES = (
@@ -51,6 +54,23 @@ SHAPES = (
 )
 TOKEN = "bench"
 MAX_FRAME = 1 << 30
+
+
+def merge_regions(regions: np.ndarray) -> np.ndarray:
+    """Join each region to the one before it where they touch: one descriptor per contiguous run.
+
+    The reader's destination is packed back to back, so a run contiguous in
+    the arena is contiguous in the destination too; gputq's channel merges
+    the same way, and the baseline must not pay for descriptors it does not.
+    """
+    regions = np.asarray(regions, dtype=np.int64).reshape(-1, 2)
+    if len(regions) < 2:
+        return regions
+    starts = np.ones(len(regions), dtype=bool)
+    starts[1:] = regions[1:, 0] != regions[:-1, 0] + regions[:-1, 1]
+    first = np.flatnonzero(starts)
+    lengths = np.add.reduceat(regions[:, 1], first)
+    return np.stack([regions[first, 0], lengths], axis=1)
 
 
 class RawNixl:
@@ -67,6 +87,7 @@ class RawNixl:
         self.base = int(connect_info["arena_base"])
 
     def _descs(self, regions: np.ndarray):
+        regions = merge_regions(regions)
         lengths = regions[:, 1].astype(np.uint64)
         local = np.stack([self.dest.ctypes.data + np.cumsum(lengths) - lengths, lengths,
                           np.zeros_like(lengths)], axis=1).astype(np.uint64)
@@ -79,7 +100,7 @@ class RawNixl:
         local, remote = self._descs(regions)
         return (self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"),
                 self.agent.prep_xfer_dlist(self.remote, remote, "DRAM"),
-                np.arange(len(regions), dtype=np.int32))
+                np.arange(len(local), dtype=np.int32))
 
     def read(self, regions: np.ndarray) -> None:
         """READ ``regions`` with descriptor lists built for this read."""
@@ -146,7 +167,8 @@ def write_rows(control, address: dict, repeats: int) -> list[dict]:
     counter = iter(range(1 << 30))
     rows = []
     try:
-        for size in WRITE_SIZES:
+        for i in progress_range("bench.transport writes", len(WRITE_SIZES)):
+            size = WRITE_SIZES[i]
             payload = np.ones(size, dtype=np.uint8)
 
             def write(channel):
@@ -183,7 +205,8 @@ def read_rows(address: dict, repeats: int) -> list[dict]:
         with SocketBaseline(total_max) as sock:
             keys = _fill(tcp, SHAPES)
             dest = np.empty(total_max, dtype=np.uint8)
-            for name, count, size in SHAPES:
+            for i in progress_range("bench.transport reads", len(SHAPES)):
+                name, count, size = SHAPES[i]
                 nbytes = count * size
                 shard = keys[name]
                 regions = np.array([[e["offset"], e["nbytes"]] for e in tcp.call("lookup", keys=shard)],

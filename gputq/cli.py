@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print one JSON object and exit")
     stats.add_argument("--check", action="store_true",
                        help="run the controller's invariant check; exit 1 if it finds violations")
+    from .capacity import build_parser as capacity_parser
+
+    capacity_parser(sub.add_parser("capacity", help="R3 bytes of a rollout and the master node's projected peak"))
     return parser
 
 
@@ -171,6 +174,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(result))
         return 0 if result["verified"] else 1
+    if args.command == "capacity":
+        from .capacity import run
+
+        return run(args)
     if args.command == "info":
         from .info import collect_info, format_info
 

@@ -1,0 +1,99 @@
+"""bench.memory's counting, and the memory and peers benchmarks end to end at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bench.memory import MASTER, Rollout, process_memory, rollout_plan, summarise
+from gputq.arena import Arena
+from gputq.synthetic import SyntheticConfig
+
+
+def test_process_memory_counts_an_arena_whole_and_apart():
+    before_pss, before_arena = process_memory(os.getpid())
+    assert before_pss > 0
+    with Arena(8 << 20, "bench-test", pin=False) as arena:
+        arena.array[:] = 1
+        pss, arena_bytes = process_memory(os.getpid())
+    assert arena_bytes - before_arena == 8 << 20
+    assert abs(pss - before_pss) < 4 << 20  # the arena is not also in the PSS figure
+
+
+class _Sampler:
+    def __init__(self, samples, marks=()):
+        self.samples, self.marks = samples, list(marks)
+
+
+def test_summarise_takes_data_above_idle_and_the_peak_of_the_sum():
+    samples = [
+        (0.0, {"proxy": 100, "su-0": 1100, "su-0:arena": 1000, "object_store": 0}),
+        (1.0, {"proxy": 150, "su-0": 1100, "su-0:arena": 1000, "object_store": 40}),
+        (2.0, {"proxy": 110, "su-0": 1120, "su-0:arena": 1000, "object_store": 60}),
+    ]
+    out = summarise(_Sampler(samples), ["proxy", "su-0", "object_store"], baseline_until=0.5)
+    assert out["components"]["proxy"] == {"raw": 150, "data": 50, "baseline": 100}
+    assert out["components"]["su-0"]["data"] == 1020  # arena whole + 20 above the idle rest
+    # per sample: 50 + 1000 + 40 = 1090 at t=1, 10 + 1020 + 60 = 1090 at t=2
+    assert out["master_data"] == 1090
+    assert out["master_raw"] == max(100 + 1100 + 0, 150 + 1100 + 40, 110 + 1120 + 60)
+    assert set(MASTER) >= {"proxy", "su-0", "object_store"}
+
+
+def test_rollout_plan_places_every_step_and_scales_with_dtype():
+    rollout = Rollout(sessions=3, synth=SyntheticConfig(sessions=1, steps_per_session=2, layers=4, topk=2,
+                                                        prompt_tokens=64, tokens_per_step=64, seed=5))
+    wide = rollout_plan(rollout, ["su-0", "su-1"], "int32")
+    narrow = rollout_plan(rollout, ["su-0", "su-1"], "uint8")
+    assert wide["r3_int32"] == narrow["r3_int32"] > 0
+    assert set(wide["per_unit"]) == {"su-0", "su-1"}
+    assert sum(wide["per_unit"].values()) >= wide["r3_int32"]
+    assert sum(narrow["per_unit"].values()) < sum(wide["per_unit"].values())
+    assert all(v % 256 == 0 for v in wide["per_unit"].values())
+
+
+def _bench(module, *args, timeout=290):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_memory_bench_json_and_figures(tmp_path):
+    pytest.importorskip("grpc", reason="bench.memory reads the object store through Ray's grpc client")
+    pytest.importorskip("matplotlib")
+    out = _bench("bench.memory", "--units", "2", "--dtypes", "uint16", "--sessions", "2", "--steps", "2",
+                 "--tokens", "64", "--layers", "4", "--topk", "2", "--idle", "0.3", "--json-compact",
+                 "--plots", str(tmp_path), "--json")
+    assert 0 < out["master_peak_ratio"] and out["verified"] is True
+    assert [(r["path"], r["units"], r["dtype"]) for r in out["runs"]] == [("centralised", 0, "int32"),
+                                                                          ("gputq", 2, "uint16")]
+    assert set(out["runs"][1]["components"]) >= {"proxy", "rollout_manager", "controller", "su-0", "su-1",
+                                                 "object_store"}
+    assert {"centralised", "residual", "local_unit"} <= set(out["calibration"])
+    for name in ("memory_timeline.png", "memory_peaks.png", "memory_share_vs_units.png", "capacity_curve.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_peers_bench_with_transferqueue(tmp_path):
+    pytest.importorskip("transfer_queue", reason="needs the bench extra: pip install 'gputq[bench]'")
+    pytest.importorskip("matplotlib")
+    out = _bench("bench.peers", "--sizes", "16", "--repeats", "1", "--layers", "4", "--topk", "2",
+                 "--systems", "gputq-tcp,transferqueue,ray", "--plots", str(tmp_path), "--json")
+    assert not out["errors"]
+    assert {r["system"] for r in out["rows"]} == {"gputq-tcp", "transferqueue", "ray"}
+    assert out["get_speedup_vs_transferqueue"] > 0 and out["get_speedup_vs_ray"] > 0
+    assert (tmp_path / "peers_bandwidth.png").stat().st_size > 1000
+    assert np.isfinite(out["get_speedup_vs_ray"])

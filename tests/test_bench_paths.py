@@ -1,0 +1,31 @@
+"""bench.fetch and bench.e2e at tiny sizes: they run, verify and report what the docs quote."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import e2e, fetch
+
+
+@pytest.mark.timeout(120)
+def test_fetch_times_call_to_return_and_reports_the_socket_ratio(capsys):
+    fetch.main(["--sizes", "1", "--repeats", "2", "--layers", "4", "--topk", "2", "--rows-per-step", "256",
+                "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (row,) = out["rows"]
+    assert row["transport"] == "tcp" and row["ratio_vs_socket"] > 0
+    # The call-to-return figure includes the transfer, so it can never be the faster one.
+    assert row["fetch+restore_GBps"] <= row["fetch_GBps"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_e2e_both_paths_verify(capsys):
+    e2e.main(["--sessions", "2", "--steps", "2", "--tokens", "32", "--layers", "4", "--topk", "2",
+              "--rollouts", "1", "--transport", "tcp", "--unit-mib", "16", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["verified"] is True and len(out["rows"]) == 2
+    assert out["ray_bytes_ratio"] < 1
