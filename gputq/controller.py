@@ -306,8 +306,25 @@ class Controller:
                 self._clients = None
 
 
+#: Keys per ``keys`` call: their names stay well inside one control frame.
+_KEYS_PAGE = 4096
+
+
 def _describe(unreachable: dict[str, str]) -> str:
     return "; ".join(f"{unit}: {reason}" for unit, reason in sorted(unreachable.items()))
+
+
+def _unit_keys(channel, timeout: float) -> dict[str, dict[str, int]]:
+    """Every partition's keys and reference counts on one unit, read page by page."""
+    table: dict[str, dict[str, int]] = {}
+    after = None
+    while True:
+        page = channel.call("keys", timeout=timeout, after=after, limit=_KEYS_PAGE)
+        for partition, keys in page["partitions"].items():
+            table.setdefault(partition, {}).update(keys)
+        after = page.get("next")
+        if after is None:
+            return table
 
 
 def _check_unit(channel, unit: str, live: set[str], uses: dict[str, int], timeout: float) -> dict:
@@ -315,7 +332,7 @@ def _check_unit(channel, unit: str, live: set[str], uses: dict[str, int], timeou
     violations: list[str] = []
     stats = channel.call("stats", timeout=timeout)
     try:
-        table = channel.call("keys", timeout=timeout)
+        table = _unit_keys(channel, timeout)
     except InvalidInputError:  # a unit without the ``keys`` call: partitions from stats, keys by lookup
         table = None
     if table is not None:

@@ -78,12 +78,13 @@ def test_read_errors_are_typed_and_end_the_lease(served):
         channel.read(["b"], b"x" * 24)
 
 
-def test_an_expired_lease_is_a_stale_read(served):
-    _, blobs, channel, wrappers, _ = served
-    wrappers[0].held_override = False  # the unit answers end_lease: no longer held
+def test_an_expired_lease_is_a_stale_read(served, monkeypatch):
+    unit, blobs, channel, _, _ = served
+    real_end = unit.end_lease
+    monkeypatch.setattr(unit, "end_lease", lambda lease_id: real_end(lease_id) and False)  # expired meanwhile
     with pytest.raises(StaleReadError, match="expired"):
         channel.read(["a"], np.empty(1000, np.uint8), timeout=5)
-    wrappers[0].held_override = None
+    monkeypatch.setattr(unit, "end_lease", real_end)
     dest = np.empty(1000, np.uint8)
     assert channel.read(["a"], dest, timeout=5) == [1000] and np.array_equal(dest, blobs["a"])
 
