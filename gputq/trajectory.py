@@ -17,7 +17,7 @@ the fill 0.0) and ``rollout_routed_experts`` int32 ``[T-1, L, K]``.
 
 A step keeps its fields as :class:`~gputq.refs.FieldRef` (offload path), as
 arrays (inline path) or both. Segments compose :class:`~gputq.refs.Layout`
-objects from refs only, never reading payloads (DESIGN.md §3 rule 2).
+objects from refs only, never reading payloads back.
 :func:`inline_fields` rebuilds the trainer fields straight from the inline
 arrays with plain concatenation, independently of the layout algebra, so a
 test comparing it with :func:`materialize_layouts` checks that algebra.

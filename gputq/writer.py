@@ -257,7 +257,7 @@ class Writer(Closeable):
 
     @contextlib.contextmanager
     def commit_region(self) -> Iterator["CommitRegion"]:
-        """Writes and the caller's local commit, all or nothing (rule 3).
+        """Writes and the caller's local commit, all or nothing.
 
         Put through the yielded region, then do the local commit in the
         body. If the body raises, every key written in it is deleted from
