@@ -168,6 +168,9 @@ class Controller:
                 self.heartbeat()
             except GputqError as exc:  # closed meanwhile, or a unit's odd answer: next beat retries
                 log.debug("heartbeat: %s", exc)
+            except RuntimeError as exc:  # the interpreter is shutting down (no new threads): stop beating
+                log.debug("heartbeat stopped: %s", exc)
+                return
 
     # -- partitions ------------------------------------------------------
     def open_partition(self, partition: str) -> None:
