@@ -17,31 +17,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 
-from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table
+from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, median_time, print_header, print_table
 
 __all__ = ["measure", "main"]
 
 _MIB = 1 << 20
 
 
-def _median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(nbytes: int, repeats: int = 5) -> dict:
     """The anchors for ``nbytes``, as ``{name: GB/s}`` (GPU ones absent without CUDA, with ``gpu_skipped``)."""
     src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
-    result = {"host_memcpy": gbps(nbytes, _median_s(lambda: np.copyto(dst, src), repeats))}
+    result = {"host_memcpy": gbps(nbytes, median_time(lambda: np.copyto(dst, src), repeats))}
     with SocketBaseline(nbytes) as baseline:
         baseline.read(nbytes)
         result["socket"] = gbps(nbytes, statistics.median(baseline.read(nbytes) for _ in range(repeats)))
