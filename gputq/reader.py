@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import threading
 import time
 import uuid
@@ -362,10 +361,8 @@ class Reader(Closeable):
 
     def _read(self, request: _Request, dest) -> None:
         channel = self._clients.channel(request.unit)
-        checks = {"generations": request.generations, "incarnation": request.incarnation or None}
-        if not _takes_checks(channel.read):
-            checks = {}
-        lengths = channel.read(request.keys, dest, timeout=self._config.read_timeout_s, **checks)
+        lengths = channel.read(request.keys, dest, timeout=self._config.read_timeout_s,
+                               generations=request.generations, incarnation=request.incarnation or None)
         if sum(lengths) != dest.nbytes:
             raise TransferError(f"unit {request.unit} returned {sum(lengths)} bytes for {len(request.keys)} "
                                 f"keys, expected {dest.nbytes}", unit=request.unit, keys=request.keys)
@@ -391,10 +388,9 @@ class Reader(Closeable):
             release_id = self._default_release_id(uses, partition)
         elif not isinstance(release_id, str) or not release_id:
             raise InvalidInputError(f"release_id must be a non-empty str, got {release_id!r}")
-        once = {"release_id": release_id} if _UNIT_TAKES_RELEASE_ID else {}
         for unit, keys in uses.items():
             self._clients.channel(unit).call("release", timeout=self._config.control_timeout_s,
-                                             keys=keys, partition=partition, missing_ok=True, **once)
+                                             keys=keys, partition=partition, missing_ok=True, release_id=release_id)
 
     def _default_release_id(self, uses: Mapping[str, list[str]], partition: str) -> str:
         """The default release id of a shard: ``reader_id`` and a digest of its ``uses`` per unit."""
@@ -410,37 +406,6 @@ class Reader(Closeable):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
-
-
-def _takes_checks(read) -> bool:
-    """Whether a channel's ``read`` accepts ``generations``/``incarnation``.
-
-    Transitional: every channel takes them once the transports implement
-    stale-read checks; until then a reader still reads (unchecked).
-    """
-    func = getattr(read, "__func__", read)
-    known = _READ_TAKES_CHECKS.get(func)
-    if known is None:
-        try:
-            params = inspect.signature(read).parameters
-        except (TypeError, ValueError):
-            params = {}
-        known = "generations" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-        _READ_TAKES_CHECKS[func] = known
-    return known
-
-
-_READ_TAKES_CHECKS: dict = {}
-
-
-def _unit_takes_release_id() -> bool:
-    # Transitional, like _takes_checks: units without exactly-once release refuse the argument.
-    from .storage_unit import StorageUnit
-
-    return "release_id" in inspect.signature(StorageUnit.release).parameters
-
-
-_UNIT_TAKES_RELEASE_ID = _unit_takes_release_id()
 
 
 # -- zero-copy restore from same-host arenas (the shm backend) ---------------------------

@@ -108,7 +108,7 @@ class Writer(Closeable):
             raise ClosedError("Writer is closed")
         if not fields:
             raise InvalidInputError(f"{key}: no fields to put")
-        unit = rendezvous_unit(key, self._placement())
+        unit = rendezvous_unit(key, self._clients.live_units)
         incarnation = self._clients.membership[unit].get("incarnation", "")
         prepared: list[tuple[FieldRef, np.ndarray, np.ndarray]] = []
         taken: list[np.ndarray] = []
@@ -129,11 +129,6 @@ class Writer(Closeable):
                 self._buffers.give(buffer, self._inflight_bytes)
             raise
         return {ref.field: ref for ref, _, _ in prepared}
-
-    def _placement(self) -> list[str]:
-        # Live units where the clients track losses; else the whole membership.
-        live = getattr(self._clients, "live_units", None)
-        return self._clients.units if live is None else live
 
     def _submit(self, prepared: list) -> None:
         """Queue every field of one put, or none of them."""
