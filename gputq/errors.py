@@ -1,12 +1,18 @@
 """gputq's exceptions: one tree rooted at :class:`GputqError`.
 
-Import errors from here. The root, the transport errors and the errors a
-storage unit answers over the wire (``UnknownKeyError``,
-``DuplicateKeyError``, ``CapacityError``, ``StaleReadError``) are defined in
-``transport.errors``, because transport servers and clients raise and
-rebuild them by name and ``transport`` does not import ``gputq``; they are
-re-exported here. Errors no transport ever raises are defined here:
-:class:`PartialFailureError` and the input errors of the upper layers.
+Import errors from here. The root and the errors transports raise
+themselves (lost peers, timeouts, protocol and stale-read errors, ...) are
+defined in ``transport.errors``, because ``transport`` does not import
+``gputq``, and are re-exported here. gputq's own errors are defined here:
+those the storage unit answers with (:class:`UnknownKeyError`,
+:class:`DuplicateKeyError`, :class:`CapacityError`),
+:class:`PartialFailureError` and the errors of the upper layers.
+
+A unit's error crosses the wire by class name: the transport rebuilds it
+with :func:`transport.errors.error_from_wire`, which knows every subclass of
+:class:`GputqError` defined in the process. Importing this module (as
+``gputq``, :mod:`gputq.clients` and everything that talks to units do)
+is what lets a client rebuild these with their own class.
 
 Catch :class:`GputqError` for everything; timeouts are also ``TimeoutError``,
 lost peers ``ConnectionError`` and bad input ``ValueError``.
@@ -16,9 +22,7 @@ from __future__ import annotations
 
 from transport.errors import (
     AuthenticationError,
-    CapacityError,
     ClosedError,
-    DuplicateKeyError,
     GputqError,
     GputqTimeoutError,
     InvalidInputError,
@@ -28,7 +32,6 @@ from transport.errors import (
     RequestTooLargeError,
     StaleReadError,
     TransferError,
-    UnknownKeyError,
 )
 
 __all__ = [
@@ -55,17 +58,19 @@ __all__ = [
 ]
 
 
-class PartialFailureError(GputqError):
-    """A fan-out finished on some peers and not on others.
+class UnknownKeyError(GputqError, KeyError):
+    """A key is not (or no longer) stored on the unit asked, or its write is not in progress."""
 
-    Raised only after the reachable peers were served; ``result`` holds
-    what was done and what failed (e.g. ``{"freed": int, "unreachable":
-    {unit: reason}}`` for a partition release).
-    """
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
-    def __init__(self, message: str, result: dict | None = None):
-        super().__init__(message)
-        self.result = result
+
+class DuplicateKeyError(InvalidInputError):
+    """A key was written twice; keys are write-once."""
+
+
+class CapacityError(GputqTimeoutError):
+    """The arena stayed full for the whole put timeout (back-pressure expired)."""
 
 
 class FieldValueError(InvalidInputError):

@@ -1,6 +1,9 @@
 """The StorageUnit's side of the cross-branch contract: incarnation, generations,
 stale reads, non-expiring leases, exactly-once release, the keys method, typed control errors."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import msgpack
@@ -10,6 +13,7 @@ import pytest
 from gputq.errors import (
     CapacityError,
     ClosedError,
+    DuplicateKeyError,
     GputqError,
     InvalidInputError,
     PartialFailureError,
@@ -292,3 +296,37 @@ def test_contract_over_a_real_tcp_server(unit):
         assert channel.call("release", keys=["a"], partition="p", release_id="r8") == 1
         # The server ends its lease right after sending; the region comes back then.
         wait_until(lambda: unit.stats()["used"] == 0, what="the server's lease ends")
+
+
+def test_unit_errors_are_defined_in_gputq_and_cross_tcp_with_their_class():
+    """The unit's own errors live in gputq.errors; a tcp client rebuilds them as those classes."""
+    import transport.errors
+    from transport import get_transport
+
+    for cls in (CapacityError, DuplicateKeyError, UnknownKeyError):
+        assert cls.__module__ == "gputq.errors" and not hasattr(transport.errors, cls.__name__)
+    token = "t" * 32
+    tcp = get_transport("tcp")
+    with StorageUnit("su-full", 4 * KIB, put_timeout_s=0.0) as unit, \
+            tcp.serve(unit, host="127.0.0.1", port=0, token=token, max_frame_bytes=1 << 20) as server, \
+            tcp.connect(server.address, token=token, max_frame_bytes=1 << 20, timeout=10) as channel:
+        channel.write("a", np.zeros(4 * KIB, np.uint8))
+        with pytest.raises(CapacityError, match="su-full: no space for key 'b'") as full:
+            channel.write("b", np.zeros(KIB, np.uint8), timeout=0)
+        with pytest.raises(DuplicateKeyError, match="'a' already exists") as duplicate:
+            channel.write("a", np.zeros(1, np.uint8))
+        with pytest.raises(UnknownKeyError, match="unknown key 'c'") as unknown:
+            channel.read(["c"], np.zeros(1, np.uint8))
+    assert [type(e.value) for e in (full, duplicate, unknown)] == [CapacityError, DuplicateKeyError,
+                                                                    UnknownKeyError]
+
+
+def test_transport_imports_no_gputq():
+    """The transport layer stands alone: importing every backend loads no gputq module."""
+    code = ("import sys, transport, transport.errors, transport.tcp, transport.shm, transport.wire\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gputq'))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -12,9 +12,7 @@ import importlib
 from transport.base import ArenaHandler, Channel, Lease, Region, Server, TransportType, is_device_buffer
 from transport.errors import (
     AuthenticationError,
-    CapacityError,
     ClosedError,
-    DuplicateKeyError,
     GputqError,
     GputqTimeoutError,
     InvalidInputError,
@@ -24,7 +22,6 @@ from transport.errors import (
     RequestTooLargeError,
     StaleReadError,
     TransferError,
-    UnknownKeyError,
     error_from_wire,
     error_to_wire,
 )
@@ -43,9 +40,6 @@ __all__ = [
     "ProtocolError",
     "AuthenticationError",
     "TransferError",
-    "UnknownKeyError",
-    "DuplicateKeyError",
-    "CapacityError",
     "RequestTooLargeError",
     "StaleReadError",
     "InvalidInputError",

@@ -89,8 +89,11 @@ class ArenaHandler(Protocol):
         """Reserve ``nbytes`` for ``key``; return the arena offset.
 
         Waits for space up to ``timeout`` (back-pressure) and then raises
-        ``CapacityError``. Raises ``DuplicateKeyError`` for a known key and
-        ``RequestTooLargeError`` when ``nbytes`` can never fit.
+        a :class:`~transport.errors.GputqTimeoutError` (the StorageUnit's
+        ``gputq.errors.CapacityError``). Raises an
+        :class:`~transport.errors.InvalidInputError` for a known key (the
+        unit's ``DuplicateKeyError``) and ``RequestTooLargeError`` when
+        ``nbytes`` can never fit. Errors cross the wire by class name.
         """
 
     def commit_write(self, key: str) -> dict:
@@ -102,7 +105,8 @@ class ArenaHandler(Protocol):
     def lease(self, keys: Sequence[str], generations=None, incarnation=None, *, expires: bool = True) -> Lease:
         """Pin the regions of ``keys`` (in order).
 
-        ``UnknownKeyError`` names a missing key; ``StaleReadError`` when
+        A missing key raises a :class:`~transport.errors.GputqError` naming
+        it (the StorageUnit's ``gputq.errors.UnknownKeyError``); ``StaleReadError`` when
         ``incarnation`` (not None) is not the handler's, or a key's stored
         generation differs from its entry in ``generations`` (0 or None
         entries are not checked). ``expires=False``: no deadline, for a

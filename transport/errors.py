@@ -1,10 +1,14 @@
-"""The exception tree shared by every gputq layer.
+"""The root of the gputq exception tree and the errors transports raise.
 
-It lives in the lowest layer (``transport``) because transport servers must
-re-raise a unit's errors on the client side by name, and ``transport`` does
-not import ``gputq``. ``gputq.errors`` re-exports it and defines the errors
-no transport raises; :func:`error_from_wire` rebuilds those too, by name,
-in any process that imported ``gputq``.
+It lives in the lowest layer (``transport``) because transports raise these
+errors themselves and ``transport`` does not import ``gputq``. The storage
+unit's own errors (``UnknownKeyError``, ``DuplicateKeyError``,
+``CapacityError``, ...) are defined in ``gputq.errors``, which re-exports
+this module. A transport server sends any handler error by class name
+(:func:`error_to_wire`); :func:`error_from_wire` rebuilds it from every
+subclass of :class:`GputqError` defined so far, so a client rebuilds the
+unit's errors with their own class in any process that imported
+``gputq.errors``, and as plain :class:`GputqError` in one that did not.
 
 Every class derives from :class:`GputqError`. Timeouts also derive from
 :class:`TimeoutError`, lost peers from :class:`ConnectionError` and bad input
@@ -20,9 +24,6 @@ __all__ = [
     "ProtocolError",
     "AuthenticationError",
     "TransferError",
-    "UnknownKeyError",
-    "DuplicateKeyError",
-    "CapacityError",
     "RequestTooLargeError",
     "StaleReadError",
     "InvalidInputError",
@@ -62,27 +63,12 @@ class TransferError(GputqError):
         self.keys = tuple(keys)
 
 
-class UnknownKeyError(GputqError, KeyError):
-    """A key is not (or no longer) stored on the unit asked."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
 class InvalidInputError(GputqError, ValueError):
     """The caller passed something malformed: shape, dtype, range, size."""
 
 
-class DuplicateKeyError(InvalidInputError):
-    """A key was written twice; keys are write-once."""
-
-
 class RequestTooLargeError(InvalidInputError):
     """A request can never succeed: larger than the arena or the frame limit."""
-
-
-class CapacityError(GputqTimeoutError):
-    """The arena stayed full for the whole put timeout (back-pressure expired)."""
 
 
 class StaleReadError(GputqError):
@@ -117,7 +103,9 @@ def error_to_wire(exc: BaseException) -> dict:
 def error_from_wire(payload: dict) -> GputqError:
     """Rebuild the exception a peer described with :func:`error_to_wire`.
 
-    Unknown names (a newer peer) fall back to :class:`GputqError`.
+    Names of classes not defined in this process (a newer peer, or a
+    unit's error where ``gputq.errors`` was never imported) fall back to
+    :class:`GputqError`.
     """
     cls = _registry().get(payload.get("error", ""), GputqError)
     return cls(payload.get("message", ""))

@@ -193,8 +193,9 @@ class NixlChannel(Channel):
 
         Raises
         ------
-        UnknownKeyError
-            A key is not stored on the unit.
+        gputq.errors.UnknownKeyError
+            A key is not stored on the unit (the unit's error, rebuilt by
+            class name where ``gputq.errors`` is imported).
         StaleReadError
             ``incarnation`` is not the unit's, a key's generation is not the
             one in ``generations``, or the lease expired before the READ was

@@ -318,8 +318,9 @@ class ShmChannel(Channel):
 
         Raises
         ------
-        UnknownKeyError
-            A key is not stored on the unit.
+        gputq.errors.UnknownKeyError
+            A key is not stored on the unit (the unit's error, rebuilt by
+            class name where ``gputq.errors`` is imported).
         StaleReadError
             A generation or the incarnation does not match, or the lease
             expired before the copy finished (``dest`` is then garbage).

@@ -56,7 +56,7 @@ __all__ = [
 #: Pooled connections per channel in each of its two lanes (writes; reads and calls).
 CHANNEL_CONNECTIONS = 8
 # A write may wait `timeout` seconds for arena space on the server; its
-# reply (CapacityError included) needs a little longer to come back.
+# reply (the unit's no-space error included) needs a little longer to come back.
 _REPLY_GRACE_S = 5.0
 
 
@@ -242,7 +242,7 @@ class TcpChannel(Channel):
             with pool.checkout(timeout, self._connect_timeout) as conn:
                 yield conn
         except _RENAMED as exc:
-            if type(exc) not in _RENAMED:  # e.g. CapacityError: the unit's own, already named
+            if type(exc) not in _RENAMED:  # a subclass the unit replied with (no space): already named
                 raise
             error = type(exc)(f"unit {self.unit}: {what} failed: {exc}")
             error.unit, error.keys = self.unit, tuple(keys)

@@ -13,8 +13,9 @@ import time
 import numpy as np
 import pytest
 
+from gputq.errors import UnknownKeyError
 from tests.transport.units import make_unit
-from transport.errors import MissingDependencyError, PeerLostError, StaleReadError, UnknownKeyError
+from transport.errors import MissingDependencyError, PeerLostError, StaleReadError
 from transport.staging import StagingPool
 from transport.tcp import TcpChannel, TcpTransport
 

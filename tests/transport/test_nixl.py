@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from gputq.errors import UnknownKeyError
 from tests.transport.units import ContractUnit, make_unit
 from transport.errors import (
     AuthenticationError,
@@ -24,7 +25,6 @@ from transport.errors import (
     RequestTooLargeError,
     StaleReadError,
     TransferError,
-    UnknownKeyError,
 )
 
 pytestmark = [pytest.mark.rdma, pytest.mark.timeout(60)]

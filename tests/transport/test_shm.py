@@ -8,10 +8,11 @@ import stat
 import numpy as np
 import pytest
 
+from gputq.errors import UnknownKeyError
 from gputq.storage_unit import StorageUnit
 from transport import get_transport
 from transport.cuda import cuda_available, usable_cupy
-from transport.errors import InvalidInputError, RequestTooLargeError, StaleReadError, UnknownKeyError
+from transport.errors import InvalidInputError, RequestTooLargeError, StaleReadError
 from transport.policy import nixl_import_error
 from transport.shm import ShmChannel, merge_runs
 

@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import pytest
 
+from gputq.errors import UnknownKeyError
 from tests.transport.units import make_unit
 from transport.errors import (
     AuthenticationError,
@@ -22,7 +23,6 @@ from transport.errors import (
     InvalidInputError,
     PeerLostError,
     ProtocolError,
-    UnknownKeyError,
 )
 from transport.tcp import TcpChannel, TcpTransport, serve_connection
 from transport.tcp_server import Handshake
