@@ -28,9 +28,9 @@ import time
 from collections import Counter
 from typing import Iterable
 
-from .clients import UnitClients, fan_out
+from .clients import UnitClients, failures, fan_out, tally
 from .config import GputqConfig
-from .errors import GputqError, InvalidInputError, PartialFailureError, UnitLostError, UnknownKeyError
+from .errors import GputqError, InvalidInputError, UnknownKeyError
 from .lifecycle import uses_of
 
 __all__ = ["Controller"]
@@ -204,18 +204,11 @@ class Controller:
         timeout = self._config.control_timeout_s
         done = fan_out(clients.units, lambda unit: int(clients.channel(unit).call(
             "release_partition", timeout=timeout, partition=partition)))
-        unreachable = {unit: str(r) for unit, r in done.items() if isinstance(r, BaseException)}
-        result = {"freed": sum(r for r in done.values() if not isinstance(r, BaseException)),
-                  "unreachable": unreachable}
         with self._lock:
             self._partitions.pop(partition, None)
-            for unit in unreachable:
+            for unit in failures(done):
                 self._missed.setdefault(unit, set()).add(partition)
-        if unreachable:
-            raise PartialFailureError(
-                f"release of partition {partition!r}: {result['freed']} keys freed on "
-                f"{len(done) - len(unreachable)} units; unreachable: {_describe(unreachable)}", result)
-        return result
+        return tally(done, f"release of partition {partition!r}", "freed", answers_raise=False)
 
     def transfer(self, keys_by_unit: dict[str, Iterable[str]], from_partition: str,
                  to_partition: str) -> int:
@@ -231,16 +224,7 @@ class Controller:
         done = fan_out(wanted, lambda unit: int(clients.channel(unit).call(
             "transfer", timeout=timeout, keys=wanted[unit], from_partition=str(from_partition),
             to_partition=str(to_partition))))
-        for r in done.values():
-            if isinstance(r, BaseException) and not isinstance(r, UnitLostError):
-                raise r  # the unit answered: bad keys or partition, the caller's error
-        unreachable = {unit: str(r) for unit, r in done.items() if isinstance(r, BaseException)}
-        moved = sum(r for r in done.values() if not isinstance(r, BaseException))
-        if unreachable:
-            raise PartialFailureError(f"transfer {from_partition!r} -> {to_partition!r}: {moved} keys moved; "
-                                      f"unreachable: {_describe(unreachable)}",
-                                      {"moved": moved, "unreachable": unreachable})
-        return moved
+        return tally(done, f"transfer {from_partition!r} -> {to_partition!r}", "moved")["moved"]
 
     # -- invariants ------------------------------------------------------
     def check_invariants(self, referenced=None) -> dict:
@@ -277,7 +261,7 @@ class Controller:
         unknown_units = sorted(set(uses_on) - set(clients.units))
         reports = fan_out(clients.units, lambda unit: _check_unit(
             clients.channel(unit), unit, live, uses_on.get(unit, {}), timeout))
-        unreachable = {unit: str(r) for unit, r in reports.items() if isinstance(r, BaseException)}
+        unreachable = failures(reports)
         checked = [r for r in reports.values() if not isinstance(r, BaseException)]
         violations = [v for r in checked for v in r["violations"]]
         violations += [f"{sum(uses_on[u].values())} referenced key uses name unit {u}, not a member"
@@ -299,7 +283,7 @@ class Controller:
         totals = {name: sum(int(s.get(name, 0)) for s in per_unit.values())
                   for name in ("capacity", "used", "free", "keys")}
         return {"units": per_unit, "totals": totals, "partitions": self.partitions(),
-                "unreachable": {unit: str(s) for unit, s in done.items() if isinstance(s, BaseException)}}
+                "unreachable": failures(done)}
 
     def close(self) -> None:
         self._stop.set()
@@ -311,10 +295,6 @@ class Controller:
 
 #: Keys per ``keys`` call: their names stay well inside one control frame.
 _KEYS_PAGE = 4096
-
-
-def _describe(unreachable: dict[str, str]) -> str:
-    return "; ".join(f"{unit}: {reason}" for unit, reason in sorted(unreachable.items()))
 
 
 def _unit_keys(channel, timeout: float) -> dict[str, dict[str, int]]:

@@ -25,8 +25,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .clients import fan_out
-from .errors import InvalidInputError, PartialFailureError, UnitLostError
+from .clients import fan_out, tally
+from .errors import InvalidInputError
 from .refs import FieldRef, Layout, uses_by_unit
 
 __all__ = ["uses_of", "keys_by_unit", "on_units", "carry", "drop", "overlapping_rollouts", "blocking"]
@@ -95,18 +95,9 @@ def on_units(samples: Iterable[Mapping[str, Layout]], units: Iterable[str]) -> l
             if all(ref.unit in units for layout in sample.values() for ref in layout.refs())]
 
 
-def _per_unit(clients, work: Mapping[str, Any], call, what: str) -> dict[str, int]:
-    """Run ``call(channel, unit, args)`` on each unit in parallel; raise after the rest is done."""
-    done = fan_out(work, lambda unit: int(call(clients.channel(unit), work[unit])))
-    for result in done.values():
-        if isinstance(result, BaseException) and not isinstance(result, UnitLostError):
-            raise result  # the unit answered: the caller's keys or partition are wrong
-    unreachable = {unit: str(r) for unit, r in done.items() if isinstance(r, BaseException)}
-    counts = {unit: r for unit, r in done.items() if not isinstance(r, BaseException)}
-    if unreachable:
-        raise PartialFailureError(f"{what}: {sum(counts.values())} keys done; unreachable: {unreachable}",
-                                  {"done": counts, "unreachable": unreachable})
-    return counts
+def _per_unit(clients, work: Mapping[str, Any], call, what: str) -> int:
+    """Run ``call(channel, args)`` on each unit in parallel; total its counts (see :func:`tally`)."""
+    return tally(fan_out(work, lambda unit: int(call(clients.channel(unit), work[unit]))), what, "done")["done"]
 
 
 def carry(what: Any, from_partition: str, to_partition: str, clients, *,
@@ -136,10 +127,9 @@ def carry(what: Any, from_partition: str, to_partition: str, clients, *,
     """
     timeout = clients.config.control_timeout_s if timeout is None else timeout
     work = keys_by_unit(what)
-    moved = _per_unit(clients, work, lambda chan, keys: chan.call(
+    return _per_unit(clients, work, lambda chan, keys: chan.call(
         "transfer", timeout=timeout, keys=keys, from_partition=str(from_partition),
         to_partition=str(to_partition)), f"carry {from_partition!r} -> {to_partition!r}")
-    return sum(moved.values())
 
 
 def drop(samples: Iterable[Mapping[str, Layout]], partition: str, clients, *,
@@ -178,9 +168,8 @@ def drop(samples: Iterable[Mapping[str, Layout]], partition: str, clients, *,
 
     _per_unit(clients, work, short, f"drop from {partition!r}")
     extra = {} if release_id is None else {"release_id": release_id}
-    freed = _per_unit(clients, work, lambda chan, keys: chan.call(
+    return _per_unit(clients, work, lambda chan, keys: chan.call(
         "release", timeout=timeout, keys=keys, partition=partition, **extra), f"drop from {partition!r}")
-    return sum(freed.values())
 
 
 # -- two overlapping rollouts (``gputq demo --overlap``) --------------------------------

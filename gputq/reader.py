@@ -35,7 +35,7 @@ import numpy as np
 
 from transport.base import Closeable
 
-from .clients import UnitClients
+from .clients import UnitClients, fan_out, tally
 from .config import GputqConfig
 from .errors import ClosedError, InvalidInputError, LayoutError, StaleReadError, TransferError
 from .fields import sample_key_of
@@ -368,7 +368,7 @@ class Reader(Closeable):
                                 f"keys, expected {dest.nbytes}", unit=request.unit, keys=request.keys)
 
     def release(self, shard: Sequence[Mapping[str, Layout]], partition: str, *,
-                release_id: str | None = None) -> None:
+                release_id: str | None = None) -> dict:
         """Drop the references the samples of ``shard`` hold: they are consumed.
 
         One reference per sample and key, the count
@@ -382,15 +382,34 @@ class Reader(Closeable):
         ``reader_id`` and a digest of the shard's uses (unit, key, count)
         and ``partition``; pass one to tie a release to something else,
         e.g. a training step.
+
+        Every unit of the shard is asked, in parallel; a lost unit does not
+        keep the others from freeing their keys. Retrying with the same
+        ``release_id`` once the lost unit is back frees its keys and nothing
+        more elsewhere.
+
+        Returns
+        -------
+        dict
+            ``{"freed": keys freed, "unreachable": {}}``.
+
+        Raises
+        ------
+        PartialFailureError
+            Some units were unreachable; raised after every other unit
+            released its keys, with ``{"freed", "unreachable": {unit:
+            reason}}`` as ``.result``.
         """
         uses = uses_by_unit(shard)
         if release_id is None:
             release_id = self._default_release_id(uses, partition)
         elif not isinstance(release_id, str) or not release_id:
             raise InvalidInputError(f"release_id must be a non-empty str, got {release_id!r}")
-        for unit, keys in uses.items():
-            self._clients.channel(unit).call("release", timeout=self._config.control_timeout_s,
-                                             keys=keys, partition=partition, missing_ok=True, release_id=release_id)
+        timeout = self._config.control_timeout_s
+        done = fan_out(uses, lambda unit: self._clients.channel(unit).call(
+            "release", timeout=timeout, keys=uses[unit], partition=partition, missing_ok=True,
+            release_id=release_id))
+        return tally(done, f"release of a shard of partition {partition!r}", "freed")
 
     def _default_release_id(self, uses: Mapping[str, list[str]], partition: str) -> str:
         """The default release id of a shard: ``reader_id`` and a digest of its ``uses`` per unit."""

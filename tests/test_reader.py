@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gputq.errors import InvalidInputError, StaleReadError
+from gputq.errors import GputqError, InvalidInputError, PartialFailureError, StaleReadError
 from gputq.reader import READ_BATCH_KEYS, Reader, _lay_out, _stage_field
 from gputq.refs import FieldRef, Layout
 from gputq.writer import Writer
@@ -219,3 +219,38 @@ def test_a_repeated_release_frees_nothing_more():
         assert services[0].stats()["keys"] == 0 and services[0].stats()["used"] == 0
         ids = [args["release_id"] for _, method, args in calls if method == "release"]
         assert len(ids) == 3 and ids[0] == ids[1] != ids[2]
+
+
+def test_release_frees_every_reachable_unit_and_names_the_lost_one():
+    with local_units("tcp", units=3) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"logprobs": np.full(4, i, np.float32)}) for i in range(30)]
+            writer.flush()
+        shard = [{"logprobs": Layout.from_ref(r["logprobs"])} for r in refs]
+        on = {s.name: s.stats()["keys"] for s in services}
+        assert all(on.values())  # every unit holds some of the shard
+        # The lost unit comes first in the shard: the old loop stopped there and freed nothing.
+        first = shard[0]["logprobs"].refs()[0].unit
+        lost = next(s for s in services if s.name == first)
+        lost.close()
+        survivors = [s for s in services if s is not lost]
+        with Reader(clients, config, reader_id="rank-0") as reader:
+            with pytest.raises(PartialFailureError, match=f"unreachable: {first}: unit {first} is lost") as info:
+                reader.release(shard, "p")
+        assert info.value.result == {"freed": sum(on[s.name] for s in survivors),
+                                     "unreachable": {first: info.value.result["unreachable"][first]}}
+        assert isinstance(info.value, GputqError) and set(clients.lost) == {first}
+        assert [s.stats()["keys"] for s in survivors] == [0, 0]
+        assert [s.stats()["used"] for s in survivors] == [0, 0]
+
+
+def test_release_returns_the_keys_freed():
+    with local_units("tcp", units=2) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"logprobs": np.full(4, i, np.float32)}) for i in range(6)]
+            writer.flush()
+        shard = [{"logprobs": Layout.from_ref(r["logprobs"])} for r in refs]
+        with Reader(clients, config) as reader:
+            assert reader.release(shard, "p") == {"freed": 6, "unreachable": {}}
+            assert reader.release(shard, "p") == {"freed": 0, "unreachable": {}}  # the same release: a no-op
+        assert [s.stats()["keys"] for s in services] == [0, 0]
