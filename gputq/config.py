@@ -89,6 +89,18 @@ class GputqConfig:
         Arena size of each StorageUnit; bounds the memory held.
     put_timeout_s:
         How long a write waits for arena space before ``CapacityError``.
+    reservation_timeout_s:
+        How long a unit keeps the region reserved for a write waiting for
+        its bytes and its commit; then the write is aborted and the space
+        freed, so a stalled or dead writer cannot pin it. A unit receives a
+        tcp write's payload under a deadline shorter than this, and a NIXL
+        push is bounded the same way on the client, so no byte lands after
+        the region could have gone to another key. Keep it above the
+        transfer time of the largest write.
+    write_aging_s:
+        How long the first writer waiting for space may be passed by
+        smaller writes that fit; from then on the space freed goes to it
+        first. 0 disables passing.
     read_timeout_s:
         Deadline of one batched read, lease to completion.
     control_timeout_s:
@@ -135,6 +147,8 @@ class GputqConfig:
     num_units: int = 2
     unit_capacity_bytes: int = 256 * _MIB
     put_timeout_s: float = 30.0
+    reservation_timeout_s: float = 60.0
+    write_aging_s: float = 1.0
     read_timeout_s: float = 120.0
     control_timeout_s: float = 30.0
     max_frame_bytes: int = 4096 * _MIB
@@ -171,10 +185,12 @@ class GputqConfig:
                      "writer_threads", "max_connections"):
             if getattr(self, name) < 1:
                 raise _error(name, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("put_timeout_s", "read_timeout_s", "control_timeout_s", "send_timeout_s",
-                     "handshake_timeout_s", "heartbeat_interval_s", "probe_timeout_s"):
+        for name in ("put_timeout_s", "reservation_timeout_s", "read_timeout_s", "control_timeout_s",
+                     "send_timeout_s", "handshake_timeout_s", "heartbeat_interval_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise _error(name, f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.write_aging_s >= 0:
+            raise _error("write_aging_s", f"write_aging_s must be >= 0, got {self.write_aging_s}")
         if not 0 <= self.metrics_port <= 65535:
             raise _error("metrics_port", f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.token is not None and len(self.token) < MIN_TOKEN_CHARS:

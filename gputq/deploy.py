@@ -89,7 +89,9 @@ class UnitService(Closeable):
         self.name = name
         # Leases outlive no read: a reader gives up after read_timeout_s, the unit after twice that.
         self._unit = StorageUnit(name, config.unit_capacity_bytes, put_timeout_s=config.put_timeout_s,
-                                 shm_dir=config.shm_dir, lease_timeout_s=2 * config.read_timeout_s)
+                                 shm_dir=config.shm_dir, lease_timeout_s=2 * config.read_timeout_s,
+                                 reservation_timeout_s=config.reservation_timeout_s,
+                                 write_aging_s=config.write_aging_s)
         host = config.host or _default_host()
         self._metrics = None
         try:

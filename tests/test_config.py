@@ -72,6 +72,8 @@ def test_transfer_params_flag_and_env():
     ({"routed_experts_dtype": "int8"}, "routed_experts_dtype"),
     ({"num_units": 0}, "num_units"),
     ({"read_timeout_s": 0}, "read_timeout_s"),
+    ({"reservation_timeout_s": 0}, "reservation_timeout_s"),
+    ({"write_aging_s": -1}, "write_aging_s"),
     ({"transfer_params": ("tokens",)}, "tokens"),
 ])
 def test_bad_values_raise_config_error(changes, message):

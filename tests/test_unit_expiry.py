@@ -5,6 +5,7 @@ import gc
 import logging
 import os
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -98,6 +99,25 @@ def test_unclosed_unit_is_collected_and_its_timer_ends():
     wait_until(lambda: ref() is None, timeout=10, what="the unit is collected")
     assert not os.path.exists(path)
     wait_until(lambda: _timer_threads("su-forgotten") == [], timeout=10, what="the timer thread ends")
+
+
+def test_configured_reservation_timeout_and_write_aging_reach_the_units():
+    """``GPUTQ_RESERVATION_TIMEOUT_S`` / ``GPUTQ_WRITE_AGING_S`` end up in every unit a config builds."""
+    from gputq.config import GputqConfig
+    from gputq.deploy import local_cluster
+
+    config = GputqConfig.load(env={"GPUTQ_RESERVATION_TIMEOUT_S": "0.3", "GPUTQ_WRITE_AGING_S": "0.25"})
+    assert (config.reservation_timeout_s, config.write_aging_s) == (0.3, 0.25)
+    with local_cluster(config.replace(num_units=1, unit_capacity_bytes=64 * KIB, transport="tcp",
+                                      host="127.0.0.1")) as (_, (service,), clients):
+        unit = service.unit
+        assert (unit.reservation_timeout_s, unit.write_aging_s) == (0.3, 0.25)
+        started = time.monotonic()
+        unit.begin_write("stalled", 8 * KIB, {"partition": "p"}, timeout=600)
+        # The default (60 s) would hold it for the whole test timeout.
+        wait_until(lambda: unit.stats()["reservations_expired"] == 1, timeout=10,
+                   what="the stalled reservation expires after the configured 0.3 s")
+        assert 0.3 <= time.monotonic() - started < 10 and unit.stats()["used"] == 0
 
 
 @pytest.mark.parametrize("param", ["lease_timeout_s", "reservation_timeout_s"])
