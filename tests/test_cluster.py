@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from gputq.config import GputqConfig  # noqa: E402
 from gputq.deploy import CONTROLLER_NAME, NAMESPACE, Deployment  # noqa: E402
 from gputq.refs import Layout  # noqa: E402
 from gputq.writer import Writer  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -55,11 +55,6 @@ def _read_on(node_id, membership, config, samples):
     return ray.get(reader.read.remote(membership, config, samples), timeout=120)
 
 
-def _wait_for(condition, what, timeout=90):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.2)  # poll interval while Ray and the watcher catch up
 
 
 def test_one_unit_per_node_remote_readers_and_a_late_node():
@@ -106,11 +101,12 @@ def test_one_unit_per_node_remote_readers_and_a_late_node():
         with Deployment.start(config, ray_address=cluster.address, watch_nodes_s=0.5) as dep:
             assert len(dep.membership()) == 3
             cluster.remove_node(late)
-            _wait_for(lambda: len(dep.membership()) == 2, "the departed node's unit left the membership")
+            wait_until(lambda: len(dep.membership()) == 2, 90, "the departed node's unit left the membership",
+                       interval=0.2)
             assert late.node_id not in ray.get(dep.controller.nodes.remote()).values()
             joined = cluster.add_node(num_cpus=1)
-            _wait_for(lambda: joined.node_id in ray.get(dep.controller.nodes.remote()).values(),
-                      "the joining node got a unit")
+            wait_until(lambda: joined.node_id in ray.get(dep.controller.nodes.remote()).values(), 90,
+                       "the joining node got a unit", interval=0.2)
             assert len(dep.membership()) == 3
     finally:
         ray.shutdown()

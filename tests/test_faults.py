@@ -25,6 +25,7 @@ from gputq.errors import (
 from gputq.reader import Reader
 from gputq.refs import Layout
 from gputq.writer import Writer
+from tests.waiting import wait_until
 
 
 def _controller(config, units, **kwargs) -> Controller:
@@ -42,14 +43,6 @@ def _write(clients, config, partition: str, n: int, rows: int = 256) -> list:
     return [r["logprobs"] for r in refs]
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 @pytest.mark.slow
@@ -159,7 +152,7 @@ def test_controller_marks_killed_and_hung_units_lost_within_the_heartbeat_bound(
             started = time.monotonic()
             units["su-0"].kill()
             units["su-1"].stop()
-            _wait_for(lambda: set(controller.lost_units()) == {"su-0", "su-1"}, 10, "both units marked lost")
+            wait_until(lambda: set(controller.lost_units()) == {"su-0", "su-1"}, 10, "both units marked lost")
             # Bound: one interval plus the probe timeout; the rest is margin for a loaded 2-core box.
             assert time.monotonic() - started < interval + probe + 2.0
             assert controller.live_units() == ["su-2"]
@@ -168,9 +161,9 @@ def test_controller_marks_killed_and_hung_units_lost_within_the_heartbeat_bound(
             assert info.value.result["freed"] == on["su-2"]
             assert set(info.value.result["unreachable"]) == {"su-0", "su-1"}
             units["su-1"].cont()
-            _wait_for(lambda: set(controller.lost_units()) == {"su-0"}, 10, "su-1 re-admitted")
+            wait_until(lambda: set(controller.lost_units()) == {"su-0"}, 10, "su-1 re-admitted")
             # The release su-1 missed while stopped is replayed when it answers again.
-            _wait_for(lambda: clients.ping("su-1") and
+            wait_until(lambda: clients.ping("su-1") and
                       clients.channel("su-1").call("stats", timeout=5)["keys"] == 0, 10, "su-1 released r0")
             report = controller.check_invariants()
             assert report["violations"] == [] and set(report["unreachable"]) == {"su-0"}
@@ -190,7 +183,7 @@ def test_requests_to_a_lost_unit_fail_fast_until_a_probe_reaches_it():
         assert info.value.keys == ("a", "b") and "['a', 'b']" in str(info.value)
         assert clients.live_units == ["su-1"]
         # The background probe finds the unit answering and re-admits it.
-        _wait_for(lambda: clients.live_units == ["su-0", "su-1"], 10, "su-0 re-admitted")
+        wait_until(lambda: clients.live_units == ["su-0", "su-1"], 10, "su-0 re-admitted")
         assert clients.channel("su-0").call("stats", timeout=5)["keys"] == 0
         services[1].close()  # a unit that is gone: refused connections
         with pytest.raises(UnitLostError, match="su-1"):

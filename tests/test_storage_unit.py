@@ -19,18 +19,12 @@ from gputq.errors import (
     RequestTooLargeError,
     UnknownKeyError,
 )
+from tests.waiting import wait_until
 from transport.base import ArenaHandler, Lease
 
 KIB = 1024
 
 
-def wait_until(predicate, timeout=10.0, what="condition"):
-    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not hold within {timeout} s")
-        time.sleep(0.002)
 
 
 @pytest.fixture
@@ -212,7 +206,7 @@ def test_full_unit_waits_and_succeeds_after_release(unit):
 
     thread = threading.Thread(target=writer)
     thread.start()
-    wait_until(lambda: unit.stats()["writers_waiting"] == 1, what="the writer waits")
+    wait_until(lambda: unit.stats()["writers_waiting"] == 1, timeout=10, what="the writer waits")
     assert not done.is_set()  # still waiting: the unit is full
     unit.release([keys[3]])
     assert done.wait(10)
@@ -245,7 +239,7 @@ def test_close_wakes_waiting_writer(unit):
     thread = threading.Thread(
         target=lambda: errors.append(pytest.raises(ClosedError, unit.put, "w", blob(8), None, 5)))
     thread.start()
-    wait_until(lambda: unit.stats()["writers_waiting"] == 1, what="the writer waits")
+    wait_until(lambda: unit.stats()["writers_waiting"] == 1, timeout=10, what="the writer waits")
     unit.close()
     unit.close()
     thread.join(10)

@@ -8,7 +8,7 @@ import pytest
 
 from gputq.errors import CapacityError
 from gputq.storage_unit import StorageUnit
-from tests.test_storage_unit import wait_until
+from tests.waiting import wait_until
 
 KIB = 1024
 
@@ -43,7 +43,7 @@ class _Put(threading.Thread):
 def test_small_write_that_fits_passes_a_young_large_one():
     with _full_unit(write_aging_s=60) as unit:
         large = _Put(unit, "large", 8 * KIB, timeout=60)
-        wait_until(lambda: unit.stats()["writers_waiting"] == 1, what="the large write waits")
+        wait_until(lambda: unit.stats()["writers_waiting"] == 1, timeout=10, what="the large write waits")
         unit.release(["q1"])  # 4 KiB free: not enough for the large write
         receipt = unit.put("small", np.ones(4 * KIB, np.uint8), {"partition": "p"}, timeout=10)
         assert receipt["offset"] == 4 * KIB  # it passed the large write, which is still waiting
@@ -56,7 +56,7 @@ def test_small_write_that_fits_passes_a_young_large_one():
 def test_no_one_passes_a_write_that_has_waited_write_aging_s():
     with _full_unit(write_aging_s=0.05) as unit:
         large = _Put(unit, "large", 8 * KIB, timeout=60)
-        wait_until(lambda: unit.stats()["first_writer_wait_s"] > 0.05, what="the large write ages")
+        wait_until(lambda: unit.stats()["first_writer_wait_s"] > 0.05, timeout=10, what="the large write ages")
         unit.release(["q1"])  # 4 KiB free: the small write fits but must not pass
         with pytest.raises(CapacityError, match="'small'.*1 other writers waiting"):
             unit.put("small", np.ones(4 * KIB, np.uint8), {"partition": "p"}, timeout=0.3)
@@ -87,13 +87,13 @@ def test_an_aged_write_gets_in_while_smaller_writes_keep_coming():
         threads = [threading.Thread(target=cycler, args=(n,), daemon=True) for n in range(2)]
         for thread in threads:
             thread.start()
-        wait_until(lambda: min(cycles) > 10, what="the small writers cycle")
+        wait_until(lambda: min(cycles) > 10, timeout=10, what="the small writers cycle")
         whole = _Put(unit, "whole", 16 * KIB, timeout=60)
         assert whole.done.wait(30), "the whole-arena write waited behind smaller ones"
         assert whole.error is None and whole.receipt["offset"] == 0
         unit.release(["whole"])
         before = list(cycles)
-        wait_until(lambda: min(c - b for c, b in zip(cycles, before)) > 0, what="the small writers resume")
+        wait_until(lambda: min(c - b for c, b in zip(cycles, before)) > 0, timeout=10, what="the small writers resume")
         stop.set()
         for thread in threads:
             thread.join(10)

@@ -21,7 +21,7 @@ from gputq.errors import (
     UnknownKeyError,
 )
 from gputq.storage_unit import CONTROL_METHODS, DEFAULT_PARTITION, StorageUnit
-from tests.test_storage_unit import wait_until
+from tests.waiting import wait_until
 from transport.errors import error_from_wire, error_to_wire
 
 KIB = 1024
@@ -63,7 +63,7 @@ def test_begin_write_timeouts_of_any_size(unit):
     waiting = threading.Thread(target=lambda: pytest.raises(ClosedError, unit.begin_write, "c", 1, {},
                                                             float("inf")))
     waiting.start()
-    wait_until(lambda: unit.stats()["writers_waiting"] == 1, what="an endless writer waits")
+    wait_until(lambda: unit.stats()["writers_waiting"] == 1, timeout=10, what="an endless writer waits")
     unit.close()
     waiting.join(10)
     assert not waiting.is_alive()
@@ -121,7 +121,7 @@ def test_non_expiring_lease_outlives_the_lease_timeout():
         held = unit.lease(["a"], expires=False)
         expiring = unit.lease(["a"])
         unit.release(["a"])
-        wait_until(lambda: unit.stats()["leases_expired"] == 1, what="the expiring lease ends")
+        wait_until(lambda: unit.stats()["leases_expired"] == 1, timeout=10, what="the expiring lease ends")
         stats = unit.stats()
         assert stats["leases"] == 1 and stats["pending_free_bytes"] == 4 * KIB  # still pinned by `held`
         region = held.regions[0]
@@ -295,7 +295,7 @@ def test_contract_over_a_real_tcp_server(unit):
         assert channel.read(["a"], dest) == [10] and dest.tolist() == list(range(10))
         assert channel.call("release", keys=["a"], partition="p", release_id="r8") == 1
         # The server ends its lease right after sending; the region comes back then.
-        wait_until(lambda: unit.stats()["used"] == 0, what="the server's lease ends")
+        wait_until(lambda: unit.stats()["used"] == 0, timeout=10, what="the server's lease ends")
 
 
 def test_unit_errors_are_defined_in_gputq_and_cross_tcp_with_their_class():

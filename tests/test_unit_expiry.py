@@ -14,7 +14,7 @@ import pytest
 from gputq import arena as arena_module
 from gputq.errors import InvalidInputError, UnknownKeyError
 from gputq.storage_unit import StorageUnit
-from tests.test_storage_unit import wait_until
+from tests.waiting import wait_until
 
 KIB = 1024
 
@@ -44,7 +44,7 @@ def test_committed_write_is_not_expired():
     with StorageUnit("su-commit", 64 * KIB, reservation_timeout_s=0.2, lease_timeout_s=0.2) as unit:
         unit.put("kept", np.full(100, 3, np.uint8))
         unit.begin_write("marker", 10, {}, 0)  # expires after "kept" would have
-        wait_until(lambda: unit.stats()["reservations_expired"] == 1, what="the marker expires")
+        wait_until(lambda: unit.stats()["reservations_expired"] == 1, timeout=10, what="the marker expires")
         assert np.array_equal(unit.read(["kept"])[0], np.full(100, 3, np.uint8))
 
 
@@ -158,7 +158,7 @@ def test_paused_one_sided_reader_learns_its_bytes_are_stale():
         lease_id, regions = unit.lease_regions(["victim"])  # the reader posts its READ, then stalls
         offset, nbytes = (int(v) for v in regions[0])
         unit.release(["victim"])
-        wait_until(lambda: unit.stats()["leases_expired"] == 1, what="the paused reader's lease expires")
+        wait_until(lambda: unit.stats()["leases_expired"] == 1, timeout=10, what="the paused reader's lease expires")
         assert unit.put("intruder", np.full(8 * KIB, 2, np.uint8), {"partition": "p"})["offset"] == offset
         landed = np.frombuffer(unit.arena, np.uint8, nbytes, offset).copy()  # the READ lands late
         assert (landed == 2).all()  # another key's bytes...

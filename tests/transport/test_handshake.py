@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.transport.units import make_unit
+from tests.waiting import wait_until
 from transport.errors import AuthenticationError
 from transport.tcp import TcpTransport
 from transport.wire import HEADER, MAGIC, VERSION, Op
@@ -103,16 +104,9 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
         assert peak_rss - rss_before < 8 << 20, f"RSS grew {(peak_rss - rss_before) >> 20} MiB"
         assert fetch == {"seconds": fetch["seconds"], "exact": True} and fetch["seconds"] < 1.0, fetch
         assert srv.failed_handshakes == nattackers
-        assert wait_for(lambda: srv.connections == 0)
+        assert wait_until(lambda: srv.connections == 0)
 
 
-def wait_for(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def test_connections_above_the_cap_are_closed_at_once():
@@ -120,7 +114,7 @@ def test_connections_above_the_cap_are_closed_at_once():
             TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX, max_connections=4) as srv:
         address = (srv.address["host"], srv.address["port"])
         idle = [socket.create_connection(address, timeout=5) for _ in range(4)]
-        assert wait_for(lambda: srv.connections == 4)
+        assert wait_until(lambda: srv.connections == 4)
         with socket.create_connection(address, timeout=5) as extra:
             start = time.monotonic()
             try:
@@ -130,7 +124,7 @@ def test_connections_above_the_cap_are_closed_at_once():
             assert time.monotonic() - start < 1.0
         assert srv.refused == 1
         idle.pop().close()
-        assert wait_for(lambda: srv.connections == 3)
+        assert wait_until(lambda: srv.connections == 3)
         with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
             assert ch.call("stats")["name"] == "su-cap"
         for sock in idle:
@@ -150,7 +144,7 @@ def test_a_slow_but_steady_handshake_still_hits_the_whole_deadline():
                     break
                 sock.send(bytes([byte]))
                 time.sleep(0.05)
-            assert wait_for(lambda: closed_now(sock), 2.0)
+            assert wait_until(lambda: closed_now(sock), 2.0)
             assert time.monotonic() - start < 1.2
 
 
@@ -160,7 +154,7 @@ def test_failed_handshakes_are_logged_at_a_limited_rate(caplog):
         for _ in range(50):
             with pytest.raises(AuthenticationError):
                 TcpTransport().connect(srv.address, token="not-the-token", max_frame_bytes=MAX, timeout=5)
-        assert wait_for(lambda: srv.failed_handshakes == 50)
+        assert wait_until(lambda: srv.failed_handshakes == 50)
     warnings = [r for r in caplog.records if "handshake" in r.getMessage()]
     assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
     assert TOKEN not in caplog.text

@@ -8,13 +8,13 @@ records a run of the slow versions.
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from gputq.errors import UnknownKeyError
 from tests.transport.units import make_unit
+from tests.waiting import wait_until
 from transport.errors import MissingDependencyError, PeerLostError, StaleReadError
 from transport.staging import StagingPool
 from transport.tcp import TcpChannel, TcpTransport
@@ -24,13 +24,6 @@ MAX = 1 << 30
 MiB = 1 << 20
 
 
-def wait_for(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 # ------------------------------------------------------------------ a tcp reader that stops reading mid-reply
@@ -104,7 +97,7 @@ def test_tcp_reader_paused_past_the_send_deadline_gets_an_error_never_other_byte
         error = outcome["error"]
         assert isinstance(error, PeerLostError) and "su-paused" in str(error) and "'victim'" in str(error)
         assert not (dest.host == 0x55).any()  # not one byte of the intruder reached the reader
-        assert wait_for(lambda: unit.stats()["leases"] == 0)
+        assert wait_until(lambda: unit.stats()["leases"] == 0)
 
 
 # ------------------------------------------------------------------ release / read / rewrite races
@@ -185,8 +178,10 @@ def _tcp_races(cycles: int) -> dict:
             TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv, \
             TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         figures = run_races(ch, unit, cycles)
-        figures["other_errors"] += [] if wait_for(lambda: unit.stats()["leases"] == 0, 30) else [
-            f"leases left: {unit.stats()}"]
+        try:
+            wait_until(lambda: unit.stats()["leases"] == 0, 30, "every lease ended")
+        except AssertionError:
+            figures["other_errors"].append(f"leases left: {unit.stats()}")
     return figures
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from gputq.errors import UnknownKeyError
 from tests.transport.units import ContractUnit, make_unit
+from tests.waiting import wait_until
 from transport.errors import (
     AuthenticationError,
     ClosedError,
@@ -82,13 +83,6 @@ def _connect(server, write_path="tcp"):
                                                   timeout=10)
 
 
-def _wait_until(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def _store(channel, items: dict) -> None:
@@ -651,6 +645,6 @@ def test_progress_loop_failures_are_logged_at_a_limited_rate(server, caplog):
         raise RuntimeError("UCX worker gone")
 
     server._agent.get_new_notifs = failing
-    assert _wait_until(lambda: len(calls) >= 20)
+    assert wait_until(lambda: len(calls) >= 20)
     logged = [r.getMessage() for r in caplog.records if "progress" in r.getMessage()]
     assert len(logged) == 1 and "unit-nixl" in logged[0] and "UCX worker gone" in logged[0]

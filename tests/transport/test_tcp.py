@@ -12,6 +12,7 @@ import pytest
 import transport
 from gputq.errors import CapacityError, DuplicateKeyError, UnknownKeyError
 from tests.transport.units import ContractUnit, make_unit
+from tests.waiting import wait_until
 from transport.errors import (
     ClosedError,
     GputqTimeoutError,
@@ -66,18 +67,6 @@ def channel(server):
         yield ch
 
 
-def wait_for(condition, timeout: float = 5.0) -> bool:
-    """Poll ``condition`` until it holds or ``timeout`` passes; True when it held.
-
-    A tcp server ends its lease once the reply is sent, which the client
-    may see before the server's thread gets there: lease counts are awaited.
-    """
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def random_bytes(n: int, seed: int = 0) -> np.ndarray:
@@ -111,7 +100,7 @@ def test_write_read_round_trip(channel, handler, nbytes):
     assert channel.read(["k"], dest) == [nbytes]
     np.testing.assert_array_equal(dest[:nbytes], data)
     assert (dest[nbytes:] == 0xAB).all()  # nothing written past the read
-    assert wait_for(lambda: handler.stats()["leases"] == 0)
+    assert wait_until(lambda: handler.stats()["leases"] == 0)
 
 
 def test_many_keys_back_to_back(channel):
@@ -140,7 +129,7 @@ def test_typed_errors_cross_the_wire_and_connection_survives(channel, handler):
     assert channel.call("stats")["keys"] == 1
     assert channel._requests.nopen == 1  # every error left the single connection in sync
     assert channel._writes.nopen == 1
-    assert wait_for(lambda: handler.stats()["leases"] == 0)
+    assert wait_until(lambda: handler.stats()["leases"] == 0)
 
 
 def test_call_passes_arguments(channel):
@@ -409,7 +398,7 @@ def test_read_checks_generations_and_incarnation(channel, handler):
         channel.read(["k"], dest, generations=[gen])
     with pytest.raises(InvalidInputError, match="generations for"):
         channel.read(["k"], dest, generations=[1, 2])
-    assert wait_for(lambda: handler.stats()["leases"] == 0) and channel._requests.nopen == 1
+    assert wait_until(lambda: handler.stats()["leases"] == 0) and channel._requests.nopen == 1
 
 
 def test_generic_one_sided_calls(channel, handler):
@@ -481,7 +470,7 @@ def test_malformed_authenticated_requests_get_typed_errors(server, handler, case
         got = bytearray(header.payload_len)
         reader.recv_exact(got)
         assert header.opcode == Op.OK and reply == {"lengths": [5]} and got == b"value"
-    assert wait_for(lambda: handler.stats()["leases"] == 0) and handler.stats()["reserved"] == 0
+    assert wait_until(lambda: handler.stats()["leases"] == 0) and handler.stats()["reserved"] == 0
 
 
 def test_undecodable_authenticated_body_closes_cleanly(server, handler):
@@ -520,7 +509,7 @@ def test_reads_and_releases_do_not_wait_behind_blocked_writers():
         writers = [threading.Thread(target=put, args=(k,)) for k in names[4:]]
         for t in writers:
             t.start()
-        assert wait_for(lambda: unit.stats()["writers_waiting"] >= 8)
+        assert wait_until(lambda: unit.stats()["writers_waiting"] >= 8)
         start = time.monotonic()
         dest = np.empty(chunk, np.uint8)
         assert ch.read([names[0]], dest, timeout=5) == [chunk]
