@@ -95,7 +95,7 @@ class GputqConfig:
         freed, so a stalled or dead writer cannot pin it. A unit receives a
         tcp write's payload under a deadline shorter than this, and a NIXL
         push is bounded the same way on the client, so no byte lands after
-        the region could have gone to another key. Keep it above the
+        the region could have gone to another key. Keep it above twice the
         transfer time of the largest write.
     write_aging_s:
         How long the first writer waiting for space may be passed by

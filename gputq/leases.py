@@ -127,6 +127,11 @@ class LeaseBook:
         self._reservation_deadlines[entry] = deadline
         return deadline
 
+    def reservation_expired(self, entry: Entry, now: float) -> bool:
+        """True when ``entry``'s reservation deadline has passed but the timer has not reaped it yet."""
+        deadline = self._reservation_deadlines.get(entry)
+        return deadline is not None and deadline <= now
+
     def unreserve(self, entry: Entry) -> None:
         """The write ended (committed, aborted or forgotten): stop its clock."""
         self._reservation_deadlines.pop(entry, None)

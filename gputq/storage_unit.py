@@ -93,8 +93,10 @@ class StorageUnit(Closeable):
     Expiry. Expiring leases end after ``lease_timeout_s`` and reservations
     (writes begun, not yet committed) are aborted after
     ``reservation_timeout_s``, both on the unit's own timer thread, so space
-    comes back with no other activity on the unit. A transport must finish
-    receiving a write into its region before the reservation deadline.
+    comes back with no other activity on the unit. A commit after the
+    reservation deadline is refused even before the timer ran. A transport
+    must finish receiving a write into its region before the reservation
+    deadline (they bound it by :func:`transport.base.write_window`).
 
     Parameters
     ----------
@@ -113,7 +115,8 @@ class StorageUnit(Closeable):
         time out well before; keep it above the read timeout).
     reservation_timeout_s : float, optional
         Lifetime of a reservation: a write not committed by then is aborted
-        and its space freed. Keep it above the writers' transfer time.
+        and its space freed. Transports give a write's bytes half of it to
+        arrive: keep it above twice the writers' transfer time.
     write_aging_s : float, optional
         How long the first waiting writer may be passed by smaller writes.
 
@@ -253,6 +256,14 @@ class StorageUnit(Closeable):
         key = check_key(self.name, key)
         with self._lock:
             entry = self._table.get(key)
+            if entry is not None and entry.state == RESERVED \
+                    and self._book.reservation_expired(entry, time.monotonic()):
+                # Expired but not reaped yet: refused all the same, so whether a late
+                # commit counts never depends on how soon the timer ran.
+                self._book.unreserve(entry)
+                self._table.forget(entry)
+                self._counters["reservations_expired"] += 1
+                entry = None
             if entry is None or entry.state != RESERVED:
                 raise UnknownKeyError(
                     f"unit {self.name}: no write in progress for key {key!r} (never begun, aborted, "

@@ -40,6 +40,18 @@ def test_stalled_writer_reservation_is_aborted_by_the_timer():
         assert unit.commit_write("stalled")["nbytes"] == 8 * KIB
 
 
+def test_a_commit_past_the_reservation_deadline_is_refused_before_the_timer_runs():
+    with StorageUnit("su-late", 64 * KIB, reservation_timeout_s=0.2) as unit:
+        unit._timer.stop()  # a timer running late: only the commit's own check stands
+        unit.begin_write("late", 8 * KIB, {"partition": "p"}, timeout=0)
+        reserved = time.monotonic()
+        wait_until(lambda: time.monotonic() - reserved > 0.2, timeout=10, what="the reservation deadline passes")
+        with pytest.raises(UnknownKeyError, match="no write in progress for key 'late'.*expired after 0.2 s"):
+            unit.commit_write("late")
+        stats = unit.stats()
+        assert (stats["used"], stats["reserved"], stats["reservations"], stats["reservations_expired"]) == (0, 0, 0, 1)
+
+
 def test_committed_write_is_not_expired():
     with StorageUnit("su-commit", 64 * KIB, reservation_timeout_s=0.2, lease_timeout_s=0.2) as unit:
         unit.put("kept", np.full(100, 3, np.uint8))

@@ -42,7 +42,15 @@ __all__ = [
     "LogLimiter",
     "describe_keys",
     "leased_regions",
+    "WRITE_WINDOW_SHARE",
+    "write_window",
 ]
+
+#: Share of a handler's ``reservation_timeout_s`` that a write's payload may
+#: take to land in its reserved region. The region is freed, and may go to
+#: another key, once the reservation expires; the other half is the margin
+#: that keeps a late byte of a stalled writer out of it.
+WRITE_WINDOW_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,10 @@ class ArenaHandler(Protocol):
     A handler should also have ``incarnation`` (a str, random per handler
     object: a reference made before a restart is then stale); servers
     publish it in addresses and HELLO replies, and an empty one when absent.
+    A handler whose reservations expire has ``reservation_timeout_s``
+    (seconds): servers then bound a write's transfer into its region by
+    :func:`write_window` of it, so that no byte lands after the region may
+    have been reused.
     """
 
     name: str
@@ -97,7 +109,11 @@ class ArenaHandler(Protocol):
         """
 
     def commit_write(self, key: str) -> dict:
-        """Make a reserved, fully written key visible; return a receipt."""
+        """Make a reserved, fully written key visible; return a receipt.
+
+        Refuses (the StorageUnit: ``UnknownKeyError``) a reservation that
+        expired, even one the handler's timer has not reaped yet.
+        """
 
     def abort_write(self, key: str) -> None:
         """Drop a reservation whose bytes did not all arrive."""
@@ -320,3 +336,17 @@ def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str) -> np
         raise ProtocolError(f"unit {unit}: leased regions outside its {arena_nbytes}-byte arena for keys "
                             f"{describe_keys(keys)}")
     return regions
+
+
+def write_window(reservation_timeout_s: float | None, limit: float | None = None) -> float | None:
+    """Seconds a write's payload may take to land in its reserved region.
+
+    The shorter of ``WRITE_WINDOW_SHARE * reservation_timeout_s`` and
+    ``limit`` (e.g. a send deadline or the caller's own timeout); ``None``
+    for either means no bound from it. Counted from when the reservation
+    was granted, it ends strictly before the reservation expires.
+    """
+    bounds = [float(limit)] if limit is not None else []
+    if reservation_timeout_s is not None:
+        bounds.append(WRITE_WINDOW_SHARE * float(reservation_timeout_s))
+    return min(bounds) if bounds else None

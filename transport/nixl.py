@@ -37,7 +37,12 @@ costs two more control round trips than tcp's single WRITE frame
 but moved bytes ~1.8x faster from 4 MiB on on the 2-core dev box; in the
 gVisor sandbox of the GPU host the push lost at every size, so
 ``GPUTQ_RDMA_WRITE_PATH=tcp`` (or ``write_path``) forces the tcp path
-(docs/operations.md has both tables).
+(docs/operations.md has both tables). The unit cannot stop a remote WRITE
+into a region it granted, so the client ends its push within
+:func:`~transport.base.write_window` of the unit's reservation timeout
+(from ``nixl_connect``): a push is abandoned, and the write aborted, while
+the reservation still holds, and a commit after it expired is refused by
+the unit (``UnknownKeyError``).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from transport.base import ArenaHandler, Channel, TransportType, byte_view, describe_keys, is_device_buffer, \
-    leased_regions
+    leased_regions, write_window
 from transport.errors import (
     ClosedError,
     GputqError,
@@ -169,6 +174,8 @@ class NixlChannel(Channel):
         try:
             info = self._tcp.call(CONNECT, timeout=timeout)
             self._base, self._arena_nbytes = int(info["arena_base"]), int(info["arena_nbytes"])
+            reservation = info.get("reservation_timeout_s")
+            self._reservation_timeout_s = None if reservation is None else float(reservation)
             self._remote = self._local.add_remote(info["agent_metadata"])
         except BaseException as exc:
             self._tcp.close()
@@ -393,12 +400,24 @@ class NixlChannel(Channel):
         deadline = None if timeout is None else time.monotonic() + timeout
         offset = self._tcp.call(BEGIN_WRITE, timeout=timeout, key=key, nbytes=nbytes,
                                 meta=meta or {}, wait_s=timeout)
+        # The unit cannot stop a WRITE it granted: once the reservation expires
+        # the region may hold another key, and a late push would overwrite it.
+        # So the push ends inside the reservation, with half of it to spare,
+        # counted from the reply (the reservation began before it).
+        window = write_window(self._reservation_timeout_s, _left(deadline))
+        push_deadline = None if window is None else time.monotonic() + window
         try:
             if offset < 0 or offset + nbytes > self._arena_nbytes:
                 raise TransferError(f"unit {self.unit} reserved a region outside its arena for {key!r}",
                                     self.unit, [key])
             if nbytes:
-                self._push(key, np.frombuffer(view, np.uint8), offset, deadline)
+                try:
+                    self._push(key, np.frombuffer(view, np.uint8), offset, push_deadline)
+                except GputqTimeoutError as exc:
+                    raise GputqTimeoutError(
+                        f"unit {self.unit}: push of key {key!r} ({nbytes} bytes) not done within {window:g} s "
+                        f"(the write's timeout, at most half the unit's {self._reservation_timeout_s} s "
+                        f"reservation): {exc}; write aborted") from None
         except BaseException:
             with contextlib.suppress(Exception):
                 self._tcp.call(ABORT_WRITE, timeout=_CLEANUP_TIMEOUT_S, key=key)
@@ -411,6 +430,9 @@ class NixlChannel(Channel):
         buf = self.pool.acquire(chunk, DRAM)
         try:
             for start in range(0, data.size, chunk):
+                if deadline is not None and time.monotonic() > deadline:  # no chunk starts past it
+                    raise GputqTimeoutError(f"NIXL WRITE of key {key!r} to unit {self.unit} timed out "
+                                            f"after {start} of {data.size} bytes")
                 part = data[start:start + chunk]
                 np.copyto(buf.obj[:part.size], part)
                 self._transfer("WRITE", [key], np.array([[offset + start, part.size]], dtype=np.int64),

@@ -11,6 +11,11 @@ rdma-only methods in front of the handler's own:
   arena, so they never appear in the address, the membership or a log.
 - ``nixl_begin_write`` / ``nixl_commit_write`` / ``nixl_abort_write`` frame a
   pushed write (the client NIXL-WRITEs into the reserved region in between).
+  The unit cannot stop a remote WRITE into its arena, so ``nixl_connect``
+  also tells the client the unit's ``reservation_timeout_s``: the client
+  bounds its push by :func:`~transport.base.write_window` of it, and a
+  commit after the reservation expired is refused by the unit with a typed
+  error the client raises.
 """
 
 from __future__ import annotations
@@ -118,7 +123,8 @@ class NixlServer(Server):
             if nbytes:
                 self._reg = self._agent.register_memory(
                     np.array([[base, nbytes, 0]], dtype=np.uint64), "DRAM")
-            info = {"agent_metadata": self._agent.get_agent_metadata(), "arena_base": base, "arena_nbytes": nbytes}
+            info = {"agent_metadata": self._agent.get_agent_metadata(), "arena_base": base, "arena_nbytes": nbytes,
+                    "reservation_timeout_s": getattr(handler, "reservation_timeout_s", None)}
             self._tcp = TcpTransport().serve(_NixlControl(handler, info), host=host, port=port, token=token,
                                              max_frame_bytes=max_frame_bytes, send_timeout_s=send_timeout_s,
                                              max_connections=max_connections,

@@ -11,7 +11,12 @@ logged at a limited rate.
 A read is sent under a lease the server holds itself (``expires=False``: it
 never expires while the server sends) and under ``send_timeout_s``: a client
 that stops reading loses its connection, and only then does the lease end,
-so every byte it was sent is the key's. Every tcp server also answers the
+so every byte it was sent is the key's. A write is received straight into
+its reserved region under a deadline strictly shorter than the handler's
+reservation timeout (:func:`~transport.base.write_window`): a client that
+stalls mid-payload loses its connection and its reservation is aborted
+while it still holds, so no byte of it lands in a region that expired and
+went to another key. Every tcp server also answers the
 one-sided readers' control calls (``lease``, ``end_lease``, ``arena_file``)
 in front of the handler's own. Malformed requests get typed errors
 (:class:`~transport.errors.InvalidInputError`) and the connection goes on;
@@ -31,7 +36,7 @@ import time
 
 import numpy as np
 
-from transport.base import ArenaHandler, LogLimiter, Server, byte_view
+from transport.base import ArenaHandler, LogLimiter, Server, byte_view, write_window
 from transport.errors import (
     AuthenticationError,
     GputqError,
@@ -190,7 +195,7 @@ def _reply_error(writer: FrameWriter, exc: BaseException) -> None:
     writer.send(Op.ERROR, error_to_wire(exc))
 
 
-def _serve_write(reader, writer, handler, body, payload_len: int) -> None:
+def _serve_write(reader, writer, handler, body, payload_len: int, receive_s: float | None) -> None:
     try:
         key, nbytes, meta, timeout = body.get("key"), body.get("nbytes"), body.get("meta") or {}, body.get("timeout")
         if not isinstance(key, str) or type(nbytes) is not int or not isinstance(meta, dict) \
@@ -208,8 +213,17 @@ def _serve_write(reader, writer, handler, body, payload_len: int) -> None:
         reader.drain(payload_len)  # the stream stays in sync: the connection goes on
         _reply_error(writer, _typed(exc, handler))
         return
+    # The region goes to another key once the reservation expires: a writer
+    # that stalls must lose its connection while its reservation still holds,
+    # or its late bytes would land in that key's bytes.
     try:
-        reader.recv_exact(arena[offset:offset + nbytes])
+        with reader.bounded(receive_s):
+            reader.recv_exact(arena[offset:offset + nbytes])
+    except GputqTimeoutError:
+        handler.abort_write(key)
+        raise GputqTimeoutError(
+            f"unit {handler.name}: write of key {key!r} ({nbytes} bytes) not received within "
+            f"{receive_s:g} s, inside its reservation; write aborted") from None
     except BaseException:
         handler.abort_write(key)
         raise
@@ -299,13 +313,17 @@ def serve_connection(sock, handler: ArenaHandler, *, max_frame_bytes: int,
     Sends the HELLO reply (``unit``, ``incarnation``) first. A protocol
     violation (bad magic or version, oversized or truncated frame, malformed
     msgpack) is answered with a best-effort ERROR frame and ends this
-    connection only; so does a reply not sent within ``send_timeout_s``.
+    connection only; so does a reply not sent within ``send_timeout_s``,
+    and a write payload not received within :func:`~transport.base.write_window`
+    of the handler's ``reservation_timeout_s`` (and ``send_timeout_s``):
+    its reservation is then aborted, before it could expire.
     A request with malformed fields, and any error raised by ``handler``,
     gets a typed ERROR reply and the connection goes on.
     """
     reader = FrameReader(sock, max_frame_bytes)
     writer = FrameWriter(sock, frame_timeout=send_timeout_s)
     own_expiry = False if _holds_without_expiry(handler) else None
+    receive_s = write_window(getattr(handler, "reservation_timeout_s", None), send_timeout_s)
     try:
         sock.settimeout(None)
         writer.send(Op.OK, {"unit": handler.name, "incarnation": getattr(handler, "incarnation", "")})
@@ -316,7 +334,7 @@ def serve_connection(sock, handler: ArenaHandler, *, max_frame_bytes: int,
                 return  # closed between frames: a normal goodbye
             body = reader.read_body(header)
             if header.opcode == Op.WRITE:
-                _serve_write(reader, writer, handler, body, header.payload_len)
+                _serve_write(reader, writer, handler, body, header.payload_len, receive_s)
                 continue
             if header.payload_len:
                 raise ProtocolError(f"opcode {header.opcode} carries no payload")
@@ -332,7 +350,7 @@ def serve_connection(sock, handler: ArenaHandler, *, max_frame_bytes: int,
             _reply_error(writer, exc)
         _linger(sock)
     except GputqTimeoutError as exc:
-        log.warning("unit %s: closing a connection that stopped reading: %s", handler.name, exc)
+        log.warning("unit %s: closing a connection whose peer stalled: %s", handler.name, exc)
     except PeerLostError as exc:
         log.debug("unit %s: connection ended: %s", handler.name, exc)
     finally:

@@ -187,6 +187,23 @@ class FrameReader:
         except OSError as exc:
             raise PeerLostError(f"connection lost: {exc}") from None
 
+    @contextlib.contextmanager
+    def bounded(self, timeout: float | None):
+        """Bound every receive in the block by one deadline ``timeout`` seconds away (None: unbounded).
+
+        The socket is left blocking without a timeout afterwards.
+        """
+        if timeout is None:
+            yield
+            return
+        self.deadline = Deadline(timeout)
+        try:
+            yield
+        finally:
+            self.deadline = None
+            with contextlib.suppress(OSError):
+                self._sock.settimeout(None)
+
     def recv_exact(self, view) -> None:
         """Fill ``view`` (a writable byte memoryview) completely."""
         view = memoryview(view)

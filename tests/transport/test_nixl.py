@@ -16,10 +16,11 @@ import pytest
 
 from gputq.errors import UnknownKeyError
 from tests.transport.units import ContractUnit, make_unit
-from tests.waiting import wait_until
+from tests.waiting import pause, wait_until
 from transport.errors import (
     AuthenticationError,
     ClosedError,
+    GputqTimeoutError,
     InvalidInputError,
     MissingDependencyError,
     ProtocolError,
@@ -232,6 +233,53 @@ def test_push_write_path_round_trips(server, handler, monkeypatch):
         ch.read(list(items), out)
     assert np.array_equal(out, np.concatenate(list(items.values())))
     assert handler.stats()["puts"] == len(items)
+
+
+def test_push_slower_than_half_the_reservation_is_abandoned_while_it_holds(monkeypatch):
+    """The unit cannot stop a granted WRITE: the client must, before the region can go to another key."""
+    nixl = _nixl_or_skip()
+    monkeypatch.setattr(nixl, "PUSH_CHUNK_BYTES", 64 << 10)  # four chunks
+    payload = np.random.default_rng(5).integers(0, 256, 256 << 10, dtype=np.uint8)
+    with make_unit(1 << 20, name="unit-push", reservation_timeout_s=1.0) as unit, \
+            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, \
+            _connect(srv, write_path="push") as ch:
+        transfer, chunks = ch._transfer, []
+
+        def slow_first_chunk(*args, **kwargs):
+            chunks.append(args[2][0].tolist())
+            if len(chunks) == 1:
+                pause(0.6)  # the writer is descheduled past half the reservation
+            return transfer(*args, **kwargs)
+
+        ch._transfer = slow_first_chunk
+        with pytest.raises(GputqTimeoutError, match=r"unit-push: push of key 'slow' .* within 0.5 s .* 1.0 s "
+                                                    r"reservation\): .*timed out.*; write aborted"):
+            ch.write("slow", payload, {}, timeout=30)
+        assert len(chunks) == 1  # no chunk started past the window
+        stats = unit.stats()  # aborted by the writer while the reservation held, not expired
+        assert (stats["reserved"], stats["used"], stats["reservations_expired"]) == (0, 0, 0)
+        ch._transfer = transfer
+        assert ch.write("slow", payload, {}, timeout=30)["nbytes"] == payload.nbytes  # a retry lands
+
+
+def test_push_committed_after_the_reservation_expired_is_refused_with_a_typed_error():
+    nixl = _nixl_or_skip()
+    payload = np.full(2 << 20, 0x5A, np.uint8)
+    with make_unit(4 << 20, name="unit-late", reservation_timeout_s=0.3) as unit, \
+            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, \
+            _connect(srv, write_path="push") as ch:
+        push = ch._push
+
+        def descheduled_before_commit(*args, **kwargs):
+            push(*args, **kwargs)
+            wait_until(lambda: unit.stats()["reservations_expired"] == 1, 10, "the reservation expires")
+
+        ch._push = descheduled_before_commit
+        with pytest.raises(UnknownKeyError, match="unit-late: no write in progress for key 'late'.*expired"):
+            ch.write("late", payload, {}, timeout=30)
+        assert (unit.stats()["used"], unit.stats()["keys"]) == (0, 0)
+        ch._push = push
+        assert ch.write("late", payload, {}, timeout=30)["nbytes"] == payload.nbytes
 
 
 def test_auto_write_path_pushes_only_large_payloads(server):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
 import threading
 import time
@@ -24,7 +26,7 @@ from transport.errors import (
 )
 from transport.staging import StagingPool, cuda_available
 from transport.tcp import TcpChannel, TcpTransport
-from transport.wire import FrameReader, FrameWriter, Op
+from transport.wire import FrameReader, FrameWriter, Op, encode_header, pack_body
 
 TOKEN = "t0ken-for-the-tcp-tests"
 MAX = 32 << 20
@@ -483,6 +485,43 @@ def test_undecodable_authenticated_body_closes_cleanly(server, handler):
         assert sock.recv(16) == b""  # then the server closed
     with TcpTransport().connect(server.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         assert ch.call("stats")["keys"] == 0
+
+
+# ------------------------------------------------------------------ a writer that stalls mid-payload
+
+@pytest.mark.timeout(60)
+def test_writer_stalled_past_its_reservation_is_cut_off_and_its_late_bytes_land_nowhere(caplog):
+    """The region of a stalled write expires and goes to another key; the writer's late bytes must not."""
+    caplog.set_level(logging.WARNING, logger="transport.tcp_server")
+    reservation, nbytes = 1.0, 64 << 10
+    stale, fresh = np.full(nbytes, 0xAA, np.uint8), random_bytes(nbytes, 7)
+    with make_unit(4 * nbytes, name="su-tcp", reservation_timeout_s=reservation) as unit, \
+            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
+        sock, _, _ = authenticated(srv.address)
+        with sock:
+            body = pack_body({"key": "stalled", "nbytes": nbytes, "meta": {}, "timeout": None})
+            sock.sendall(encode_header(Op.WRITE, len(body), nbytes) + body + stale[:nbytes // 2].tobytes())
+            started = time.monotonic()
+            sock.settimeout(10)
+            try:  # the writer stalls here; the server must hang up within the reservation
+                hung_up = sock.recv(1) == b""
+            except ConnectionResetError:
+                hung_up = True
+            assert hung_up and time.monotonic() - started < reservation
+            wait_until(lambda: srv.connections == 0, what="the stalled connection is closed")
+            stats = unit.stats()  # aborted by the server while it held, not expired by the timer
+            assert (stats["reserved"], stats["used"], stats["reservations_expired"]) == (0, 0, 0)
+            with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+                assert ch.write("fresh", fresh)["offset"] == 0  # the stalled write's region
+                with contextlib.suppress(OSError):  # the writer wakes up and sends the rest
+                    sock.sendall(stale[nbytes // 2:].tobytes())
+                dest = np.empty(nbytes, np.uint8)
+                assert ch.read(["fresh"], dest) == [nbytes]
+                np.testing.assert_array_equal(dest, fresh)
+                with pytest.raises(UnknownKeyError, match="'stalled'"):
+                    ch.read(["stalled"], dest)
+    logged = [r.getMessage() for r in caplog.records if "'stalled'" in r.getMessage()]
+    assert len(logged) == 1 and f"not received within {reservation / 2:g} s" in logged[0], logged
 
 
 # ------------------------------------------------------------------ writers blocked on space do not starve reads

@@ -225,6 +225,15 @@ def test_server_replies_match_the_golden_layout():
 
 # ------------------------------------------------------------------ pure functions
 
+def test_write_window_ends_strictly_inside_the_reservation():
+    from transport.base import WRITE_WINDOW_SHARE, write_window
+
+    assert WRITE_WINDOW_SHARE < 1
+    assert write_window(60.0, 60.0) == 30.0 and write_window(1.0) == 0.5
+    assert write_window(60.0, 10.0) == 10.0 and write_window(None, 5.0) == 5.0
+    assert write_window(None) is None and write_window(None, None) is None
+
+
 def test_header_round_trip():
     raw = encode_header(Op.WRITE, 123, 1 << 40)
     assert len(raw) == HEADER.size == 20
