@@ -55,8 +55,6 @@ def _read_on(node_id, membership, config, samples):
     return ray.get(reader.read.remote(membership, config, samples), timeout=120)
 
 
-
-
 def test_one_unit_per_node_remote_readers_and_a_late_node():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:

@@ -43,8 +43,6 @@ def _write(clients, config, partition: str, n: int, rows: int = 256) -> list:
     return [r["logprobs"] for r in refs]
 
 
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_release_partition_frees_the_survivors_when_one_of_three_units_is_killed():

@@ -57,32 +57,34 @@ def _layout_records():
     return st.builds(lambda m, r, use_r: base | m | ({"refs": r} if use_r else {}), mutate, refs, st.booleans())
 
 
-def _check_record(cls, record) -> None:
+def _check_record(cls, record):
+    """``cls.from_dict(record)`` (checked to round-trip), or the InvalidInputError it raised."""
     try:
         obj = cls.from_dict(record)
-    except InvalidInputError:
-        return
+    except InvalidInputError as exc:
+        return exc
     assert isinstance(obj, cls)
     text = json.dumps(obj.to_dict())  # compared as text: a NaN fill is not equal to itself
     assert json.dumps(cls.from_dict(json.loads(text)).to_dict()) == text
+    return obj
 
 
-def _fuzz_records(data) -> None:
+def _fuzz_records(data) -> list:
+    """Read fuzzed records as FieldRef and Layout; what each read gave."""
     kind = data.draw(st.sampled_from(["ref", "layout", "anything"]))
     if kind == "ref":
-        _check_record(FieldRef, data.draw(_ref_records()))
-    elif kind == "layout":
-        _check_record(Layout, data.draw(_layout_records()))
-    else:
-        thing = data.draw(values)
-        _check_record(FieldRef, thing)
-        _check_record(Layout, thing)
+        return [_check_record(FieldRef, data.draw(_ref_records()))]
+    if kind == "layout":
+        return [_check_record(Layout, data.draw(_layout_records()))]
+    thing = data.draw(values)
+    return [_check_record(FieldRef, thing), _check_record(Layout, thing)]
 
 
 @FAST
 @given(st.data())
 def test_records_give_the_object_or_invalid_input(data):
-    _fuzz_records(data)
+    outcomes = _fuzz_records(data)
+    assert outcomes and all(isinstance(o, (FieldRef, Layout, InvalidInputError)) for o in outcomes), outcomes
 
 
 @pytest.mark.slow
@@ -90,7 +92,8 @@ def test_records_give_the_object_or_invalid_input(data):
 @SLOW
 @given(st.data())
 def test_records_give_the_object_or_invalid_input_10k(data):
-    _fuzz_records(data)
+    outcomes = _fuzz_records(data)
+    assert outcomes and all(isinstance(o, (FieldRef, Layout, InvalidInputError)) for o in outcomes), outcomes
 
 
 def test_valid_records_round_trip_unchanged():
@@ -159,7 +162,8 @@ def _payloads(draw):
     return spec, arr
 
 
-def _fuzz_payload(data) -> None:
+def _fuzz_payload(data):
+    """Canonicalize a fuzzed payload; the stored array (checked exact), or the FieldValueError predicted."""
     spec, arr = data.draw(_payloads())
     use_out = data.draw(st.booleans())
     chunk = data.draw(st.sampled_from([1, 7, 64, 1 << 20]))  # chunk edges land anywhere
@@ -175,7 +179,7 @@ def _fuzz_payload(data) -> None:
             got = canonicalize("k", spec, arr, out=out)
         except FieldValueError as exc:
             assert str(exc) == expected
-            return
+            return exc
     finally:
         fields_module._CHUNK_BYTES = saved
     assert expected is None, expected
@@ -188,12 +192,14 @@ def _fuzz_payload(data) -> None:
     if out is not None and got.size:
         assert np.shares_memory(got, out) and not np.shares_memory(got, arr)
     assert np.array_equal(arr, before, equal_nan=True)  # the caller's array is never written
+    return got
 
 
 @FAST
 @given(st.data())
 def test_payloads_give_exact_values_or_field_value_error(data):
-    _fuzz_payload(data)
+    outcome = _fuzz_payload(data)
+    assert isinstance(outcome, (np.ndarray, FieldValueError)), outcome
 
 
 @pytest.mark.slow
@@ -201,4 +207,5 @@ def test_payloads_give_exact_values_or_field_value_error(data):
 @SLOW
 @given(st.data())
 def test_payloads_give_exact_values_or_field_value_error_10k(data):
-    _fuzz_payload(data)
+    outcome = _fuzz_payload(data)
+    assert isinstance(outcome, (np.ndarray, FieldValueError)), outcome

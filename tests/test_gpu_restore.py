@@ -23,8 +23,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.cuda_available(), reason="no CUDA device")]
 
 
-def _restore_and_compare(transport_name, dtype):
+def _restore_and_compare(transport_name, dtype) -> int:
+    """Restore every segment of synthetic sessions into GPU memory; check each against the inline path.
+
+    Returns the number of segments compared.
+    """
     torch = pytest.importorskip("torch")
+    compared = 0
     synth = SyntheticConfig(sessions=4, steps_per_session=3, layers=6, topk=8, num_experts=250,
                             prompt_tokens=300, tokens_per_step=400, tool_tokens=17, branch_prob=0.5,
                             rewrite_prob=0.3, seed=11)
@@ -37,6 +42,7 @@ def _restore_and_compare(transport_name, dtype):
             for view in (timeline_segments, lineage_segments):
                 segments = [seg for s in sessions for seg in view(s)]
                 restored = reader.fetch([seg.layouts for seg in segments])
+                assert len(restored) == len(segments)
                 for seg, got in zip(segments, restored):
                     expected = inline_fields(seg)
                     assert set(got) == set(expected)
@@ -45,11 +51,13 @@ def _restore_and_compare(transport_name, dtype):
                         assert tensor.is_cuda and tuple(tensor.shape) == want.shape
                         assert tensor.dtype == {np.int32: torch.int32, np.float32: torch.float32}[want.dtype.type]
                         assert np.array_equal(tensor.cpu().numpy(), want), (seg.segment_id, name)
+                    compared += 1
+    return compared
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
 def test_gpu_restore_matches_inline_path(transport_name, dtype):
-    _restore_and_compare(transport_name, dtype)
+    assert _restore_and_compare(transport_name, dtype) > 0
 
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "copied"])
@@ -63,5 +71,5 @@ def test_gpu_restore_over_shm_in_place_or_copied(answer_shm_control, monkeypatch
     original = MappedSource.widen_scatter
     monkeypatch.setattr(MappedSource, "widen_scatter",
                         lambda self, *a, **k: launches.append(self) or original(self, *a, **k))
-    _restore_and_compare("shm", dtype)
+    assert _restore_and_compare("shm", dtype) > 0
     assert bool(launches) == zero_copy

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from gputq.refs import FieldRef, Layout
 from gputq.synthetic import SyntheticConfig, build_sessions
 from gputq.trajectory import inline_fields, lineage_segments, timeline_segments
 from gputq.writer import Writer
+from tests.waiting import wait_until
 
 from .conftest import local_units
 
@@ -139,9 +139,8 @@ def test_back_pressure_with_readers_releasing_as_they_consume():
         producer = threading.Thread(target=produce)
         producer.start()
         # Let the producer run into the full arena before anything is consumed.
-        deadline = time.monotonic() + 20
-        while services[0].stats()["writers_waiting"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: services[0].stats()["writers_waiting"] or errors, 20,
+                   "the producer waits on the full arena")
         consumed = 0
         with Reader(clients, config) as reader:
             while consumed < synth.sessions and not errors:

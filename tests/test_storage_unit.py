@@ -25,8 +25,6 @@ from transport.base import ArenaHandler, Lease
 KIB = 1024
 
 
-
-
 @pytest.fixture
 def unit():
     with StorageUnit("su-test", 64 * KIB, put_timeout_s=0.2) as su:

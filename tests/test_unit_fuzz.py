@@ -57,18 +57,23 @@ def _check_consistent(unit):
             assert unit.read([key])[0].tolist() == [ord(key)] * 100
 
 
+#: What a malformed or unlucky control call may raise.
+CONTROL_ERRORS = (InvalidInputError, UnknownKeyError)
+
+
 def _control_case(unit, method, arguments):
+    """One fuzzed control call: its msgpack-packed result, or the GputqError it raised."""
     _restock(unit)
     try:
-        result = unit.control(method, arguments)
-    except (InvalidInputError, UnknownKeyError):
-        pass
-    else:
-        msgpack.packb(result)
+        outcome = msgpack.packb(unit.control(method, arguments))
+    except GputqError as exc:
+        outcome = exc
     _check_consistent(unit)
+    return outcome
 
 
 def _handler_case(unit, key, nbytes, meta, timeout, keys, generations, incarnation, lease_id):
+    """Fuzzed transport-handler calls (write, leases, commit, abort); the unit's stats after them."""
     _restock(unit)
     try:
         unit.begin_write(key, nbytes, meta, timeout)
@@ -89,8 +94,8 @@ def _handler_case(unit, key, nbytes, meta, timeout, keys, generations, incarnati
             call()
         except (InvalidInputError, UnknownKeyError):
             pass
-    assert unit.stats()["reservations"] == 0
     _check_consistent(unit)
+    return unit.stats()
 
 
 handler_args = dict(key=st.one_of(st.sampled_from(KEYS + ["new"]), values),
@@ -107,13 +112,15 @@ FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scope
 @settings(FUZZ, max_examples=100)
 @given(method=methods, arguments=args)
 def test_fuzzed_control_calls_answer_or_raise_typed_errors(unit, method, arguments):
-    _control_case(unit, method, arguments)
+    outcome = _control_case(unit, method, arguments)
+    assert isinstance(outcome, (bytes, *CONTROL_ERRORS)), outcome
 
 
 @settings(FUZZ, max_examples=100)
 @given(**handler_args)
 def test_fuzzed_handler_calls_answer_or_raise_typed_errors(unit, **call):
-    _handler_case(unit, **call)
+    stats = _handler_case(unit, **call)
+    assert stats["reservations"] == stats["leases"] == 0, stats  # nothing left reserved or pinned
 
 
 @pytest.mark.slow
@@ -121,7 +128,8 @@ def test_fuzzed_handler_calls_answer_or_raise_typed_errors(unit, **call):
 @settings(FUZZ, max_examples=10_000)
 @given(method=methods, arguments=args)
 def test_fuzzed_control_calls_many(unit, method, arguments):
-    _control_case(unit, method, arguments)
+    outcome = _control_case(unit, method, arguments)
+    assert isinstance(outcome, (bytes, *CONTROL_ERRORS)), outcome
 
 
 @pytest.mark.slow
@@ -129,4 +137,5 @@ def test_fuzzed_control_calls_many(unit, method, arguments):
 @settings(FUZZ, max_examples=10_000)
 @given(**handler_args)
 def test_fuzzed_handler_calls_many(unit, **call):
-    _handler_case(unit, **call)
+    stats = _handler_case(unit, **call)
+    assert stats["reservations"] == stats["leases"] == 0, stats  # nothing left reserved or pinned

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.transport.units import make_unit
-from tests.waiting import wait_until
+from tests.waiting import pause, wait_until
 from transport.errors import AuthenticationError
 from transport.tcp import TcpTransport
 from transport.wire import HEADER, MAGIC, VERSION, Op
@@ -46,6 +45,48 @@ def closed_now(sock: socket.socket) -> bool:
         return True
 
 
+def drip(opened: dict, *, drip_s: float, poll_s: float, give_up_s: float, each_poll=None) -> dict:
+    """The attacker: one byte every ``drip_s`` on each socket of ``opened`` the server has not closed.
+
+    ``opened`` maps non-blocking sockets to when they were opened. Polls for
+    closes every ``poll_s`` and runs ``each_poll()`` after each poll (peak
+    sampling, a fetch in the middle of the attack). Returns socket -> when
+    the server was seen to close it; stops once every socket is closed or
+    after ``give_up_s``.
+    """
+    closed_at: dict = {}
+    stop, next_drip = time.monotonic() + give_up_s, 0.0
+    while len(closed_at) < len(opened) and time.monotonic() < stop:
+        now = time.monotonic()
+        dripping = now >= next_drip
+        for sock in opened:
+            if sock in closed_at:
+                continue
+            if closed_now(sock):
+                closed_at[sock] = now
+            elif dripping:
+                try:
+                    sock.send(b"G")  # one byte of a header that never completes in time
+                except OSError:
+                    closed_at[sock] = now
+        if dripping:
+            next_drip = now + drip_s
+        if each_poll is not None:
+            each_poll()
+        pause(poll_s)
+    return closed_at
+
+
+def trickle(sock: socket.socket, data: bytes, interval: float) -> int:
+    """Send ``data`` one byte every ``interval`` until done or the server closed ``sock``; bytes sent."""
+    for sent, byte in enumerate(data):
+        if closed_now(sock):
+            return sent
+        sock.send(bytes([byte]))
+        pause(interval)
+    return len(data)
+
+
 @pytest.mark.timeout(60)
 def test_dripping_connections_cost_no_thread_and_little_memory():
     """200 connections send one byte every 0.1 s and never finish their HELLO (deadline 1.5 s)."""
@@ -56,7 +97,7 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
         unit.put("sample", payload)
         address = (srv.address["host"], srv.address["port"])
         threads_before, rss_before = threading.active_count(), rss_bytes()
-        opened, closed_at = {}, {}
+        opened = {}
         for _ in range(nattackers):
             sock = socket.create_connection(address, timeout=5)
             sock.setblocking(False)  # the attacker polls all its sockets from one thread
@@ -65,7 +106,7 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
         fetch: dict = {}
 
         def legit():
-            time.sleep(0.5)  # let the drip run first
+            pause(0.5)  # let the drip run first
             start = time.monotonic()
             with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
                 dest = np.empty(payload.size, np.uint8)
@@ -75,21 +116,14 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
 
         fetcher = threading.Thread(target=legit)
         fetcher.start()
-        peak_threads, peak_rss, stop = 0, 0, time.monotonic() + deadline_s + 3.0
-        while len(closed_at) < nattackers and time.monotonic() < stop:
-            for sock in opened:
-                if sock in closed_at:
-                    continue
-                if closed_now(sock):
-                    closed_at[sock] = time.monotonic()
-                    continue
-                try:
-                    sock.send(b"G")  # one byte of a header that never completes in time
-                except OSError:
-                    closed_at[sock] = time.monotonic()
-            peak_threads = max(peak_threads, threading.active_count() - fetcher.is_alive())
-            peak_rss = max(peak_rss, rss_bytes())
-            time.sleep(drip_s)
+        peaks = {"threads": 0, "rss": 0}
+
+        def sample():
+            peaks["threads"] = max(peaks["threads"], threading.active_count() - fetcher.is_alive())
+            peaks["rss"] = max(peaks["rss"], rss_bytes())
+
+        closed_at = drip(opened, drip_s=drip_s, poll_s=drip_s, give_up_s=deadline_s + 3.0, each_poll=sample)
+        peak_threads, peak_rss = peaks["threads"], peaks["rss"]
         fetcher.join(10)
         for sock in opened:
             sock.close()
@@ -105,8 +139,6 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
         assert fetch == {"seconds": fetch["seconds"], "exact": True} and fetch["seconds"] < 1.0, fetch
         assert srv.failed_handshakes == nattackers
         assert wait_until(lambda: srv.connections == 0)
-
-
 
 
 def test_connections_above_the_cap_are_closed_at_once():
@@ -139,12 +171,8 @@ def test_a_slow_but_steady_handshake_still_hits_the_whole_deadline():
         with socket.create_connection((srv.address["host"], srv.address["port"]), timeout=5) as sock:
             sock.setblocking(False)
             start = time.monotonic()
-            for byte in hello:  # 20 bytes, one per 50 ms: 1 s in all, beyond the deadline
-                if closed_now(sock):
-                    break
-                sock.send(bytes([byte]))
-                time.sleep(0.05)
-            assert wait_until(lambda: closed_now(sock), 2.0)
+            sent = trickle(sock, hello, 0.05)  # 20 bytes, one per 50 ms: 1 s in all, beyond the deadline
+            assert wait_until(lambda: closed_now(sock), 2.0) and sent < len(hello)
             assert time.monotonic() - start < 1.2
 
 
@@ -195,34 +223,25 @@ def test_drip_against_a_unit_process_at_the_default_deadline():
         with TcpTransport().connect(address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as warm:
             warm.call("stats")  # the unit's steady state: one authenticated connection served before
         rss_before, threads_before = _proc_status(proc.pid)
-        opened, closed_at = {}, {}
+        opened = {}
         for _ in range(200):
             sock = socket.create_connection((address["host"], address["port"]), timeout=5)
             sock.setblocking(False)
             opened[sock] = time.monotonic()
-        peak_rss, peak_threads, fetch_s, next_drip = rss_before, threads_before, None, 0.0
-        stop = time.monotonic() + 8.0
-        while len(closed_at) < len(opened) and time.monotonic() < stop:
-            now = time.monotonic()
-            for sock in opened:
-                if sock not in closed_at and closed_now(sock):
-                    closed_at[sock] = now
-            if now >= next_drip:
-                for sock in opened:
-                    if sock not in closed_at:
-                        with contextlib.suppress(OSError):
-                            sock.send(b"G")
-                next_drip = now + 5.0
-            if fetch_s is None and now - min(opened.values()) > 2.0:
+        seen = {"rss": rss_before, "threads": threads_before, "fetch_s": None, "exact": None}
+
+        def sample_and_fetch():
+            if seen["fetch_s"] is None and time.monotonic() - min(opened.values()) > 2.0:
                 start = time.monotonic()
                 with TcpTransport().connect(address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
                     dest = np.empty(payload.size, np.uint8)
                     ch.read(["sample"], dest, timeout=5)
-                fetch_s = time.monotonic() - start
-                assert np.array_equal(dest, payload)
+                seen["fetch_s"], seen["exact"] = time.monotonic() - start, np.array_equal(dest, payload)
             rss, threads = _proc_status(proc.pid)
-            peak_rss, peak_threads = max(peak_rss, rss), max(peak_threads, threads)
-            time.sleep(0.05)
+            seen["rss"], seen["threads"] = max(seen["rss"], rss), max(seen["threads"], threads)
+
+        closed_at = drip(opened, drip_s=5.0, poll_s=0.05, give_up_s=8.0, each_poll=sample_and_fetch)
+        peak_rss, peak_threads, fetch_s = seen["rss"], seen["threads"], seen["fetch_s"]
         for sock in opened:
             sock.close()
         longest = max(closed_at[s] - opened[s] for s in closed_at)
@@ -231,7 +250,7 @@ def test_drip_against_a_unit_process_at_the_default_deadline():
               f"fetch {fetch_s:.3f} s")
         assert len(closed_at) == 200 and longest < 6.0
         assert peak_rss - rss_before < 8 << 20 and peak_threads - threads_before < 10
-        assert fetch_s is not None and fetch_s < 1.0
+        assert fetch_s is not None and fetch_s < 1.0 and seen["exact"]
     finally:
         parent.send("stop")
         proc.join(10)

@@ -24,8 +24,6 @@ MAX = 1 << 30
 MiB = 1 << 20
 
 
-
-
 # ------------------------------------------------------------------ a tcp reader that stops reading mid-reply
 
 class FakeDeviceBuffer:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -82,8 +81,6 @@ def _connect(server, write_path="tcp"):
     nixl = _nixl_or_skip()
     return nixl.NixlTransport(write_path).connect(server.address, token=TOKEN, max_frame_bytes=MAX_FRAME,
                                                   timeout=10)
-
-
 
 
 def _store(channel, items: dict) -> None:
@@ -648,9 +645,8 @@ def test_lease_expired_before_the_confirm_raises_stale_read():
         read_leased = ch._read_leased
 
         def stalled(*args, **kwargs):
-            expired_at = time.monotonic() + 0.25
-            while time.monotonic() < expired_at:  # the reader is descheduled past the lease timeout
-                time.sleep(0.01)
+            # The reader is descheduled until the unit's timer has expired its lease.
+            wait_until(lambda: unit.stats()["leases_expired"] == 1, 10, "the reader's lease expires")
             assert unit.release(["victim"]) == 1
             unit.put("intruder", intruder)
             assert unit.lookup(["intruder"])[0]["offset"] == offset  # the region was reused

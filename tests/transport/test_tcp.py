@@ -69,8 +69,6 @@ def channel(server):
         yield ch
 
 
-
-
 def random_bytes(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
@@ -558,17 +556,17 @@ def test_reads_and_releases_do_not_wait_behind_blocked_writers():
         assert elapsed < 1.0, f"a read and a release behind blocked writers took {elapsed:.2f} s"
         # Drain the overload: read each stored key bit-exact, then release it, until every writer landed.
         done = {names[0]}
-        deadline = time.monotonic() + 40
-        while len(done) < len(names):
-            assert time.monotonic() < deadline and not errors, errors
-            stored = [k for k in names if k not in done and _stored(unit, k)]
-            for key in stored:
+
+        def consume_stored() -> bool:
+            assert not errors, errors
+            for key in [k for k in names if k not in done and _stored(unit, k)]:
                 assert ch.read([key], dest, timeout=5) == [chunk]
                 np.testing.assert_array_equal(dest, blobs[key])
                 assert ch.call("release", keys=[key], timeout=5) == 1
                 done.add(key)
-            if not stored:
-                time.sleep(0.005)
+            return len(done) == len(names)
+
+        wait_until(consume_stored, 40, "every blocked writer landed and was consumed")
         for t in writers:
             t.join(10)
         assert not errors
