@@ -32,7 +32,7 @@ def test_demo_path_is_bit_exact_over_ray(transport, dtype):
     assert result["transport"] == [transport]
     assert all(u <= r for u, r in zip(result["unique_keys_fetched_per_rank"],
                                       result["referenced_keys_per_rank"]))
-    # Rule 1: what crosses Ray is references, far smaller than the payload.
+    # What crosses Ray is references, far smaller than the payload.
     assert result["sample_bytes_through_ray"] * 5 < result["bytes_offloaded"]
     assert result["bytes_fetched"] >= result["bytes_offloaded"] // 2
     assert result["keys_left_after_release"] == 0
