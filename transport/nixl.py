@@ -414,10 +414,10 @@ class NixlChannel(Channel):
                 try:
                     self._push(key, np.frombuffer(view, np.uint8), offset, push_deadline)
                 except GputqTimeoutError as exc:
-                    raise GputqTimeoutError(
-                        f"unit {self.unit}: push of key {key!r} ({nbytes} bytes) not done within {window:g} s "
-                        f"(the write's timeout, at most half the unit's {self._reservation_timeout_s} s "
-                        f"reservation): {exc}; write aborted") from None
+                    bound = "the write's timeout" if self._reservation_timeout_s is None else \
+                        f"the write's timeout, at most half the unit's {self._reservation_timeout_s:g} s reservation"
+                    raise GputqTimeoutError(f"unit {self.unit}: push of key {key!r} ({nbytes} bytes) not done "
+                                            f"within {window:g} s ({bound}): {exc}; write aborted") from None
         except BaseException:
             with contextlib.suppress(Exception):
                 self._tcp.call(ABORT_WRITE, timeout=_CLEANUP_TIMEOUT_S, key=key)
