@@ -18,7 +18,8 @@ import statistics
 import struct
 import sys
 import time
-from typing import Callable, Iterable, Mapping, Sequence
+import contextlib
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from transport.tcp import SOCKET_BUFFER_BYTES
 
@@ -32,6 +33,7 @@ __all__ = [
     "SocketBaseline",
     "Progress",
     "progress_range",
+    "remote_units",
 ]
 
 
@@ -262,3 +264,56 @@ def progress_range(label: str, total: int):
         for i in range(total):
             yield i
             progress.step()
+
+
+def _serve_unit(conn, name: str, config) -> None:
+    from gputq.deploy import UnitService
+
+    service = UnitService(name, config)
+    try:
+        conn.send(service.address())
+        with contextlib.suppress(EOFError):
+            conn.recv()  # "stop", or the parent went away
+    finally:
+        service.close()
+
+
+@contextlib.contextmanager
+def remote_units(config) -> Iterator:
+    """``config.num_units`` UnitServices, each in its own child process, and clients to them.
+
+    Yields ``(config, clients)``: the config with its token set, and
+    :class:`~gputq.clients.UnitClients` of the units, as a deployment's
+    processes would reach them. Units stop when the block ends.
+    """
+    from gputq.clients import UnitClients
+
+    config = config.with_token()
+    ctx = multiprocessing.get_context("spawn")
+    children = []
+    try:
+        for i in range(config.num_units):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve_unit, args=(child, f"su-{i}", config), daemon=True)
+            proc.start()
+            children.append((proc, parent))
+        membership = {}
+        for i, (proc, parent) in enumerate(children):
+            if not parent.poll(120):
+                raise RuntimeError(f"unit su-{i} did not start within 120 s")
+            try:
+                membership[f"su-{i}"] = parent.recv()
+            except EOFError:
+                proc.join(5)
+                raise RuntimeError(f"unit su-{i} exited (code {proc.exitcode}) before serving") from None
+        with UnitClients(membership, config) as clients:
+            yield config, clients
+    finally:
+        for proc, parent in children:
+            with contextlib.suppress(OSError):
+                parent.send("stop")
+        for proc, _ in children:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)

@@ -1,36 +1,42 @@
-"""Fetch one data-parallel shard through gputq and compare with a plain socket.
+"""Fetch one data-parallel shard through gputq and compare with a plain socket and a memcpy.
 
-``python -m bench.fetch [--sizes 16,64,256] [--transport tcp] [--json]``
+``python -m bench.fetch [--sizes 16,64,256] [--transport tcp|shm|rdma] [--json]``
 
-For each shard size, StorageUnits run in this process (their servers on
-their own threads, over loopback); a writer stores R3-shaped steps; a
-reader fetches the shard (one batched read per unit and field) and
-restores it. The baseline is a plain socket moving the same byte count
-with ``sendall``/``recv_into`` to a server in a child process, in the same
-run, each socket read right before a fetch; the ratio is the median of
-these pairs. A single-thread host memcpy of the same bytes is timed beside
-each fetch too: the anchor of the same-host path (``--transport shm``).
+For each shard size, StorageUnits run in child processes, as in a
+deployment (their servers over loopback); a writer stores R3-shaped steps;
+a reader fetches the shard (one batched read per unit) and restores it.
+Two baselines move the same byte count in the same run, each timed right
+before every fetch: a plain socket (``sendall``/``recv_into`` from a
+server in a child process), the reference of the tcp and rdma paths, and
+a single-thread host memcpy, the anchor of the same-host path (shm).
 
-``fetch+restore`` (and the ratio) is timed here, from the call of
-``Reader.fetch`` to its return: planning, lease, transfer, completion and
-widen+scatter (numpy on the CPU, the CUDA kernel with ``--device cuda``).
-``fetch`` is the transfer part alone, as the reader's own stats time it.
+``fetch+restore`` is timed from the call of ``Reader.fetch`` to its
+return: planning, lease, transfer, confirmation and widen+scatter (numpy
+on the CPU, the CUDA kernel with ``--device cuda``). ``fetch`` is the
+transfer part alone, as the reader's own stats time it. Over shm a restore
+can read the compact bytes in place, straight from the arena mapping, with
+no staging copy (``in place``); the ``copy`` row stages them first
+(``GPUTQ_ZERO_COPY_MAX_BYTES=0``), which is the row whose ``fetch`` compares
+with the memcpy. Ratios are medians of the paired runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 
 import numpy as np
 
-from bench.common import SocketBaseline, add_json_flag, progress_range, emit_json, gbps, print_header, print_table
+from bench.common import (SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, progress_range,
+                          remote_units)
 from gputq.config import GputqConfig
-from gputq.deploy import local_cluster
 from gputq.reader import Reader
 from gputq.refs import Layout
 from gputq.writer import Writer
+from transport.shm import ZERO_COPY_ENV
 
 _MIB = 1 << 20
 
@@ -48,6 +54,38 @@ def _shard(writer: Writer, size: int, rows_per_step: int, layers: int, topk: int
     return shard
 
 
+def _time_fetches(reader: Reader, shard, nbytes: int, baseline: SocketBaseline, repeats: int, label: str):
+    """``repeats`` fetches, each paired with a socket read and a memcpy of ``nbytes`` just before it."""
+    copy_src, copy_dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+    times: dict[str, list[float]] = {"fetch": [], "total": [], "socket": [], "memcpy": []}
+    reader.fetch(shard)  # warm-up: connections, buffers, this path's first touch
+    for _ in progress_range(label, repeats):
+        times["socket"].append(baseline.read(nbytes))
+        started = time.perf_counter()
+        np.copyto(copy_dst, copy_src)
+        times["memcpy"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        reader.fetch(shard)
+        times["total"].append(time.perf_counter() - started)
+        times["fetch"].append(reader.last_stats.fetch_seconds)
+    return times
+
+
+def _row(path: str, transport: str, samples: int, nbytes: int, times: dict, in_place: bool) -> dict:
+    fetch, total, sock, memcpy = (statistics.median(times[k]) for k in ("fetch", "total", "socket", "memcpy"))
+    # Paired with the baselines timed just before each fetch, so a ratio sees one machine state
+    # (this box's loopback speed drifts by 30% between seconds).
+    paired = lambda base, timed: round(statistics.median(b / t for b, t in zip(times[base], times[timed])), 3)
+    return {"shard_MiB": round(nbytes / _MIB, 1), "samples": samples, "transport": transport, "path": path,
+            "socket_GBps": round(gbps(nbytes, sock), 2), "memcpy_GBps": round(gbps(nbytes, memcpy), 2),
+            # in place, the transfer is the restore's own reads: there is no fetch apart from it
+            "fetch_GBps": None if in_place else round(gbps(nbytes, fetch), 2),
+            "fetch+restore_GBps": round(gbps(nbytes, total), 2),
+            "ratio_vs_socket": paired("socket", "total"),
+            "fetch_vs_memcpy": None if in_place else paired("memcpy", "fetch"),
+            "total_vs_memcpy": paired("memcpy", "total")}
+
+
 def run(args) -> dict:
     sizes = [int(s) * _MIB for s in args.sizes.split(",")]
     rng = np.random.default_rng(0)
@@ -56,38 +94,43 @@ def run(args) -> dict:
         config = GputqConfig(transport=args.transport, num_units=args.units,
                              unit_capacity_bytes=int(size * 1.25 / args.units) + 16 * _MIB,
                              routed_experts_dtype=args.dtype, host="127.0.0.1")
-        with local_cluster(config) as (config, _, clients), Writer(clients, config) as writer, \
+        with remote_units(config) as (config, clients), Writer(clients, config) as writer, \
                 Reader(clients, config, device=args.device) as reader:
             shard = _shard(writer, size, args.rows_per_step, args.layers, args.topk, args.dtype, rng)
-            reader.fetch(shard)  # warm-up: connections, buffers
+            reader.fetch(shard)
             nbytes = reader.last_stats.bytes_fetched
-            fetch_s, total_s, socket_s, memcpy_s = [], [], [], []
-            copy_src, copy_dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+            transports = "+".join(sorted({clients.transport_of(u)[0] for u in clients.units}))
+            paths = [("copy", "0"), ("in place", "inf")] if transports == "shm" else [("copy", None)]
             with SocketBaseline(nbytes) as baseline:
                 baseline.read(nbytes)
-                for _ in progress_range(f"fetch {size // _MIB} MiB", args.repeats):
-                    socket_s.append(baseline.read(nbytes))
-                    started = time.perf_counter()
-                    np.copyto(copy_dst, copy_src)
-                    memcpy_s.append(time.perf_counter() - started)
-                    started = time.perf_counter()
-                    reader.fetch(shard)
-                    total_s.append(time.perf_counter() - started)
-                    fetch_s.append(reader.last_stats.fetch_seconds)
-            transports = sorted({clients.transport_of(u)[0] for u in clients.units})
-        fetch, total, sock, memcpy = (statistics.median(x) for x in (fetch_s, total_s, socket_s, memcpy_s))
-        # Each fetch is paired with the socket read just before it, so the ratio sees the
-        # same machine state (this box's loopback speed drifts by 30% between seconds).
-        paired = statistics.median(s / t for s, t in zip(socket_s, total_s))
-        rows.append({"shard_MiB": round(nbytes / _MIB, 1), "samples": len(shard), "transport": "+".join(transports),
-                     "socket_GBps": round(gbps(nbytes, sock), 2), "fetch_GBps": round(gbps(nbytes, fetch), 2),
-                     "fetch+restore_GBps": round(gbps(nbytes, total), 2),
-                     "ratio_vs_socket": round(paired, 3), "memcpy_GBps": round(gbps(nbytes, memcpy), 2),
-                     "ratio_vs_memcpy": round(statistics.median(m / f for m, f in zip(memcpy_s, fetch_s)), 3)})
+                for path, zero_copy in paths:
+                    with _zero_copy_limit(zero_copy):
+                        times = _time_fetches(reader, shard, nbytes, baseline, args.repeats,
+                                              f"fetch {size // _MIB} MiB {path}")
+                    rows.append(_row(path, transports, len(shard), nbytes, times, path == "in place"))
     big = [r["ratio_vs_socket"] for r in rows if r["shard_MiB"] >= 16]
+    copies = [r["fetch_vs_memcpy"] for r in rows if r["fetch_vs_memcpy"] is not None and r["shard_MiB"] >= 16]
     return {"rows": rows, "ratio_vs_socket": min(big) if big else None,
+            "fetch_vs_memcpy": min(copies) if copies else None,
             "dtype": args.dtype, "layers": args.layers, "topk": args.topk, "units": args.units,
             "repeats": args.repeats, "device": args.device}
+
+
+@contextlib.contextmanager
+def _zero_copy_limit(value: str | None):
+    """Set ``GPUTQ_ZERO_COPY_MAX_BYTES`` for the block (None: leave it as it is)."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(ZERO_COPY_ENV)
+    os.environ[ZERO_COPY_ENV] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ZERO_COPY_ENV, None)
+        else:
+            os.environ[ZERO_COPY_ENV] = saved
 
 
 def main(argv=None) -> None:
@@ -108,7 +151,9 @@ def main(argv=None) -> None:
                  device=args.device, repeats=args.repeats)
     result = run(args)
     print_table(result["rows"], list(result["rows"][0]))
-    print(f"min ratio vs plain socket (shards >= 16 MiB): {result['ratio_vs_socket']}")
+    print(f"min fetch+restore vs plain socket (shards >= 16 MiB): {result['ratio_vs_socket']}")
+    if result["fetch_vs_memcpy"] is not None:
+        print(f"min fetch vs memcpy of the same bytes (shards >= 16 MiB): {result['fetch_vs_memcpy']}")
     if args.json:
         emit_json(result)
 

@@ -49,24 +49,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing
 import os
 import statistics
 import sys
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
-from bench.common import add_json_flag, emit_json, print_header, print_table
+from bench.common import add_json_flag, emit_json, print_header, print_table, remote_units
 from gputq import writer as writer_module
 from gputq.clients import UnitClients
 from gputq.config import GputqConfig
 from gputq.writer import Writer
 
-__all__ = ["main", "remote_units", "step_fields", "one_pass"]
+__all__ = ["main", "step_fields", "one_pass"]
 
 LAYERS, TOPK = 48, 8
 KINDS = ("uint8", "uint16", "int32", "logprobs")
@@ -87,52 +86,6 @@ def one_pass(kind: str, fields: dict[str, np.ndarray]) -> Callable[[], object]:
         return lambda: (np.isnan(logprobs.sum()), logprobs.astype(np.float32))
     experts, dtype = fields["routed_experts"], np.dtype(kind)
     return lambda: (experts.min(), experts.max(), experts.astype(dtype))
-
-
-def _serve_unit(conn, name: str, config: GputqConfig) -> None:
-    from gputq.deploy import UnitService
-
-    service = UnitService(name, config)
-    try:
-        conn.send(service.address())
-        with contextlib.suppress(EOFError):
-            conn.recv()  # "stop", or the parent went away
-    finally:
-        service.close()
-
-
-@contextlib.contextmanager
-def remote_units(config: GputqConfig) -> Iterator[tuple[GputqConfig, UnitClients]]:
-    """``config.num_units`` UnitServices, each in its own child process, and clients to them."""
-    config = config.with_token()
-    ctx = multiprocessing.get_context("spawn")
-    children = []
-    try:
-        for i in range(config.num_units):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve_unit, args=(child, f"su-{i}", config), daemon=True)
-            proc.start()
-            children.append((proc, parent))
-        membership = {}
-        for i, (proc, parent) in enumerate(children):
-            if not parent.poll(120):
-                raise RuntimeError(f"unit su-{i} did not start within 120 s")
-            try:
-                membership[f"su-{i}"] = parent.recv()
-            except EOFError:
-                proc.join(5)
-                raise RuntimeError(f"unit su-{i} exited (code {proc.exitcode}) before serving") from None
-        with UnitClients(membership, config) as clients:
-            yield config, clients
-    finally:
-        for proc, parent in children:
-            with contextlib.suppress(OSError):
-                parent.send("stop")
-        for proc, _ in children:
-            proc.join(30)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
 
 
 def _release(clients: UnitClients, partition: str) -> None:
@@ -196,10 +149,14 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
     put_s, pass_s, sched = [], [], []
     stat = _SchedStat()
     with contextlib.closing(stat), Writer(clients, cfg) as writer:
-        for warm in range(2):  # connections, buffers, first-touch of the arena
-            writer.put(f"warm/{warm}", "warm", fields)
-        writer.flush()
-        _release(clients, "warm")
+        # Two whole rounds before timing: connections, the arena's first touch, and the writer's
+        # buffer pool, which grows to what a round keeps in flight. A proxy pays those faults in its
+        # first seconds, not on every step; timed, they would be the p99 of a short run.
+        for warm in range(2):
+            for i in range(flush_every):
+                writer.put(f"warm-{warm}/{i}", f"warm-{warm}", fields)
+            writer.flush()
+            _release(clients, f"warm-{warm}")
         rounds = -(-puts // flush_every)
         for r in range(rounds):
             for _ in range(3):
@@ -283,8 +240,11 @@ def run(args) -> dict:
     kinds = args.kinds.split(",")
     rng = np.random.default_rng(0)
     biggest = max(t * LAYERS * TOPK * 4 for t in tokens_list)
-    # Room for two rounds of the largest int32 step: a round lands while the last one is released.
-    capacity = int(2 * args.flush_every * biggest / args.units) + 64 * _MIB
+    # Room for two rounds of the largest int32 step (a round lands while the last one is released)
+    # and for a whole throughput run, which releases only at its end; the placement spreads keys
+    # unevenly, hence the margin.
+    throughput_bytes = args.throughput_steps * args.throughput_tokens * LAYERS * TOPK * 4
+    capacity = int(max(2 * args.flush_every * biggest, 1.5 * throughput_bytes) / args.units) + 64 * _MIB
     config = GputqConfig(transport="tcp", num_units=args.units, unit_capacity_bytes=capacity,
                          host="127.0.0.1", writer_threads=args.sender_threads)
     rows, tput, raw = [], [], {}

@@ -430,23 +430,23 @@ class Reader(Closeable):
 # -- zero-copy restore from same-host arenas (the shm backend) ---------------------------
 
 def _mapped_staging(reader: Reader, per_field: dict, stats: FetchStats, lent: contextlib.ExitStack):
-    """The shard's compact bytes left in the units' arenas, for the kernel to read in place.
+    """The shard's compact bytes left in the units' arenas, for the restore to read in place.
 
-    Taken when restoring into GPU memory, every unit of the shard is read
-    over shm with its arena registered as mapped memory, and the shard is
-    no larger than :func:`transport.shm.zero_copy_max_bytes`. Each unit's
-    keys are leased into ``lent``; the leases are confirmed when it closes,
-    after the restore synchronised. Returns ``None`` to stage as usual.
+    Taken when every unit of the shard is read over shm with its arena
+    mapped here (and, for a GPU restore, registered as mapped memory), and
+    the shard is no larger than :func:`transport.shm.zero_copy_max_bytes`.
+    The restore then reads each compact byte once, where it lies: the
+    kernel over PCIe, or the numpy widen straight out of the mapping. Each
+    unit's keys are leased into ``lent``; the leases are confirmed when it
+    closes, after the restore finished. Returns ``None`` to stage as usual.
     """
-    if reader._device == "cpu":
-        return None
     from kernels import MappedSource
     from transport.shm import zero_copy_max_bytes
 
+    on_device = reader._device != "cpu"
     units = {unit for _, stage in per_field.values() for unit in stage.refs_by_unit}
     channels = {unit: reader._clients.channel(unit) for unit in units}
-    if not units or not all(getattr(channel, "device_mappable", lambda: False)()
-                            for channel in channels.values()):
+    if not units or not all(_mapped_here(channel, on_device) for channel in channels.values()):
         return None
     requests, nbytes = _lay_out([stage for _, stage in per_field.values()], reader._config.max_frame_bytes)
     if nbytes > zero_copy_max_bytes():
@@ -458,7 +458,7 @@ def _mapped_staging(reader: Reader, per_field: dict, stats: FetchStats, lent: co
         generations = [getattr(refs[(r.unit, key)], "generation", 0) for key in r.keys]
         regions = lent.enter_context(channels[r.unit].mapped_source(
             r.keys, reader._config.read_timeout_s, generations=generations,
-            incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None)))
+            incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None), device=on_device))
         if int(regions[:, 1].sum()) != r.stop - r.start:
             raise TransferError(f"unit {r.unit} leased {int(regions[:, 1].sum())} bytes for {len(r.keys)} "
                                 f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
@@ -469,6 +469,12 @@ def _mapped_staging(reader: Reader, per_field: dict, stats: FetchStats, lent: co
         stats.unique_keys_per_unit[r.unit] = stats.unique_keys_per_unit.get(r.unit, 0) + len(r.keys)
         stats.bytes_fetched += r.stop - r.start
     return MappedSource(np.concatenate(starts), np.concatenate(addresses), np.concatenate(lengths), nbytes)
+
+
+def _mapped_here(channel, on_device: bool) -> bool:
+    if on_device:
+        return getattr(channel, "device_mappable", lambda: False)()
+    return getattr(channel, "mapping", None) is not None
 
 
 def _cupy():

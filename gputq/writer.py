@@ -172,11 +172,12 @@ class Writer(Closeable):
         finally:
             with self._cond:
                 self._inflight_bytes -= compact.nbytes
+                # Back in the pool before the key stops being pending: a put right after
+                # flush() must find it there, not fault in a fresh one.
+                if sent:  # a failed send may have left the transport holding the buffer
+                    self._buffers.give(buffer, self._inflight_bytes)
                 self._pending.pop(ref.key, None)
                 self._cond.notify_all()
-                inflight = self._inflight_bytes
-            if sent:  # a failed send may have left the transport holding the buffer
-                self._buffers.give(buffer, inflight)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued write has landed.

@@ -4,14 +4,17 @@ The zero-copy restore reads a shard's compact bytes straight out of the
 units' arenas (page-locked, mapped into the GPU's address space) instead of
 copying them into a staging buffer first. :class:`MappedSource` stands in
 for that staging buffer: it describes where each staging byte range lives
-(a device address per segment) and behaves like the staging array as far
-as a restore uses it (``nbytes``, a leading slice, ``view(dtype)``).
+(an address per segment: a device address of mapped memory for a GPU
+restore, a host address for a host one) and behaves like the staging array
+as far as a restore uses it (``nbytes``, a leading slice, ``view(dtype)``).
 :func:`kernels.widen_scatter` given one translates the plan's staging rows
-into those addresses and launches the kernel on them: only compact bytes
-cross PCIe, once.
+into those addresses and runs the kernel (or, into host memory, the numpy
+reference) on them: the compact bytes are read once, where they lie.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -101,9 +104,28 @@ class MappedSource:
         return out, base, (top - base) // itemsize
 
     def widen_scatter(self, plan, width: int, out, fill=0, *, validate=True, stream=None):
-        """:func:`kernels.widen_scatter` with this as the staging buffer (CUDA ``out`` only)."""
+        """:func:`kernels.widen_scatter` with this as the staging buffer.
+
+        A CUDA ``out`` needs device addresses (the kernel reads over PCIe);
+        a numpy ``out`` needs host addresses, which the numpy reference reads
+        in place: one widening pass from the mapping into ``out``.
+        """
+        elements, base, src_elems = self.element_plan(plan, int(width))
+        if isinstance(out, np.ndarray):
+            from .reference import reference_widen_scatter
+
+            return reference_widen_scatter(self._host_elements(base, src_elems), elements, 1,
+                                           out.reshape(-1), fill, validate=validate)
         from .cupy_backend import widen_scatter_from_pointer
 
-        elements, base, src_elems = self.element_plan(plan, int(width))
         return widen_scatter_from_pointer(base, self.dtype, src_elems, elements, out, fill,
                                           validate=validate, stream=stream)
+
+    def _host_elements(self, base: int, src_elems: int) -> np.ndarray:
+        # A view over [base, base + src_elems) that touches no byte by itself: between the
+        # segments of several arenas it spans unmapped addresses, which no plan row reads
+        # (element_plan checked every copied fragment lies inside one segment). Read-only.
+        nbytes = src_elems * self.dtype.itemsize
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(base))[:nbytes]
+        view.flags.writeable = False
+        return view.view(self.dtype)

@@ -6,7 +6,6 @@ import pytest
 
 from gputq.config import GputqConfig
 from gputq.deploy import local_cluster
-from tests.transport.shm_control import answer_shm_control  # noqa: F401 - a fixture
 
 
 def nixl_usable() -> str | None:
@@ -34,6 +33,4 @@ def local_units(transport: str = "tcp", *, units: int = 2, capacity: int = 64 <<
 
 @pytest.fixture(params=TRANSPORT_PARAMS)
 def transport_name(request):
-    if request.param == "shm":
-        request.getfixturevalue("answer_shm_control")
     return request.param

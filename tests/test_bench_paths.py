@@ -20,6 +20,20 @@ def test_fetch_times_call_to_return_and_reports_the_socket_ratio(capsys):
     assert row["fetch+restore_GBps"] <= row["fetch_GBps"]
 
 
+@pytest.mark.timeout(120)
+def test_fetch_over_shm_reports_the_staged_and_the_in_place_restore_against_memcpy(capsys):
+    fetch.main(["--sizes", "1", "--repeats", "2", "--layers", "4", "--topk", "2", "--rows-per-step", "256",
+                "--transport", "shm", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    copy, in_place = out["rows"]
+    assert (copy["path"], in_place["path"]) == ("copy", "in place")
+    assert copy["transport"] == in_place["transport"] == "shm"
+    assert copy["fetch_vs_memcpy"] > 0 and copy["fetch_GBps"] >= copy["fetch+restore_GBps"]
+    # in place there is no transfer apart from the restore's own reads
+    assert in_place["fetch_GBps"] is None and in_place["fetch_vs_memcpy"] is None
+    assert in_place["total_vs_memcpy"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(300)

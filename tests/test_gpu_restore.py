@@ -62,7 +62,7 @@ def test_gpu_restore_matches_inline_path(transport_name, dtype):
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "copied"])
 @pytest.mark.parametrize("dtype", ["uint8", "uint16"])
-def test_gpu_restore_over_shm_in_place_or_copied(answer_shm_control, monkeypatch, zero_copy, dtype):
+def test_gpu_restore_over_shm_in_place_or_copied(monkeypatch, zero_copy, dtype):
     from kernels import MappedSource
     from transport.shm import ZERO_COPY_ENV
 

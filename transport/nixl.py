@@ -16,12 +16,15 @@ Control plane: the tcp backend. The unit serves tcp beside NIXL, and a
 arena base (they let a NIXL peer read and write the whole arena; see
 docs/security.md). A read leases its keys (``lease``: the unit checks the
 keys' generations and its incarnation), READs the leased regions one-sided,
-then confirms with ``end_lease``: the unit answers whether the lease was
-still held. It was not when the reader was slower than the unit's lease
-timeout; the regions may have been reused meanwhile, so the read raises
-:class:`~transport.errors.StaleReadError` and returns nothing. The confirm
-costs one control round trip per read; it is what makes a one-sided read
-safe against a release racing it.
+then makes sure the lease covered the whole READ, which is what makes a
+one-sided read safe against a release racing it. A READ completed well
+inside the lease lifetime the unit states, counted from before the lease
+request, was covered for sure: the lease is ended in the background
+(:mod:`transport.lease_ends`) and the read costs one control round trip.
+A slower one confirms with ``end_lease``: the unit answers whether the
+lease was still held. It was not when the reader was slower than the unit's
+lease timeout; the regions may have been reused meanwhile, so the read
+raises :class:`~transport.errors.StaleReadError` and returns nothing.
 
 GPU destinations: where a NIC can DMA into GPU memory (GPUDirect, see
 :func:`transport.policy.gpudirect_support`) the READ lands in a registered
@@ -67,6 +70,7 @@ from transport.errors import (
     StaleReadError,
     TransferError,
 )
+from transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 from transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
 from transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
 from transport.policy import gpudirect_support
@@ -171,6 +175,7 @@ class NixlChannel(Channel):
         self._tcp = TcpTransport().connect(address["control"], token=token,
                                            max_frame_bytes=max_frame_bytes, timeout=timeout)
         self.unit, self.incarnation = self._tcp.unit, self._tcp.incarnation
+        self._ends = LeaseEnds(self._send_ends, self.unit)
         try:
             info = self._tcp.call(CONNECT, timeout=timeout)
             self._base, self._arena_nbytes = int(info["arena_base"]), int(info["arena_nbytes"])
@@ -234,7 +239,15 @@ class NixlChannel(Channel):
             args["generations"] = [None if g is None else int(g) for g in generations]
         if incarnation is not None:
             args["incarnation"] = incarnation
-        lease = self._tcp.request("lease", args, _left(deadline), keys=keys)
+        ended = self._ends.take()
+        if ended:
+            args["end"] = ended
+        started = time.monotonic()
+        try:
+            lease = self._tcp.request("lease", args, _left(deadline), keys=keys)
+        except BaseException:
+            self._ends.restore(ended)  # ending twice is harmless; never ending pins space until expiry
+            raise
         lease_id, staged, confirmed = lease["lease_id"], None, False
         try:
             regions = leased_regions(lease["regions"], keys, self._arena_nbytes, self.unit)
@@ -244,7 +257,11 @@ class NixlChannel(Channel):
                 raise RequestTooLargeError(
                     f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
             staged = self._read_leased(keys, regions, total, ptr, device, on_device, deadline)
-            held = self._tcp.request("end_lease", {"lease_ids": [lease_id]}, _left(deadline), keys=keys)["held"]
+            if lease_covered(started, expires_in_of(lease)):
+                self._ends.defer(lease_id)  # held from first to last byte: no round trip
+                held = [True]
+            else:
+                held = self._tcp.request("end_lease", {"lease_ids": [lease_id]}, _left(deadline), keys=keys)["held"]
             confirmed = True
             if held != [True]:
                 raise StaleReadError(
@@ -261,6 +278,9 @@ class NixlChannel(Channel):
             if staged is not None:
                 self.pool.release(staged[0])
         return lengths.tolist()
+
+    def _send_ends(self, lease_ids: list[int]) -> None:
+        self._tcp.call("end_lease", timeout=_CLEANUP_TIMEOUT_S, lease_ids=lease_ids)
 
     def _read_leased(self, keys, regions, total, ptr, device, on_device, deadline):
         """READ the leased regions; return ``(pool buffer, kind)`` when a copy-out is due."""
@@ -450,6 +470,7 @@ class NixlChannel(Channel):
         if self._closed:
             return
         self._closed = True
+        self._ends.close()
         self._local.remove_remote(self._remote)
         self._tcp.close()
 

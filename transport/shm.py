@@ -18,10 +18,13 @@ everything but the bytes. A read is
    are split over a few threads); into GPU
    memory one ``cudaMemcpyAsync`` per run, from the mapping registered with
    CUDA once per channel (read-only, page-locked);
-3. ``"end_lease"``, which confirms the lease was still held when the copy
-   finished. An expired lease means the unit may have reused a region while
-   it was copied: the read raises :class:`StaleReadError` and the
-   destination is garbage.
+3. the confirmation that the lease covered the whole copy. When the copy
+   ended well inside the lifetime the unit states for the lease, measured
+   from before the request, the lease provably held and is ended in the
+   background (:mod:`transport.lease_ends`): one round trip per read.
+   Otherwise ``"end_lease"`` answers whether it was still held; an expired
+   lease means the unit may have reused a region while it was copied: the
+   read raises :class:`StaleReadError` and the destination is garbage.
 
 Where the arena file cannot be mapped (another host or container, no
 permission, a server that does not answer ``"arena_file"``) the channel
@@ -29,9 +32,10 @@ reads over rdma instead when the unit serves it and NIXL imports (cma on
 one host), else over the control lane's tcp path, and says why in
 :attr:`ShmChannel.fallback_reason`.
 
-:meth:`ShmChannel.mapped_source` lends the leased regions as device
-addresses of the mapping (mapped, page-locked host memory), so a kernel can
-read compact bytes from the arena over PCIe with no copy at all.
+:meth:`ShmChannel.mapped_source` lends the leased regions where they lie:
+as device addresses of the mapping (mapped, page-locked host memory), so a
+kernel can read compact bytes from the arena over PCIe with no copy at all,
+or as host addresses, so a host restore widens straight out of the arena.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -55,6 +60,7 @@ from transport.errors import (
     StaleReadError,
     TransferError,
 )
+from transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 from transport.staging import device_nbytes
 
 __all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "zero_copy_max_bytes",
@@ -77,7 +83,7 @@ PARALLEL_COPY_BYTES = 8 << 20
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
-#: Largest shard (compact bytes) a GPU restore reads in place from the mapped arenas
+#: Largest shard (compact bytes) a restore reads in place from the mapped arenas
 #: (zero-copy); larger shards are copied to the GPU first, then widened there. Both move
 #: the compact bytes over PCIe once. The copy runs on the DMA engines (55.3 GB/s from a
 #: read-only registered mapping on one H200 host, against 51.1 GB/s for a kernel reading
@@ -85,7 +91,8 @@ _POOL_LOCK = threading.Lock()
 #: fields is ~2 runs per step, ~170 runs for 256 MiB, ~1 ms of launches on ~5 ms of
 #: transfer. Zero-copy is one launch whatever the layout, so it is the default at every
 #: size until ``bench/gpu_check.sh`` (which times both at 64 and 256 MiB on the same
-#: machine) says otherwise.
+#: machine) says otherwise. A host restore gains at every size measured: reading in
+#: place saves the staging memcpy (``python -m bench.fetch --transport shm``).
 DEFAULT_ZERO_COPY_MAX_BYTES = float("inf")
 #: Environment override of that threshold in bytes: 0 turns zero-copy off,
 #: ``inf`` uses it for every shard.
@@ -279,6 +286,7 @@ class ShmChannel(Channel):
                                            timeout=timeout)
         self.unit = self._tcp.unit
         self.incarnation = getattr(self._tcp, "incarnation", address.get("incarnation"))
+        self._ends = LeaseEnds(self._send_ends, self.unit)
         self.mapping: ArenaMapping | None = None
         self.fallback_reason: str | None = None
         host = address.get("hostname")
@@ -356,28 +364,34 @@ class ShmChannel(Channel):
 
     @contextlib.contextmanager
     def mapped_source(self, keys: Sequence[str], timeout: float | None = None, *,
-                      generations: Sequence[int] | None = None, incarnation: str | None = None):
-        """Lease ``keys`` and lend their bytes as device addresses of the mapping.
+                      generations: Sequence[int] | None = None, incarnation: str | None = None,
+                      device: bool = True):
+        """Lease ``keys`` and lend their bytes where they lie in the mapping.
 
-        Yields an int64 ``[n, 2]`` array of (device address, length) per key:
-        page-locked, mapped host memory a kernel reads over PCIe. Keep every
-        kernel reading them inside the ``with`` block and synchronised
-        before it ends: the lease is confirmed on exit, and an expired
-        lease raises :class:`StaleReadError` (what was read is garbage).
+        Yields an int64 ``[n, 2]`` array of (address, length) per key: with
+        ``device`` (the default), device addresses of the mapping registered
+        as page-locked, mapped host memory that a kernel reads over PCIe;
+        else host addresses in this process. Keep every read of them inside
+        the ``with`` block (kernels synchronised before it ends): the lease is
+        confirmed on exit, and an expired lease raises
+        :class:`StaleReadError` (what was read is garbage).
 
         Raises
         ------
         MissingDependencyError
-            The mapping cannot be registered with CUDA here (see
-            :meth:`device_mappable`).
+            ``device`` and the mapping cannot be registered with CUDA here
+            (see :meth:`device_mappable`), or the arena is not mapped at all.
         """
         self._check_open()
-        if not self.device_mappable():
+        if self.mapping is None or (device and not self.device_mappable()):
             reason = self.fallback_reason or (self.mapping.register_error if self.mapping else None)
             raise MissingDependencyError(f"unit {self.unit}: no mapped arena for zero-copy reads ({reason})")
-        from transport.cuda import mapped_device_pointer
+        if device:
+            from transport.cuda import mapped_device_pointer
 
-        base = mapped_device_pointer(self.mapping.address)
+            base = mapped_device_pointer(self.mapping.address)
+        else:
+            base = self.mapping.address
         with self._leased(list(keys), generations, incarnation, timeout) as regions:
             lent = regions.copy()
             lent[:, 0] += base
@@ -391,7 +405,15 @@ class ShmChannel(Channel):
     def _leased(self, keys: list, generations, incarnation, timeout: float | None):
         """Lease ``keys`` for the block; yields their regions; confirms the lease after it."""
         args = {"keys": keys, **_read_checks(generations, incarnation)}
-        reply = self._tcp.call(LEASE, timeout=timeout, **args)
+        ended = self._ends.take()
+        if ended:
+            args["end"] = ended
+        started = time.monotonic()
+        try:
+            reply = self._tcp.call(LEASE, timeout=timeout, **args)
+        except BaseException:
+            self._ends.restore(ended)  # ending twice is harmless; never ending pins space until expiry
+            raise
         lease_id = int(reply["lease_id"])
         ok = False
         try:
@@ -402,11 +424,18 @@ class ShmChannel(Channel):
             yield regions
             ok = True
         finally:
-            held = self._end_lease(lease_id, quiet=not ok)
+            if ok and lease_covered(started, expires_in_of(reply)):
+                self._ends.defer(lease_id)
+                held = True
+            else:
+                held = self._end_lease(lease_id, quiet=not ok)
         if not held:
             raise StaleReadError(
                 f"unit {self.unit}: the lease on {len(keys)} keys expired before the copy finished; "
                 "the bytes read may belong to other keys")
+
+    def _send_ends(self, lease_ids: list[int]) -> None:
+        self._tcp.call(END_LEASE, timeout=_END_TIMEOUT_S, lease_ids=lease_ids)
 
     def _end_lease(self, lease_id: int, *, quiet: bool) -> bool:
         try:
@@ -432,6 +461,7 @@ class ShmChannel(Channel):
         if self._closed:
             return
         self._closed = True
+        self._ends.close()
         if self.mapping is not None:
             self.mapping.close()
         if self._fallback is not None and self._fallback is not self._tcp:
@@ -444,7 +474,7 @@ class ShmChannel(Channel):
 
 
 def zero_copy_max_bytes() -> float:
-    """Largest shard a GPU restore reads in place: ``GPUTQ_ZERO_COPY_MAX_BYTES``, else the default.
+    """Largest shard a restore reads in place: ``GPUTQ_ZERO_COPY_MAX_BYTES``, else the default.
 
     Raises
     ------

@@ -181,7 +181,11 @@ def _generic_call(handler: ArenaHandler, method: str, args: dict):
         keys = _list_of(args.get("keys"), str, "keys")
         lease_id, regions = lease_array(handler, keys, **_lease_kwargs(
             _generations(args.get("generations"), len(keys)), _incarnation(args.get("incarnation")), None))
-        return {"lease_id": lease_id, "regions": regions.tobytes()}
+        reply = {"lease_id": lease_id, "regions": regions.tobytes()}
+        lifetime = getattr(handler, "lease_timeout_s", None)
+        if isinstance(lifetime, (int, float)) and not isinstance(lifetime, bool):
+            reply["expires_in"] = float(lifetime)  # lets the reader skip the confirm (transport.lease_ends)
+        return reply
     if method == "end_lease":
         return {"held": [_held(handler.end_lease(i)) for i in _list_of(args.get("lease_ids"), int, "lease_ids")]}
     if method == "arena_file":

@@ -16,13 +16,15 @@ from transport.errors import InvalidInputError, RequestTooLargeError, StaleReadE
 from transport.policy import nixl_import_error
 from transport.shm import ShmChannel, merge_runs
 
+from tests.waiting import wait_until
+
 
 TOKEN = "s" * 32
 needs_cupy = pytest.mark.skipif(usable_cupy() is None, reason="CuPy sees no CUDA device")
 
 
 @pytest.fixture
-def served(answer_shm_control, tmp_path):
+def served(tmp_path):
     """A unit with three keys (two adjacent in the arena), its tcp server, and an shm channel."""
     unit = StorageUnit("su-shm", 4 << 20, shm_dir=str(tmp_path), alignment=256)
     rng = np.random.default_rng(3)
@@ -33,7 +35,7 @@ def served(answer_shm_control, tmp_path):
     server = get_transport("tcp").serve(unit, host="127.0.0.1", port=0, token=TOKEN, max_frame_bytes=1 << 26)
     channel = get_transport("shm").connect(server.address, token=TOKEN, max_frame_bytes=1 << 26, timeout=10)
     try:
-        yield unit, blobs, channel, answer_shm_control, server.address
+        yield unit, blobs, channel, server.address
     finally:
         channel.close()
         server.close()
@@ -52,7 +54,7 @@ def test_merge_runs_joins_regions_adjacent_in_the_arena():
 
 @pytest.mark.timeout(30)
 def test_read_copies_from_the_read_only_mapping(served):
-    unit, blobs, channel, _, _ = served
+    unit, blobs, channel, _ = served
     assert isinstance(channel, ShmChannel) and channel.fallback_reason is None
     assert channel.mapping.path == unit.arena_path
     assert not channel.mapping.array.flags.writeable  # mapped PROT_READ
@@ -62,13 +64,14 @@ def test_read_copies_from_the_read_only_mapping(served):
     assert channel.read(keys, dest, timeout=5) == [blobs[k].size for k in keys]
     assert np.array_equal(dest[:want.size], want) and (dest[want.size:] == 7).all()
     assert channel.read([], dest) == []
-    assert unit.stats()["leases"] == 0  # every read confirmed (ended) its lease
+    # covered by its deadline, the lease is ended in the background
+    wait_until(lambda: unit.stats()["leases"] == 0, 5, "the read's lease to end")
     # the unit's arena file keeps the permissions the unit gave it
     assert stat.S_IMODE(os.stat(unit.arena_path).st_mode) == 0o600
 
 
 def test_read_errors_are_typed_and_end_the_lease(served):
-    unit, blobs, channel, _, _ = served
+    unit, blobs, channel, _ = served
     with pytest.raises(UnknownKeyError, match="ghost"):
         channel.read(["a", "ghost"], np.empty(2000, np.uint8), timeout=5)
     with pytest.raises(RequestTooLargeError, match="needs 1024 bytes"):
@@ -80,7 +83,9 @@ def test_read_errors_are_typed_and_end_the_lease(served):
 
 
 def test_an_expired_lease_is_a_stale_read(served, monkeypatch):
-    unit, blobs, channel, _, _ = served
+    unit, blobs, channel, _ = served
+    # a lifetime too short to prove the lease held: the read must ask the unit, which says it expired
+    monkeypatch.setattr(unit, "lease_timeout_s", 0.01)
     real_end = unit.end_lease
     monkeypatch.setattr(unit, "end_lease", lambda lease_id: real_end(lease_id) and False)  # expired meanwhile
     with pytest.raises(StaleReadError, match="expired"):
@@ -91,7 +96,7 @@ def test_an_expired_lease_is_a_stale_read(served, monkeypatch):
 
 
 def test_writes_and_control_go_over_the_tcp_lane(served):
-    unit, _, channel, _, _ = served
+    unit, _, channel, _ = served
     receipt = channel.write("d", np.arange(10, dtype=np.uint8), {"partition": "p"}, timeout=5)
     assert receipt["offset"] >= 0
     assert channel.call("stats", timeout=5)["keys"] == 4
@@ -101,7 +106,7 @@ def test_writes_and_control_go_over_the_tcp_lane(served):
 
 
 def test_unmappable_arena_falls_back_to_tcp_reads(served, monkeypatch):
-    unit, blobs, channel, _, address = served
+    unit, blobs, channel, address = served
     remote = ShmChannel(dict(address, hostname="elsewhere"), token=TOKEN, max_frame_bytes=1 << 26, timeout=5)
     with remote:
         assert remote.mapping is None and "elsewhere" in remote.fallback_reason
@@ -118,7 +123,7 @@ def test_unmappable_arena_falls_back_to_tcp_reads(served, monkeypatch):
 @pytest.mark.rdma
 @pytest.mark.skipif(nixl_import_error() is not None, reason=f"NIXL not importable: {nixl_import_error()}")
 @pytest.mark.timeout(60)
-def test_unmappable_arena_of_an_rdma_unit_falls_back_to_rdma(answer_shm_control, tmp_path):
+def test_unmappable_arena_of_an_rdma_unit_falls_back_to_rdma(tmp_path):
     with StorageUnit("su-rdma", 1 << 20, shm_dir=str(tmp_path)) as unit:
         blob = np.arange(5000, dtype=np.uint32).view(np.uint8)
         unit.put("k", blob, {"partition": "p"})
@@ -136,7 +141,7 @@ def test_unmappable_arena_of_an_rdma_unit_falls_back_to_rdma(answer_shm_control,
 
 
 def test_closed_channel_raises(served):
-    _, _, channel, _, _ = served
+    _, _, channel, _ = served
     channel.close()
     channel.close()
     with pytest.raises(Exception, match="closed"):
@@ -146,7 +151,7 @@ def test_closed_channel_raises(served):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
 def test_read_into_gpu_memory_from_the_registered_mapping(served):
-    unit, blobs, channel, _, _ = served
+    unit, blobs, channel, _ = served
     torch = pytest.importorskip("torch")
     keys = ["b", "c", "a"]
     want = np.concatenate([blobs[k] for k in keys])
@@ -162,7 +167,7 @@ def test_read_into_gpu_memory_from_the_registered_mapping(served):
 def test_mapped_source_lends_device_addresses_under_a_lease(served):
     import cupy as cp
 
-    unit, blobs, channel, _, _ = served
+    unit, blobs, channel, _ = served
     if not channel.device_mappable():
         pytest.skip(f"mapping not registrable here: {channel.mapping.register_error}")
     with channel.mapped_source(["c", "a"], timeout=10) as regions:
@@ -207,7 +212,7 @@ def test_zero_copy_threshold_is_configurable(monkeypatch):
 def test_large_reads_are_split_over_threads(served, monkeypatch):
     from transport import shm
 
-    unit, blobs, channel, _, _ = served
+    unit, blobs, channel, _ = served
     monkeypatch.setattr(shm, "COPY_THREADS", 3)
     monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 1000)
     keys = ["a", "b", "c", "a"]
@@ -218,7 +223,7 @@ def test_large_reads_are_split_over_threads(served, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_zero_copy_restore_path_replayed_on_the_host(answer_shm_control, monkeypatch):
+def test_zero_copy_restore_path_replayed_on_the_host(monkeypatch):
     """The reader's zero-copy hook end to end, with host memory standing in for the GPU.
 
     Channels claim a mapped arena (device address = host address), the
@@ -267,4 +272,44 @@ def test_zero_copy_restore_path_replayed_on_the_host(answer_shm_control, monkeyp
                 for name, want in inline_fields(seg).items():
                     assert np.array_equal(got[name], want), (seg.segment_id, name)
             assert launches and reader.last_stats.bytes_fetched > 0
-        assert all(s.stats()["leases"] == 0 for s in services)  # every lease confirmed and ended
+        wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("zero_copy_max", ["inf", "0"])
+def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_max):
+    """A CPU restore widens straight out of the arena mapping (no staging copy), or stages it when
+    ``GPUTQ_ZERO_COPY_MAX_BYTES`` says so; both are bit-exact with the inline path."""
+    from gputq.fields import FieldRegistry
+    from gputq.reader import Reader
+    from gputq.synthetic import SyntheticConfig, build_sessions
+    from gputq.trajectory import inline_fields, lineage_segments
+    from gputq.writer import Writer
+    from kernels import MappedSource
+    from tests.conftest import local_units
+    from transport import shm
+
+    monkeypatch.setenv(shm.ZERO_COPY_ENV, zero_copy_max)
+    staged, in_place = [], []
+    real_copy, real_widen = shm._host_copy, MappedSource.widen_scatter
+    monkeypatch.setattr(shm, "_host_copy", lambda *a: (staged.append(1), real_copy(*a))[1])
+    monkeypatch.setattr(MappedSource, "widen_scatter",
+                        lambda self, *a, **k: (in_place.append(1), real_widen(self, *a, **k))[1])
+    synth = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=4, num_experts=200, prompt_tokens=40,
+                            tokens_per_step=30, tool_tokens=6, branch_prob=0.5, rewrite_prob=0.3, seed=5)
+    with local_units("shm", routed_experts_dtype="uint8") as (config, services, clients):
+        with Writer(clients, config) as writer:
+            sessions = build_sessions(synth, fields=FieldRegistry.builtin(3, 4, "uint8"), writer=writer)
+            writer.flush()
+        with Reader(clients, config) as reader:
+            segments = [seg for s in sessions for seg in lineage_segments(s)]
+            restored = reader.fetch([seg.layouts for seg in segments])
+        for seg, got in zip(segments, restored):
+            for name, want in inline_fields(seg).items():
+                assert np.array_equal(got[name], want), (seg.segment_id, name)
+                assert got[name].flags.writeable  # the caller's own memory, not a view of the arena
+        wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
+    if zero_copy_max == "inf":
+        assert in_place and not staged
+    else:
+        assert staged and not in_place
