@@ -28,9 +28,16 @@ test-slow: $(STAMP)
 install-check:
 	$(PYTHON) scripts/install_check.py
 
+# The peer systems and the figures' libraries come with the bench extra.
 bench: $(STAMP)
+	$(PY) -m pip install -e ".[bench]"
+	$(PY) -m bench.memory
+	$(PY) -m bench.peers
 	$(PY) -m bench.fetch
+	$(PY) -m bench.fetch --transport shm
 	$(PY) -m bench.transport
+	$(PY) -m bench.put
+	$(VENV)/bin/gputq capacity --reference
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -198,7 +198,8 @@ class Deployment:
         ----------
         ray_address:
             Connect to this cluster (``"auto"``, ``"ray://head:10001"``, ...);
-            ``None`` starts an embedded local Ray if none is running.
+            ``None`` starts an embedded local Ray of its own when this process
+            has none initialised (never joining another job's cluster).
         num_cpus:
             CPUs of the embedded Ray (default: this machine's count, at least 2).
         per_node:
@@ -221,8 +222,11 @@ class Deployment:
         if not ray.is_initialized():
             import os
 
+            # address="local": a cluster of our own, never one that another job (or a
+            # stale `ray start`) left on this machine, which ray.init() would join.
             kwargs = {"address": ray_address} if ray_address else {
-                "num_cpus": num_cpus or max(2, os.cpu_count() or 2), "include_dashboard": False}
+                "address": "local", "num_cpus": num_cpus or max(2, os.cpu_count() or 2),
+                "include_dashboard": False}
             ray.init(log_to_driver=False, namespace=NAMESPACE, **kwargs)
             started = True
         config = config.with_token()
