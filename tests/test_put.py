@@ -171,6 +171,27 @@ def test_buffers_are_reused_within_the_bound():
         4096, 4096, 8192, 1 << 20, (1 << 20) + (1 << 17)]
 
 
+@pytest.mark.timeout(60)
+def test_sent_buffers_are_back_in_the_pool_when_flush_returns(monkeypatch):
+    """A put right after flush() reuses a sent buffer: a fresh one faults in a page per 4 KiB."""
+    with local_units("tcp", units=1, routed_experts_dtype="uint16") as (config, _, clients), \
+            Writer(clients, config) as writer:
+        experts = np.random.default_rng(1).integers(0, 100, (1024, 8, 8), dtype=np.int32)  # 128 KiB stored
+        release_give = threading.Event()
+        real_give = writer._buffers.give
+
+        def slow_give(buffer, inflight):
+            release_give.wait(0.2)  # the window in which an early flush() used to return
+            real_give(buffer, inflight)
+
+        monkeypatch.setattr(writer._buffers, "give", slow_give)
+        for round_ in range(5):
+            for i in range(3):
+                writer.put(f"r{round_}/{i}", "p", {"routed_experts": experts})
+            writer.flush(timeout=30)
+            assert sum(len(kept) for kept in writer._buffers._free.values()) >= 3, f"round {round_}"
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are a Linux feature")
 def test_senders_run_below_the_callers_priority():
     with local_units("tcp", units=1) as (config, _, clients), Writer(clients, config) as writer:
