@@ -231,46 +231,29 @@ def test_zero_copy_restore_path_replayed_on_the_host(monkeypatch):
     device buffers are numpy arrays: everything else (leases, the shard's
     translation to arena addresses, the confirmation) runs as on a GPU.
     """
-    import ctypes
     import types
 
     from gputq import reader as reader_module
-    from gputq.fields import FieldRegistry
-    from gputq.synthetic import SyntheticConfig, build_sessions
-    from gputq.trajectory import inline_fields, lineage_segments
-    from gputq.writer import Writer
-    from kernels import MappedSource, reference_widen_scatter
+    from kernels import MappedSource
     from tests.conftest import local_units
     from transport import cuda
 
-    def host_widen_scatter(self, plan, width, out, fill=0, *, validate=True, stream=None):
-        elements, base, src_elems = self.element_plan(plan, width)
-        nbytes = src_elems * self.dtype.itemsize
-        memory = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(base))
-        launches.append(len(elements))
-        return reference_widen_scatter(memory[:nbytes].view(self.dtype), elements, 1, out, fill)
-
     launches: list = []
+    real_widen = MappedSource.widen_scatter
     monkeypatch.setattr(ShmChannel, "device_mappable", lambda self: self.mapping is not None)
     monkeypatch.setattr(cuda, "mapped_device_pointer", lambda ptr: ptr)
-    monkeypatch.setattr(MappedSource, "widen_scatter", host_widen_scatter)
+    # the kernel launch: the host path of the same call, reading the "device" (host) addresses
+    monkeypatch.setattr(MappedSource, "widen_scatter",
+                        lambda self, *a, **k: (launches.append(1), real_widen(self, *a, **k))[1])
     monkeypatch.setattr(reader_module, "_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
         get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))))
-    synth = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=4, num_experts=200, prompt_tokens=40,
-                            tokens_per_step=30, tool_tokens=6, branch_prob=0.5, rewrite_prob=0.3, seed=3)
     with local_units("shm", routed_experts_dtype="uint16") as (config, services, clients):
-        with Writer(clients, config) as writer:
-            sessions = build_sessions(synth, fields=FieldRegistry.builtin(3, 4, "uint16"), writer=writer)
-            writer.flush()
+        segments = _written_segments(clients, config, "uint16", seed=3)
         with reader_module.Reader(clients, config) as reader:
             reader._device = "cuda"  # the GPU path, on host buffers
             monkeypatch.setattr(reader, "_empty", lambda nbytes: np.empty(nbytes, np.uint8))
             monkeypatch.setattr(reader, "_to_output", lambda array: array)
-            segments = [seg for s in sessions for seg in lineage_segments(s)]
-            restored = reader.fetch([seg.layouts for seg in segments])
-            for seg, got in zip(segments, restored):
-                for name, want in inline_fields(seg).items():
-                    assert np.array_equal(got[name], want), (seg.segment_id, name)
+            _check_restored(segments, reader.fetch([seg.layouts for seg in segments]))
             assert launches and reader.last_stats.bytes_fetched > 0
         wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
 
@@ -280,11 +263,7 @@ def test_zero_copy_restore_path_replayed_on_the_host(monkeypatch):
 def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_max):
     """A CPU restore widens straight out of the arena mapping (no staging copy), or stages it when
     ``GPUTQ_ZERO_COPY_MAX_BYTES`` says so; both are bit-exact with the inline path."""
-    from gputq.fields import FieldRegistry
     from gputq.reader import Reader
-    from gputq.synthetic import SyntheticConfig, build_sessions
-    from gputq.trajectory import inline_fields, lineage_segments
-    from gputq.writer import Writer
     from kernels import MappedSource
     from tests.conftest import local_units
     from transport import shm
@@ -295,21 +274,39 @@ def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_m
     monkeypatch.setattr(shm, "_host_copy", lambda *a: (staged.append(1), real_copy(*a))[1])
     monkeypatch.setattr(MappedSource, "widen_scatter",
                         lambda self, *a, **k: (in_place.append(1), real_widen(self, *a, **k))[1])
-    synth = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=4, num_experts=200, prompt_tokens=40,
-                            tokens_per_step=30, tool_tokens=6, branch_prob=0.5, rewrite_prob=0.3, seed=5)
     with local_units("shm", routed_experts_dtype="uint8") as (config, services, clients):
-        with Writer(clients, config) as writer:
-            sessions = build_sessions(synth, fields=FieldRegistry.builtin(3, 4, "uint8"), writer=writer)
-            writer.flush()
+        segments = _written_segments(clients, config, "uint8", seed=5)
         with Reader(clients, config) as reader:
-            segments = [seg for s in sessions for seg in lineage_segments(s)]
             restored = reader.fetch([seg.layouts for seg in segments])
-        for seg, got in zip(segments, restored):
-            for name, want in inline_fields(seg).items():
-                assert np.array_equal(got[name], want), (seg.segment_id, name)
-                assert got[name].flags.writeable  # the caller's own memory, not a view of the arena
+        _check_restored(segments, restored)
+        assert all(a.flags.writeable for got in restored for a in got.values())  # the caller's own memory
         wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
     if zero_copy_max == "inf":
         assert in_place and not staged
     else:
         assert staged and not in_place
+
+
+def _written_segments(clients, config, dtype: str, seed: int) -> list:
+    """A small synthetic rollout (branches, rewrites) written to the units; its lineage segments."""
+    from gputq.fields import FieldRegistry
+    from gputq.synthetic import SyntheticConfig, build_sessions
+    from gputq.trajectory import lineage_segments
+    from gputq.writer import Writer
+
+    synth = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=4, num_experts=200, prompt_tokens=40,
+                            tokens_per_step=30, tool_tokens=6, branch_prob=0.5, rewrite_prob=0.3, seed=seed)
+    with Writer(clients, config) as writer:
+        sessions = build_sessions(synth, fields=FieldRegistry.builtin(3, 4, dtype), writer=writer)
+        writer.flush()
+    return [seg for session in sessions for seg in lineage_segments(session)]
+
+
+def _check_restored(segments, restored) -> None:
+    """Every restored field is bit-exact with the segment's inline fields."""
+    from gputq.trajectory import inline_fields
+
+    assert len(restored) == len(segments)
+    for seg, got in zip(segments, restored):
+        for name, want in inline_fields(seg).items():
+            assert np.array_equal(got[name], want), (seg.segment_id, name)
