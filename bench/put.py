@@ -70,6 +70,8 @@ __all__ = ["main", "step_fields", "one_pass"]
 LAYERS, TOPK = 48, 8
 KINDS = ("uint8", "uint16", "int32", "logprobs")
 _MIB = 1 << 20
+#: Most untimed rounds a latency row runs before timing (see latency_row).
+WARM_ROUNDS = 8
 
 
 def step_fields(kind: str, tokens: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -149,14 +151,19 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
     put_s, pass_s, sched = [], [], []
     stat = _SchedStat()
     with contextlib.closing(stat), Writer(clients, cfg) as writer:
-        # Two whole rounds before timing: connections, the arena's first touch, and the writer's
-        # buffer pool, which grows to what a round keeps in flight. A proxy pays those faults in its
-        # first seconds, not on every step; timed, they would be the p99 of a short run.
-        for warm in range(2):
+        # Whole rounds before timing, until a round adds no buffer to the writer's pool (at most
+        # WARM_ROUNDS): connections, the arena's first touch, and the pool, which grows to what the
+        # sends in flight at once need, each new buffer faulted in page by page on the caller's
+        # thread. A proxy pays those faults in its first seconds, not on every step; timed, they
+        # would be the p99 of a short run. The row reports how many rounds that took.
+        warm_rounds, kept = 0, -1
+        while warm_rounds < WARM_ROUNDS and writer.buffers_kept != kept:
+            kept = writer.buffers_kept
             for i in range(flush_every):
-                writer.put(f"warm-{warm}/{i}", f"warm-{warm}", fields)
+                writer.put(f"warm-{warm_rounds}/{i}", f"warm-{warm_rounds}", fields)
             writer.flush()
-            _release(clients, f"warm-{warm}")
+            _release(clients, f"warm-{warm_rounds}")
+            warm_rounds += 1
         rounds = -(-puts // flush_every)
         for r in range(rounds):
             for _ in range(3):
@@ -173,13 +180,15 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
                 sched.append((put_s[-1], cpu1 - cpu0, queued1 - queued0))
             writer.flush()
             _release(clients, partition)
+        buffers = writer.buffers_kept
     raw[f"{kind} {tokens}"] = {"put_us": [round(s * 1e6, 1) for s in put_s],
                                "pass_us": [round(s * 1e6, 1) for s in pass_s]}
     p50, base = statistics.median(put_s), statistics.median(pass_s)
     return {"kind": kind, "tokens": tokens, "step_MiB": round(step_bytes / _MIB, 2), "puts": len(put_s),
             "pass_ms": base * 1e3, "put_p50_ms": p50 * 1e3, "put_p99_ms": _pct(put_s, 0.99) * 1e3,
             "put_p99.9_ms": _pct(put_s, 0.999) * 1e3, "p50/pass": p50 / base,
-            "p99/p50": _pct(put_s, 0.99) / p50, **_tail_split(sched)}
+            "p99/p50": _pct(put_s, 0.99) / p50, **_tail_split(sched), "warm_rounds": warm_rounds,
+            "buffers": buffers}
 
 
 def throughput_row(clients, config, kind: str, tokens: int, threads: int, steps: int, rng) -> dict:
@@ -301,9 +310,11 @@ def main(argv=None) -> int:
         result = run(args)
         print_table(result["rows"], ["kind", "tokens", "step_MiB", "puts", "pass_ms", "put_p50_ms",
                                      "put_p99_ms", "put_p99.9_ms", "p50/pass", "p99/p50", "tail_cpu%",
-                                     "tail_runq%", "tail_blocked%"])
+                                     "tail_runq%", "tail_blocked%", "warm_rounds", "buffers"])
         print("  tail_*: of the slowest 1% of puts' time, the share on a core, waiting for a core "
               "(other threads and processes had it), and blocked (GIL, locks, in-flight bound)")
+        print("  warm_rounds: untimed rounds until one added no buffer to the writer's pool; "
+              "buffers: the pool's size after the timed rounds")
         print()
         print_table(result["throughput"], ["kind", "tokens", "threads", "steps", "steps_per_s", "GB/s"])
         summary = result["summary"]

@@ -179,6 +179,12 @@ class Writer(Closeable):
                 self._pending.pop(ref.key, None)
                 self._cond.notify_all()
 
+    @property
+    def buffers_kept(self) -> int:
+        """Sent buffers kept for reuse now. It grows to what the sends in flight at once
+        needed, each new one faulted in by a put; a steady stream of puts stops it growing."""
+        return self._buffers.count
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued write has landed.
 
@@ -368,6 +374,11 @@ class _Buffers:
                 self._kept -= buffer.nbytes
                 return buffer
         return np.empty(size, np.uint8)
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return sum(len(kept) for kept in self._free.values())
 
     def clear(self) -> None:
         """Drop every kept buffer."""
