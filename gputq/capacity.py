@@ -151,7 +151,7 @@ class Calibration:
 #: From ``python -m bench.memory --scale 4 --units 2 --dtypes uint16 --json`` on the 2-core dev
 #: box, 2026-11-30 (docs/logs/memory-scale4-2026-11-30.log): the largest batch measured, whose
 #: fixed per-session costs weigh least per R3 byte. Rerun it and pass ``--calibration`` elsewhere.
-DEFAULT_CALIBRATION = Calibration(centralised=2.0353, residual=0.02557, local_unit=1.1145,
+DEFAULT_CALIBRATION = Calibration(centralised=2.0398, residual=0.03724, local_unit=1.1055,
                                   source="bench.memory --scale 4, dev box, 2026-11-30")
 
 
