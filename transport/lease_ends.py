@@ -81,6 +81,22 @@ class LeaseEnds:
         self._ids: list[int] = []
         self._closed = False
 
+    def request_lease(self, send: Callable[[dict], dict], args: dict) -> tuple[dict, float]:
+        """Send a ``lease`` request with ``send(args)``, carrying the ends still pending.
+
+        Returns the reply and this process's ``time.monotonic()`` from just
+        before the request went out: the ``started`` of :func:`lease_covered`.
+        """
+        ended = self.take()
+        if ended:
+            args = {**args, "end": ended}
+        started = time.monotonic()
+        try:
+            return send(args), started
+        except BaseException:
+            self.restore(ended)  # ending twice is harmless; never ending pins space until expiry
+            raise
+
     def defer(self, lease_id: int) -> None:
         """End ``lease_id`` soon, off the caller's path."""
         with self._lock:

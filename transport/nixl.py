@@ -239,15 +239,8 @@ class NixlChannel(Channel):
             args["generations"] = [None if g is None else int(g) for g in generations]
         if incarnation is not None:
             args["incarnation"] = incarnation
-        ended = self._ends.take()
-        if ended:
-            args["end"] = ended
-        started = time.monotonic()
-        try:
-            lease = self._tcp.request("lease", args, _left(deadline), keys=keys)
-        except BaseException:
-            self._ends.restore(ended)  # ending twice is harmless; never ending pins space until expiry
-            raise
+        lease, started = self._ends.request_lease(
+            lambda a: self._tcp.request("lease", a, _left(deadline), keys=keys), args)
         lease_id, staged, confirmed = lease["lease_id"], None, False
         try:
             regions = leased_regions(lease["regions"], keys, self._arena_nbytes, self.unit)

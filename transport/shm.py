@@ -45,7 +45,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -405,15 +404,7 @@ class ShmChannel(Channel):
     def _leased(self, keys: list, generations, incarnation, timeout: float | None):
         """Lease ``keys`` for the block; yields their regions; confirms the lease after it."""
         args = {"keys": keys, **_read_checks(generations, incarnation)}
-        ended = self._ends.take()
-        if ended:
-            args["end"] = ended
-        started = time.monotonic()
-        try:
-            reply = self._tcp.call(LEASE, timeout=timeout, **args)
-        except BaseException:
-            self._ends.restore(ended)  # ending twice is harmless; never ending pins space until expiry
-            raise
+        reply, started = self._ends.request_lease(lambda a: self._tcp.call(LEASE, timeout=timeout, **a), args)
         lease_id = int(reply["lease_id"])
         ok = False
         try:

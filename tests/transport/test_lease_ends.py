@@ -74,6 +74,24 @@ def test_take_hands_pending_ids_to_a_request_and_restore_gives_them_back():
     wait_until(lambda: not ends.take(), 5, "the ender thread to send the rest")
 
 
+def test_a_lease_request_carries_pending_ends_and_gives_them_back_when_it_fails(monkeypatch):
+    monkeypatch.setattr(lease_ends._Ender, "wake", lambda self, ends: None)  # keep them queued
+    ends = LeaseEnds(lambda ids: None, "u")
+    ends.defer(5)
+    ends.defer(6)
+    sent = []
+    reply, started = ends.request_lease(lambda args: sent.append(args) or {"lease_id": 9}, {"keys": ["k"]})
+    assert reply == {"lease_id": 9} and sent == [{"keys": ["k"], "end": [5, 6]}] and started > 0
+    ends.defer(7)
+
+    def lost(args):
+        raise ConnectionError("unit lost")
+
+    with pytest.raises(ConnectionError):
+        ends.request_lease(lost, {"keys": ["k"]})
+    assert ends.take() == [7]  # the failed request's ends are pending again
+
+
 @pytest.fixture(params=ONE_SIDED)
 def one_sided(request, tmp_path):
     """A real unit with one key, served for ``request.param``, and a channel of that kind."""
