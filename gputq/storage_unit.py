@@ -242,20 +242,25 @@ class StorageUnit(Closeable):
             self._timer.poke(self._book.reserve(entry, time.monotonic()))  # under the lock: in order
         return offset
 
-    def commit_write(self, key: str) -> dict:
+    def commit_write(self, key: str, generation: int | None = None) -> dict:
         """Make a reserved, fully written key readable; return ``{"offset", "nbytes",
         "generation", "incarnation"}``.
+
+        ``generation``, the one the write's meta carried, names the
+        reservation: a writer whose reservation expired, and whose key was
+        reserved again by another write meanwhile, cannot commit that one.
 
         Raises
         ------
         UnknownKeyError
             ``key`` is not reserved (never begun, aborted, or its reservation
-            expired), or its partition was released while it was being
+            expired), the reservation is another write's (``generation``
+            differs), or its partition was released while it was being
             written (the reservation is then freed).
         """
         key = check_key(self.name, key)
         with self._lock:
-            entry = self._table.get(key)
+            entry = self._reserved(key, generation)
             if entry is not None and entry.state == RESERVED \
                     and self._book.reservation_expired(entry, time.monotonic()):
                 # Expired but not reaped yet: refused all the same, so whether a late
@@ -278,17 +283,27 @@ class StorageUnit(Closeable):
             return {"offset": entry.offset, "nbytes": entry.nbytes, "generation": entry.generation,
                     "incarnation": self.incarnation}
 
-    def abort_write(self, key: str) -> None:
-        """Drop the reservation of ``key``. Unknown keys are ignored."""
+    def abort_write(self, key: str, generation: int | None = None) -> None:
+        """Drop the reservation of ``key`` (of the write whose meta carried ``generation``,
+        when given). Unknown keys, and another write's reservation of the key, are ignored."""
         key = check_key(self.name, key)
         with self._lock:
-            entry = self._table.get(key)
+            entry = self._reserved(key, generation)
             if entry is None:
                 return
             if entry.state != RESERVED:
                 raise InvalidInputError(
                     f"unit {self.name}: key {key!r} is committed; use delete() to remove it")
             self._table.forget(entry)
+
+    def _reserved(self, key: str, generation: int | None):
+        """``key``'s entry, unless ``generation`` is given and names another write."""
+        if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)):
+            raise InvalidInputError(f"unit {self.name}: generation must be an int, got {generation!r}")
+        entry = self._table.get(key)
+        if entry is not None and generation is not None and entry.generation != generation:
+            return None
+        return entry
 
     def lease(self, keys: Sequence[str], generations: Sequence[int] | None = None,
               incarnation: str | None = None, *, expires: bool = True) -> Lease:

@@ -52,6 +52,23 @@ def test_a_commit_past_the_reservation_deadline_is_refused_before_the_timer_runs
         assert (stats["used"], stats["reserved"], stats["reservations"], stats["reservations_expired"]) == (0, 0, 0, 1)
 
 
+def test_a_late_writer_cannot_commit_or_abort_the_next_write_of_its_key():
+    """A writer whose reservation expired, the key reserved again by a retry, names its own write."""
+    with StorageUnit("su-retry", 64 * KIB, reservation_timeout_s=0.2) as unit:
+        first = unit.begin_write("k", 8 * KIB, {"partition": "p", "generation": 11}, timeout=0)
+        wait_until(lambda: unit.stats()["reservations_expired"] == 1, timeout=10, what="the first write expires")
+        # The retry gets the same key, very likely the same region.
+        assert unit.begin_write("k", 8 * KIB, {"partition": "p", "generation": 22}, timeout=0) == first
+        with pytest.raises(UnknownKeyError, match="no write in progress for key 'k'"):
+            unit.commit_write("k", 11)  # the late first writer: the retry's bytes are not its to publish
+        unit.abort_write("k", 11)  # nor its to drop
+        assert unit.stats()["reservations"] == 1 and unit.stats()["keys"] == 0
+        receipt = unit.commit_write("k", 22)
+        assert receipt["generation"] == 22 and unit.stats()["keys"] == 1
+        with pytest.raises(InvalidInputError, match="generation must be an int"):
+            unit.commit_write("k", "22")
+
+
 def test_committed_write_is_not_expired():
     with StorageUnit("su-commit", 64 * KIB, reservation_timeout_s=0.2, lease_timeout_s=0.2) as unit:
         unit.put("kept", np.full(100, 3, np.uint8))

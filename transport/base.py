@@ -108,15 +108,18 @@ class ArenaHandler(Protocol):
         ``nbytes`` can never fit. Errors cross the wire by class name.
         """
 
-    def commit_write(self, key: str) -> dict:
+    def commit_write(self, key: str, generation: int | None = None) -> dict:
         """Make a reserved, fully written key visible; return a receipt.
 
         Refuses (the StorageUnit: ``UnknownKeyError``) a reservation that
-        expired, even one the handler's timer has not reaped yet.
+        expired, even one the handler's timer has not reaped yet, and one
+        whose generation is not ``generation`` (the write's meta's, when it
+        carried one): another write's reservation of the same key.
         """
 
-    def abort_write(self, key: str) -> None:
-        """Drop a reservation whose bytes did not all arrive."""
+    def abort_write(self, key: str, generation: int | None = None) -> None:
+        """Drop a reservation whose bytes did not all arrive (not another write's: see
+        :meth:`commit_write`)."""
 
     def lease(self, keys: Sequence[str], generations=None, incarnation=None, *, expires: bool = True) -> Lease:
         """Pin the regions of ``keys`` (in order).

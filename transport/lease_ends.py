@@ -78,6 +78,7 @@ class LeaseEnds:
         self._send = send
         self._unit = unit
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
         self._ids: list[int] = []
         self._closed = False
 
@@ -125,12 +126,13 @@ class LeaseEnds:
             _Ender.instance().wake(self)
 
     def flush(self) -> None:
-        """End every deferred lease now (blocking)."""
-        while True:
-            ids = self.take()
-            if not ids:
-                return
-            self._end(ids)
+        """End every deferred lease now (blocking), including any the ender thread is sending."""
+        with self._flushing:  # close() must not return while the ender's send is in flight
+            while True:
+                ids = self.take()
+                if not ids:
+                    return
+                self._end(ids)
 
     def close(self) -> None:
         """Flush, and end later deferrals at once. Idempotent."""

@@ -413,6 +413,9 @@ class NixlChannel(Channel):
         deadline = None if timeout is None else time.monotonic() + timeout
         offset = self._tcp.call(BEGIN_WRITE, timeout=timeout, key=key, nbytes=nbytes,
                                 meta=meta or {}, wait_s=timeout)
+        # Commit and abort name this write's reservation, not a later one of the same key.
+        generation = (meta or {}).get("generation")
+        reservation = {"generation": generation} if type(generation) is int else {}
         # The unit cannot stop a WRITE it granted: once the reservation expires
         # the region may hold another key, and a late push would overwrite it.
         # So the push ends inside the reservation, with half of it to spare,
@@ -433,9 +436,9 @@ class NixlChannel(Channel):
                                             f"within {window:g} s ({bound}): {exc}; write aborted") from None
         except BaseException:
             with contextlib.suppress(Exception):
-                self._tcp.call(ABORT_WRITE, timeout=_CLEANUP_TIMEOUT_S, key=key)
+                self._tcp.call(ABORT_WRITE, timeout=_CLEANUP_TIMEOUT_S, key=key, **reservation)
             raise
-        return self._tcp.call(COMMIT_WRITE, timeout=_left(deadline), key=key)
+        return self._tcp.call(COMMIT_WRITE, timeout=_left(deadline), key=key, **reservation)
 
     def _push(self, key: str, data: np.ndarray, offset: int, deadline: float | None) -> None:
         """Copy ``data`` through a bounded registered staging buffer into the arena at ``offset``."""

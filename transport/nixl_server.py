@@ -50,6 +50,14 @@ def _key(args: dict) -> str:
     return key
 
 
+def _generation(args: dict) -> int | None:
+    """The write's generation, naming its reservation; None when the client sent none."""
+    generation = args.get("generation")
+    if generation is not None and type(generation) is not int:
+        raise InvalidInputError("generation must be an int")
+    return generation
+
+
 class _NixlControl:
     """The handler as the tcp server sees it: the rdma control calls added in front.
 
@@ -81,9 +89,9 @@ class _NixlControl:
                 raise InvalidInputError("nixl_begin_write needs nbytes (int), meta (map), wait_s (number)")
             return h.begin_write(_key(args), nbytes, meta, wait_s)
         if method == COMMIT_WRITE:
-            return h.commit_write(_key(args))
+            return h.commit_write(_key(args), _generation(args))
         if method == ABORT_WRITE:
-            h.abort_write(_key(args))
+            h.abort_write(_key(args), _generation(args))
             return None
         return h.control(method, args)
 

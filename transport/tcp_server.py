@@ -208,9 +208,11 @@ def _serve_write(reader, writer, handler, body, payload_len: int, receive_s: flo
         if nbytes != payload_len:
             raise InvalidInputError(f"WRITE of {key!r} announces {nbytes} bytes but carries {payload_len}")
         offset = handler.begin_write(key, nbytes, meta, timeout)
+        # Commit and abort name this write's reservation, not any later one of the same key.
+        generation = meta.get("generation") if type(meta.get("generation")) is int else None
         arena = byte_view(handler.arena)
         if offset < 0 or offset + nbytes > arena.nbytes:
-            handler.abort_write(key)
+            handler.abort_write(key, generation)
             raise TransferError(f"unit {handler.name} reserved [{offset}, {offset + nbytes}) outside its arena",
                                 handler.name, (key,))
     except Exception as exc:
@@ -224,15 +226,15 @@ def _serve_write(reader, writer, handler, body, payload_len: int, receive_s: flo
         with reader.bounded(receive_s):
             reader.recv_exact(arena[offset:offset + nbytes])
     except GputqTimeoutError:
-        handler.abort_write(key)
+        handler.abort_write(key, generation)
         raise GputqTimeoutError(
             f"unit {handler.name}: write of key {key!r} ({nbytes} bytes) not received within "
             f"{receive_s:g} s, inside its reservation; write aborted") from None
     except BaseException:
-        handler.abort_write(key)
+        handler.abort_write(key, generation)
         raise
     try:
-        receipt = handler.commit_write(key)
+        receipt = handler.commit_write(key, generation)
     except Exception as exc:
         _reply_error(writer, _typed(exc, handler))
         return

@@ -64,6 +64,26 @@ def test_deferred_ends_are_sent_in_the_background_and_on_close():
     ends.close()  # idempotent
 
 
+@pytest.mark.timeout(30)
+def test_close_waits_for_an_end_the_ender_thread_is_sending():
+    sending, release = threading.Event(), threading.Event()
+    sent = []
+
+    def slow_send(ids):
+        sending.set()
+        release.wait(10)
+        sent.append(list(ids))
+
+    ends = LeaseEnds(slow_send, "u")
+    ends.defer(3)
+    assert sending.wait(5), "the ender thread never started sending"
+    closed = threading.Event()
+    threading.Thread(target=lambda: (ends.close(), closed.set()), daemon=True).start()
+    assert not closed.wait(0.3)  # the end is still on its way: close() must not claim it is done
+    release.set()
+    assert closed.wait(5) and sent == [[3]]
+
+
 def test_take_hands_pending_ids_to_a_request_and_restore_gives_them_back():
     ends = LeaseEnds(lambda ids: None, "u")
     with ends._lock:  # queue without waking the ender, to look at take/restore alone
