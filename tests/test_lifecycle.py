@@ -162,7 +162,7 @@ def test_uses_of_counts_segment_uses_and_write_references_once():
         uses = uses_of([t0, t1])
         step0 = {r.key for r in session.steps[0].refs.values()}
         assert {key: n for (_, key), n in uses.items() if key in step0} == {
-            f"p/s/0/routed_experts": 2, f"p/s/0/logprobs": 1}
+            "p/s/0/routed_experts": 2, "p/s/0/logprobs": 1}
         assert uses_of([session, session]) == Counter({("su-0", r.key): 1 for s in session.steps
                                                       for r in s.refs.values()})
         with pytest.raises(InvalidInputError):
