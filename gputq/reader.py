@@ -287,9 +287,11 @@ class Reader(Closeable):
                                     for layout in layouts)
         with contextlib.ExitStack() as lent:  # pooled staging goes back once restored
             started = time.perf_counter()
-            staging = _mapped_staging(self, per_field, stats, lent)  # zero-copy over shm, else None
+            requests, nbytes = _lay_out([stage for _, stage in per_field.values()], self._config.max_frame_bytes)
+            # zero-copy over shm, else None
+            staging = _mapped_staging(self, per_field, requests, nbytes, stats, lent)
             if staging is None:
-                staging = self._read_all(per_field, stats, lent)
+                staging = self._read_all(requests, nbytes, stats, lent)
             stats.fetch_seconds = time.perf_counter() - started
             started = time.perf_counter()
             results = self._restore(per_field, staging, len(shard))
@@ -308,9 +310,7 @@ class Reader(Closeable):
                 return lent.enter_context(get_transport("rdma").destination(nbytes))
         return self._own_staging(nbytes)
 
-    def _read_all(self, per_field: dict, stats: FetchStats, lent: contextlib.ExitStack):
-        stages = [stage for _, stage in per_field.values()]
-        requests, nbytes = _lay_out(stages, self._config.max_frame_bytes)
+    def _read_all(self, requests: list[_Request], nbytes: int, stats: FetchStats, lent: contextlib.ExitStack):
         staging = self._staging_buffer(nbytes, sorted({r.unit for r in requests}), lent)
         for request in requests:
             stats.unique_keys += len(request.keys)
@@ -429,7 +429,8 @@ class Reader(Closeable):
 
 # -- zero-copy restore from same-host arenas (the shm backend) ---------------------------
 
-def _mapped_staging(reader: Reader, per_field: dict, stats: FetchStats, lent: contextlib.ExitStack):
+def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], nbytes: int, stats: FetchStats,
+                    lent: contextlib.ExitStack):
     """The shard's compact bytes left in the units' arenas, for the restore to read in place.
 
     Taken when every unit of the shard is read over shm with its arena
@@ -448,7 +449,6 @@ def _mapped_staging(reader: Reader, per_field: dict, stats: FetchStats, lent: co
     channels = {unit: reader._clients.channel(unit) for unit in units}
     if not units or not all(_mapped_here(channel, on_device) for channel in channels.values()):
         return None
-    requests, nbytes = _lay_out([stage for _, stage in per_field.values()], reader._config.max_frame_bytes)
     if nbytes > zero_copy_max_bytes():
         return None
     refs = {(unit, key): ref for _, stage in per_field.values()

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from transport.base import Closeable, Lease, Region
+from transport.directory import KeyDirectory, directory_nbytes, directory_slots
 
 from .allocator import FreeListAllocator
 from .arena import Arena
@@ -144,6 +145,15 @@ class StorageUnit(Closeable):
         self.reservation_timeout_s = float(reservation_timeout_s)
         self._alloc = FreeListAllocator(capacity_bytes, alignment)  # validates before allocating
         self._arena = Arena(capacity_bytes, name, shm_dir)
+        # Where committed keys lie, for same-host readers to start copying before their lease
+        # is granted (transport.directory); a file of its own, so readers map it read-only.
+        slots = directory_slots(capacity_bytes)
+        try:
+            self._directory_file = Arena(directory_nbytes(slots), f"{name}-keys", shm_dir, pin=False)
+        except BaseException:
+            self._arena.close()
+            raise
+        self._directory = KeyDirectory(self._directory_file.array, slots)
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)  # writers waiting for space
         self._table = KeyTable(name, self._on_forget)
@@ -165,6 +175,11 @@ class StorageUnit(Closeable):
     def arena_path(self) -> str:
         """Shared-memory file of the arena, for same-host mapping."""
         return self._arena.path
+
+    @property
+    def directory_file(self) -> dict:
+        """The key directory's shared-memory file: ``{"path", "slots"}`` (see :mod:`transport.directory`)."""
+        return {"path": self._directory_file.path, "slots": self._directory.slots}
 
     @property
     def pinned(self) -> bool:
@@ -278,6 +293,7 @@ class StorageUnit(Closeable):
                 self._table.forget(entry)
                 raise UnknownKeyError(f"unit {self.name}: key {key!r} was released while being written")
             entry.state = COMMITTED
+            self._directory.publish(key, entry.generation, entry.offset, entry.nbytes)
             self._counters["puts"] += 1
             self._counters["bytes_written"] += entry.nbytes
             return {"offset": entry.offset, "nbytes": entry.nbytes, "generation": entry.generation,
@@ -579,6 +595,7 @@ class StorageUnit(Closeable):
             self._space.notify_all()
         self._timer.stop()
         self._arena.close()
+        self._directory_file.close()
 
     def __repr__(self) -> str:
         return (f"StorageUnit(name={self.name!r}, incarnation={self.incarnation!r}, "
@@ -617,6 +634,7 @@ class StorageUnit(Closeable):
         return self._book.next_deadline()
 
     def _on_forget(self, entry: Entry) -> None:
+        self._directory.withdraw(entry.key, entry.generation)
         self._book.unreserve(entry)
         self._book.park_or_free(entry)
 

@@ -81,6 +81,9 @@ class ArenaHandler(Protocol):
     A handler should also have ``incarnation`` (a str, random per handler
     object: a reference made before a restart is then stale); servers
     publish it in addresses and HELLO replies, and an empty one when absent.
+    A handler may have ``directory_file`` (``{"path", "slots"}``), its key
+    directory (:mod:`transport.directory`): servers hand it to same-host
+    readers with the arena file, and those copy before their lease returns.
     A handler whose reservations expire has ``reservation_timeout_s``
     (seconds): servers then bound a write's transfer into its region by
     :func:`write_window` of it, so that no byte lands after the region may

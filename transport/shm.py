@@ -14,10 +14,16 @@ everything but the bytes. A read is
    a deadline: a reader that dies does not pin them forever) and answers
    their offsets, checking the reference's generations and incarnation;
 2. the copy from the mapping: into host memory one ``numpy.copyto`` per run
-   of regions adjacent in the arena (usually the whole read; large reads
-   are split over a few threads); into GPU
-   memory one ``cudaMemcpyAsync`` per run, from the mapping registered with
-   CUDA once per channel (read-only, page-locked);
+   of regions adjacent in the arena (large reads are split over a few
+   threads where there are cores for them); into GPU memory one
+   ``cudaMemcpyAsync`` per run, from the mapping registered with CUDA once
+   per channel (read-only, page-locked). The copy does not wait for the
+   lease's reply: the unit also publishes where each stored key lies in a
+   directory file (:mod:`transport.directory`) mapped here read-only, and
+   the copy runs from the regions it names while the request is in
+   flight. It stands when the reply leases exactly those regions (the key
+   was then stored there all along); otherwise it is made again from the
+   reply's regions;
 3. the confirmation that the lease covered the whole copy. When the copy
    ended well inside the lifetime the unit states for the lease, measured
    from before the request, the lease provably held and is ended in the
@@ -51,6 +57,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from transport.base import Channel, TransportType, byte_view, is_device_buffer
+from transport.directory import DirectoryView, directory_nbytes
 from transport.errors import (
     ClosedError,
     InvalidInputError,
@@ -271,6 +278,14 @@ class ShmChannel(Channel):
         The arena mapping; ``None`` when the channel fell back to tcp reads.
     fallback_reason : str or None
         Why reads go over rdma or tcp, when they do.
+    directory : DirectoryView or None
+        The unit's key directory, mapped read-only; ``None`` when the unit
+        publishes none (reads then wait for the lease before copying).
+    reads_ahead : int
+        Reads whose copy, made from the directory while the lease was
+        requested, the lease confirmed.
+    hint_misses : int
+        Reads whose directory regions the lease did not confirm (copied again).
     """
 
     def __init__(self, address: dict, *, token: str, max_frame_bytes: int, timeout: float | None = None):
@@ -287,6 +302,9 @@ class ShmChannel(Channel):
         self.incarnation = getattr(self._tcp, "incarnation", address.get("incarnation"))
         self._ends = LeaseEnds(self._send_ends, self.unit)
         self.mapping: ArenaMapping | None = None
+        self.directory: DirectoryView | None = None
+        self._directory_mapping: ArenaMapping | None = None
+        self.reads_ahead = self.hint_misses = 0
         self.fallback_reason: str | None = None
         host = address.get("hostname")
         if host is not None and host != local_hostname():
@@ -297,11 +315,27 @@ class ShmChannel(Channel):
                 self.mapping = ArenaMapping(str(info["path"]), int(info["nbytes"]))
             except Exception as exc:  # InvalidInputError from an older server, OSError, ...
                 self.fallback_reason = f"cannot map the arena file of unit {self.unit}: {exc}"
+            else:
+                self._map_directory(info.get("directory"))
         self._fallback = None  # the channel reads go through when the arena is not mapped
         if self.fallback_reason is not None:
             self._fallback = self._fallback_channel(address, token, max_frame_bytes, timeout)
             _log.warning("shm channel to %s reads over %s: %s", self.unit,
                          "rdma" if self._fallback is not self._tcp else "tcp", self.fallback_reason)
+
+    def _map_directory(self, directory) -> None:
+        """Map the unit's key directory, when it names one; reads wait for their lease without it."""
+        if not isinstance(directory, dict):
+            return
+        try:
+            slots = int(directory["slots"])
+            self._directory_mapping = ArenaMapping(str(directory["path"]), directory_nbytes(slots))
+            self.directory = DirectoryView(self._directory_mapping.array, slots)
+        except Exception as exc:  # a malformed answer or an unmappable file costs one round trip a read
+            _log.info("unit %s: key directory not mapped (%s); reads wait for their lease", self.unit, exc)
+            if self._directory_mapping is not None:
+                self._directory_mapping.close()
+            self._directory_mapping = self.directory = None
 
     def _fallback_channel(self, address: dict, token: str, max_frame_bytes: int, timeout) -> Channel:
         """rdma for a unit that serves it and where NIXL imports (cma on one host), else the tcp lane."""
@@ -346,12 +380,8 @@ class ShmChannel(Channel):
             capacity = out.nbytes
         if not keys:
             return []
-        with self._leased(keys, generations, incarnation, timeout) as regions:
-            lengths = regions[:, 1]
-            total = int(lengths.sum())
-            if total > capacity:
-                raise RequestTooLargeError(
-                    f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
+
+        def copy(regions: np.ndarray) -> None:
             runs = zip(*(a.tolist() for a in merge_runs(regions)))
             if on_device:
                 self.mapping.register()
@@ -359,7 +389,31 @@ class ShmChannel(Channel):
                                          self.mapping.address, runs)
             else:
                 _host_copy(out, self.mapping.array, runs)
+
+        hinted = self._hinted_regions(keys, generations, capacity)
+        ahead = None if hinted is None else (lambda: copy(hinted))
+        with self._leased(keys, generations, incarnation, timeout, ahead=ahead) as regions:
+            lengths = regions[:, 1]
+            total = int(lengths.sum())
+            if total > capacity:
+                raise RequestTooLargeError(
+                    f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
+            if hinted is not None and np.array_equal(regions, hinted):
+                self.reads_ahead += 1
+            else:
+                self.hint_misses += hinted is not None
+                copy(regions)
         return lengths.tolist()
+
+    def _hinted_regions(self, keys: list, generations, capacity: int) -> np.ndarray | None:
+        """The regions the directory names for every key, when they fit the arena and ``capacity``."""
+        if self.directory is None or generations is None:
+            return None
+        regions = self.directory.lookup(keys, [int(g or 0) for g in generations])
+        if regions is None or int(regions.min()) < 0 or int(regions[:, 1].sum()) > capacity \
+                or int((regions[:, 0] + regions[:, 1]).max()) > self.mapping.nbytes:
+            return None  # a torn or foreign entry: wait for the lease
+        return regions
 
     @contextlib.contextmanager
     def mapped_source(self, keys: Sequence[str], timeout: float | None = None, *,
@@ -401,10 +455,13 @@ class ShmChannel(Channel):
         return self.mapping is not None and self.mapping.register()
 
     @contextlib.contextmanager
-    def _leased(self, keys: list, generations, incarnation, timeout: float | None):
-        """Lease ``keys`` for the block; yields their regions; confirms the lease after it."""
+    def _leased(self, keys: list, generations, incarnation, timeout: float | None, *, ahead=None):
+        """Lease ``keys`` for the block; yields their regions; confirms the lease after it.
+
+        ``ahead()``, when given, runs while the request is in flight.
+        """
         args = {"keys": keys, **_read_checks(generations, incarnation)}
-        reply, started = self._ends.request_lease(lambda a: self._tcp.call(LEASE, timeout=timeout, **a), args)
+        reply, started = self._ends.request_lease(lambda a: self._lease_call(a, keys, timeout, ahead), args)
         lease_id = int(reply["lease_id"])
         ok = False
         try:
@@ -424,6 +481,21 @@ class ShmChannel(Channel):
             raise StaleReadError(
                 f"unit {self.unit}: the lease on {len(keys)} keys expired before the copy finished; "
                 "the bytes read may belong to other keys")
+
+    def _lease_call(self, args: dict, keys: list, timeout: float | None, ahead) -> dict:
+        if ahead is None:
+            return self._tcp.request(LEASE, args, timeout, keys=keys)
+        failure = None
+        with self._tcp.overlapped(LEASE, args, timeout, keys=keys) as result:
+            try:
+                ahead()
+            except Exception as exc:  # the lease is granted all the same: end it, then fail
+                failure = exc
+            reply = result()
+        if failure is not None:
+            self._end_lease(int(reply["lease_id"]), quiet=True)
+            raise failure
+        return reply
 
     def _send_ends(self, lease_ids: list[int]) -> None:
         self._tcp.call(END_LEASE, timeout=_END_TIMEOUT_S, lease_ids=lease_ids)
@@ -453,8 +525,9 @@ class ShmChannel(Channel):
             return
         self._closed = True
         self._ends.close()
-        if self.mapping is not None:
-            self.mapping.close()
+        for mapping in (self.mapping, self._directory_mapping):
+            if mapping is not None:
+                mapping.close()
         if self._fallback is not None and self._fallback is not self._tcp:
             self._fallback.close()
         self._tcp.close()

@@ -189,7 +189,11 @@ def _generic_call(handler: ArenaHandler, method: str, args: dict):
     if method == "end_lease":
         return {"held": [_held(handler.end_lease(i)) for i in _list_of(args.get("lease_ids"), int, "lease_ids")]}
     if method == "arena_file":
-        return {"path": handler.arena_path, "nbytes": byte_view(handler.arena).nbytes}
+        reply = {"path": handler.arena_path, "nbytes": byte_view(handler.arena).nbytes}
+        directory = getattr(handler, "directory_file", None)
+        if isinstance(directory, dict):
+            reply["directory"] = directory
+        return reply
     return NotImplemented
 
 

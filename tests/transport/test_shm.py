@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from transport import get_transport
 from transport.cuda import cuda_available, usable_cupy
 from transport.errors import InvalidInputError, RequestTooLargeError, StaleReadError
 from transport.policy import nixl_import_error
+from transport import shm
 from transport.shm import ShmChannel, merge_runs
 
 from tests.waiting import wait_until
@@ -93,6 +95,90 @@ def test_an_expired_lease_is_a_stale_read(served, monkeypatch):
     monkeypatch.setattr(unit, "end_lease", real_end)
     dest = np.empty(1000, np.uint8)
     assert channel.read(["a"], dest, timeout=5) == [1000] and np.array_equal(dest, blobs["a"])
+
+
+def _generations(unit: StorageUnit, keys: list[str]) -> list[int]:
+    return [entry["generation"] for entry in unit.lookup(keys)]
+
+
+@pytest.mark.timeout(30)
+def test_a_read_copies_from_the_directory_before_its_lease_is_granted(served, monkeypatch):
+    unit, blobs, channel, _ = served
+    assert channel.directory is not None
+    copied = threading.Event()
+    real_copy, real_lease = shm._host_copy, unit.lease_regions
+    monkeypatch.setattr(shm, "_host_copy", lambda *args: (real_copy(*args), copied.set()))
+
+    def lease_once_copied(keys, **checks):
+        if not copied.wait(5):
+            raise RuntimeError("the reader waited for the lease before copying")
+        return real_lease(keys, **checks)
+
+    monkeypatch.setattr(unit, "lease_regions", lease_once_copied)
+    keys = ["c", "a", "b"]
+    dest = np.empty(sum(blobs[k].size for k in keys), np.uint8)
+    assert channel.read(keys, dest, timeout=10, generations=_generations(unit, keys)) == [70_000, 1000, 24]
+    assert np.array_equal(dest, np.concatenate([blobs[k] for k in keys]))
+    assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
+    dest[:] = 0  # without generations there is nothing to look up: the copy waits for the lease
+    copied.clear()
+    monkeypatch.setattr(unit, "lease_regions", real_lease)
+    assert channel.read(["a"], dest[:1000], timeout=5) == [1000] and np.array_equal(dest[:1000], blobs["a"])
+    assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
+
+
+@pytest.mark.timeout(30)
+def test_a_wrong_directory_entry_costs_a_second_copy_not_wrong_bytes(served):
+    unit, blobs, channel, _ = served
+    generation = _generations(unit, ["a"])[0]
+    elsewhere = unit.lookup(["c"])[0]["offset"]
+    unit._directory.publish("a", generation, elsewhere, 1000)  # a torn or stale entry
+    dest = np.empty(1000, np.uint8)
+    assert channel.read(["a"], dest, timeout=5, generations=[generation]) == [1000]
+    assert np.array_equal(dest, blobs["a"])
+    assert (channel.reads_ahead, channel.hint_misses) == (0, 1)
+
+
+@pytest.mark.timeout(30)
+def test_a_key_freed_and_its_space_reused_during_the_early_copy_fails_the_read(served, monkeypatch):
+    unit, blobs, channel, _ = served
+    generation = _generations(unit, ["a"])[0]
+    real_lease = unit.lease_regions
+
+    def reused_first(keys, **checks):  # between the reader's look-up and the grant
+        unit.release(["a"], "p")
+        unit.put("z", np.full(1000, 0xEE, np.uint8), {"partition": "p"})
+        return real_lease(keys, **checks)
+
+    monkeypatch.setattr(unit, "lease_regions", reused_first)
+    dest = np.zeros(1000, np.uint8)
+    with pytest.raises(UnknownKeyError, match="'a'"):
+        channel.read(["a"], dest, timeout=5, generations=[generation])
+    assert unit.stats()["leases"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_early_copy_ends_the_lease_it_was_granted(served, monkeypatch):
+    unit, blobs, channel, _ = served
+
+    def broken(*args):
+        raise MemoryError("copy failed")
+
+    monkeypatch.setattr(shm, "_host_copy", broken)
+    with pytest.raises(MemoryError, match="copy failed"):
+        channel.read(["a"], np.empty(1000, np.uint8), timeout=5, generations=_generations(unit, ["a"]))
+    wait_until(lambda: unit.stats()["leases"] == 0, 5, "the granted lease to end")
+
+
+@pytest.mark.timeout(30)
+def test_a_unit_without_a_directory_is_read_after_its_lease(served, monkeypatch):
+    unit, blobs, _, address = served
+    monkeypatch.setattr(StorageUnit, "directory_file", property(lambda self: None))
+    with ShmChannel(address, token=TOKEN, max_frame_bytes=1 << 26, timeout=5) as plain:
+        assert plain.directory is None and plain.mapping is not None
+        dest = np.empty(1000, np.uint8)
+        assert plain.read(["a"], dest, timeout=5, generations=_generations(unit, ["a"])) == [1000]
+        assert np.array_equal(dest, blobs["a"]) and plain.reads_ahead == 0
 
 
 def test_writes_and_control_go_over_the_tcp_lane(served):
@@ -281,10 +367,14 @@ def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_m
         _check_restored(segments, restored)
         assert all(a.flags.writeable for got in restored for a in got.values())  # the caller's own memory
         wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
+        channels = [clients.channel(unit) for unit in clients.units]
+        ahead = sum(channel.reads_ahead for channel in channels)
+        assert sum(channel.hint_misses for channel in channels) == 0
     if zero_copy_max == "inf":
         assert in_place and not staged
     else:
         assert staged and not in_place
+        assert ahead >= len(clients.units)  # the reference's generations found in the directories
 
 
 def _written_segments(clients, config, dtype: str, seed: int) -> list:

@@ -415,7 +415,8 @@ def test_generic_one_sided_calls(channel, handler):
     second = channel.call("lease", keys=["a"], end=[])
     third = channel.call("lease", keys=["b"], end=[second["lease_id"]])  # ends the second first
     assert channel.call("end_lease", lease_ids=[second["lease_id"], third["lease_id"]]) == {"held": [False, True]}
-    assert channel.call("arena_file") == {"path": handler.arena_path, "nbytes": handler.arena.nbytes}
+    assert channel.call("arena_file") == {"path": handler.arena_path, "nbytes": handler.arena.nbytes,
+                                          "directory": handler.directory_file}
     assert handler.stats()["leases"] == 0
 
 
