@@ -246,6 +246,12 @@ def test_read_into_gpu_memory_from_the_registered_mapping(served):
     got = dest.cpu().numpy()
     assert np.array_equal(got[:want.size], want) and (got[want.size:] == 9).all()
     assert channel.mapping.registered or channel.mapping.register_error
+    dest.fill_(9)  # with generations: copied from the directory's regions while the lease is requested
+    generations = _generations(unit, keys)
+    assert channel.read(keys, dest, timeout=10, generations=generations) == [blobs[k].size for k in keys]
+    got = dest.cpu().numpy()
+    assert np.array_equal(got[:want.size], want) and (got[want.size:] == 9).all()
+    assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
 
 
 @pytest.mark.gpu
