@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from transport.base import Closeable
+from transport.errors import HintMissedError
 
 from .clients import UnitClients, fan_out, tally
 from .config import GputqConfig
@@ -276,28 +277,35 @@ class Reader(Closeable):
             return self._fetch(shard)
 
     def _fetch(self, shard: Sequence[Mapping[str, Layout]]) -> list[dict]:
-        stats = FetchStats(samples=len(shard))
         per_field = {}
         for name in sorted({name for sample in shard for name in sample}):
             layouts = [sample[name] for sample in shard if name in sample]
             if len(layouts) != len(shard):
                 raise LayoutError(f"field {name!r} is missing from some samples of the shard")
             per_field[name] = (layouts, _stage_field(name, layouts))
-        stats.referenced_keys = sum(len(layout.refs()) for layouts, _ in per_field.values()
-                                    for layout in layouts)
+        referenced = sum(len(layout.refs()) for layouts, _ in per_field.values() for layout in layouts)
+        try:
+            results, stats = self._fetch_once(per_field, len(shard), ahead=True)
+        except HintMissedError:  # a same-host restore ran on a key directory the leases did not confirm
+            results, stats = self._fetch_once(per_field, len(shard), ahead=False)
+        stats.referenced_keys = referenced
+        self.last_stats = stats
+        return results
+
+    def _fetch_once(self, per_field: dict, samples: int, *, ahead: bool) -> tuple[list[dict], FetchStats]:
+        stats = FetchStats(samples=samples)
         with contextlib.ExitStack() as lent:  # pooled staging goes back once restored
             started = time.perf_counter()
             requests, nbytes = _lay_out([stage for _, stage in per_field.values()], self._config.max_frame_bytes)
             # zero-copy over shm, else None
-            staging = _mapped_staging(self, per_field, requests, nbytes, stats, lent)
+            staging = _mapped_staging(self, per_field, requests, nbytes, stats, lent, ahead=ahead)
             if staging is None:
                 staging = self._read_all(requests, nbytes, stats, lent)
             stats.fetch_seconds = time.perf_counter() - started
             started = time.perf_counter()
-            results = self._restore(per_field, staging, len(shard))
+            results = self._restore(per_field, staging, samples)
             stats.restore_seconds = time.perf_counter() - started
-        self.last_stats = stats
-        return results
+        return results, stats
 
     def _staging_buffer(self, nbytes: int, units, lent: contextlib.ExitStack):
         """Where a shard's blobs land: transport-registered memory when every unit is read
@@ -430,7 +438,7 @@ class Reader(Closeable):
 # -- zero-copy restore from same-host arenas (the shm backend) ---------------------------
 
 def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], nbytes: int, stats: FetchStats,
-                    lent: contextlib.ExitStack):
+                    lent: contextlib.ExitStack, *, ahead: bool = True):
     """The shard's compact bytes left in the units' arenas, for the restore to read in place.
 
     Taken when every unit of the shard is read over shm with its arena
@@ -439,7 +447,10 @@ def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], n
     The restore then reads each compact byte once, where it lies: the
     kernel over PCIe, or the numpy widen straight out of the mapping. Each
     unit's keys are leased into ``lent``; the leases are confirmed when it
-    closes, after the restore finished. Returns ``None`` to stage as usual.
+    closes, after the restore finished. With ``ahead``, the restore reads
+    the regions the units' key directories name while the leases are
+    requested; closing ``lent`` raises ``HintMissedError`` when a lease named
+    other ones. Returns ``None`` to stage as usual.
     """
     from kernels import MappedSource
     from transport.shm import zero_copy_max_bytes
@@ -458,7 +469,7 @@ def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], n
         generations = [getattr(refs[(r.unit, key)], "generation", 0) for key in r.keys]
         regions = lent.enter_context(channels[r.unit].mapped_source(
             r.keys, reader._config.read_timeout_s, generations=generations,
-            incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None), device=on_device))
+            incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None), device=on_device, ahead=ahead))
         if int(regions[:, 1].sum()) != r.stop - r.start:
             raise TransferError(f"unit {r.unit} leased {int(regions[:, 1].sum())} bytes for {len(r.keys)} "
                                 f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)

@@ -26,6 +26,7 @@ __all__ = [
     "TransferError",
     "RequestTooLargeError",
     "StaleReadError",
+    "HintMissedError",
     "InvalidInputError",
     "MissingDependencyError",
     "ClosedError",
@@ -73,6 +74,14 @@ class RequestTooLargeError(InvalidInputError):
 
 class StaleReadError(GputqError):
     """A read raced a release and could not be served with the right bytes."""
+
+
+class HintMissedError(StaleReadError):
+    """A same-host read ran on the unit's key directory, and the lease named other regions.
+
+    What the block read may belong to other keys; reading again after the
+    lease (``ahead=False``) gets the right bytes.
+    """
 
 
 class MissingDependencyError(GputqError, ImportError):

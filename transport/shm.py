@@ -51,15 +51,17 @@ import logging
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
 
-from transport.base import Channel, TransportType, byte_view, is_device_buffer
+from transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer
 from transport.directory import DirectoryView, directory_nbytes
 from transport.errors import (
     ClosedError,
+    HintMissedError,
     InvalidInputError,
     MissingDependencyError,
     RequestTooLargeError,
@@ -357,6 +359,10 @@ class ShmChannel(Channel):
              generations: Sequence[int] | None = None, incarnation: str | None = None) -> list[int]:
         """Read ``keys`` back to back into ``dest`` (host or CUDA memory) from the mapping.
 
+        With ``generations``, the copy runs from the unit's key directory
+        while the lease is requested; a lease naming other regions costs a
+        second lease and copy, never wrong bytes.
+
         Raises
         ------
         gputq.errors.UnknownKeyError
@@ -380,32 +386,29 @@ class ShmChannel(Channel):
             capacity = out.nbytes
         if not keys:
             return []
-
-        def copy(regions: np.ndarray) -> None:
-            runs = zip(*(a.tolist() for a in merge_runs(regions)))
-            if on_device:
-                self.mapping.register()
-                _DeviceCopier(dest).copy(int(dest.__cuda_array_interface__["data"][0]),
-                                         self.mapping.address, runs)
-            else:
-                _host_copy(out, self.mapping.array, runs)
-
         hinted = self._hinted_regions(keys, generations, capacity)
-        ahead = None if hinted is None else (lambda: copy(hinted))
-        with self._leased(keys, generations, incarnation, timeout, ahead=ahead) as regions:
-            lengths = regions[:, 1]
-            total = int(lengths.sum())
-            if total > capacity:
-                raise RequestTooLargeError(
-                    f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
-            if hinted is not None and np.array_equal(regions, hinted):
-                self.reads_ahead += 1
-            else:
-                self.hint_misses += hinted is not None
-                copy(regions)
-        return lengths.tolist()
+        while True:
+            try:
+                with self._leased(keys, generations, incarnation, timeout, hinted=hinted) as regions:
+                    lengths = regions[:, 1]
+                    total = int(lengths.sum())
+                    if total > capacity:
+                        raise RequestTooLargeError(f"read of {len(keys)} keys from {self.unit} needs {total} "
+                                                   f"bytes, dest holds {capacity}")
+                    runs = zip(*(a.tolist() for a in merge_runs(regions)))
+                    if on_device:
+                        self.mapping.register()
+                        _DeviceCopier(dest).copy(int(dest.__cuda_array_interface__["data"][0]),
+                                                 self.mapping.address, runs)
+                    else:
+                        _host_copy(out, self.mapping.array, runs)
+                return lengths.tolist()
+            except HintMissedError:
+                if hinted is None:
+                    raise
+                hinted = None  # copy again, after the lease
 
-    def _hinted_regions(self, keys: list, generations, capacity: int) -> np.ndarray | None:
+    def _hinted_regions(self, keys: list, generations, capacity: float) -> np.ndarray | None:
         """The regions the directory names for every key, when they fit the arena and ``capacity``."""
         if self.directory is None or generations is None:
             return None
@@ -418,7 +421,7 @@ class ShmChannel(Channel):
     @contextlib.contextmanager
     def mapped_source(self, keys: Sequence[str], timeout: float | None = None, *,
                       generations: Sequence[int] | None = None, incarnation: str | None = None,
-                      device: bool = True):
+                      device: bool = True, ahead: bool = True):
         """Lease ``keys`` and lend their bytes where they lie in the mapping.
 
         Yields an int64 ``[n, 2]`` array of (address, length) per key: with
@@ -428,6 +431,11 @@ class ShmChannel(Channel):
         the ``with`` block (kernels synchronised before it ends): the lease is
         confirmed on exit, and an expired lease raises
         :class:`StaleReadError` (what was read is garbage).
+
+        With ``ahead`` and ``generations``, the block gets the regions the
+        unit's key directory names at once and runs while the lease is
+        requested; when the lease names other regions, exit raises
+        :class:`HintMissedError`: read again with ``ahead=False``.
 
         Raises
         ------
@@ -445,7 +453,9 @@ class ShmChannel(Channel):
             base = mapped_device_pointer(self.mapping.address)
         else:
             base = self.mapping.address
-        with self._leased(list(keys), generations, incarnation, timeout) as regions:
+        keys = list(keys)
+        hinted = self._hinted_regions(keys, generations, float("inf")) if ahead else None
+        with self._leased(keys, generations, incarnation, timeout, hinted=hinted) as regions:
             lent = regions.copy()
             lent[:, 0] += base
             yield lent
@@ -455,13 +465,50 @@ class ShmChannel(Channel):
         return self.mapping is not None and self.mapping.register()
 
     @contextlib.contextmanager
-    def _leased(self, keys: list, generations, incarnation, timeout: float | None, *, ahead=None):
+    def _leased(self, keys: list, generations, incarnation, timeout: float | None, *, hinted=None):
         """Lease ``keys`` for the block; yields their regions; confirms the lease after it.
 
-        ``ahead()``, when given, runs while the request is in flight.
+        With ``hinted``, the directory's regions of the keys, the block runs
+        on them while the request is in flight, and the lease must name the
+        same regions: else :class:`HintMissedError` is raised after the block.
         """
         args = {"keys": keys, **_read_checks(generations, incarnation)}
-        reply, started = self._ends.request_lease(lambda a: self._lease_call(a, keys, timeout, ahead), args)
+        if hinted is None:
+            reply, started = self._ends.request_lease(lambda a: self._tcp.request(LEASE, a, timeout, keys=keys),
+                                                      args)
+            with self._confirmed(reply, started, keys) as regions:
+                yield regions
+            return
+        ended = self._ends.take()
+        if ended:
+            args["end"] = ended
+        started, reply, done = time.monotonic(), None, False
+        try:
+            with self._tcp.overlapped(LEASE, args, timeout, keys=keys) as result:
+                try:
+                    yield hinted
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the block's error is the one to see
+                        reply = result()
+                    raise
+                reply = result()
+            with self._confirmed(reply, started, keys) as regions:
+                done = True
+                if not np.array_equal(regions, hinted):
+                    self.hint_misses += 1
+                    raise HintMissedError(f"unit {self.unit}: the key directory named other regions than the "
+                                          f"lease of keys {describe_keys(keys)}; read them again after the lease")
+                self.reads_ahead += 1
+        except BaseException:
+            if reply is None:
+                self._ends.restore(ended)  # the request may never have reached the unit
+            elif not done:
+                self._end_lease(int(reply["lease_id"]), quiet=True)
+            raise
+
+    @contextlib.contextmanager
+    def _confirmed(self, reply: dict, started: float, keys: list):
+        """The checked regions of a lease ``reply`` for the block; the lease confirmed after it."""
         lease_id = int(reply["lease_id"])
         ok = False
         try:
@@ -481,21 +528,6 @@ class ShmChannel(Channel):
             raise StaleReadError(
                 f"unit {self.unit}: the lease on {len(keys)} keys expired before the copy finished; "
                 "the bytes read may belong to other keys")
-
-    def _lease_call(self, args: dict, keys: list, timeout: float | None, ahead) -> dict:
-        if ahead is None:
-            return self._tcp.request(LEASE, args, timeout, keys=keys)
-        failure = None
-        with self._tcp.overlapped(LEASE, args, timeout, keys=keys) as result:
-            try:
-                ahead()
-            except Exception as exc:  # the lease is granted all the same: end it, then fail
-                failure = exc
-            reply = result()
-        if failure is not None:
-            self._end_lease(int(reply["lease_id"]), quiet=True)
-            raise failure
-        return reply
 
     def _send_ends(self, lease_ids: list[int]) -> None:
         self._tcp.call(END_LEASE, timeout=_END_TIMEOUT_S, lease_ids=lease_ids)

@@ -13,7 +13,7 @@ from gputq.errors import UnknownKeyError
 from gputq.storage_unit import StorageUnit
 from transport import get_transport
 from transport.cuda import cuda_available, usable_cupy
-from transport.errors import InvalidInputError, RequestTooLargeError, StaleReadError
+from transport.errors import HintMissedError, InvalidInputError, RequestTooLargeError, StaleReadError
 from transport.policy import nixl_import_error
 from transport import shm
 from transport.shm import ShmChannel, merge_runs
@@ -168,6 +168,56 @@ def test_a_failed_early_copy_ends_the_lease_it_was_granted(served, monkeypatch):
     with pytest.raises(MemoryError, match="copy failed"):
         channel.read(["a"], np.empty(1000, np.uint8), timeout=5, generations=_generations(unit, ["a"]))
     wait_until(lambda: unit.stats()["leases"] == 0, 5, "the granted lease to end")
+
+
+def _bytes_at(regions: np.ndarray) -> list[bytes]:
+    import ctypes
+
+    return [ctypes.string_at(int(address), int(nbytes)) for address, nbytes in regions]
+
+
+@pytest.mark.timeout(30)
+def test_mapped_source_lends_the_directory_regions_before_its_lease_is_granted(served, monkeypatch):
+    unit, blobs, channel, _ = served
+    used = threading.Event()
+    real_lease = unit.lease_regions
+
+    def lease_once_used(keys, **checks):
+        if not used.wait(5):
+            raise RuntimeError("the regions were lent only after the lease")
+        return real_lease(keys, **checks)
+
+    monkeypatch.setattr(unit, "lease_regions", lease_once_used)
+    keys = ["c", "a"]
+    with channel.mapped_source(keys, 10, generations=_generations(unit, keys), device=False) as regions:
+        got = _bytes_at(regions)
+        used.set()
+    assert got == [blobs["c"].tobytes(), blobs["a"].tobytes()]
+    assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
+    wait_until(lambda: unit.stats()["leases"] == 0, 5, "the lease to end")
+
+
+@pytest.mark.timeout(30)
+def test_mapped_source_on_a_wrong_directory_entry_fails_on_exit_and_reads_right_after_the_lease(served):
+    unit, blobs, channel, _ = served
+    generation = _generations(unit, ["a"])[0]
+    unit._directory.publish("a", generation, unit.lookup(["c"])[0]["offset"], 1000)
+    with pytest.raises(HintMissedError, match="read them again after the lease"):
+        with channel.mapped_source(["a"], 10, generations=[generation], device=False) as regions:
+            assert _bytes_at(regions) == [blobs["c"][:1000].tobytes()]  # what the stale entry names
+    assert unit.stats()["leases"] == 0 and channel.hint_misses == 1
+    with channel.mapped_source(["a"], 10, generations=[generation], device=False, ahead=False) as regions:
+        assert _bytes_at(regions) == [blobs["a"].tobytes()]
+
+
+@pytest.mark.timeout(30)
+def test_an_error_in_the_block_ends_the_lease_requested_ahead(served):
+    unit, blobs, channel, _ = served
+    with pytest.raises(KeyError, match="restore failed"):
+        with channel.mapped_source(["a"], 10, generations=_generations(unit, ["a"]), device=False):
+            raise KeyError("restore failed")
+    wait_until(lambda: unit.stats()["leases"] == 0, 5, "the lease to end")
+    assert (channel.reads_ahead, channel.hint_misses) == (0, 0)
 
 
 @pytest.mark.timeout(30)
@@ -381,6 +431,25 @@ def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_m
     else:
         assert staged and not in_place
         assert ahead >= len(clients.units)  # the reference's generations found in the directories
+
+
+@pytest.mark.timeout(60)
+def test_a_restore_on_a_wrong_directory_entry_is_made_again_after_the_leases(monkeypatch):
+    from gputq.reader import Reader
+    from tests.conftest import local_units
+
+    monkeypatch.setenv(shm.ZERO_COPY_ENV, "inf")
+    with local_units("shm", routed_experts_dtype="uint16") as (config, services, clients):
+        segments = _written_segments(clients, config, "uint16", seed=8)
+        unit = services[0]._unit
+        key = min(key for keys in unit.keys()["partitions"].values() for key in keys)
+        entry = unit.lookup([key])[0]
+        unit._directory.publish(key, entry["generation"], entry["offset"] + 256, entry["nbytes"])  # stale
+        with Reader(clients, config) as reader:
+            restored = reader.fetch([seg.layouts for seg in segments])
+        _check_restored(segments, restored)
+        assert clients.channel(services[0].name).hint_misses == 1
+        wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
 
 
 def _written_segments(clients, config, dtype: str, seed: int) -> list:
