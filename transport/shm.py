@@ -22,8 +22,8 @@ everything but the bytes. A read is
    directory file (:mod:`transport.directory`) mapped here read-only, and
    the copy runs from the regions it names while the request is in
    flight. It stands when the reply leases exactly those regions (the key
-   was then stored there all along); otherwise it is made again from the
-   reply's regions;
+   was then stored there all along); otherwise it is made again under a
+   second lease (:class:`HintMissedError` inside);
 3. the confirmation that the lease covered the whole copy. When the copy
    ended well inside the lifetime the unit states for the lease, measured
    from before the request, the lease provably held and is ended in the
@@ -42,6 +42,9 @@ one host), else over the control lane's tcp path, and says why in
 as device addresses of the mapping (mapped, page-locked host memory), so a
 kernel can read compact bytes from the arena over PCIe with no copy at all,
 or as host addresses, so a host restore widens straight out of the arena.
+It too lends the directory's regions while the lease is requested, and
+raises :class:`HintMissedError` when the block ends if the lease named
+others: the caller restores again with ``ahead=False``.
 """
 
 from __future__ import annotations
