@@ -16,8 +16,9 @@ on the CPU, the CUDA kernel with ``--device cuda``). ``fetch`` is the
 transfer part alone, as the reader's own stats time it. Over shm a restore
 can read the compact bytes in place, straight from the arena mapping, with
 no staging copy (``in place``); the ``copy`` row stages them first
-(``GPUTQ_ZERO_COPY_MAX_BYTES=0``), which is the row whose ``fetch`` compares
-with the memcpy. Ratios are medians of the paired runs.
+(``GPUTQ_ZERO_COPY_MAX_BYTES=0``: on the host, a copy of the arena in spans),
+which is the row whose ``fetch`` compares with the memcpy. Ratios are
+medians of the paired runs.
 """
 
 from __future__ import annotations

@@ -439,47 +439,57 @@ class Reader(Closeable):
 
 def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], nbytes: int, stats: FetchStats,
                     lent: contextlib.ExitStack, *, ahead: bool = True):
-    """The shard's compact bytes left in the units' arenas, for the restore to read in place.
+    """The shard's compact bytes as they lie in the units' arenas, or copied out of them in spans.
 
     Taken when every unit of the shard is read over shm with its arena
-    mapped here (and, for a GPU restore, registered as mapped memory), and
-    the shard is no larger than :func:`transport.shm.zero_copy_max_bytes`.
-    The restore then reads each compact byte once, where it lies: the
-    kernel over PCIe, or the numpy widen straight out of the mapping. Each
-    unit's keys are leased into ``lent``; the leases are confirmed when it
-    closes, after the restore finished. With ``ahead``, the restore reads
-    the regions the units' key directories name while the leases are
-    requested; closing ``lent`` raises ``HintMissedError`` when a lease named
-    other ones. Returns ``None`` to stage as usual.
+    mapped here (and, for a GPU restore, registered as mapped memory).
+    A shard no larger than :func:`transport.shm.zero_copy_max_bytes` is
+    read in place: the restore reads each compact byte once, where it lies
+    (the kernel over PCIe, or the numpy widen straight out of the mapping),
+    and the leases, entered into ``lent``, are confirmed when it closes,
+    after the restore. A larger one restored on the host is copied into this
+    reader's staging buffer in spans of the arenas (one copy for keys
+    written in sequence, whatever the fields), its leases confirmed right
+    after the copy; a GPU restore then stages as usual (returns ``None``).
+    With ``ahead``, both start on the regions the units' key directories
+    name while the leases are requested; a lease naming other ones raises
+    ``HintMissedError`` when confirmed. Returns ``None`` to stage as usual.
     """
     from kernels import MappedSource
-    from transport.shm import zero_copy_max_bytes
+    from transport.shm import copy_runs, zero_copy_max_bytes
 
     on_device = reader._device != "cpu"
     units = {unit for _, stage in per_field.values() for unit in stage.refs_by_unit}
     channels = {unit: reader._clients.channel(unit) for unit in units}
     if not units or not all(_mapped_here(channel, on_device) for channel in channels.values()):
         return None
-    if nbytes > zero_copy_max_bytes():
+    in_place = nbytes <= zero_copy_max_bytes()
+    if not in_place and on_device:
         return None
     refs = {(unit, key): ref for _, stage in per_field.values()
             for unit, pairs in stage.refs_by_unit.items() for key, ref in pairs}
-    starts, addresses, lengths = [], [], []
-    for r in requests:
-        generations = [getattr(refs[(r.unit, key)], "generation", 0) for key in r.keys]
-        regions = lent.enter_context(channels[r.unit].mapped_source(
-            r.keys, reader._config.read_timeout_s, generations=generations,
-            incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None), device=on_device, ahead=ahead))
-        if int(regions[:, 1].sum()) != r.stop - r.start:
-            raise TransferError(f"unit {r.unit} leased {int(regions[:, 1].sum())} bytes for {len(r.keys)} "
-                                f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
-        starts.append(r.start + np.cumsum(regions[:, 1]) - regions[:, 1])
-        addresses.append(regions[:, 0])
-        lengths.append(regions[:, 1])
-        stats.unique_keys += len(r.keys)
-        stats.unique_keys_per_unit[r.unit] = stats.unique_keys_per_unit.get(r.unit, 0) + len(r.keys)
-        stats.bytes_fetched += r.stop - r.start
-    return MappedSource(np.concatenate(starts), np.concatenate(addresses), np.concatenate(lengths), nbytes)
+    with contextlib.ExitStack() as copied:  # the leases of a copy end with it, before the restore
+        leases = lent if in_place else copied
+        starts, addresses, lengths = [], [], []
+        for r in requests:
+            generations = [getattr(refs[(r.unit, key)], "generation", 0) for key in r.keys]
+            regions = leases.enter_context(channels[r.unit].mapped_source(
+                r.keys, reader._config.read_timeout_s, generations=generations,
+                incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None), device=on_device,
+                ahead=ahead))
+            if int(regions[:, 1].sum()) != r.stop - r.start:
+                raise TransferError(f"unit {r.unit} leased {int(regions[:, 1].sum())} bytes for {len(r.keys)} "
+                                    f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
+            starts.append(r.start + np.cumsum(regions[:, 1]) - regions[:, 1])
+            addresses.append(regions[:, 0])
+            lengths.append(regions[:, 1])
+            stats.unique_keys += len(r.keys)
+            stats.unique_keys_per_unit[r.unit] = stats.unique_keys_per_unit.get(r.unit, 0) + len(r.keys)
+            stats.bytes_fetched += r.stop - r.start
+        source = MappedSource(np.concatenate(starts), np.concatenate(addresses), np.concatenate(lengths), nbytes)
+        if in_place:
+            return source
+        return source.staged_in(reader._own_staging, copy_runs)
 
 
 def _mapped_here(channel, on_device: bool) -> bool:

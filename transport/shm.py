@@ -74,7 +74,7 @@ from transport.errors import (
 from transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 from transport.staging import device_nbytes
 
-__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "zero_copy_max_bytes",
+__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "copy_runs", "zero_copy_max_bytes",
            "ZERO_COPY_ENV", "DEFAULT_ZERO_COPY_MAX_BYTES", "COPY_THREADS", "PARALLEL_COPY_BYTES",
            "LEASE", "END_LEASE", "ARENA_FILE"]
 
@@ -138,7 +138,7 @@ def _copy_pool():
         return _POOL
 
 
-def _host_copy(out: np.ndarray, src: np.ndarray, runs) -> None:
+def copy_runs(out: np.ndarray, src: np.ndarray, runs) -> None:
     """Copy runs (arena offset, destination offset, length) from ``src`` into ``out``.
 
     A read of at least :data:`PARALLEL_COPY_BYTES` is cut into
@@ -404,7 +404,7 @@ class ShmChannel(Channel):
                         _DeviceCopier(dest).copy(int(dest.__cuda_array_interface__["data"][0]),
                                                  self.mapping.address, runs)
                     else:
-                        _host_copy(out, self.mapping.array, runs)
+                        copy_runs(out, self.mapping.array, runs)
                 return lengths.tolist()
             except HintMissedError:
                 if hinted is None:

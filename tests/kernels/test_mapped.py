@@ -48,3 +48,45 @@ def test_fragments_outside_the_segments_are_refused():
         source[1:]
     with pytest.raises(PlanError, match="whole"):
         MappedSource([0], [0], [3], 3).view(np.uint16)
+
+
+def test_spans_join_segments_closer_than_the_gap_in_memory_order():
+    # segments out of memory order: 500..510, 100..112 and 112..117 (adjacent), 130..140 (13 bytes on)
+    source = MappedSource([0, 16, 32, 48], [500, 100, 112, 130], [10, 12, 5, 10], 64)
+    starts, lengths, offsets = source.spans(max_gap=0)
+    assert starts.tolist() == [100, 130, 500] and lengths.tolist() == [17, 10, 10]
+    assert offsets.tolist() == [27, 0, 12, 17]
+    starts, lengths, offsets = source.spans(max_gap=13)
+    assert starts.tolist() == [100, 500] and lengths.tolist() == [40, 10]  # the gap is copied along
+    assert offsets.tolist() == [40, 0, 12, 30]
+    empty = MappedSource([], [], [], 0).spans()
+    assert all(len(a) == 0 for a in empty)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "float32"])
+def test_a_source_staged_in_host_memory_restores_the_same_values(dtype):
+    rng = np.random.default_rng(7)
+    width, src_rows, dst_rows = 6, 120, 200
+    staging = random_staging(rng, dtype, src_rows * width)
+    row_bytes = width * staging.itemsize
+    # three segments of whole rows, in one "arena" out of order and with gaps of 0 and 4 KiB
+    cuts = [0, 40, 90, src_rows]
+    arena = np.zeros(src_rows * row_bytes + 8192, np.uint8)
+    placed = {1: 0, 0: 50 * row_bytes, 2: 90 * row_bytes + 4096}
+    addresses = []
+    for i in range(3):
+        lo, hi = cuts[i] * row_bytes, cuts[i + 1] * row_bytes
+        arena[placed[i]:placed[i] + hi - lo] = staging.view(np.uint8)[lo:hi]
+        addresses.append(arena.ctypes.data + placed[i])
+    source = MappedSource(np.array(cuts[:-1]) * row_bytes, addresses, np.diff(cuts) * row_bytes, staging.nbytes)
+    spans = source.spans(max_gap=0)
+    assert len(spans[0]) == 2  # segments 1 and 0 lie back to back
+    buffer = np.full(int(spans[1].sum()), 0xCD, np.uint8)
+    staged = source.staged_in(lambda nbytes: buffer[:nbytes], max_gap=0).view(dtype)
+    arena[:] = 0  # the copy no longer depends on the arena
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=1)
+    got = staged.widen_scatter(plan, width, poisoned_out(dtype, dst_rows * width), 3)
+    want = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), 3)
+    np.testing.assert_array_equal(bits(got), bits(want))
+    with pytest.raises(PlanError, match="needs"):
+        source.staged_in(lambda nbytes: np.empty(10, np.uint8), max_gap=0)

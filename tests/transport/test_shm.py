@@ -106,8 +106,8 @@ def test_a_read_copies_from_the_directory_before_its_lease_is_granted(served, mo
     unit, blobs, channel, _ = served
     assert channel.directory is not None
     copied = threading.Event()
-    real_copy, real_lease = shm._host_copy, unit.lease_regions
-    monkeypatch.setattr(shm, "_host_copy", lambda *args: (real_copy(*args), copied.set()))
+    real_copy, real_lease = shm.copy_runs, unit.lease_regions
+    monkeypatch.setattr(shm, "copy_runs", lambda *args: (real_copy(*args), copied.set()))
 
     def lease_once_copied(keys, **checks):
         if not copied.wait(5):
@@ -164,7 +164,7 @@ def test_a_failed_early_copy_ends_the_lease_it_was_granted(served, monkeypatch):
     def broken(*args):
         raise MemoryError("copy failed")
 
-    monkeypatch.setattr(shm, "_host_copy", broken)
+    monkeypatch.setattr(shm, "copy_runs", broken)
     with pytest.raises(MemoryError, match="copy failed"):
         channel.read(["a"], np.empty(1000, np.uint8), timeout=5, generations=_generations(unit, ["a"]))
     wait_until(lambda: unit.stats()["leases"] == 0, 5, "the granted lease to end")
@@ -403,19 +403,24 @@ def test_zero_copy_restore_path_replayed_on_the_host(monkeypatch):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("zero_copy_max", ["inf", "0"])
 def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_max):
-    """A CPU restore widens straight out of the arena mapping (no staging copy), or stages it when
-    ``GPUTQ_ZERO_COPY_MAX_BYTES`` says so; both are bit-exact with the inline path."""
+    """A CPU restore widens straight out of the arena mappings (no staging copy), or from a copy of
+    them in spans when ``GPUTQ_ZERO_COPY_MAX_BYTES`` says so; both are bit-exact with the inline path."""
     from gputq.reader import Reader
     from kernels import MappedSource
     from tests.conftest import local_units
-    from transport import shm
 
     monkeypatch.setenv(shm.ZERO_COPY_ENV, zero_copy_max)
-    staged, in_place = [], []
-    real_copy, real_widen = shm._host_copy, MappedSource.widen_scatter
-    monkeypatch.setattr(shm, "_host_copy", lambda *a: (staged.append(1), real_copy(*a))[1])
+    copies, sources = [], []
+    real_copy, real_widen = shm.copy_runs, MappedSource.widen_scatter
+
+    def counted_copy(out, src, runs):
+        runs = list(runs)
+        copies.append(len(runs))
+        real_copy(out, src, runs)
+
+    monkeypatch.setattr(shm, "copy_runs", counted_copy)
     monkeypatch.setattr(MappedSource, "widen_scatter",
-                        lambda self, *a, **k: (in_place.append(1), real_widen(self, *a, **k))[1])
+                        lambda self, *a, **k: (sources.append(self.addresses.copy()), real_widen(self, *a, **k))[1])
     with local_units("shm", routed_experts_dtype="uint8") as (config, services, clients):
         segments = _written_segments(clients, config, "uint8", seed=5)
         with Reader(clients, config) as reader:
@@ -424,13 +429,14 @@ def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_m
         assert all(a.flags.writeable for got in restored for a in got.values())  # the caller's own memory
         wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
         channels = [clients.channel(unit) for unit in clients.units]
-        ahead = sum(channel.reads_ahead for channel in channels)
+        assert sum(channel.reads_ahead for channel in channels) >= len(clients.units)  # found in the directories
         assert sum(channel.hint_misses for channel in channels) == 0
+        arenas = [(c.mapping.address, c.mapping.address + c.mapping.nbytes) for c in channels]
+    in_arena = [any(low <= a < high for low, high in arenas) for a in np.concatenate(sources)]
     if zero_copy_max == "inf":
-        assert in_place and not staged
-    else:
-        assert staged and not in_place
-        assert ahead >= len(clients.units)  # the reference's generations found in the directories
+        assert all(in_arena) and not copies
+    else:  # one copy call, a few spans (keys written in sequence lie back to back), read from the copy
+        assert not any(in_arena) and len(copies) == 1 and copies[0] <= len(clients.units) * 4
 
 
 @pytest.mark.timeout(60)
