@@ -103,7 +103,8 @@ class _Request:
 def _stage_field(name: str, layouts: Sequence[Layout]) -> _FieldStage:
     refs: dict[tuple[str, str], FieldRef] = {}
     for layout in layouts:
-        for ref in layout.refs():
+        for fragment in layout.fragments:  # refs seen twice are the same key: no need to dedupe first
+            ref = fragment.ref
             known = refs.setdefault((ref.unit, ref.key), ref)
             if known is not ref and _versions_differ(known, ref):
                 raise StaleReadError(f"the shard references two versions of key {ref.key!r} on unit "
@@ -149,11 +150,12 @@ def _lay_out(stages: Sequence[_FieldStage], max_bytes: int | None = None) -> tup
     for unit, incarnation in groups:
         current = None
         for stage in order:
+            row_bytes = stage.row_bytes
             for key, ref in stage.refs_by_unit.get(unit, ()):
                 if ref.incarnation != incarnation:
                     continue
-                aligned = -(-cursor // stage.row_bytes) * stage.row_bytes
-                nbytes, key_bytes = ref.rows * stage.row_bytes, len(key.encode()) + 8
+                aligned = -(-cursor // row_bytes) * row_bytes
+                nbytes, key_bytes = ref.rows * row_bytes, len(key.encode()) + 8
                 if current is None or aligned != cursor or len(current.keys) >= READ_BATCH_KEYS \
                         or current.key_bytes + key_bytes > READ_BATCH_KEY_BYTES \
                         or (max_bytes is not None and current.keys and
@@ -161,7 +163,7 @@ def _lay_out(stages: Sequence[_FieldStage], max_bytes: int | None = None) -> tup
                     current = _Request(unit, incarnation, aligned, aligned)
                     requests.append(current)
                     cursor = aligned
-                stage.ref_row[(unit, key)] = cursor // stage.row_bytes
+                stage.ref_row[(unit, key)] = cursor // row_bytes
                 current.keys.append(key)
                 current.generations.append(ref.generation)
                 current.key_bytes += key_bytes
@@ -283,7 +285,8 @@ class Reader(Closeable):
             if len(layouts) != len(shard):
                 raise LayoutError(f"field {name!r} is missing from some samples of the shard")
             per_field[name] = (layouts, _stage_field(name, layouts))
-        referenced = sum(len(layout.refs()) for layouts, _ in per_field.values() for layout in layouts)
+        referenced = sum(len({(f.ref.unit, f.ref.key) for f in layout.fragments})
+                         for layouts, _ in per_field.values() for layout in layouts)
         try:
             results, stats = self._fetch_once(per_field, len(shard), ahead=True)
         except HintMissedError:  # a same-host restore ran on a key directory the leases did not confirm
