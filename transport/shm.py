@@ -416,8 +416,7 @@ class ShmChannel(Channel):
         if self.directory is None or generations is None:
             return None
         regions = self.directory.lookup(keys, [int(g or 0) for g in generations])
-        if regions is None or int(regions.min()) < 0 or int(regions[:, 1].sum()) > capacity \
-                or int((regions[:, 0] + regions[:, 1]).max()) > self.mapping.nbytes:
+        if regions is None or not _inside(regions, self.mapping.nbytes) or int(regions[:, 1].sum()) > capacity:
             return None  # a torn or foreign entry: wait for the lease
         return regions
 
@@ -516,8 +515,7 @@ class ShmChannel(Channel):
         ok = False
         try:
             regions = np.frombuffer(reply["regions"], dtype="<i8").reshape(len(keys), 2)
-            if len(regions) and (int(regions.min()) < 0 or
-                                 int((regions[:, 0] + regions[:, 1]).max()) > self.mapping.nbytes):
+            if not _inside(regions, self.mapping.nbytes):
                 raise TransferError(f"unit {self.unit} leased regions outside its arena", self.unit, keys)
             yield regions
             ok = True
@@ -590,6 +588,11 @@ def zero_copy_max_bytes() -> float:
     if value < 0:
         raise InvalidInputError(f"{ZERO_COPY_ENV} must be >= 0, got {text}")
     return value
+
+
+def _inside(regions: np.ndarray, nbytes: int) -> bool:
+    """True when every (offset, length) lies in ``[0, nbytes)``; compared so no sum can overflow."""
+    return not len(regions) or bool((regions >= 0).all() and (regions[:, 1] <= nbytes - regions[:, 0]).all())
 
 
 def _read_checks(generations, incarnation) -> dict:

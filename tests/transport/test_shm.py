@@ -140,6 +140,19 @@ def test_a_wrong_directory_entry_costs_a_second_copy_not_wrong_bytes(served):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("offset, nbytes", [(-256, 1000), (4 << 20, 1000), (2**62, 2**62), (0, -1)])
+def test_a_directory_entry_outside_the_arena_is_never_read(served, offset, nbytes):
+    unit, blobs, channel, _ = served
+    generation = _generations(unit, ["a"])[0]
+    unit._directory.publish("a", generation, offset, nbytes)  # the sum of the last overflows int64
+    dest = np.empty(1000, np.uint8)
+    assert channel.read(["a"], dest, timeout=5, generations=[generation]) == [1000]
+    assert np.array_equal(dest, blobs["a"]) and (channel.reads_ahead, channel.hint_misses) == (0, 0)
+    with channel.mapped_source(["a"], 5, generations=[generation], device=False) as regions:
+        assert regions[0, 1] == 1000 and regions[0, 0] - channel.mapping.address == unit.lookup(["a"])[0]["offset"]
+
+
+@pytest.mark.timeout(30)
 def test_a_key_freed_and_its_space_reused_during_the_early_copy_fails_the_read(served, monkeypatch):
     unit, blobs, channel, _ = served
     generation = _generations(unit, ["a"])[0]
