@@ -450,16 +450,16 @@ def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], n
     read in place: the restore reads each compact byte once, where it lies
     (the kernel over PCIe, or the numpy widen straight out of the mapping),
     and the leases, entered into ``lent``, are confirmed when it closes,
-    after the restore. A larger one restored on the host is copied into this
-    reader's staging buffer in spans of the arenas (one copy for keys
-    written in sequence, whatever the fields), its leases confirmed right
-    after the copy; a GPU restore then stages as usual (returns ``None``).
+    after the restore. A larger one is copied into this reader's staging
+    buffer in spans of the arenas (one copy for keys written in sequence,
+    whatever the fields; into GPU memory one ``cudaMemcpyAsync`` a span from
+    the page-locked mapping), its leases confirmed right after the copy.
     With ``ahead``, both start on the regions the units' key directories
     name while the leases are requested; a lease naming other ones raises
     ``HintMissedError`` when confirmed. Returns ``None`` to stage as usual.
     """
     from kernels import MappedSource
-    from transport.shm import copy_runs, zero_copy_max_bytes
+    from transport.shm import copy_runs, device_copy_runs, zero_copy_max_bytes
 
     on_device = reader._device != "cpu"
     units = {unit for _, stage in per_field.values() for unit in stage.refs_by_unit}
@@ -467,8 +467,6 @@ def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], n
     if not units or not all(_mapped_here(channel, on_device) for channel in channels.values()):
         return None
     in_place = nbytes <= zero_copy_max_bytes()
-    if not in_place and on_device:
-        return None
     refs = {(unit, key): ref for _, stage in per_field.values()
             for unit, pairs in stage.refs_by_unit.items() for key, ref in pairs}
     with contextlib.ExitStack() as copied:  # the leases of a copy end with it, before the restore
@@ -478,8 +476,8 @@ def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], n
             generations = [getattr(refs[(r.unit, key)], "generation", 0) for key in r.keys]
             regions = leases.enter_context(channels[r.unit].mapped_source(
                 r.keys, reader._config.read_timeout_s, generations=generations,
-                incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None), device=on_device,
-                ahead=ahead))
+                incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None),
+                device=on_device and in_place, ahead=ahead))
             if int(regions[:, 1].sum()) != r.stop - r.start:
                 raise TransferError(f"unit {r.unit} leased {int(regions[:, 1].sum())} bytes for {len(r.keys)} "
                                     f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
@@ -492,7 +490,7 @@ def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], n
         source = MappedSource(np.concatenate(starts), np.concatenate(addresses), np.concatenate(lengths), nbytes)
         if in_place:
             return source
-        return source.staged_in(reader._own_staging, copy_runs)
+        return source.staged_in(reader._own_staging, device_copy_runs if on_device else copy_runs)
 
 
 def _mapped_here(channel, on_device: bool) -> bool:

@@ -147,20 +147,22 @@ class MappedSource:
         return span_starts, span_lengths, offsets
 
     def staged_in(self, allocate, copy_runs=None, max_gap: int = SPAN_GAP_BYTES) -> "MappedSource":
-        """Copy the segments into host memory; the same source over the copy.
+        """Copy the segments (host memory) into a buffer; the same source over the copy.
 
         Segments less than ``max_gap`` apart are copied as one span, the gap
-        with them. ``allocate(nbytes)`` returns the host buffer to copy the
-        spans into (at least ``nbytes``). ``copy_runs(out, src, runs)``
-        copies (src offset, out offset, length) runs; one
-        ``numpy.copyto`` each by default.
+        with them. ``allocate(nbytes)`` returns the buffer to copy the spans
+        into (at least ``nbytes``): host memory, or CUDA memory (a CuPy
+        array) with a ``copy_runs`` that copies there.
+        ``copy_runs(out, src, runs)`` copies (src offset, out offset,
+        length) runs from the host view ``src``; one ``numpy.copyto`` each
+        by default.
         """
         span_starts, span_lengths, offsets = self.spans(max_gap)
         total = int(span_lengths.sum())
         buffer = allocate(total)
         if buffer.nbytes < total:
             raise PlanError(f"staging the mapped segments needs {total} bytes, the buffer holds {buffer.nbytes}")
-        out = buffer.reshape(-1).view(np.uint8)
+        out = buffer.reshape(-1).view(np.uint8)  # numpy, or CuPy for a GPU restore
         if total:
             base = int(span_starts[0])
             src = _bytes_at(base, int((span_starts + span_lengths).max()) - base)
@@ -171,7 +173,9 @@ class MappedSource:
                     np.copyto(out[to:to + n], src[at:at + n])
             else:
                 copy_runs(out, src, runs)
-        return MappedSource(self.starts, int(out.ctypes.data) + offsets, self.lengths, self.nbytes, self.dtype)
+        cuda = getattr(out, "__cuda_array_interface__", None)
+        address = int(cuda["data"][0]) if cuda else int(out.ctypes.data)
+        return MappedSource(self.starts, address + offsets, self.lengths, self.nbytes, self.dtype)
 
     def _host_elements(self, base: int, src_elems: int) -> np.ndarray:
         # A view over [base, base + src_elems) that touches no byte by itself: between the

@@ -2,7 +2,7 @@
 
 Over shm the restore reads compact bytes in place from the mapped arenas
 (zero-copy) up to a size threshold and copies them to the GPU first above
-it; both are checked.
+it, in spans of the arenas; both are checked.
 """
 
 from __future__ import annotations
@@ -66,10 +66,16 @@ def test_gpu_restore_over_shm_in_place_or_copied(monkeypatch, zero_copy, dtype):
     from kernels import MappedSource
     from transport.shm import ZERO_COPY_ENV
 
+    cp = pytest.importorskip("cupy")
     monkeypatch.setenv(ZERO_COPY_ENV, "inf" if zero_copy else "0")
     launches = []
     original = MappedSource.widen_scatter
     monkeypatch.setattr(MappedSource, "widen_scatter",
                         lambda self, *a, **k: launches.append(self) or original(self, *a, **k))
     assert _restore_and_compare("shm", dtype) > 0
-    assert bool(launches) == zero_copy
+    assert launches
+    # in place the kernel reads the page-locked arenas (host memory); copied, a copy in device memory
+    kinds = {int(cp.cuda.runtime.pointerGetAttributes(int(address)).type)
+             for source in launches for address in source.addresses}
+    host, device = 1, 2  # cudaMemoryTypeHost, cudaMemoryTypeDevice
+    assert kinds == ({host} if zero_copy else {device})

@@ -74,7 +74,8 @@ from transport.errors import (
 from transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 from transport.staging import device_nbytes
 
-__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "copy_runs", "zero_copy_max_bytes",
+__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "copy_runs", "device_copy_runs",
+           "zero_copy_max_bytes",
            "ZERO_COPY_ENV", "DEFAULT_ZERO_COPY_MAX_BYTES", "COPY_THREADS", "PARALLEL_COPY_BYTES",
            "LEASE", "END_LEASE", "ARENA_FILE"]
 
@@ -98,11 +99,10 @@ _POOL_LOCK = threading.Lock()
 #: (zero-copy); larger shards are copied to the GPU first, then widened there. Both move
 #: the compact bytes over PCIe once. The copy runs on the DMA engines (55.3 GB/s from a
 #: read-only registered mapping on one H200 host, against 51.1 GB/s for a kernel reading
-#: it) but costs one ``cudaMemcpyAsync`` per run of regions: a shard interleaving two
-#: fields is ~2 runs per step, ~170 runs for 256 MiB, ~1 ms of launches on ~5 ms of
-#: transfer. Zero-copy is one launch whatever the layout, so it is the default at every
-#: size until ``bench/gpu_check.sh`` (which times both at 64 and 256 MiB on the same
-#: machine) says otherwise. A host restore gains at every size measured: reading in
+#: it), one ``cudaMemcpyAsync`` per span of the arena (keys written in sequence are one
+#: span), and the kernel then reads device memory; but it writes the compact bytes once
+#: more. Zero-copy is the default at every size until ``bench/gpu_check.sh`` (which
+#: times both at 64 and 256 MiB on the same machine) says otherwise. A host restore gains at every size measured: reading in
 #: place saves the staging memcpy (``python -m bench.fetch --transport shm``).
 DEFAULT_ZERO_COPY_MAX_BYTES = float("inf")
 #: Environment override of that threshold in bytes: 0 turns zero-copy off,
@@ -154,6 +154,12 @@ def copy_runs(out: np.ndarray, src: np.ndarray, runs) -> None:
     part = -(-total // COPY_THREADS)
     parts = [(offset + i, packed + i, min(part, n - i)) for offset, packed, n in runs for i in range(0, n, part)]
     list(_copy_pool().map(lambda p: np.copyto(out[p[1]:p[1] + p[2]], src[p[0]:p[0] + p[2]]), parts))
+
+
+def device_copy_runs(out, src: np.ndarray, runs) -> None:
+    """:func:`copy_runs` into CUDA memory ``out`` from host memory ``src`` (page-locked for speed):
+    one ``cudaMemcpyAsync`` per run on the current stream, then waits for them."""
+    _DeviceCopier(out).copy(int(out.__cuda_array_interface__["data"][0]), int(src.ctypes.data), runs)
 
 
 class ArenaMapping:
