@@ -500,8 +500,8 @@ class ShmChannel(Channel):
                         reply = result()
                     raise
                 reply = result()
+            done = True  # from here the confirmation ends the lease, whatever happens
             with self._confirmed(reply, started, keys) as regions:
-                done = True
                 if not np.array_equal(regions, hinted):
                     self.hint_misses += 1
                     raise HintMissedError(f"unit {self.unit}: the key directory named other regions than the "
