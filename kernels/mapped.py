@@ -24,9 +24,9 @@ __all__ = ["MappedSource", "SPAN_GAP_BYTES"]
 
 #: Bytes between two segments that :meth:`MappedSource.staged_in` copies
 #: through rather than start a second copy: one large memcpy moves bytes much
-#: faster than many of a few MiB each (large ones stream with non-temporal
-#: stores; measured on the dev box: 168 copies of 1.5 MiB on average took
-#: 1.5x one copy of the same 253 MiB).
+#: faster than many of a few MiB each (glibc streams large copies with
+#: non-temporal stores; smaller ones pull the destination through the cache),
+#: and into GPU memory each copy is a launch.
 SPAN_GAP_BYTES = 64 << 10
 
 
