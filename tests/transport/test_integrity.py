@@ -1,4 +1,4 @@
-"""No read returns another key's bytes: paused readers and release/read/rewrite races, on tcp and rdma.
+"""No read returns another key's bytes: paused readers and release/read/rewrite races, on tcp, shm and rdma.
 
 Each race prints one line of figures (cycles, reads, bytes checked, typed
 errors, wrong bytes); run with ``-s`` to see them. docs/RELIABILITY.md
@@ -16,6 +16,7 @@ from gputq.errors import UnknownKeyError
 from tests.transport.units import make_unit
 from tests.waiting import wait_until
 from transport.errors import MissingDependencyError, PeerLostError, StaleReadError
+from transport.shm import ShmTransport
 from transport.staging import StagingPool
 from transport.tcp import TcpChannel, TcpTransport
 
@@ -183,6 +184,23 @@ def _tcp_races(cycles: int) -> dict:
     return figures
 
 
+def _shm_races(cycles: int) -> dict:
+    # Readers copy from the key directory while their lease is requested: with 4 keys rewritten
+    # in a 96 KiB arena, a region a reader copies ahead is often released and rewritten meanwhile.
+    with make_unit(96 << 10, name="su-race") as unit, \
+            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv, \
+            ShmTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+        figures = run_races(ch, unit, cycles)
+        figures.update(reads_ahead=ch.reads_ahead, hint_misses=ch.hint_misses)
+        try:
+            wait_until(lambda: unit.stats()["leases"] == 0, 30, "every lease ended")
+        except AssertionError:
+            figures["other_errors"].append(f"leases left: {unit.stats()}")
+    if not figures["reads_ahead"]:
+        figures["other_errors"].append("no read was copied ahead of its lease")
+    return figures
+
+
 def _rdma_races(cycles: int) -> dict:
     nixl = pytest.importorskip("transport.nixl", reason="transport.nixl does not import")
     try:
@@ -202,6 +220,11 @@ def test_tcp_release_read_rewrite_races():
     _check(_tcp_races(2000), "tcp")
 
 
+@pytest.mark.timeout(120)
+def test_shm_release_read_rewrite_races():
+    _check(_shm_races(2000), "shm")
+
+
 @pytest.mark.rdma
 @pytest.mark.timeout(120)
 def test_rdma_release_read_rewrite_races():
@@ -210,7 +233,7 @@ def test_rdma_release_read_rewrite_races():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("transport", ["tcp", pytest.param("rdma", marks=pytest.mark.rdma)])
+@pytest.mark.parametrize("transport", ["tcp", "shm", pytest.param("rdma", marks=pytest.mark.rdma)])
 def test_release_read_rewrite_races_at_length(transport):
-    figures = _tcp_races(20_000) if transport == "tcp" else _rdma_races(20_000)
-    _check(figures, transport)
+    races = {"tcp": _tcp_races, "shm": _shm_races, "rdma": _rdma_races}[transport]
+    _check(races(20_000), transport)
