@@ -17,8 +17,8 @@ never moves nor changes while stored. A key stored under generation ``g``
 when the lease is granted was stored, at the same offset, since before the
 directory was read (a generation is drawn afresh for every write), so the
 bytes copied from that offset were the key's. When the reply's regions equal
-the hinted ones the copy stands; otherwise the reader copies again from the
-reply's regions, under the lease.
+the hinted ones the copy stands; otherwise the reader copies again, after a
+second lease.
 
 Layout: ``slots`` (a power of two) entries of four little-endian int64:
 the key's hash (0: empty), its generation, its arena offset, its length. A

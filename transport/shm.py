@@ -60,7 +60,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer
+from transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer, leased_regions, \
+    regions_inside
 from transport.directory import DirectoryView, directory_nbytes
 from transport.errors import (
     ClosedError,
@@ -422,7 +423,8 @@ class ShmChannel(Channel):
         if self.directory is None or generations is None:
             return None
         regions = self.directory.lookup(keys, [int(g or 0) for g in generations])
-        if regions is None or not _inside(regions, self.mapping.nbytes) or int(regions[:, 1].sum()) > capacity:
+        if regions is None or not regions_inside(regions, self.mapping.nbytes) \
+                or int(regions[:, 1].sum()) > capacity:
             return None  # a torn or foreign entry: wait for the lease
         return regions
 
@@ -520,9 +522,7 @@ class ShmChannel(Channel):
         lease_id = int(reply["lease_id"])
         ok = False
         try:
-            regions = np.frombuffer(reply["regions"], dtype="<i8").reshape(len(keys), 2)
-            if not _inside(regions, self.mapping.nbytes):
-                raise TransferError(f"unit {self.unit} leased regions outside its arena", self.unit, keys)
+            regions = leased_regions(reply["regions"], keys, self.mapping.nbytes, self.unit)
             yield regions
             ok = True
         finally:
@@ -594,11 +594,6 @@ def zero_copy_max_bytes() -> float:
     if value < 0:
         raise InvalidInputError(f"{ZERO_COPY_ENV} must be >= 0, got {text}")
     return value
-
-
-def _inside(regions: np.ndarray, nbytes: int) -> bool:
-    """True when every (offset, length) lies in ``[0, nbytes)``; compared so no sum can overflow."""
-    return not len(regions) or bool((regions >= 0).all() and (regions[:, 1] <= nbytes - regions[:, 0]).all())
 
 
 def _read_checks(generations, incarnation) -> dict:
