@@ -301,7 +301,7 @@ class Reader(Closeable):
             started = time.perf_counter()
             requests, nbytes = _lay_out([stage for _, stage in per_field.values()], self._config.max_frame_bytes)
             # zero-copy over shm, else None
-            staging = _mapped_staging(self, per_field, requests, nbytes, stats, lent, ahead=ahead)
+            staging = _mapped_staging(self, requests, nbytes, stats, lent, ahead=ahead)
             if staging is None:
                 staging = self._read_all(requests, nbytes, stats, lent)
             stats.fetch_seconds = time.perf_counter() - started
@@ -440,7 +440,7 @@ class Reader(Closeable):
 
 # -- zero-copy restore from same-host arenas (the shm backend) ---------------------------
 
-def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], nbytes: int, stats: FetchStats,
+def _mapped_staging(reader: Reader, requests: list[_Request], nbytes: int, stats: FetchStats,
                     lent: contextlib.ExitStack, *, ahead: bool = True):
     """The shard's compact bytes as they lie in the units' arenas, or copied out of them in spans.
 
@@ -462,22 +462,17 @@ def _mapped_staging(reader: Reader, per_field: dict, requests: list[_Request], n
     from transport.shm import copy_runs, device_copy_runs, zero_copy_max_bytes
 
     on_device = reader._device != "cpu"
-    units = {unit for _, stage in per_field.values() for unit in stage.refs_by_unit}
-    channels = {unit: reader._clients.channel(unit) for unit in units}
-    if not units or not all(_mapped_here(channel, on_device) for channel in channels.values()):
+    channels = {r.unit: reader._clients.channel(r.unit) for r in requests}
+    if not channels or not all(_mapped_here(channel, on_device) for channel in channels.values()):
         return None
     in_place = nbytes <= zero_copy_max_bytes()
-    refs = {(unit, key): ref for _, stage in per_field.values()
-            for unit, pairs in stage.refs_by_unit.items() for key, ref in pairs}
     with contextlib.ExitStack() as copied:  # the leases of a copy end with it, before the restore
         leases = lent if in_place else copied
         starts, addresses, lengths = [], [], []
         for r in requests:
-            generations = [getattr(refs[(r.unit, key)], "generation", 0) for key in r.keys]
             regions = leases.enter_context(channels[r.unit].mapped_source(
-                r.keys, reader._config.read_timeout_s, generations=generations,
-                incarnation=getattr(refs[(r.unit, r.keys[0])], "incarnation", None),
-                device=on_device and in_place, ahead=ahead))
+                r.keys, reader._config.read_timeout_s, generations=r.generations,
+                incarnation=r.incarnation or None, device=on_device and in_place, ahead=ahead))
             if int(regions[:, 1].sum()) != r.stop - r.start:
                 raise TransferError(f"unit {r.unit} leased {int(regions[:, 1].sum())} bytes for {len(r.keys)} "
                                     f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)

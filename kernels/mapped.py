@@ -14,8 +14,6 @@ reference) on them: the compact bytes are read once, where they lie.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from .plan import PlanError, as_plan_array
@@ -134,17 +132,26 @@ class MappedSource:
         Returns the address and length of each span, and each segment's
         offset in the spans packed back to back.
         """
-        order = np.argsort(self.addresses, kind="stable")
-        addresses, lengths = self.addresses[order], self.lengths[order]
-        ends = np.maximum.accumulate(addresses + lengths) if len(order) else addresses
-        first = np.concatenate(([True], addresses[1:] > ends[:-1] + max_gap)) if len(order) else order > 0
-        span = np.cumsum(first) - 1
-        span_starts = addresses[first]
-        span_lengths = np.maximum.reduceat(ends, np.flatnonzero(first)) - span_starts if len(order) else addresses
-        packed = np.cumsum(span_lengths) - span_lengths
-        offsets = np.empty_like(self.addresses)
-        offsets[order] = packed[span] + addresses - span_starts[span]
-        return span_starts, span_lengths, offsets
+        span_starts, span_ends, offsets = self._spans(max_gap)
+        starts = np.array(span_starts, np.int64)
+        return starts, np.array(span_ends, np.int64) - starts, np.array(offsets, np.int64)
+
+    def _spans(self, max_gap: int) -> tuple[list, list, list]:
+        # Plain Python: a segment is a key of tens of KiB or more, so a loop costs nothing
+        # beside its copy, and a fetch's dozen numpy calls would, in caches a copy just swept.
+        addresses, lengths = self.addresses.tolist(), self.lengths.tolist()
+        span_starts, span_ends, offsets, packed = [], [], [0] * len(addresses), 0
+        for i in sorted(range(len(addresses)), key=addresses.__getitem__):
+            address, end = addresses[i], addresses[i] + lengths[i]
+            if span_starts and address <= span_ends[-1] + max_gap:
+                span_ends[-1] = max(span_ends[-1], end)
+            else:
+                if span_starts:
+                    packed += span_ends[-1] - span_starts[-1]
+                span_starts.append(address)
+                span_ends.append(end)
+            offsets[i] = packed + address - span_starts[-1]
+        return span_starts, span_ends, offsets
 
     def staged_in(self, allocate, copy_runs=None, max_gap: int = SPAN_GAP_BYTES) -> "MappedSource":
         """Copy the segments (host memory) into a buffer; the same source over the copy.
@@ -157,17 +164,18 @@ class MappedSource:
         length) runs from the host view ``src``; one ``numpy.copyto`` each
         by default.
         """
-        span_starts, span_lengths, offsets = self.spans(max_gap)
-        total = int(span_lengths.sum())
+        span_starts, span_ends, offsets = self._spans(max_gap)
+        runs, total = [], 0
+        base = span_starts[0] if span_starts else 0
+        for start, end in zip(span_starts, span_ends):
+            runs.append((start - base, total, end - start))
+            total += end - start
         buffer = allocate(total)
         if buffer.nbytes < total:
             raise PlanError(f"staging the mapped segments needs {total} bytes, the buffer holds {buffer.nbytes}")
         out = buffer.reshape(-1).view(np.uint8)  # numpy, or CuPy for a GPU restore
         if total:
-            base = int(span_starts[0])
-            src = _bytes_at(base, int((span_starts + span_lengths).max()) - base)
-            runs = zip((span_starts - base).tolist(), (np.cumsum(span_lengths) - span_lengths).tolist(),
-                       span_lengths.tolist())
+            src = _bytes_at(base, max(span_ends) - base)
             if copy_runs is None:
                 for at, to, n in runs:
                     np.copyto(out[to:to + n], src[at:at + n])
@@ -175,7 +183,8 @@ class MappedSource:
                 copy_runs(out, src, runs)
         cuda = getattr(out, "__cuda_array_interface__", None)
         address = int(cuda["data"][0]) if cuda else int(out.ctypes.data)
-        return MappedSource(self.starts, address + offsets, self.lengths, self.nbytes, self.dtype)
+        return MappedSource(self.starts, address + np.array(offsets, np.int64), self.lengths, self.nbytes,
+                            self.dtype)
 
     def _host_elements(self, base: int, src_elems: int) -> np.ndarray:
         # A view over [base, base + src_elems) that touches no byte by itself: between the
@@ -184,8 +193,15 @@ class MappedSource:
         return _bytes_at(base, src_elems * self.dtype.itemsize).view(self.dtype)
 
 
+class _Memory:
+    """Read-only bytes at an address, for ``numpy.asarray`` (cheaper than a ctypes array type per length)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, nbytes: int):
+        self.__array_interface__ = {"data": (address, True), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
 def _bytes_at(address: int, nbytes: int) -> np.ndarray:
     """A read-only uint8 view of ``nbytes`` at ``address``, touching none of them."""
-    view = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(address))[:nbytes]
-    view.flags.writeable = False
-    return view
+    return np.asarray(_Memory(address, nbytes))

@@ -29,6 +29,7 @@ key's entries are looked for in the :data:`PROBE` slots from ``hash &
 from __future__ import annotations
 
 import hashlib
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -124,9 +125,10 @@ class DirectoryView:
     """
 
     def __init__(self, buffer: np.ndarray, slots: int):
+        if sys.byteorder != "little":  # the table is little-endian; read natively below
+            raise ValueError("key directories are read on little-endian hosts only")
         self.slots = int(slots)
-        self._table = _table(buffer, self.slots)
-        self._steps = np.arange(PROBE, dtype=np.int64)
+        self._words = memoryview(_table(buffer, self.slots)).cast("B").cast("q")
 
     def lookup(self, keys: Sequence[str], generations: Sequence[int]) -> np.ndarray | None:
         """The published regions (int64 ``[n, 2]`` of offset, length) of ``keys`` at ``generations``.
@@ -137,12 +139,18 @@ class DirectoryView:
         """
         if len(keys) != len(generations) or not len(keys):
             return None
-        wanted = np.asarray(generations, dtype=np.int64)
-        if not wanted.all():
-            return None
-        hashes = np.fromiter((key_hash(k) for k in keys), np.int64, len(keys))
-        probes = self._table[(hashes[:, None] + self._steps) & (self.slots - 1)]  # a copy: read once
-        match = (probes[:, :, 0] == hashes[:, None]) & (probes[:, :, 1] == wanted[:, None])
-        if not match.any(axis=1).all():
-            return None
-        return probes[np.arange(len(keys)), match.argmax(axis=1), 2:].copy()
+        # A plain loop over the mapping: a read looks up a few keys per unit, and a dozen
+        # numpy calls cost more than the probes, the more so in caches a copy just swept.
+        words, mask, found = self._words, self.slots - 1, []
+        for key, generation in zip(keys, generations):
+            if not generation:
+                return None
+            h = key_hash(key)
+            for step in range(PROBE):
+                at = ((h + step) & mask) * _WORDS
+                if words[at] == h and words[at + 1] == generation:
+                    found += words[at + 2:at + 4].tolist()
+                    break
+            else:
+                return None
+        return np.array(found, np.int64).reshape(-1, 2)

@@ -20,10 +20,11 @@ everything but the bytes. A read is
    per channel (read-only, page-locked). The copy does not wait for the
    lease's reply: the unit also publishes where each stored key lies in a
    directory file (:mod:`transport.directory`) mapped here read-only, and
-   the copy runs from the regions it names while the request is in
-   flight. It stands when the reply leases exactly those regions (the key
-   was then stored there all along); otherwise it is made again under a
-   second lease (:class:`HintMissedError` inside);
+   the copy runs from the regions it names while a helper thread sends
+   the request and reads the reply. It stands when the reply leases
+   exactly those regions (the key was then stored there all along);
+   otherwise it is made again under a second lease
+   (:class:`HintMissedError` inside);
 3. the confirmation that the lease covered the whole copy. When the copy
    ended well inside the lifetime the unit states for the lease, measured
    from before the request, the lease provably held and is ended in the
@@ -93,8 +94,10 @@ _END_TIMEOUT_S = 10.0
 COPY_THREADS = min(4, (os.cpu_count() or 2) // 2)
 #: Host reads from this size are split over :data:`COPY_THREADS`.
 PARALLEL_COPY_BYTES = 8 << 20
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+#: Helper threads running lease requests while their copy runs (one per unit read at once).
+LEASE_THREADS = 8
+_THREADS: dict[str, ThreadPoolExecutor] = {}
+_THREADS_LOCK = threading.Lock()
 
 #: Largest shard (compact bytes) a restore reads in place from the mapped arenas
 #: (zero-copy); larger shards are copied to the GPU first, then widened there. Both move
@@ -103,8 +106,9 @@ _POOL_LOCK = threading.Lock()
 #: it), one ``cudaMemcpyAsync`` per span of the arena (keys written in sequence are one
 #: span), and the kernel then reads device memory; but it writes the compact bytes once
 #: more. Zero-copy is the default at every size until ``bench/gpu_check.sh`` (which
-#: times both at 64 and 256 MiB on the same machine) says otherwise. A host restore gains at every size measured: reading in
-#: place saves the staging memcpy (``python -m bench.fetch --transport shm``).
+#: times both at 64 and 256 MiB on the same machine) says otherwise. A host restore gains
+#: at every size measured: reading in place saves the staging memcpy
+#: (``python -m bench.fetch --transport shm``).
 DEFAULT_ZERO_COPY_MAX_BYTES = float("inf")
 #: Environment override of that threshold in bytes: 0 turns zero-copy off,
 #: ``inf`` uses it for every shard.
@@ -130,13 +134,12 @@ def merge_runs(regions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return offsets[starts][keep], packed[starts][keep], run_lengths[keep]
 
 
-def _copy_pool():
-    """Threads for large host copies, created on first use (several threads outrun one memcpy)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="gputq-shm-copy")
-        return _POOL
+def _threads(purpose: str, count: int) -> ThreadPoolExecutor:
+    """The process's threads for ``purpose`` (``"copy"``, ``"lease"``), created on first use."""
+    with _THREADS_LOCK:
+        if purpose not in _THREADS:
+            _THREADS[purpose] = ThreadPoolExecutor(count, thread_name_prefix=f"gputq-shm-{purpose}")
+        return _THREADS[purpose]
 
 
 def copy_runs(out: np.ndarray, src: np.ndarray, runs) -> None:
@@ -154,7 +157,7 @@ def copy_runs(out: np.ndarray, src: np.ndarray, runs) -> None:
         return
     part = -(-total // COPY_THREADS)
     parts = [(offset + i, packed + i, min(part, n - i)) for offset, packed, n in runs for i in range(0, n, part)]
-    list(_copy_pool().map(lambda p: np.copyto(out[p[1]:p[1] + p[2]], src[p[0]:p[0] + p[2]]), parts))
+    list(_threads("copy", COPY_THREADS).map(lambda p: np.copyto(out[p[1]:p[1] + p[2]], src[p[0]:p[0] + p[2]]), parts))
 
 
 def device_copy_runs(out, src: np.ndarray, runs) -> None:
@@ -479,8 +482,9 @@ class ShmChannel(Channel):
         """Lease ``keys`` for the block; yields their regions; confirms the lease after it.
 
         With ``hinted``, the directory's regions of the keys, the block runs
-        on them while the request is in flight, and the lease must name the
-        same regions: else :class:`HintMissedError` is raised after the block.
+        on them while a helper thread requests the lease, and the lease must
+        name the same regions: else :class:`HintMissedError` is raised after
+        the block.
         """
         args = {"keys": keys, **_read_checks(generations, incarnation)}
         if hinted is None:
@@ -493,22 +497,26 @@ class ShmChannel(Channel):
         if ended:
             args["end"] = ended
         started, reply, done = time.monotonic(), None, False
+        # The exchange runs on a helper thread: its Python work (send, receive, decode) then
+        # runs while the block copies or restores with the GIL released, not after it.
+        exchange = _threads("lease", LEASE_THREADS).submit(self._tcp.request, LEASE, args, timeout, keys=keys)
         try:
-            with self._tcp.overlapped(LEASE, args, timeout, keys=keys) as result:
-                try:
-                    yield hinted
-                except BaseException:
-                    with contextlib.suppress(Exception):  # the block's error is the one to see
-                        reply = result()
-                    raise
-                reply = result()
+            try:
+                yield hinted
+            except BaseException:
+                with contextlib.suppress(Exception):  # the block's error is the one to see
+                    reply = exchange.result()
+                raise
+            reply = exchange.result()
             done = True  # from here the confirmation ends the lease, whatever happens
-            with self._confirmed(reply, started, keys) as regions:
-                if not np.array_equal(regions, hinted):
-                    self.hint_misses += 1
-                    raise HintMissedError(f"unit {self.unit}: the key directory named other regions than the "
-                                          f"lease of keys {describe_keys(keys)}; read them again after the lease")
-                self.reads_ahead += 1
+            if reply.get("regions") == hinted.astype("<i8", copy=False).tobytes():
+                with self._confirmed(reply, started, keys, checked=hinted):
+                    self.reads_ahead += 1
+                return
+            with self._confirmed(reply, started, keys):
+                self.hint_misses += 1
+                raise HintMissedError(f"unit {self.unit}: the key directory named other regions than the "
+                                      f"lease of keys {describe_keys(keys)}; read them again after the lease")
         except BaseException:
             if reply is None:
                 self._ends.restore(ended)  # the request may never have reached the unit
@@ -517,12 +525,16 @@ class ShmChannel(Channel):
             raise
 
     @contextlib.contextmanager
-    def _confirmed(self, reply: dict, started: float, keys: list):
-        """The checked regions of a lease ``reply`` for the block; the lease confirmed after it."""
+    def _confirmed(self, reply: dict, started: float, keys: list, *, checked: np.ndarray | None = None):
+        """The checked regions of a lease ``reply`` for the block; the lease confirmed after it.
+
+        ``checked``: regions already checked that the reply names byte for byte.
+        """
         lease_id = int(reply["lease_id"])
         ok = False
         try:
-            regions = leased_regions(reply["regions"], keys, self.mapping.nbytes, self.unit)
+            regions = leased_regions(reply["regions"], keys, self.mapping.nbytes, self.unit) \
+                if checked is None else checked
             yield regions
             ok = True
         finally:

@@ -304,20 +304,10 @@ class TcpChannel(Channel):
         A transport failure names the unit and, for calls serving a read,
         ``keys``.
         """
-        with self.overlapped(method, args, timeout, keys=keys) as result:
-            return result()
-
-    @contextlib.contextmanager
-    def overlapped(self, method: str, args: dict, timeout: float | None = None, *, keys: Sequence[str] = ()):
-        """:meth:`request` sent now, its reply read later: yields a callable returning the result.
-
-        The work in the block runs while the unit answers. Call the result
-        before the block ends; a block left without it drops the connection.
-        """
         what = f"read of keys {describe_keys(keys)} ({method})" if keys else f"control call {method!r}"
         with self._checkout(self._requests, timeout, what, keys) as conn:
             conn.writer.send(Op.CALL, {"method": method, "args": args})
-            yield lambda: conn.reply()["result"]
+            return conn.reply()["result"]
 
     def close(self) -> None:
         if self._closed:

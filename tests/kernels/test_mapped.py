@@ -63,6 +63,27 @@ def test_spans_join_segments_closer_than_the_gap_in_memory_order():
     assert all(len(a) == 0 for a in empty)
 
 
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_segments_land_in_their_spans_at_their_offsets(seed):
+    # Segments in any order, overlapping, repeated or far apart: copying each span back to back
+    # must put every segment's bytes at its offset, and spans must be the gaps' only joins.
+    rng = np.random.default_rng(seed)
+    memory = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    count = int(rng.integers(1, 40))
+    lengths = rng.integers(1, 600, count)
+    addresses = rng.integers(0, memory.nbytes - 600, count)
+    if count > 2:
+        addresses[1], lengths[1] = addresses[0], lengths[0]  # the same region twice
+    gap = int(rng.choice([0, 64, 4096]))
+    source = MappedSource(np.cumsum(lengths) - lengths, addresses, lengths, int(lengths.sum()))
+    starts, sizes, offsets = source.spans(max_gap=gap)
+    assert (np.diff(starts) > 0).all() and (starts[1:] > (starts + sizes)[:-1] + gap).all()
+    packed = np.concatenate([memory[a:a + n] for a, n in zip(starts, sizes)])
+    for address, length, offset in zip(addresses, lengths, offsets):
+        assert packed[offset:offset + length].tobytes() == memory[address:address + length].tobytes()
+
+
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "float32"])
 def test_a_source_staged_in_host_memory_restores_the_same_values(dtype):
     rng = np.random.default_rng(7)
