@@ -142,6 +142,17 @@ def _threads(purpose: str, count: int) -> ThreadPoolExecutor:
         return _THREADS[purpose]
 
 
+def _forget_threads_in_child() -> None:
+    # A forked child has none of its parent's threads, but their pools would take work and
+    # count them as idle: every read would wait forever. The child starts its own.
+    global _THREADS_LOCK
+    _THREADS_LOCK = threading.Lock()
+    _THREADS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads_in_child)
+
+
 def copy_runs(out: np.ndarray, src: np.ndarray, runs) -> None:
     """Copy runs (arena offset, destination offset, length) from ``src`` into ``out``.
 

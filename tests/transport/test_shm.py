@@ -127,6 +127,70 @@ def test_a_read_copies_from_the_directory_before_its_lease_is_granted(served, mo
     assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
 
 
+
+@pytest.mark.timeout(30)
+def test_the_lease_reply_is_read_while_the_copy_runs(served, monkeypatch):
+    # The exchange (send, receive, decode) runs beside the copy, not after it: a copy that
+    # waits for the reply to be read finishes only if it is.
+    unit, blobs, channel, _ = served
+    replied = threading.Event()
+    real_request, real_copy = channel._tcp.request, shm.copy_runs
+
+    def request(*args, **kwargs):
+        try:
+            return real_request(*args, **kwargs)
+        finally:
+            replied.set()
+
+    def copy_once_replied(*args):
+        if not replied.wait(5):
+            raise RuntimeError("the lease's reply was read only after the copy")
+        real_copy(*args)
+
+    monkeypatch.setattr(channel._tcp, "request", request)
+    monkeypatch.setattr(shm, "copy_runs", copy_once_replied)
+    keys = ["a", "c"]
+    dest = np.empty(71_000, np.uint8)
+    assert channel.read(keys, dest, timeout=10, generations=_generations(unit, keys)) == [1000, 70_000]
+    assert np.array_equal(dest, np.concatenate([blobs["a"], blobs["c"]]))
+    assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_reads_over_a_channel_of_its_own(served):
+    # The parent's lease threads are not in the child; their pool must not take its reads.
+    unit, blobs, channel, address = served
+    keys, generations = ["a", "c"], _generations(unit, ["a", "c"])
+    want = np.concatenate([blobs["a"], blobs["c"]])
+    dest = np.empty_like(want)
+    channel.read(keys, dest, timeout=5, generations=generations)
+    assert channel.reads_ahead == 1  # the helper threads exist in this process now
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            child = get_transport("shm").connect(address, token=TOKEN, max_frame_bytes=1 << 26, timeout=5)
+            got = np.zeros_like(want)
+            child.read(keys, got, timeout=5, generations=generations)
+            code = 0 if np.array_equal(got, want) and child.reads_ahead == 1 else 2
+            child.close()
+        finally:
+            os._exit(code)
+
+    def reaped():
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return (status,) if done else None
+
+    try:
+        (status,) = wait_until(reaped, 30, "the forked child's read")
+    except AssertionError:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 @pytest.mark.timeout(30)
 def test_a_wrong_directory_entry_costs_a_second_copy_not_wrong_bytes(served):
     unit, blobs, channel, _ = served
