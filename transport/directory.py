@@ -130,12 +130,14 @@ class DirectoryView:
         self.slots = int(slots)
         self._words = memoryview(_table(buffer, self.slots)).cast("B").cast("q")
 
-    def lookup(self, keys: Sequence[str], generations: Sequence[int]) -> np.ndarray | None:
+    def lookup(self, keys: Sequence[str], generations: Sequence[int], *,
+               within: int | None = None) -> np.ndarray | None:
         """The published regions (int64 ``[n, 2]`` of offset, length) of ``keys`` at ``generations``.
 
         ``None`` unless every key has an entry of its generation (a
-        generation of 0, unknown, never has one). The regions are hints:
-        see the module's note.
+        generation of 0, unknown, never has one) and, with ``within``,
+        every region lies inside ``[0, within)`` (a torn or foreign entry
+        may name any bytes). The regions are hints: see the module's note.
         """
         if len(keys) != len(generations) or not len(keys):
             return None
@@ -149,7 +151,10 @@ class DirectoryView:
             for step in range(PROBE):
                 at = ((h + step) & mask) * _WORDS
                 if words[at] == h and words[at + 1] == generation:
-                    found += words[at + 2:at + 4].tolist()
+                    offset, nbytes = words[at + 2], words[at + 3]
+                    if offset < 0 or nbytes < 0 or (within is not None and offset + nbytes > within):
+                        return None  # Python ints: the sum cannot overflow
+                    found += (offset, nbytes)
                     break
             else:
                 return None

@@ -61,8 +61,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer, leased_regions, \
-    regions_inside
+from transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer, leased_regions
 from transport.directory import DirectoryView, directory_nbytes
 from transport.errors import (
     ClosedError,
@@ -436,10 +435,9 @@ class ShmChannel(Channel):
         """The regions the directory names for every key, when they fit the arena and ``capacity``."""
         if self.directory is None or generations is None:
             return None
-        regions = self.directory.lookup(keys, [int(g or 0) for g in generations])
-        if regions is None or not regions_inside(regions, self.mapping.nbytes) \
-                or int(regions[:, 1].sum()) > capacity:
-            return None  # a torn or foreign entry: wait for the lease
+        regions = self.directory.lookup(keys, generations, within=self.mapping.nbytes)
+        if regions is None or (capacity < float("inf") and int(regions[:, 1].sum()) > capacity):
+            return None  # a torn or foreign entry, or too many bytes: wait for the lease
         return regions
 
     @contextlib.contextmanager
@@ -520,9 +518,9 @@ class ShmChannel(Channel):
                 raise
             reply = exchange.result()
             done = True  # from here the confirmation ends the lease, whatever happens
-            if reply.get("regions") == hinted.astype("<i8", copy=False).tobytes():
-                with self._confirmed(reply, started, keys, checked=hinted):
-                    self.reads_ahead += 1
+            if reply.get("regions") == hinted.astype("<i8", copy=False).tobytes():  # checked when hinted
+                self._settle(reply, started, keys)
+                self.reads_ahead += 1
                 return
             with self._confirmed(reply, started, keys):
                 self.hint_misses += 1
@@ -536,25 +534,26 @@ class ShmChannel(Channel):
             raise
 
     @contextlib.contextmanager
-    def _confirmed(self, reply: dict, started: float, keys: list, *, checked: np.ndarray | None = None):
-        """The checked regions of a lease ``reply`` for the block; the lease confirmed after it.
-
-        ``checked``: regions already checked that the reply names byte for byte.
-        """
-        lease_id = int(reply["lease_id"])
+    def _confirmed(self, reply: dict, started: float, keys: list):
+        """The checked regions of a lease ``reply`` for the block; the lease settled after it."""
         ok = False
         try:
-            regions = leased_regions(reply["regions"], keys, self.mapping.nbytes, self.unit) \
-                if checked is None else checked
-            yield regions
+            yield leased_regions(reply["regions"], keys, self.mapping.nbytes, self.unit)
             ok = True
         finally:
-            if ok and lease_covered(started, expires_in_of(reply)):
-                self._ends.defer(lease_id)
-                held = True
-            else:
-                held = self._end_lease(lease_id, quiet=not ok)
-        if not held:
+            self._settle(reply, started, keys, ok=ok)
+
+    def _settle(self, reply: dict, started: float, keys: list, *, ok: bool = True) -> None:
+        """End the lease of ``reply`` once its copy is done (``ok``) or failed.
+
+        A lease its stated lifetime proves held is ended in the background;
+        otherwise ``end_lease`` asks, and a lease that had expired raises
+        :class:`StaleReadError` (the copy may hold other keys' bytes).
+        """
+        lease_id = int(reply["lease_id"])
+        if ok and lease_covered(started, expires_in_of(reply)):
+            self._ends.defer(lease_id)
+        elif not self._end_lease(lease_id, quiet=not ok):
             raise StaleReadError(
                 f"unit {self.unit}: the lease on {len(keys)} keys expired before the copy finished; "
                 "the bytes read may belong to other keys")

@@ -48,6 +48,17 @@ def test_published_keys_are_found_at_their_generation_only():
     assert view.lookup(["b"], [7]).tolist() == [[4096, 24]] and view.lookup(["b"], [6]) is None
 
 
+
+def test_regions_outside_the_bound_are_no_hints():
+    directory, view, _ = _pair()
+    directory.publish("a", 1, 4096, 1000)
+    assert view.lookup(["a"], [1], within=5096).tolist() == [[4096, 1000]]  # up to the last byte
+    assert view.lookup(["a"], [1], within=5095) is None
+    for key, offset, nbytes in (("b", -8, 8), ("c", 0, -1), ("d", 2**62, 2**62)):  # the sum passes 2**63
+        directory.publish(key, 2, offset, nbytes)
+        assert view.lookup([key], [2], within=1 << 30) is None
+    assert view.lookup(["d"], [2]).tolist() == [[2**62, 2**62]]  # no bound, no check
+
 def test_a_full_probe_overwrites_the_home_slot():
     directory, view, _ = _pair(slots=PROBE)  # every key probes every slot
     keys = [f"k{i}" for i in range(PROBE + 3)]
