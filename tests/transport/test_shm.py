@@ -441,14 +441,76 @@ def test_large_reads_are_split_over_threads(served, monkeypatch):
     assert np.array_equal(dest, want)
 
 
+
+class _HostRuntime:
+    """CuPy's CUDA runtime as far as the shm device copies use it, moving host memory."""
+
+    memcpyHostToDevice = 1
+
+    def __init__(self):
+        self.calls: list = []
+
+    def pointerGetAttributes(self, ptr):
+        import types
+
+        return types.SimpleNamespace(device=0)
+
+    def memcpyAsync(self, dst, src, n, kind, stream):
+        import ctypes
+
+        assert kind == self.memcpyHostToDevice and stream == 42
+        self.calls.append((dst, src, n))
+        ctypes.memmove(dst, src, n)
+
+
+def _host_cupy(runtime):
+    """A stand-in for CuPy whose "device" memory is host memory."""
+    import contextlib
+    import types
+
+    synced: list = []
+    stream = types.SimpleNamespace(ptr=42, synchronize=lambda: synced.append(1))
+    cuda_ns = types.SimpleNamespace(runtime=runtime, Device=lambda device: contextlib.nullcontext(),
+                                    get_current_stream=lambda: stream)
+    return types.SimpleNamespace(cuda=cuda_ns), synced
+
+
+class _HostDeviceArray(np.ndarray):
+    """A numpy array that presents itself as CUDA memory (its host address)."""
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"data": (self.ctypes.data, False), "shape": self.shape, "typestr": self.dtype.str, "version": 3}
+
+
+def test_device_copies_land_each_run_at_its_offset_and_wait(monkeypatch):
+    from transport import cuda
+
+    runtime = _HostRuntime()
+    fake, synced = _host_cupy(runtime)
+    monkeypatch.setattr(cuda, "usable_cupy", lambda: fake)
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 10_000, dtype=np.uint8)
+    out = np.zeros(3_000, np.uint8).view(_HostDeviceArray)
+    runs = [(9_000, 0, 1_000), (100, 1_000, 1_500), (4_000, 2_500, 500)]
+    shm.device_copy_runs(out, src, runs)
+    assert runtime.calls == [(out.ctypes.data + off, src.ctypes.data + at, n) for at, off, n in runs]
+    want = np.concatenate([src[at:at + n] for at, _, n in runs])
+    assert np.array_equal(np.asarray(out), want) and synced == [1]  # one wait, after the last copy
+
+
 @pytest.mark.timeout(60)
-def test_zero_copy_restore_path_replayed_on_the_host(monkeypatch):
-    """The reader's zero-copy hook end to end, with host memory standing in for the GPU.
+@pytest.mark.parametrize("zero_copy_max", ["inf", "0"])
+def test_gpu_restore_paths_replayed_on_the_host(monkeypatch, zero_copy_max):
+    """The reader's GPU restore over shm end to end, with host memory standing in for the GPU.
 
     Channels claim a mapped arena (device address = host address), the
-    kernel launch becomes the numpy reference reading those addresses, and
-    device buffers are numpy arrays: everything else (leases, the shard's
-    translation to arena addresses, the confirmation) runs as on a GPU.
+    kernel launch becomes the numpy reference reading those addresses,
+    device buffers are numpy arrays that present a CUDA interface, and the
+    span copies into them go through :func:`transport.shm.device_copy_runs`
+    on a stand-in CUDA runtime: everything else (leases, the shard's
+    translation to arena or staging addresses, the confirmation) runs as on
+    a GPU. ``inf`` reads in place (zero-copy); ``0`` copies spans first.
     """
     import types
 
@@ -458,6 +520,8 @@ def test_zero_copy_restore_path_replayed_on_the_host(monkeypatch):
     from transport import cuda
 
     launches: list = []
+    runtime = _HostRuntime()
+    monkeypatch.setenv(shm.ZERO_COPY_ENV, zero_copy_max)
     real_widen = MappedSource.widen_scatter
     monkeypatch.setattr(ShmChannel, "device_mappable", lambda self: self.mapping is not None)
     monkeypatch.setattr(cuda, "mapped_device_pointer", lambda ptr: ptr)
@@ -468,12 +532,15 @@ def test_zero_copy_restore_path_replayed_on_the_host(monkeypatch):
         get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))))
     with local_units("shm", routed_experts_dtype="uint16") as (config, services, clients):
         segments = _written_segments(clients, config, "uint16", seed=3)
+        monkeypatch.setattr(cuda, "usable_cupy", lambda: _host_cupy(runtime)[0])  # the units pinned their arenas
         with reader_module.Reader(clients, config) as reader:
             reader._device = "cuda"  # the GPU path, on host buffers
-            monkeypatch.setattr(reader, "_empty", lambda nbytes: np.empty(nbytes, np.uint8))
-            monkeypatch.setattr(reader, "_to_output", lambda array: array)
+            monkeypatch.setattr(reader, "_empty", lambda nbytes: np.empty(nbytes, np.uint8).view(_HostDeviceArray))
+            monkeypatch.setattr(reader, "_to_output", lambda array: np.asarray(array))
             _check_restored(segments, reader.fetch([seg.layouts for seg in segments]))
             assert launches and reader.last_stats.bytes_fetched > 0
+            # staged: a few span copies (keys written in sequence are one span), none in place
+            assert (0 < len(runtime.calls) < reader.last_stats.unique_keys) == (zero_copy_max == "0")
         wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
 
 
