@@ -93,10 +93,12 @@ _END_TIMEOUT_S = 10.0
 COPY_THREADS = min(4, (os.cpu_count() or 2) // 2)
 #: Host reads from this size are split over :data:`COPY_THREADS`.
 PARALLEL_COPY_BYTES = 8 << 20
-#: Helper threads running lease requests while their copy runs (one per unit read at once).
-LEASE_THREADS = 8
-_THREADS: dict[str, ThreadPoolExecutor] = {}
-_THREADS_LOCK = threading.Lock()
+#: Helper threads of one channel running lease requests while their copies run (a unit's
+#: reads at once). Each channel has its own: a unit that stops answering holds up its own
+#: reads only, never another unit's.
+LEASE_THREADS = 4
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 #: Largest shard (compact bytes) a restore reads in place from the mapped arenas
 #: (zero-copy); larger shards are copied to the GPU first, then widened there. Both move
@@ -133,23 +135,23 @@ def merge_runs(regions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return offsets[starts][keep], packed[starts][keep], run_lengths[keep]
 
 
-def _threads(purpose: str, count: int) -> ThreadPoolExecutor:
-    """The process's threads for ``purpose`` (``"copy"``, ``"lease"``), created on first use."""
-    with _THREADS_LOCK:
-        if purpose not in _THREADS:
-            _THREADS[purpose] = ThreadPoolExecutor(count, thread_name_prefix=f"gputq-shm-{purpose}")
-        return _THREADS[purpose]
+def _copy_pool() -> ThreadPoolExecutor:
+    """Threads for large host copies, created on first use (several threads outrun one memcpy)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="gputq-shm-copy")
+        return _POOL
 
 
-def _forget_threads_in_child() -> None:
-    # A forked child has none of its parent's threads, but their pools would take work and
-    # count them as idle: every read would wait forever. The child starts its own.
-    global _THREADS_LOCK
-    _THREADS_LOCK = threading.Lock()
-    _THREADS.clear()
+def _forget_copy_pool_in_child() -> None:
+    # A forked child has none of its parent's threads, but their pool would take work and
+    # count them as idle: every large read would wait forever. The child starts its own.
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_threads_in_child)
+os.register_at_fork(after_in_child=_forget_copy_pool_in_child)
 
 
 def copy_runs(out: np.ndarray, src: np.ndarray, runs) -> None:
@@ -167,7 +169,7 @@ def copy_runs(out: np.ndarray, src: np.ndarray, runs) -> None:
         return
     part = -(-total // COPY_THREADS)
     parts = [(offset + i, packed + i, min(part, n - i)) for offset, packed, n in runs for i in range(0, n, part)]
-    list(_threads("copy", COPY_THREADS).map(lambda p: np.copyto(out[p[1]:p[1] + p[2]], src[p[0]:p[0] + p[2]]), parts))
+    list(_copy_pool().map(lambda p: np.copyto(out[p[1]:p[1] + p[2]], src[p[0]:p[0] + p[2]]), parts))
 
 
 def device_copy_runs(out, src: np.ndarray, runs) -> None:
@@ -326,6 +328,7 @@ class ShmChannel(Channel):
         self.unit = self._tcp.unit
         self.incarnation = getattr(self._tcp, "incarnation", address.get("incarnation"))
         self._ends = LeaseEnds(self._send_ends, self.unit)
+        self._exchanges = ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix=f"gputq-shm-lease-{self.unit}")
         self.mapping: ArenaMapping | None = None
         self.directory: DirectoryView | None = None
         self._directory_mapping: ArenaMapping | None = None
@@ -508,7 +511,7 @@ class ShmChannel(Channel):
         started, reply, done = time.monotonic(), None, False
         # The exchange runs on a helper thread: its Python work (send, receive, decode) then
         # runs while the block copies or restores with the GIL released, not after it.
-        exchange = _threads("lease", LEASE_THREADS).submit(self._tcp.request, LEASE, args, timeout, keys=keys)
+        exchange = self._exchanges.submit(self._tcp.request, LEASE, args, timeout, keys=keys)
         try:
             try:
                 yield hinted
@@ -586,6 +589,7 @@ class ShmChannel(Channel):
             return
         self._closed = True
         self._ends.close()
+        self._exchanges.shutdown(wait=False)
         for mapping in (self.mapping, self._directory_mapping):
             if mapping is not None:
                 mapping.close()

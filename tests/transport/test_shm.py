@@ -158,14 +158,16 @@ def test_the_lease_reply_is_read_while_the_copy_runs(served, monkeypatch):
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_forked_child_reads_over_a_channel_of_its_own(served):
-    # The parent's lease threads are not in the child; their pool must not take its reads.
+def test_a_forked_child_reads_over_a_channel_of_its_own(served, monkeypatch):
+    # The parent's copy threads are not in the child; their pool must not take its reads.
     unit, blobs, channel, address = served
+    monkeypatch.setattr(shm, "COPY_THREADS", 2)
+    monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 1000)
     keys, generations = ["a", "c"], _generations(unit, ["a", "c"])
     want = np.concatenate([blobs["a"], blobs["c"]])
     dest = np.empty_like(want)
     channel.read(keys, dest, timeout=5, generations=generations)
-    assert channel.reads_ahead == 1  # the helper threads exist in this process now
+    assert channel.reads_ahead == 1 and shm._POOL is not None  # the copy threads exist in this process now
     pid = os.fork()
     if pid == 0:
         code = 3
@@ -189,6 +191,46 @@ def test_a_forked_child_reads_over_a_channel_of_its_own(served):
         os.waitpid(pid, 0)
         raise
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+
+@pytest.mark.timeout(60)
+def test_a_unit_that_stops_answering_holds_up_its_own_reads_only(served, tmp_path, monkeypatch):
+    unit, blobs, channel, _ = served
+    other = StorageUnit("su-shm-other", 1 << 20, shm_dir=str(tmp_path), alignment=256)
+    other.put("x", blobs["a"], {"partition": "p"})
+    server = get_transport("tcp").serve(other, host="127.0.0.1", port=0, token=TOKEN, max_frame_bytes=1 << 26)
+    other_channel = get_transport("shm").connect(server.address, token=TOKEN, max_frame_bytes=1 << 26, timeout=10)
+    stuck, release = threading.Semaphore(0), threading.Event()
+    real_lease = unit.lease_regions
+
+    def lease_never_answered(keys, **checks):
+        stuck.release()
+        release.wait(30)
+        return real_lease(keys, **checks)
+
+    monkeypatch.setattr(unit, "lease_regions", lease_never_answered)
+    generations = _generations(unit, ["a"])
+    readers = [threading.Thread(target=lambda: channel.read(["a"], np.empty(1000, np.uint8), timeout=30,
+                                                              generations=generations), daemon=True)
+               for _ in range(shm.LEASE_THREADS + 2)]
+    try:
+        for reader in readers:
+            reader.start()
+        assert all(stuck.acquire(timeout=10) for _ in range(shm.LEASE_THREADS))  # its helpers all wait
+        dest, done = np.zeros(1000, np.uint8), threading.Event()
+        threading.Thread(target=lambda: (other_channel.read(["x"], dest, timeout=5,
+                                                            generations=_generations(other, ["x"])), done.set()),
+                         daemon=True).start()
+        assert done.wait(10), "a read of another unit waited for the unit that does not answer"
+        assert np.array_equal(dest, blobs["a"]) and other_channel.reads_ahead == 1
+    finally:
+        release.set()
+        for reader in readers:
+            reader.join(30)
+        other_channel.close()
+        server.close()
+        other.close()
 
 
 @pytest.mark.timeout(30)
