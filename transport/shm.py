@@ -77,7 +77,7 @@ from transport.staging import device_nbytes
 
 __all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "copy_runs", "device_copy_runs",
            "zero_copy_max_bytes",
-           "ZERO_COPY_ENV", "DEFAULT_ZERO_COPY_MAX_BYTES", "COPY_THREADS", "PARALLEL_COPY_BYTES",
+           "ZERO_COPY_ENV", "DEFAULT_ZERO_COPY_MAX_BYTES", "COPY_THREADS", "PARALLEL_COPY_BYTES", "LEASE_THREADS",
            "LEASE", "END_LEASE", "ARENA_FILE"]
 
 _log = logging.getLogger(__name__)
