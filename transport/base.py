@@ -42,7 +42,6 @@ __all__ = [
     "LogLimiter",
     "describe_keys",
     "leased_regions",
-    "regions_inside",
     "WRITE_WINDOW_SHARE",
     "write_window",
 ]
@@ -320,12 +319,6 @@ def describe_keys(keys: Sequence[str]) -> str:
     return f"[{shown}{', ...' if len(keys) > 4 else ''}] ({len(keys)} keys)"
 
 
-def regions_inside(regions: np.ndarray, arena_nbytes: int) -> bool:
-    """True when every (offset, nbytes) row of ``regions`` lies inside an arena of ``arena_nbytes``."""
-    # nbytes > arena - offset, not offset + nbytes > arena: the sum can overflow int64.
-    return not len(regions) or not ((regions < 0).any() or (regions[:, 1] > arena_nbytes - regions[:, 0]).any())
-
-
 def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str) -> np.ndarray:
     """Decode and check the regions of a ``"lease"`` reply before reading them one-sided.
 
@@ -344,7 +337,8 @@ def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str) -> np
         raise ProtocolError(f"unit {unit}: lease reply for keys {describe_keys(keys)} is not "
                             f"{len(keys)} (offset, nbytes) pairs")
     regions = np.frombuffer(raw, dtype="<i8").reshape(len(keys), 2)
-    if not regions_inside(regions, arena_nbytes):
+    # nbytes > arena - offset, not offset + nbytes > arena: the sum can overflow int64.
+    if len(keys) and ((regions < 0).any() or (regions[:, 1] > arena_nbytes - regions[:, 0]).any()):
         raise ProtocolError(f"unit {unit}: leased regions outside its {arena_nbytes}-byte arena for keys "
                             f"{describe_keys(keys)}")
     return regions
