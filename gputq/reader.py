@@ -33,8 +33,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from kernels import MappedSource
+from transport import arena_copies
 from transport.base import Closeable
 from transport.errors import HintMissedError
+from transport.shm import zero_copy_max_bytes
 
 from .clients import UnitClients, fan_out, tally
 from .config import GputqConfig
@@ -458,9 +461,6 @@ def _mapped_staging(reader: Reader, requests: list[_Request], nbytes: int, stats
     name while the leases are requested; a lease naming other ones raises
     ``HintMissedError`` when confirmed. Returns ``None`` to stage as usual.
     """
-    from kernels import MappedSource
-    from transport.shm import copy_runs, device_copy_runs, zero_copy_max_bytes
-
     on_device = reader._device != "cpu"
     channels = {r.unit: reader._clients.channel(r.unit) for r in requests}
     if not channels or not all(_mapped_here(channel, on_device) for channel in channels.values()):
@@ -468,24 +468,30 @@ def _mapped_staging(reader: Reader, requests: list[_Request], nbytes: int, stats
     in_place = nbytes <= zero_copy_max_bytes()
     with contextlib.ExitStack() as copied:  # the leases of a copy end with it, before the restore
         leases = lent if in_place else copied
+        # Plain lists: a shard has a few keys per unit, and numpy calls on arrays that small
+        # cost more than the loop, the more so in the caches a restore just swept.
         starts, addresses, lengths = [], [], []
         for r in requests:
             regions = leases.enter_context(channels[r.unit].mapped_source(
                 r.keys, reader._config.read_timeout_s, generations=r.generations,
-                incarnation=r.incarnation or None, device=on_device and in_place, ahead=ahead))
-            if int(regions[:, 1].sum()) != r.stop - r.start:
-                raise TransferError(f"unit {r.unit} leased {int(regions[:, 1].sum())} bytes for {len(r.keys)} "
+                incarnation=r.incarnation or None, device=on_device and in_place, ahead=ahead)).tolist()
+            packed = r.start
+            for address, length in regions:
+                starts.append(packed)
+                addresses.append(address)
+                lengths.append(length)
+                packed += length
+            if packed != r.stop:
+                raise TransferError(f"unit {r.unit} leased {packed - r.start} bytes for {len(r.keys)} "
                                     f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
-            starts.append(r.start + np.cumsum(regions[:, 1]) - regions[:, 1])
-            addresses.append(regions[:, 0])
-            lengths.append(regions[:, 1])
             stats.unique_keys += len(r.keys)
             stats.unique_keys_per_unit[r.unit] = stats.unique_keys_per_unit.get(r.unit, 0) + len(r.keys)
             stats.bytes_fetched += r.stop - r.start
-        source = MappedSource(np.concatenate(starts), np.concatenate(addresses), np.concatenate(lengths), nbytes)
+        source = MappedSource(starts, addresses, lengths, nbytes)
         if in_place:
             return source
-        return source.staged_in(reader._own_staging, device_copy_runs if on_device else copy_runs)
+        return source.staged_in(reader._own_staging,
+                                arena_copies.device_copy_runs if on_device else arena_copies.copy_runs)
 
 
 def _mapped_here(channel, on_device: bool) -> bool:

@@ -182,8 +182,8 @@ class MappedSource:
             else:
                 copy_runs(out, src, runs)
         cuda = getattr(out, "__cuda_array_interface__", None)
-        address = int(cuda["data"][0]) if cuda else int(out.ctypes.data)
-        return MappedSource(self.starts, address + np.array(offsets, np.int64), self.lengths, self.nbytes,
+        address = (cuda or out.__array_interface__)["data"][0]
+        return MappedSource(self.starts, [address + offset for offset in offsets], self.lengths, self.nbytes,
                             self.dtype)
 
     def _host_elements(self, base: int, src_elems: int) -> np.ndarray:

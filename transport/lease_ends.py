@@ -16,8 +16,11 @@ later confirms synchronously with ``end_lease``, which answers whether the
 lease was still held.
 
 Deferred ends go out on the channel's next ``lease`` request (its ``end``
-list) or from one daemon thread per process, whichever comes first; a
-closed channel sends what is left. An end that never arrives (the unit was
+list) or from one daemon thread per process :data:`SEND_DELAY_S` after the
+first of them was deferred, whichever comes first: reads that follow each
+other end their leases with no message of their own, and a read wakes that
+thread only when nothing of its channel is waiting already. A closed
+channel sends what is left. An end that never arrives (the unit was
 lost) costs nothing but the unit's own lease timeout.
 """
 
@@ -29,7 +32,8 @@ import time
 import weakref
 from typing import Callable
 
-__all__ = ["LeaseEnds", "lease_covered", "expires_in_of", "CLOCK_RATE_SLACK", "DEADLINE_MARGIN_S", "MAX_IDS_PER_CALL"]
+__all__ = ["LeaseEnds", "lease_covered", "expires_in_of", "CLOCK_RATE_SLACK", "DEADLINE_MARGIN_S", "MAX_IDS_PER_CALL",
+           "SEND_DELAY_S"]
 
 _log = logging.getLogger(__name__)
 
@@ -40,6 +44,9 @@ CLOCK_RATE_SLACK = 1e-3
 DEADLINE_MARGIN_S = 0.05
 #: Lease ids one request carries, far below what a server accepts.
 MAX_IDS_PER_CALL = 1024
+#: Seconds deferred ends wait for a lease request to carry them before the ender thread sends
+#: them: the regions stay pinned that much longer, far inside any lease's lifetime.
+SEND_DELAY_S = 0.05
 
 
 def lease_covered(started: float, expires_in: float | None, now: float | None = None) -> bool:
@@ -80,6 +87,7 @@ class LeaseEnds:
         self._lock = threading.Lock()
         self._flushing = threading.Lock()
         self._ids: list[int] = []
+        self._scheduled = False  # the ender thread will send what is pending
         self._closed = False
 
     def request_lease(self, send: Callable[[dict], dict], args: dict) -> tuple[dict, float]:
@@ -101,14 +109,13 @@ class LeaseEnds:
     def defer(self, lease_id: int) -> None:
         """End ``lease_id`` soon, off the caller's path."""
         with self._lock:
-            if self._closed:
-                closed = True
-            else:
-                closed = False
+            closed = self._closed
+            if not closed:
                 self._ids.append(int(lease_id))
+                wake, self._scheduled = not self._scheduled, True
         if closed:
             self._end([int(lease_id)])
-        else:
+        elif wake:
             _Ender.instance().wake(self)
 
     def take(self, limit: int = MAX_IDS_PER_CALL) -> list[int]:
@@ -123,7 +130,15 @@ class LeaseEnds:
         if ids:
             with self._lock:
                 self._ids[:0] = ids
-            _Ender.instance().wake(self)
+                wake, self._scheduled = not self._scheduled, True
+            if wake:
+                _Ender.instance().wake(self)
+
+    def send_scheduled(self) -> None:
+        """The ender thread's turn: send what is pending (later deferrals schedule anew)."""
+        with self._lock:
+            self._scheduled = False
+        self.flush()
 
     def flush(self) -> None:
         """End every deferred lease now (blocking), including any the ender thread is sending."""
@@ -177,7 +192,9 @@ class _Ender:
             with self._cond:
                 while not self._due:
                     self._cond.wait()
+            time.sleep(SEND_DELAY_S)  # meanwhile a lease request may carry them
+            with self._cond:
                 due = list(self._due)
                 self._due.clear()
             for ends in due:
-                ends.flush()
+                ends.send_scheduled()

@@ -54,13 +54,14 @@ import contextlib
 import logging
 import mmap
 import os
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
 
+from transport import arena_copies
 from transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer, leased_regions
 from transport.directory import DirectoryView, directory_nbytes
 from transport.errors import (
@@ -75,10 +76,8 @@ from transport.errors import (
 from transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 from transport.staging import device_nbytes
 
-__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "merge_runs", "copy_runs", "device_copy_runs",
-           "zero_copy_max_bytes",
-           "ZERO_COPY_ENV", "DEFAULT_ZERO_COPY_MAX_BYTES", "COPY_THREADS", "PARALLEL_COPY_BYTES", "LEASE_THREADS",
-           "LEASE", "END_LEASE", "ARENA_FILE"]
+__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "zero_copy_max_bytes", "ZERO_COPY_ENV",
+           "DEFAULT_ZERO_COPY_MAX_BYTES", "LEASE_THREADS", "LEASE", "END_LEASE", "ARENA_FILE"]
 
 _log = logging.getLogger(__name__)
 
@@ -87,18 +86,10 @@ LEASE, END_LEASE, ARENA_FILE = "lease", "end_lease", "arena_file"
 # The confirmation must get through even when the read's own timeout is spent.
 _END_TIMEOUT_S = 10.0
 
-#: Threads copying one large host read: one memcpy thread moves ~10 GB/s on
-#: server CPUs, a few of them saturate more of the memory bus. Half the cores,
-#: at most 4, none on a 2-core box.
-COPY_THREADS = min(4, (os.cpu_count() or 2) // 2)
-#: Host reads from this size are split over :data:`COPY_THREADS`.
-PARALLEL_COPY_BYTES = 8 << 20
 #: Helper threads of one channel running lease requests while their copies run (a unit's
 #: reads at once). Each channel has its own: a unit that stops answering holds up its own
 #: reads only, never another unit's.
 LEASE_THREADS = 4
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 
 #: Largest shard (compact bytes) a restore reads in place from the mapped arenas
 #: (zero-copy); larger shards are copied to the GPU first, then widened there. Both move
@@ -114,68 +105,6 @@ DEFAULT_ZERO_COPY_MAX_BYTES = float("inf")
 #: Environment override of that threshold in bytes: 0 turns zero-copy off,
 #: ``inf`` uses it for every shard.
 ZERO_COPY_ENV = "GPUTQ_ZERO_COPY_MAX_BYTES"
-
-
-def merge_runs(regions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of ``regions`` (int64 ``[n, 2]`` of offset, length) adjacent in the arena.
-
-    Regions are packed back to back in the destination. Returns, per run,
-    its arena offset, its destination offset and its length; empty runs
-    are dropped. Keys written in sequence usually lie back to back, so a
-    read of many keys is one run: one copy instead of one per key.
-    """
-    offsets, lengths = regions[:, 0], regions[:, 1]
-    packed = np.cumsum(lengths) - lengths
-    if not len(regions):
-        return offsets, packed, lengths
-    starts = np.concatenate(([0], np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1))
-    ends = np.concatenate((starts[1:], [len(regions)]))
-    run_lengths = packed[ends - 1] + lengths[ends - 1] - packed[starts]
-    keep = run_lengths > 0
-    return offsets[starts][keep], packed[starts][keep], run_lengths[keep]
-
-
-def _copy_pool() -> ThreadPoolExecutor:
-    """Threads for large host copies, created on first use (several threads outrun one memcpy)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="gputq-shm-copy")
-        return _POOL
-
-
-def _forget_copy_pool_in_child() -> None:
-    # A forked child has none of its parent's threads, but their pool would take work and
-    # count them as idle: every large read would wait forever. The child starts its own.
-    global _POOL, _POOL_LOCK
-    _POOL, _POOL_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_copy_pool_in_child)
-
-
-def copy_runs(out: np.ndarray, src: np.ndarray, runs) -> None:
-    """Copy runs (arena offset, destination offset, length) from ``src`` into ``out``.
-
-    A read of at least :data:`PARALLEL_COPY_BYTES` is cut into
-    :data:`COPY_THREADS` parts copied at once (numpy releases the GIL while
-    copying); smaller reads are one ``copyto`` per run in this thread.
-    """
-    runs = list(runs)
-    total = sum(n for _, _, n in runs)
-    if COPY_THREADS < 2 or total < PARALLEL_COPY_BYTES:
-        for offset, packed, n in runs:
-            np.copyto(out[packed:packed + n], src[offset:offset + n])
-        return
-    part = -(-total // COPY_THREADS)
-    parts = [(offset + i, packed + i, min(part, n - i)) for offset, packed, n in runs for i in range(0, n, part)]
-    list(_copy_pool().map(lambda p: np.copyto(out[p[1]:p[1] + p[2]], src[p[0]:p[0] + p[2]]), parts))
-
-
-def device_copy_runs(out, src: np.ndarray, runs) -> None:
-    """:func:`copy_runs` into CUDA memory ``out`` from host memory ``src`` (page-locked for speed):
-    one ``cudaMemcpyAsync`` per run on the current stream, then waits for them."""
-    _DeviceCopier(out).copy(int(out.__cuda_array_interface__["data"][0]), int(src.ctypes.data), runs)
 
 
 class ArenaMapping:
@@ -260,37 +189,70 @@ class ArenaMapping:
                 self._mmap.close()
 
 
-class _DeviceCopier:
-    """Host-to-device copies of runs of a mapping on the destination's stream (CuPy, else torch)."""
+class _Exchange:
+    """The outcome of one job of :class:`_LeaseHelpers`."""
 
-    def __init__(self, dest):
-        from transport.cuda import usable_cupy, usable_torch
+    __slots__ = ("done", "value", "error")
 
-        self._cp, self._torch = usable_cupy(), usable_torch()
-        if self._cp is None and self._torch is None:
-            raise MissingDependencyError("reading into a CUDA buffer over shm needs CuPy or torch with a device")
-        self._dest = dest
+    def __init__(self):
+        self.done = threading.Lock()
+        self.done.acquire()  # released once the job ran
+        self.value = self.error = None
 
-    def copy(self, dst: int, src_base: int, runs) -> None:
-        """Copy every run (src offset, dst offset, length), then wait for the copies."""
-        if self._cp is not None:
-            cp = self._cp
-            rt = cp.cuda.runtime
-            with cp.cuda.Device(rt.pointerGetAttributes(dst).device):
-                stream = cp.cuda.get_current_stream()
-                for src, off, n in runs:
-                    rt.memcpyAsync(dst + off, src_base + src, n, rt.memcpyHostToDevice, stream.ptr)
-                stream.synchronize()  # the lease must cover the copy
-            return
-        torch = self._torch
-        out = self._dest if isinstance(self._dest, torch.Tensor) else torch.as_tensor(self._dest, device="cuda")
-        out = out.reshape(-1).view(torch.uint8)
-        import ctypes
+    def result(self):
+        """Wait for the job; its return value, or its exception raised here."""
+        with self.done:
+            pass
+        if self.error is not None:
+            raise self.error
+        return self.value
 
-        for src, off, n in runs:
-            host = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(src_base + src)))
-            out[off:off + n].copy_(host, non_blocking=True)
-        torch.cuda.current_stream(out.device).synchronize()
+
+class _LeaseHelpers:
+    """Threads of one channel running its lease exchanges while the reads copy.
+
+    Every read hands one over, so handing over must be cheap: a queue put and
+    a lock, a few µs, where a ``ThreadPoolExecutor.submit`` (a future, its
+    condition, the idle-thread semaphore) costs tens in the caches a copy
+    has just swept. Threads start as jobs come, up to ``threads``.
+    """
+
+    def __init__(self, threads: int, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads, self._name = threads, name
+        self._started = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn, *args) -> _Exchange:
+        exchange = _Exchange()
+        with self._lock:  # no job may follow the stop marks of close()
+            if self._closed:
+                raise ClosedError(f"{self._name}: the channel is closed")
+            if self._started < self._threads:
+                threading.Thread(target=self._run, name=f"{self._name}-{self._started}", daemon=True).start()
+                self._started += 1
+            self._jobs.put((fn, args, exchange))
+        return exchange
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, exchange = job
+            try:
+                exchange.value = fn(*args)
+            except BaseException as exc:  # handed to the waiting read
+                exchange.error = exc
+            finally:
+                exchange.done.release()
+
+    def close(self) -> None:
+        """Let the threads end once the jobs handed over are done. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in range(self._started):
+                self._jobs.put(None)
 
 
 class ShmChannel(Channel):
@@ -328,7 +290,7 @@ class ShmChannel(Channel):
         self.unit = self._tcp.unit
         self.incarnation = getattr(self._tcp, "incarnation", address.get("incarnation"))
         self._ends = LeaseEnds(self._send_ends, self.unit)
-        self._exchanges = ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix=f"gputq-shm-lease-{self.unit}")
+        self._exchanges = _LeaseHelpers(LEASE_THREADS, f"gputq-shm-lease-{self.unit}")
         self.mapping: ArenaMapping | None = None
         self.directory: DirectoryView | None = None
         self._directory_mapping: ArenaMapping | None = None
@@ -421,13 +383,12 @@ class ShmChannel(Channel):
                     if total > capacity:
                         raise RequestTooLargeError(f"read of {len(keys)} keys from {self.unit} needs {total} "
                                                    f"bytes, dest holds {capacity}")
-                    runs = zip(*(a.tolist() for a in merge_runs(regions)))
+                    runs = zip(*(a.tolist() for a in arena_copies.merge_runs(regions)))
                     if on_device:
                         self.mapping.register()
-                        _DeviceCopier(dest).copy(int(dest.__cuda_array_interface__["data"][0]),
-                                                 self.mapping.address, runs)
+                        arena_copies.device_copy_runs(dest, self.mapping.array, runs)
                     else:
-                        copy_runs(out, self.mapping.array, runs)
+                        arena_copies.copy_runs(out, self.mapping.array, runs)
                 return lengths.tolist()
             except HintMissedError:
                 if hinted is None:
@@ -511,7 +472,7 @@ class ShmChannel(Channel):
         started, reply, done = time.monotonic(), None, False
         # The exchange runs on a helper thread: its Python work (send, receive, decode) then
         # runs while the block copies or restores with the GIL released, not after it.
-        exchange = self._exchanges.submit(self._tcp.request, LEASE, args, timeout, keys=keys)
+        exchange = self._exchanges.submit(self._request_lease_then_copy, args, timeout, keys)
         try:
             try:
                 yield hinted
@@ -535,6 +496,11 @@ class ShmChannel(Channel):
             elif not done:
                 self._end_lease(int(reply["lease_id"]), quiet=True)
             raise
+
+    def _request_lease_then_copy(self, args: dict, timeout: float | None, keys: list) -> dict:
+        reply = self._tcp.request(LEASE, args, timeout, keys=keys)
+        arena_copies.help_copies()  # free now: the block's copy (if large) goes faster with this thread
+        return reply
 
     @contextlib.contextmanager
     def _confirmed(self, reply: dict, started: float, keys: list):
@@ -589,7 +555,7 @@ class ShmChannel(Channel):
             return
         self._closed = True
         self._ends.close()
-        self._exchanges.shutdown(wait=False)
+        self._exchanges.close()
         for mapping in (self.mapping, self._directory_mapping):
             if mapping is not None:
                 mapping.close()
@@ -610,7 +576,15 @@ def zero_copy_max_bytes() -> float:
     InvalidInputError
         The variable is neither a number of bytes nor ``inf``.
     """
-    text = os.environ.get(ZERO_COPY_ENV, "").strip().lower()
+    global _zero_copy_parsed
+    text = os.environ.get(ZERO_COPY_ENV, "")
+    if _zero_copy_parsed[0] != text:  # parsed once per value: every fetch asks
+        _zero_copy_parsed = (text, _parse_zero_copy_max_bytes(text))
+    return _zero_copy_parsed[1]
+
+
+def _parse_zero_copy_max_bytes(text: str) -> float:
+    text = text.strip().lower()
     if not text:
         return DEFAULT_ZERO_COPY_MAX_BYTES
     try:
@@ -620,6 +594,9 @@ def zero_copy_max_bytes() -> float:
     if value < 0:
         raise InvalidInputError(f"{ZERO_COPY_ENV} must be >= 0, got {text}")
     return value
+
+
+_zero_copy_parsed: tuple[str, float] = ("", DEFAULT_ZERO_COPY_MAX_BYTES)
 
 
 def _read_checks(generations, incarnation) -> dict:

@@ -194,3 +194,21 @@ def test_closing_the_channel_ends_the_leases_it_deferred(one_sided, monkeypatch)
     assert unit.stats()["leases"] == 1  # deferred, and nothing sent it yet
     channel.close()
     assert unit.stats()["leases"] == 0  # close() sent the end before returning
+
+
+def test_deferred_ends_wake_the_ender_once_until_it_has_sent_them(monkeypatch):
+    # Reads that follow each other must not each pay for waking a thread: the ender wakes
+    # once, and by the time it sends, the next lease request has usually carried the ends.
+    woken, sent = [], []
+    monkeypatch.setattr(lease_ends._Ender, "wake", lambda self, ends: woken.append(ends))
+    ends = LeaseEnds(sent.append, "u")
+    for lease_id in (1, 2, 3):
+        ends.defer(lease_id)
+    assert woken == [ends] and sent == []
+    ends.request_lease(lambda args: {"lease_id": 4}, {"keys": ["k"]})  # carries 1, 2, 3
+    ends.defer(4)
+    assert len(woken) == 1  # still scheduled: the ender has not had its turn
+    ends.send_scheduled()
+    assert sent == [[4]]
+    ends.defer(5)
+    assert len(woken) == 2  # scheduled anew once the ender sent what it had

@@ -15,9 +15,10 @@ from transport import get_transport
 from transport.cuda import cuda_available, usable_cupy
 from transport.errors import HintMissedError, InvalidInputError, RequestTooLargeError, StaleReadError
 from transport.policy import nixl_import_error
-from transport import shm
-from transport.shm import ShmChannel, merge_runs
+from transport import arena_copies, shm
+from transport.shm import ShmChannel
 
+from tests.transport.piecewise import NumpyWithCopyto, share_every_copy
 from tests.waiting import wait_until
 
 
@@ -42,16 +43,6 @@ def served(tmp_path):
         channel.close()
         server.close()
         unit.close()
-
-
-def test_merge_runs_joins_regions_adjacent_in_the_arena():
-    regions = np.array([[0, 10], [10, 5], [100, 3], [103, 0], [103, 7], [50, 0]], np.int64)
-    offsets, packed, lengths = merge_runs(regions)
-    assert offsets.tolist() == [0, 100]
-    assert packed.tolist() == [0, 15]
-    assert lengths.tolist() == [15, 10]
-    empty = merge_runs(np.zeros((0, 2), np.int64))
-    assert all(len(a) == 0 for a in empty)
 
 
 @pytest.mark.timeout(30)
@@ -106,8 +97,8 @@ def test_a_read_copies_from_the_directory_before_its_lease_is_granted(served, mo
     unit, blobs, channel, _ = served
     assert channel.directory is not None
     copied = threading.Event()
-    real_copy, real_lease = shm.copy_runs, unit.lease_regions
-    monkeypatch.setattr(shm, "copy_runs", lambda *args: (real_copy(*args), copied.set()))
+    real_copy, real_lease = arena_copies.copy_runs, unit.lease_regions
+    monkeypatch.setattr(arena_copies, "copy_runs", lambda *args: (real_copy(*args), copied.set()))
 
     def lease_once_copied(keys, **checks):
         if not copied.wait(5):
@@ -134,7 +125,7 @@ def test_the_lease_reply_is_read_while_the_copy_runs(served, monkeypatch):
     # waits for the reply to be read finishes only if it is.
     unit, blobs, channel, _ = served
     replied = threading.Event()
-    real_request, real_copy = channel._tcp.request, shm.copy_runs
+    real_request, real_copy = channel._tcp.request, arena_copies.copy_runs
 
     def request(*args, **kwargs):
         try:
@@ -148,11 +139,42 @@ def test_the_lease_reply_is_read_while_the_copy_runs(served, monkeypatch):
         real_copy(*args)
 
     monkeypatch.setattr(channel._tcp, "request", request)
-    monkeypatch.setattr(shm, "copy_runs", copy_once_replied)
+    monkeypatch.setattr(arena_copies, "copy_runs", copy_once_replied)
     keys = ["a", "c"]
     dest = np.empty(71_000, np.uint8)
     assert channel.read(keys, dest, timeout=10, generations=_generations(unit, keys)) == [1000, 70_000]
     assert np.array_equal(dest, np.concatenate([blobs["a"], blobs["c"]]))
+    assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
+
+
+@pytest.mark.timeout(30)
+def test_the_lease_helper_takes_pieces_of_the_copy_once_its_reply_is_in(served, monkeypatch):
+    # On a box with few cores, a thread started with the copy competes with the unit's answer
+    # to the lease; the helper that waited for that answer is free once it is in.
+    unit, blobs, channel, _ = served
+    share_every_copy(monkeypatch, 1000)
+    reader, by_helper = threading.get_ident(), threading.Event()
+
+    def copyto(dst, piece):
+        if threading.get_ident() == reader:
+            if not by_helper.wait(10):
+                raise AssertionError("the lease helper took no piece of the copy")
+        elif threading.current_thread().name.startswith("gputq-shm-lease-"):
+            by_helper.set()
+        np.copyto(dst, piece)
+
+    real_lease = unit.lease_regions
+
+    def lease_once_copying(keys, **checks):  # the reply comes while the copy runs, as it does when it is large
+        wait_until(lambda: arena_copies._under_way, 10, "the copy to start")
+        return real_lease(keys, **checks)
+
+    monkeypatch.setattr(unit, "lease_regions", lease_once_copying)
+    monkeypatch.setattr(arena_copies, "np", NumpyWithCopyto(copyto))
+    keys = ["c", "a"]
+    dest = np.empty(71_000, np.uint8)
+    assert channel.read(keys, dest, timeout=10, generations=_generations(unit, keys)) == [70_000, 1000]
+    assert np.array_equal(dest, np.concatenate([blobs["c"], blobs["a"]]))
     assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
 
 
@@ -161,13 +183,13 @@ def test_the_lease_reply_is_read_while_the_copy_runs(served, monkeypatch):
 def test_a_forked_child_reads_over_a_channel_of_its_own(served, monkeypatch):
     # The parent's copy threads are not in the child; their pool must not take its reads.
     unit, blobs, channel, address = served
-    monkeypatch.setattr(shm, "COPY_THREADS", 2)
-    monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 1000)
+    monkeypatch.setattr(arena_copies, "COPY_THREADS", 2)
+    monkeypatch.setattr(arena_copies, "PARALLEL_COPY_BYTES", 1000)
     keys, generations = ["a", "c"], _generations(unit, ["a", "c"])
     want = np.concatenate([blobs["a"], blobs["c"]])
     dest = np.empty_like(want)
     channel.read(keys, dest, timeout=5, generations=generations)
-    assert channel.reads_ahead == 1 and shm._POOL is not None  # the copy threads exist in this process now
+    assert channel.reads_ahead == 1 and arena_copies._pool is not None  # the copy threads exist in this process now
     pid = os.fork()
     if pid == 0:
         code = 3
@@ -283,7 +305,7 @@ def test_a_failed_early_copy_ends_the_lease_it_was_granted(served, monkeypatch):
     def broken(*args):
         raise MemoryError("copy failed")
 
-    monkeypatch.setattr(shm, "copy_runs", broken)
+    monkeypatch.setattr(arena_copies, "copy_runs", broken)
     with pytest.raises(MemoryError, match="copy failed"):
         channel.read(["a"], np.empty(1000, np.uint8), timeout=5, generations=_generations(unit, ["a"]))
     wait_until(lambda: unit.stats()["leases"] == 0, 5, "the granted lease to end")
@@ -471,11 +493,8 @@ def test_zero_copy_threshold_is_configurable(monkeypatch):
 
 
 def test_large_reads_are_split_over_threads(served, monkeypatch):
-    from transport import shm
-
     unit, blobs, channel, _ = served
-    monkeypatch.setattr(shm, "COPY_THREADS", 3)
-    monkeypatch.setattr(shm, "PARALLEL_COPY_BYTES", 1000)
+    share_every_copy(monkeypatch, 4096, threads=3)
     keys = ["a", "b", "c", "a"]
     want = np.concatenate([blobs[k] for k in keys])
     dest = np.zeros(want.size, np.uint8)
@@ -535,7 +554,7 @@ def test_device_copies_land_each_run_at_its_offset_and_wait(monkeypatch):
     src = rng.integers(0, 256, 10_000, dtype=np.uint8)
     out = np.zeros(3_000, np.uint8).view(_HostDeviceArray)
     runs = [(9_000, 0, 1_000), (100, 1_000, 1_500), (4_000, 2_500, 500)]
-    shm.device_copy_runs(out, src, runs)
+    arena_copies.device_copy_runs(out, src, runs)
     assert runtime.calls == [(out.ctypes.data + off, src.ctypes.data + at, n) for at, off, n in runs]
     want = np.concatenate([src[at:at + n] for at, _, n in runs])
     assert np.array_equal(np.asarray(out), want) and synced == [1]  # one wait, after the last copy
@@ -549,7 +568,7 @@ def test_gpu_restore_paths_replayed_on_the_host(monkeypatch, zero_copy_max):
     Channels claim a mapped arena (device address = host address), the
     kernel launch becomes the numpy reference reading those addresses,
     device buffers are numpy arrays that present a CUDA interface, and the
-    span copies into them go through :func:`transport.shm.device_copy_runs`
+    span copies into them go through :func:`transport.arena_copies.device_copy_runs`
     on a stand-in CUDA runtime: everything else (leases, the shard's
     translation to arena or staging addresses, the confirmation) runs as on
     a GPU. ``inf`` reads in place (zero-copy); ``0`` copies spans first.
@@ -597,14 +616,14 @@ def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_m
 
     monkeypatch.setenv(shm.ZERO_COPY_ENV, zero_copy_max)
     copies, sources = [], []
-    real_copy, real_widen = shm.copy_runs, MappedSource.widen_scatter
+    real_copy, real_widen = arena_copies.copy_runs, MappedSource.widen_scatter
 
     def counted_copy(out, src, runs):
         runs = list(runs)
         copies.append(len(runs))
         real_copy(out, src, runs)
 
-    monkeypatch.setattr(shm, "copy_runs", counted_copy)
+    monkeypatch.setattr(arena_copies, "copy_runs", counted_copy)
     monkeypatch.setattr(MappedSource, "widen_scatter",
                         lambda self, *a, **k: (sources.append(self.addresses.copy()), real_widen(self, *a, **k))[1])
     with local_units("shm", routed_experts_dtype="uint8") as (config, services, clients):
