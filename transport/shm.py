@@ -214,13 +214,17 @@ class _LeaseHelpers:
     Every read hands one over, so handing over must be cheap: a queue put and
     a lock, a few µs, where a ``ThreadPoolExecutor.submit`` (a future, its
     condition, the idle-thread semaphore) costs tens in the caches a copy
-    has just swept. Threads start as jobs come, up to ``threads``.
+    has just swept. A thread starts when a job finds none idle, up to
+    ``threads``. Its job done (the reply handed to the read), a thread takes
+    pieces of the large copies under way (:func:`arena_copies.help_copies`)
+    before it waits for the next: on a box with few cores the core it ran
+    on is the one free at that point of a read.
     """
 
     def __init__(self, threads: int, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads, self._name = threads, name
-        self._started = 0
+        self._started = self._idle = 0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -229,7 +233,9 @@ class _LeaseHelpers:
         with self._lock:  # no job may follow the stop marks of close()
             if self._closed:
                 raise ClosedError(f"{self._name}: the channel is closed")
-            if self._started < self._threads:
+            if self._idle:
+                self._idle -= 1  # that thread's job: the next one finds it busy
+            elif self._started < self._threads:
                 threading.Thread(target=self._run, name=f"{self._name}-{self._started}", daemon=True).start()
                 self._started += 1
             self._jobs.put((fn, args, exchange))
@@ -244,6 +250,10 @@ class _LeaseHelpers:
                 exchange.error = exc
             finally:
                 exchange.done.release()
+            # Free now, while the read's copy (if large) likely still runs: take pieces of it.
+            arena_copies.help_copies()
+            with self._lock:
+                self._idle += 1
 
     def close(self) -> None:
         """Let the threads end once the jobs handed over are done. Idempotent."""
@@ -472,7 +482,7 @@ class ShmChannel(Channel):
         started, reply, done = time.monotonic(), None, False
         # The exchange runs on a helper thread: its Python work (send, receive, decode) then
         # runs while the block copies or restores with the GIL released, not after it.
-        exchange = self._exchanges.submit(self._request_lease_then_copy, args, timeout, keys)
+        exchange = self._exchanges.submit(lambda: self._tcp.request(LEASE, args, timeout, keys=keys))
         try:
             try:
                 yield hinted
@@ -496,11 +506,6 @@ class ShmChannel(Channel):
             elif not done:
                 self._end_lease(int(reply["lease_id"]), quiet=True)
             raise
-
-    def _request_lease_then_copy(self, args: dict, timeout: float | None, keys: list) -> dict:
-        reply = self._tcp.request(LEASE, args, timeout, keys=keys)
-        arena_copies.help_copies()  # free now: the block's copy (if large) goes faster with this thread
-        return reply
 
     @contextlib.contextmanager
     def _confirmed(self, reply: dict, started: float, keys: list):
