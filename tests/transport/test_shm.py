@@ -560,6 +560,27 @@ def test_device_copies_land_each_run_at_its_offset_and_wait(monkeypatch):
     assert np.array_equal(np.asarray(out), want) and synced == [1]  # one wait, after the last copy
 
 
+def test_a_read_into_gpu_memory_copies_each_run_from_the_mapping(served, monkeypatch):
+    # channel.read into CUDA memory, replayed on the host: one cudaMemcpyAsync per run of the
+    # arena, from the mapping's own addresses, and one wait before the lease is confirmed.
+    from transport import cuda
+
+    unit, blobs, channel, _ = served
+    runtime = _HostRuntime()
+    fake, synced = _host_cupy(runtime)
+    monkeypatch.setattr(cuda, "usable_cupy", lambda: fake)
+    monkeypatch.setattr(channel.mapping, "register", lambda: False)  # page-locking needs a real driver
+    keys = ["c", "a", "b"]  # padded to 256 bytes apart in the arena: a run each
+    want = np.concatenate([blobs[k] for k in keys])
+    dest = np.zeros(want.size, np.uint8).view(_HostDeviceArray)
+    assert channel.read(keys, dest, timeout=10, generations=_generations(unit, keys)) == [70_000, 1000, 24]
+    assert np.array_equal(np.asarray(dest), want) and synced == [1]
+    at, packed = [entry["offset"] for entry in unit.lookup(keys)], np.cumsum([0, 70_000, 1000])
+    assert runtime.calls == [(dest.ctypes.data + int(p), channel.mapping.address + a, blobs[k].size)
+                             for k, a, p in zip(keys, at, packed)]
+    assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("zero_copy_max", ["inf", "0"])
 def test_gpu_restore_paths_replayed_on_the_host(monkeypatch, zero_copy_max):
