@@ -126,61 +126,50 @@ class MappedSource:
         return widen_scatter_from_pointer(base, self.dtype, src_elems, elements, out, fill,
                                           validate=validate, stream=stream)
 
-    def spans(self, max_gap: int = SPAN_GAP_BYTES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The segments grouped into spans of memory to copy at once.
+    def spans(self, max_gap: int = SPAN_GAP_BYTES) -> tuple[list, list, list]:
+        """The segments grouped into spans of memory to copy at once, in address order.
 
         Returns the address and length of each span, and each segment's
-        offset in the spans packed back to back.
+        offset in the spans packed back to back (lists: a segment is a key
+        of tens of KiB or more, so a plain loop costs nothing beside its
+        copy, where a dozen numpy calls would, in caches a copy just swept).
         """
-        span_starts, span_ends, offsets = self._spans(max_gap)
-        starts = np.array(span_starts, np.int64)
-        return starts, np.array(span_ends, np.int64) - starts, np.array(offsets, np.int64)
-
-    def _spans(self, max_gap: int) -> tuple[list, list, list]:
-        # Plain Python: a segment is a key of tens of KiB or more, so a loop costs nothing
-        # beside its copy, and a fetch's dozen numpy calls would, in caches a copy just swept.
         addresses, lengths = self.addresses.tolist(), self.lengths.tolist()
-        span_starts, span_ends, offsets, packed = [], [], [0] * len(addresses), 0
+        starts, ends, offsets, packed = [], [], [0] * len(addresses), 0
         for i in sorted(range(len(addresses)), key=addresses.__getitem__):
             address, end = addresses[i], addresses[i] + lengths[i]
-            if span_starts and address <= span_ends[-1] + max_gap:
-                span_ends[-1] = max(span_ends[-1], end)
+            if starts and address <= ends[-1] + max_gap:
+                ends[-1] = max(ends[-1], end)
             else:
-                if span_starts:
-                    packed += span_ends[-1] - span_starts[-1]
-                span_starts.append(address)
-                span_ends.append(end)
-            offsets[i] = packed + address - span_starts[-1]
-        return span_starts, span_ends, offsets
+                if starts:
+                    packed += ends[-1] - starts[-1]
+                starts.append(address)
+                ends.append(end)
+            offsets[i] = packed + address - starts[-1]
+        return starts, [end - start for start, end in zip(starts, ends)], offsets
 
-    def staged_in(self, allocate, copy_runs=None, max_gap: int = SPAN_GAP_BYTES) -> "MappedSource":
+    def staged_in(self, allocate, copy_runs, max_gap: int = SPAN_GAP_BYTES) -> "MappedSource":
         """Copy the segments (host memory) into a buffer; the same source over the copy.
 
         Segments less than ``max_gap`` apart are copied as one span, the gap
         with them. ``allocate(nbytes)`` returns the buffer to copy the spans
         into (at least ``nbytes``): host memory, or CUDA memory (a CuPy
-        array) with a ``copy_runs`` that copies there.
-        ``copy_runs(out, src, runs)`` copies (src offset, out offset,
-        length) runs from the host view ``src``; one ``numpy.copyto`` each
-        by default.
+        array). ``copy_runs(out, src, runs)`` copies (src offset, out
+        offset, length) runs from the host view ``src`` into it
+        (:func:`transport.arena_copies.copy_runs` or ``device_copy_runs``).
         """
-        span_starts, span_ends, offsets = self._spans(max_gap)
+        starts, lengths, offsets = self.spans(max_gap)
         runs, total = [], 0
-        base = span_starts[0] if span_starts else 0
-        for start, end in zip(span_starts, span_ends):
-            runs.append((start - base, total, end - start))
-            total += end - start
+        base = starts[0] if starts else 0
+        for start, length in zip(starts, lengths):
+            runs.append((start - base, total, length))
+            total += length
         buffer = allocate(total)
         if buffer.nbytes < total:
             raise PlanError(f"staging the mapped segments needs {total} bytes, the buffer holds {buffer.nbytes}")
         out = buffer.reshape(-1).view(np.uint8)  # numpy, or CuPy for a GPU restore
-        if total:
-            src = _bytes_at(base, max(span_ends) - base)
-            if copy_runs is None:
-                for at, to, n in runs:
-                    np.copyto(out[to:to + n], src[at:at + n])
-            else:
-                copy_runs(out, src, runs)
+        if total:  # spans are disjoint and in address order: the last one ends highest
+            copy_runs(out, _bytes_at(base, starts[-1] + lengths[-1] - base), runs)
         cuda = getattr(out, "__cuda_array_interface__", None)
         address = (cuda or out.__array_interface__)["data"][0]
         return MappedSource(self.starts, [address + offset for offset in offsets], self.lengths, self.nbytes,

@@ -212,9 +212,9 @@ class _LeaseHelpers:
     """Threads of one channel running its lease exchanges while the reads copy.
 
     Every read hands one over, so handing over must be cheap: a queue put and
-    a lock, a few µs, where a ``ThreadPoolExecutor.submit`` (a future, its
-    condition, the idle-thread semaphore) costs tens in the caches a copy
-    has just swept. A thread starts when a job finds none idle, up to
+    a lock, about half what a ``ThreadPoolExecutor.submit`` (a future, its
+    condition, the idle-thread semaphore) costs in the caches a copy has
+    just swept. A thread starts when a job finds none idle, up to
     ``threads``. Its job done (the reply handed to the read), a thread takes
     pieces of the large copies under way (:func:`arena_copies.help_copies`)
     before it waits for the next: on a box with few cores the core it ran

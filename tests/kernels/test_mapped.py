@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kernels import MappedSource, PlanError, reference_widen_scatter
+from transport.arena_copies import copy_runs
 from tests.kernels.test_reference import DTYPES, bits, poisoned_out, random_plan, random_staging
 
 
@@ -53,14 +54,9 @@ def test_fragments_outside_the_segments_are_refused():
 def test_spans_join_segments_closer_than_the_gap_in_memory_order():
     # segments out of memory order: 500..510, 100..112 and 112..117 (adjacent), 130..140 (13 bytes on)
     source = MappedSource([0, 16, 32, 48], [500, 100, 112, 130], [10, 12, 5, 10], 64)
-    starts, lengths, offsets = source.spans(max_gap=0)
-    assert starts.tolist() == [100, 130, 500] and lengths.tolist() == [17, 10, 10]
-    assert offsets.tolist() == [27, 0, 12, 17]
-    starts, lengths, offsets = source.spans(max_gap=13)
-    assert starts.tolist() == [100, 500] and lengths.tolist() == [40, 10]  # the gap is copied along
-    assert offsets.tolist() == [40, 0, 12, 30]
-    empty = MappedSource([], [], [], 0).spans()
-    assert all(len(a) == 0 for a in empty)
+    assert source.spans(max_gap=0) == ([100, 130, 500], [17, 10, 10], [27, 0, 12, 17])
+    assert source.spans(max_gap=13) == ([100, 500], [40, 10], [40, 0, 12, 30])  # the gap is copied along
+    assert MappedSource([], [], [], 0).spans() == ([], [], [])
 
 
 
@@ -77,7 +73,7 @@ def test_random_segments_land_in_their_spans_at_their_offsets(seed):
         addresses[1], lengths[1] = addresses[0], lengths[0]  # the same region twice
     gap = int(rng.choice([0, 64, 4096]))
     source = MappedSource(np.cumsum(lengths) - lengths, addresses, lengths, int(lengths.sum()))
-    starts, sizes, offsets = source.spans(max_gap=gap)
+    starts, sizes, offsets = (np.array(a, np.int64) for a in source.spans(max_gap=gap))
     assert (np.diff(starts) > 0).all() and (starts[1:] > (starts + sizes)[:-1] + gap).all()
     packed = np.concatenate([memory[a:a + n] for a, n in zip(starts, sizes)])
     for address, length, offset in zip(addresses, lengths, offsets):
@@ -100,14 +96,14 @@ def test_a_source_staged_in_host_memory_restores_the_same_values(dtype):
         arena[placed[i]:placed[i] + hi - lo] = staging.view(np.uint8)[lo:hi]
         addresses.append(arena.ctypes.data + placed[i])
     source = MappedSource(np.array(cuts[:-1]) * row_bytes, addresses, np.diff(cuts) * row_bytes, staging.nbytes)
-    spans = source.spans(max_gap=0)
-    assert len(spans[0]) == 2  # segments 1 and 0 lie back to back
-    buffer = np.full(int(spans[1].sum()), 0xCD, np.uint8)
-    staged = source.staged_in(lambda nbytes: buffer[:nbytes], max_gap=0).view(dtype)
+    starts, lengths, _ = source.spans(max_gap=0)
+    assert len(starts) == 2  # segments 1 and 0 lie back to back
+    buffer = np.full(sum(lengths), 0xCD, np.uint8)
+    staged = source.staged_in(lambda nbytes: buffer[:nbytes], copy_runs, max_gap=0).view(dtype)
     arena[:] = 0  # the copy no longer depends on the arena
     plan = random_plan(rng, src_rows, dst_rows, max_frag=1)
     got = staged.widen_scatter(plan, width, poisoned_out(dtype, dst_rows * width), 3)
     want = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), 3)
     np.testing.assert_array_equal(bits(got), bits(want))
     with pytest.raises(PlanError, match="needs"):
-        source.staged_in(lambda nbytes: np.empty(10, np.uint8), max_gap=0)
+        source.staged_in(lambda nbytes: np.empty(10, np.uint8), copy_runs, max_gap=0)
