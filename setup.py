@@ -17,7 +17,9 @@ setup(
         "rdma": ["nixl-cu12==1.5.1"],
         "gpu": ["cupy-cuda12x"],
         "metrics": ["prometheus_client>=0.17"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ray>=2.40", "prometheus_client>=0.17"],
+        # NVRTC alone (no driver needed) lets the tests compile the CUDA kernel where no GPU is.
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ray>=2.40", "prometheus_client>=0.17",
+                "nvidia-cuda-nvrtc-cu12>=12.4; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         # python -m bench.memory / bench.peers: the peer system, its runtime, Ray's grpc client
         # (object-store gauge) and the figures. On a dev box that wants Ray minimal, install
         # transferqueue with --no-deps: its ray[default] requirement only adds the dashboard.

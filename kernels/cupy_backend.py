@@ -34,6 +34,7 @@ __all__ = [
     "TABLE_SLOTS",
     "cupy_usable",
     "chunk_elements",
+    "compile_options",
     "fragment_table",
     "cupy_widen_scatter",
     "torch_widen_scatter_cupy",
@@ -126,6 +127,11 @@ def fragment_table(plan: np.ndarray, width: int, chunk: int, out: np.ndarray | N
     return table, nblocks
 
 
+def compile_options(steps: int = DEFAULT_STEPS) -> tuple[str, ...]:
+    """NVRTC options the kernel module is built with (WS_STEPS groups per thread)."""
+    return ("-std=c++17", f"-DWS_STEPS={steps}", f"-DWS_THREADS={THREADS}")
+
+
 def _module(cp, device_id: int, steps: int):
     key = (device_id, steps)
     with _modules_lock:
@@ -134,7 +140,7 @@ def _module(cp, device_id: int, steps: int):
             with cp.cuda.Device(device_id):
                 mod = cp.RawModule(
                     code=_SOURCE.read_text(),
-                    options=("-std=c++17", f"-DWS_STEPS={steps}", f"-DWS_THREADS={THREADS}"),
+                    options=compile_options(steps),
                 )
                 # Compile and load now, on this device, not at first launch.
                 for name in _KERNELS.values():

@@ -1,0 +1,113 @@
+"""The CUDA source compiled by NVRTC, as CuPy compiles it on a GPU host, checked without a GPU.
+
+NVRTC needs no driver: given the backend's own options and a target
+architecture it builds PTX and, through ptxas, machine code. That pins what
+a GPU run depends on before one is lent: the source compiles for the GPUs
+gputq targets (A100 and H100/H200), every kernel the backend launches is
+there, each moves its source in 16-byte loads whatever the element size
+(uint8 and uint16 included), and nothing spills to local memory (a spill
+would put a round trip to memory inside the copy loop). What the kernels
+compute is checked on the CPU by ``test_kernel_on_host`` and on the GPU by
+``test_gpu_kernel``.
+
+NVRTC comes from the ``nvidia-cuda-nvrtc-cu12`` wheel (the ``dev`` extra on
+Linux x86-64) or a system CUDA; without either the tests skip.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from kernels.cupy_backend import _KERNELS, _SOURCE, DEFAULT_STEPS, compile_options
+
+pytestmark = pytest.mark.timeout(120)
+
+_ARCHS = ("sm_80", "sm_90")  # A100; H100 and H200
+
+
+def _libnvrtc_path() -> str | None:
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        wheel = sorted(Path(next(iter(spec.submodule_search_locations)), "lib").glob("libnvrtc.so*"))
+        if wheel:
+            return str(wheel[0])
+    return ctypes.util.find_library("nvrtc")
+
+
+def _text(lib, prog, size_fn, get_fn) -> str:
+    size = ctypes.c_size_t()
+    size_fn(prog, ctypes.byref(size))
+    buffer = ctypes.create_string_buffer(size.value)
+    get_fn(prog, buffer)
+    return buffer.value.decode()
+
+
+def _compile(lib, arch: str) -> tuple[int, str, str]:
+    """(result, log, PTX) of the kernel source under the backend's options for ``arch``."""
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), _SOURCE.read_bytes(), _SOURCE.name.encode(), 0,
+                                  None, None) == 0
+    try:
+        options = [*(o.encode() for o in compile_options()), f"--gpu-architecture={arch}".encode(),
+                   b"--ptxas-options=-v"]
+        result = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        log = _text(lib, prog, lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog)
+        ptx = _text(lib, prog, lib.nvrtcGetPTXSize, lib.nvrtcGetPTX) if result == 0 else ""
+        return result, log, ptx
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.fixture(scope="module", params=_ARCHS)
+def compiled(request):
+    path = _libnvrtc_path()
+    if path is None:
+        pytest.skip("no NVRTC here: pip install nvidia-cuda-nvrtc-cu12 (in the dev extra on Linux x86-64)")
+    result, log, ptx = _compile(ctypes.CDLL(path), request.param)
+    return request.param, result, log, ptx
+
+
+def _entries(ptx: str) -> dict[str, str]:
+    """Each kernel's PTX body by name."""
+    parts = re.split(r"(?=\.visible \.entry )", ptx)[1:]
+    return {re.match(r"\.visible \.entry (\w+)", part).group(1): part for part in parts}
+
+
+def test_the_source_compiles_without_warnings(compiled):
+    arch, result, log, _ = compiled
+    assert result == 0, f"NVRTC failed for {arch}:\n{log}"
+    assert "warning" not in log.lower(), log
+
+
+def test_every_kernel_the_backend_launches_is_built(compiled):
+    _, _, _, ptx = compiled
+    assert set(_entries(ptx)) == set(_KERNELS.values())
+
+
+@pytest.mark.parametrize("dtype", sorted(_KERNELS))
+def test_each_kernel_loads_16_bytes_per_step_whatever_the_element_size(compiled, dtype):
+    _, _, _, ptx = compiled
+    body = _entries(ptx)[_KERNELS[dtype]]
+    # One 16-byte load per step on the aligned path, all issued before the stores.
+    assert len(re.findall(r"ld\.global\.nc\.v4\.\w+", body)) == DEFAULT_STEPS
+    assert re.search(r"st\.global\.v4\.\w+", body)
+
+
+def test_nothing_spills_to_local_memory(compiled):
+    arch, _, log, ptx = compiled
+    assert ".local" not in ptx
+    reports = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(reports) == len(_KERNELS), f"ptxas reported {len(reports)} kernels for {arch}:\n{log}"
+    assert all(report == ("0", "0", "0") for report in reports), log
+    # Registers bound the blocks an SM holds (occupancy); -s shows them for the performance notes.
+    for name, registers in re.findall(r"entry function '(\w+)' for '\w+'\n(?:.*\n)*?.*Used (\d+) registers", log):
+        print(f"{arch} {name}: {registers} registers, no spills")
