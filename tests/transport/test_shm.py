@@ -13,7 +13,7 @@ from gputq.errors import UnknownKeyError
 from gputq.storage_unit import StorageUnit
 from transport import get_transport
 from transport.cuda import cuda_available, usable_cupy
-from transport.errors import HintMissedError, InvalidInputError, RequestTooLargeError, StaleReadError
+from transport.errors import GputqError, HintMissedError, InvalidInputError, RequestTooLargeError, StaleReadError
 from transport.policy import nixl_import_error
 from transport import arena_copies, shm
 from transport.shm import ShmChannel
@@ -580,6 +580,64 @@ def test_a_read_into_gpu_memory_copies_each_run_from_the_mapping(served, monkeyp
     assert runtime.calls == [(dest.ctypes.data + int(p), channel.mapping.address + a, blobs[k].size)
                              for k, a, p in zip(keys, at, packed)]
     assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
+
+
+class _RegisterRuntime:
+    """The CUDA runtime calls that page-lock a mapping, recorded; ``refuse`` fails the registration."""
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def __init__(self, read_only_supported: int, refuse: bool):
+        self.read_only_supported, self.refuse, self.calls = read_only_supported, refuse, []
+
+    def deviceGetAttribute(self, attribute: int, device: int) -> int:
+        assert (attribute, device) == (113, 0)  # cudaDevAttrHostRegisterReadOnlySupported
+        return self.read_only_supported
+
+    def hostRegister(self, ptr: int, nbytes: int, flags: int) -> None:
+        self.calls.append(("register", ptr, nbytes, flags))
+        if self.refuse:
+            raise self.CUDARuntimeError("cudaErrorMemoryAllocation: out of page-lockable memory")
+
+    def hostUnregister(self, ptr: int) -> None:
+        self.calls.append(("unregister", ptr))
+
+    def pointerGetAttributes(self, ptr: int):
+        import types
+
+        registered = any(call[0] == "register" and call[1] == ptr for call in self.calls) and not self.refuse
+        return types.SimpleNamespace(devicePointer=ptr + (1 << 40) if registered else 0)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("supported, refuse", [(1, False), (0, False), (1, True)],
+                         ids=["registered", "no-read-only-support", "refused"])
+def test_the_arena_mapping_is_page_locked_read_only_and_mapped_once(served, monkeypatch, supported, refuse):
+    import types
+
+    from transport import cuda
+
+    _, _, channel, _ = served
+    runtime = _RegisterRuntime(supported, refuse)
+    monkeypatch.setattr(cuda, "usable_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    # this runtime's answer, not one cached from the real probe
+    monkeypatch.setattr(cuda, "read_only_register_supported", cuda.read_only_register_supported.__wrapped__)
+    mapping = shm.ArenaMapping(channel.mapping.path, channel.mapping.nbytes)
+    registered = bool(supported) and not refuse
+    assert mapping.register() is registered and mapping.register() is registered  # tried once
+    flags = cuda.HOST_REGISTER_PORTABLE | cuda.HOST_REGISTER_MAPPED | cuda.HOST_REGISTER_READ_ONLY
+    assert runtime.calls == ([("register", mapping.address, mapping.nbytes, flags)] if supported else [])
+    assert (mapping.register_error is None) is registered
+    if registered:  # the kernel reads it through the device address the runtime gives
+        assert cuda.mapped_device_pointer(mapping.address) == mapping.address + (1 << 40)
+    else:
+        with pytest.raises(GputqError, match="not registered"):
+            cuda.mapped_device_pointer(mapping.address)
+    mapping.close()
+    mapping.close()
+    unregistered = [call for call in runtime.calls if call[0] == "unregister"]
+    assert unregistered == ([("unregister", mapping.address)] if registered else [])  # once, and only if locked
 
 
 @pytest.mark.timeout(60)
