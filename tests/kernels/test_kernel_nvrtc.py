@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import importlib.util
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from kernels.cupy_backend import _KERNELS, _SOURCE, DEFAULT_STEPS, compile_optio
 pytestmark = pytest.mark.timeout(120)
 
 _ARCHS = ("sm_80", "sm_90")  # A100; H100 and H200
+_STEPS = (2, DEFAULT_STEPS)  # the default, and the fewer groups per thread a GPU check also times
 
 
 def _libnvrtc_path() -> str | None:
@@ -51,29 +53,45 @@ def _text(lib, prog, size_fn, get_fn) -> str:
     return buffer.value.decode()
 
 
-def _compile(lib, arch: str) -> tuple[int, str, str]:
-    """(result, log, PTX) of the kernel source under the backend's options for ``arch``."""
+@dataclass(frozen=True)
+class _Build:
+    arch: str
+    steps: int
+    result: int  # NVRTC's status: 0 is success
+    log: str  # the compiler's and ptxas's messages
+    ptx: str
+
+    def __str__(self) -> str:
+        return f"{self.arch}, {self.steps} groups/thread"
+
+
+def _compile(lib, arch: str, steps: int) -> _Build:
+    """The kernel source under the backend's options for ``arch`` and ``steps``."""
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), _SOURCE.read_bytes(), _SOURCE.name.encode(), 0,
                                   None, None) == 0
     try:
-        options = [*(o.encode() for o in compile_options()), f"--gpu-architecture={arch}".encode(),
+        options = [*(o.encode() for o in compile_options(steps)), f"--gpu-architecture={arch}".encode(),
                    b"--ptxas-options=-v"]
         result = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         log = _text(lib, prog, lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog)
         ptx = _text(lib, prog, lib.nvrtcGetPTXSize, lib.nvrtcGetPTX) if result == 0 else ""
-        return result, log, ptx
+        return _Build(arch, steps, result, log, ptx)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-@pytest.fixture(scope="module", params=_ARCHS)
-def compiled(request):
+@pytest.fixture(scope="module", params=[(arch, steps) for arch in _ARCHS for steps in _STEPS],
+                ids=lambda param: f"{param[0]}-steps{param[1]}")
+def build(request) -> _Build:
     path = _libnvrtc_path()
     if path is None:
         pytest.skip("no NVRTC here: pip install nvidia-cuda-nvrtc-cu12 (in the dev extra on Linux x86-64)")
-    result, log, ptx = _compile(ctypes.CDLL(path), request.param)
-    return request.param, result, log, ptx
+    lib = ctypes.CDLL(path)
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    print(f"\nNVRTC {major.value}.{minor.value} ({path})")
+    return _compile(lib, *request.param)
 
 
 def _entries(ptx: str) -> dict[str, str]:
@@ -82,32 +100,29 @@ def _entries(ptx: str) -> dict[str, str]:
     return {re.match(r"\.visible \.entry (\w+)", part).group(1): part for part in parts}
 
 
-def test_the_source_compiles_without_warnings(compiled):
-    arch, result, log, _ = compiled
-    assert result == 0, f"NVRTC failed for {arch}:\n{log}"
-    assert "warning" not in log.lower(), log
+def test_the_source_compiles_without_warnings(build):
+    assert build.result == 0, f"NVRTC failed for {build}:\n{build.log}"
+    assert "warning" not in build.log.lower(), build.log
 
 
-def test_every_kernel_the_backend_launches_is_built(compiled):
-    _, _, _, ptx = compiled
-    assert set(_entries(ptx)) == set(_KERNELS.values())
+def test_every_kernel_the_backend_launches_is_built(build):
+    assert set(_entries(build.ptx)) == set(_KERNELS.values())
 
 
 @pytest.mark.parametrize("dtype", sorted(_KERNELS))
-def test_each_kernel_loads_16_bytes_per_step_whatever_the_element_size(compiled, dtype):
-    _, _, _, ptx = compiled
-    body = _entries(ptx)[_KERNELS[dtype]]
-    # One 16-byte load per step on the aligned path, all issued before the stores.
-    assert len(re.findall(r"ld\.global\.nc\.v4\.\w+", body)) == DEFAULT_STEPS
+def test_each_kernel_loads_16_bytes_per_group_whatever_the_element_size(build, dtype):
+    body = _entries(build.ptx)[_KERNELS[dtype]]
+    # One 16-byte load per group on the aligned path, all issued before the stores.
+    assert len(re.findall(r"ld\.global\.nc\.v4\.\w+", body)) == build.steps
     assert re.search(r"st\.global\.v4\.\w+", body)
 
 
-def test_nothing_spills_to_local_memory(compiled):
-    arch, _, log, ptx = compiled
-    assert ".local" not in ptx
-    reports = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(reports) == len(_KERNELS), f"ptxas reported {len(reports)} kernels for {arch}:\n{log}"
-    assert all(report == ("0", "0", "0") for report in reports), log
+def test_nothing_spills_to_local_memory(build):
+    assert ".local" not in build.ptx
+    reports = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", build.log)
+    assert len(reports) == len(_KERNELS), f"ptxas reported {len(reports)} kernels for {build}:\n{build.log}"
+    assert all(report == ("0", "0", "0") for report in reports), build.log
     # Registers bound the blocks an SM holds (occupancy); -s shows them for the performance notes.
-    for name, registers in re.findall(r"entry function '(\w+)' for '\w+'\n(?:.*\n)*?.*Used (\d+) registers", log):
-        print(f"{arch} {name}: {registers} registers, no spills")
+    for name, registers in re.findall(r"entry function '(\w+)' for '\w+'\n(?:.*\n)*?.*Used (\d+) registers",
+                                      build.log):
+        print(f"{build} {name}: {registers} registers, no spills")
