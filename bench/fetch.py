@@ -16,7 +16,7 @@ on the CPU, the CUDA kernel with ``--device cuda``). ``fetch`` is the
 transfer part alone, as the reader's own stats time it. Over shm a restore
 can read the compact bytes in place, straight from the arena mapping, with
 no staging copy (``in place``); the ``copy`` row stages them first
-(``GPUTQ_ZERO_COPY_MAX_BYTES=0``: on the host, a copy of the arena in spans),
+(``zero_copy_max_bytes=0``: on the host, a copy of the arena in spans),
 which is the row whose ``fetch`` compares with the memcpy. Ratios are
 medians of the paired runs.
 """
@@ -24,8 +24,7 @@ medians of the paired runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
+import math
 import statistics
 import time
 
@@ -37,7 +36,6 @@ from gputq.config import GputqConfig
 from gputq.reader import Reader
 from gputq.refs import Layout
 from gputq.writer import Writer
-from transport.shm import ZERO_COPY_ENV
 
 _MIB = 1 << 20
 
@@ -95,17 +93,18 @@ def run(args) -> dict:
         config = GputqConfig(transport=args.transport, num_units=args.units,
                              unit_capacity_bytes=int(size * 1.25 / args.units) + 16 * _MIB,
                              routed_experts_dtype=args.dtype, host="127.0.0.1")
-        with remote_units(config) as (config, clients), Writer(clients, config) as writer, \
-                Reader(clients, config, device=args.device) as reader:
+        with remote_units(config) as (config, clients), Writer(clients, config) as writer:
             shard = _shard(writer, size, args.rows_per_step, args.layers, args.topk, args.dtype, rng)
-            reader.fetch(shard)
-            nbytes = reader.last_stats.bytes_fetched
+            with Reader(clients, config, device=args.device) as reader:
+                reader.fetch(shard)
+                nbytes = reader.last_stats.bytes_fetched
             transports = "+".join(sorted({clients.transport_of(u)[0] for u in clients.units}))
-            paths = [("copy", "0"), ("in place", "inf")] if transports == "shm" else [("copy", None)]
+            paths = [("copy", 0.0), ("in place", math.inf)] if transports == "shm" else [("copy", None)]
             with SocketBaseline(nbytes) as baseline:
                 baseline.read(nbytes)
-                for path, zero_copy in paths:
-                    with _zero_copy_limit(zero_copy):
+                for path, zero_copy_max in paths:
+                    path_config = config if zero_copy_max is None else config.replace(zero_copy_max_bytes=zero_copy_max)
+                    with Reader(clients, path_config, device=args.device) as reader:
                         times = _time_fetches(reader, shard, nbytes, baseline, args.repeats,
                                               f"fetch {size // _MIB} MiB {path}")
                     rows.append(_row(path, transports, len(shard), nbytes, times, path == "in place"))
@@ -115,23 +114,6 @@ def run(args) -> dict:
             "fetch_vs_memcpy": min(copies) if copies else None,
             "dtype": args.dtype, "layers": args.layers, "topk": args.topk, "units": args.units,
             "repeats": args.repeats, "device": args.device}
-
-
-@contextlib.contextmanager
-def _zero_copy_limit(value: str | None):
-    """Set ``GPUTQ_ZERO_COPY_MAX_BYTES`` for the block (None: leave it as it is)."""
-    if value is None:
-        yield
-        return
-    saved = os.environ.get(ZERO_COPY_ENV)
-    os.environ[ZERO_COPY_ENV] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ZERO_COPY_ENV, None)
-        else:
-            os.environ[ZERO_COPY_ENV] = saved
 
 
 def main(argv=None) -> None:

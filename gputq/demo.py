@@ -119,7 +119,6 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
     ``config`` (default: ``GputqConfig.load()``, the file and ``GPUTQ_*``
     variables) supplies every setting the options do not fix.
     """
-    from .controller import Controller
     from .deploy import Deployment, import_ray
     from .sglang import RolloutIngest, ingest_synthetic
     from .slime import to_slime_sample

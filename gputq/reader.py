@@ -37,7 +37,6 @@ from kernels import MappedSource
 from transport import arena_copies
 from transport.base import Closeable
 from transport.errors import HintMissedError
-from transport.shm import zero_copy_max_bytes
 
 from .clients import UnitClients, fan_out, tally
 from .config import GputqConfig
@@ -449,7 +448,7 @@ def _mapped_staging(reader: Reader, requests: list[_Request], nbytes: int, stats
 
     Taken when every unit of the shard is read over shm with its arena
     mapped here (and, for a GPU restore, registered as mapped memory).
-    A shard no larger than :func:`transport.shm.zero_copy_max_bytes` is
+    A shard no larger than the config's ``zero_copy_max_bytes`` is
     read in place: the restore reads each compact byte once, where it lies
     (the kernel over PCIe, or the numpy widen straight out of the mapping),
     and the leases, entered into ``lent``, are confirmed when it closes,
@@ -465,7 +464,7 @@ def _mapped_staging(reader: Reader, requests: list[_Request], nbytes: int, stats
     channels = {r.unit: reader._clients.channel(r.unit) for r in requests}
     if not channels or not all(_mapped_here(channel, on_device) for channel in channels.values()):
         return None
-    in_place = nbytes <= zero_copy_max_bytes()
+    in_place = nbytes <= reader._config.zero_copy_max_bytes
     with contextlib.ExitStack() as copied:  # the leases of a copy end with it, before the restore
         leases = lent if in_place else copied
         # Plain lists: a shard has a few keys per unit, and numpy calls on arrays that small

@@ -1,4 +1,5 @@
 import argparse
+import math
 import warnings
 
 import pytest
@@ -139,6 +140,20 @@ def test_constructor_is_strict_too():
 def test_env_float_for_int_is_an_error(value):
     with pytest.raises(ConfigError, match=f"GPUTQ_WRITER_THREADS='{value}'"):
         GputqConfig.load(env={"GPUTQ_WRITER_THREADS": value})
+
+
+def test_the_zero_copy_threshold_is_a_setting_like_any_other(tmp_path):
+    # The operations guide tells users to set GPUTQ_ZERO_COPY_MAX_BYTES: it must not warn as unknown.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for text, value in (("0", 0.0), ("inf", math.inf), ("1048576", float(1 << 20))):
+            assert GputqConfig.load(env={"GPUTQ_ZERO_COPY_MAX_BYTES": text}).zero_copy_max_bytes == value
+    assert GputqConfig().zero_copy_max_bytes == math.inf  # every shard in place unless set
+    (tmp_path / "gputq.yaml").write_text("zero_copy_max_bytes: 67108864\n")
+    assert GputqConfig.load(yaml_path=str(tmp_path / "gputq.yaml"), env={}).zero_copy_max_bytes == 1 << 26
+    for bad in ("lots", "-1", "nan"):
+        with pytest.raises(ConfigError, match=f"GPUTQ_ZERO_COPY_MAX_BYTES='{bad}'"):
+            GputqConfig.load(env={"GPUTQ_ZERO_COPY_MAX_BYTES": bad})
 
 
 def test_unknown_env_variable_warns_with_closest_name():

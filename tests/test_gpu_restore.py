@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.cuda_available(), reason="no CUDA device")]
 
 
-def _restore_and_compare(transport_name, dtype) -> int:
+def _restore_and_compare(transport_name, dtype, **overrides) -> int:
     """Restore every segment of synthetic sessions into GPU memory; check each against the inline path.
 
     Returns the number of segments compared.
@@ -33,7 +33,7 @@ def _restore_and_compare(transport_name, dtype) -> int:
     synth = SyntheticConfig(sessions=4, steps_per_session=3, layers=6, topk=8, num_experts=250,
                             prompt_tokens=300, tokens_per_step=400, tool_tokens=17, branch_prob=0.5,
                             rewrite_prob=0.3, seed=11)
-    with local_units(transport_name, routed_experts_dtype=dtype) as (config, _, clients):
+    with local_units(transport_name, routed_experts_dtype=dtype, **overrides) as (config, _, clients):
         fields = FieldRegistry.builtin(synth.layers, synth.topk, dtype)
         with Writer(clients, config) as writer:
             sessions = build_sessions(synth, fields=fields, writer=writer)
@@ -64,15 +64,13 @@ def test_gpu_restore_matches_inline_path(transport_name, dtype):
 @pytest.mark.parametrize("dtype", ["uint8", "uint16"])
 def test_gpu_restore_over_shm_in_place_or_copied(monkeypatch, zero_copy, dtype):
     from kernels import MappedSource
-    from transport.shm import ZERO_COPY_ENV
 
     cp = pytest.importorskip("cupy")
-    monkeypatch.setenv(ZERO_COPY_ENV, "inf" if zero_copy else "0")
     launches = []
     original = MappedSource.widen_scatter
     monkeypatch.setattr(MappedSource, "widen_scatter",
                         lambda self, *a, **k: launches.append(self) or original(self, *a, **k))
-    assert _restore_and_compare("shm", dtype) > 0
+    assert _restore_and_compare("shm", dtype, zero_copy_max_bytes=float("inf") if zero_copy else 0) > 0
     assert launches
     # in place the kernel reads the page-locked arenas (host memory); copied, a copy in device memory
     kinds = {int(cp.cuda.runtime.pointerGetAttributes(int(address)).type)

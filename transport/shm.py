@@ -76,8 +76,7 @@ from transport.errors import (
 from transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 from transport.staging import device_nbytes
 
-__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "zero_copy_max_bytes", "ZERO_COPY_ENV",
-           "DEFAULT_ZERO_COPY_MAX_BYTES", "LEASE_THREADS", "LEASE", "END_LEASE", "ARENA_FILE"]
+__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "LEASE_THREADS", "LEASE", "END_LEASE", "ARENA_FILE"]
 
 _log = logging.getLogger(__name__)
 
@@ -90,22 +89,6 @@ _END_TIMEOUT_S = 10.0
 #: reads at once). Each channel has its own: a unit that stops answering holds up its own
 #: reads only, never another unit's.
 LEASE_THREADS = 4
-
-#: Largest shard (compact bytes) a restore reads in place from the mapped arenas
-#: (zero-copy); larger shards are copied to the GPU first, then widened there. Both move
-#: the compact bytes over PCIe once. The copy runs on the DMA engines (55.3 GB/s from a
-#: read-only registered mapping on one H200 host, against 51.1 GB/s for a kernel reading
-#: it), one ``cudaMemcpyAsync`` per span of the arena (keys written in sequence are one
-#: span), and the kernel then reads device memory; but it writes the compact bytes once
-#: more. Zero-copy is the default at every size until ``bench/gpu_check.sh`` (which
-#: times both at 64 and 256 MiB on the same machine) says otherwise. A host restore gains
-#: at every size measured: reading in place saves the staging memcpy
-#: (``python -m bench.fetch --transport shm``).
-DEFAULT_ZERO_COPY_MAX_BYTES = float("inf")
-#: Environment override of that threshold in bytes: 0 turns zero-copy off,
-#: ``inf`` uses it for every shard.
-ZERO_COPY_ENV = "GPUTQ_ZERO_COPY_MAX_BYTES"
-
 
 class ArenaMapping:
     """A unit's arena file mapped read-only into this process.
@@ -571,37 +554,6 @@ class ShmChannel(Channel):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"shm channel to {self.unit} is closed")
-
-
-def zero_copy_max_bytes() -> float:
-    """Largest shard a restore reads in place: ``GPUTQ_ZERO_COPY_MAX_BYTES``, else the default.
-
-    Raises
-    ------
-    InvalidInputError
-        The variable is neither a number of bytes nor ``inf``.
-    """
-    global _zero_copy_parsed
-    text = os.environ.get(ZERO_COPY_ENV, "")
-    if _zero_copy_parsed[0] != text:  # parsed once per value: every fetch asks
-        _zero_copy_parsed = (text, _parse_zero_copy_max_bytes(text))
-    return _zero_copy_parsed[1]
-
-
-def _parse_zero_copy_max_bytes(text: str) -> float:
-    text = text.strip().lower()
-    if not text:
-        return DEFAULT_ZERO_COPY_MAX_BYTES
-    try:
-        value = float(text)
-    except ValueError:
-        raise InvalidInputError(f"{ZERO_COPY_ENV}={text!r} is not a number of bytes (or inf)") from None
-    if value < 0:
-        raise InvalidInputError(f"{ZERO_COPY_ENV} must be >= 0, got {text}")
-    return value
-
-
-_zero_copy_parsed: tuple[str, float] = ("", DEFAULT_ZERO_COPY_MAX_BYTES)
 
 
 def _read_checks(generations, incarnation) -> dict:

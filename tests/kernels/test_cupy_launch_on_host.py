@@ -22,10 +22,10 @@ import types
 import numpy as np
 import pytest
 
-from kernels import MappedSource, reference_widen_scatter, widen_scatter
+from kernels import reference_widen_scatter, widen_scatter
 from kernels import cupy_backend
 from kernels.cupy_backend import _KERNELS, _SOURCE, TABLE_SLOTS, THREADS
-from tests.kernels.test_kernel_on_host import _KINDS, _kernel, _shifted
+from tests.kernels.test_kernel_on_host import _KINDS, _kernel, _shifted, scattered_source
 from tests.kernels.test_reference import DTYPES, bits, poisoned_out, random_plan, random_staging
 
 pytestmark = pytest.mark.timeout(120)
@@ -155,16 +155,7 @@ def test_a_zero_copy_launch_reads_blobs_scattered_in_memory(host_cupy, dtype):
     rng = np.random.default_rng(11)
     width, src_rows, dst_rows = 48, 700, 1000
     staging = random_staging(rng, dtype, src_rows * width)
-    row_bytes = width * staging.itemsize
-    cuts = np.unique(np.concatenate([[0, src_rows], rng.integers(1, src_rows, 7)]))
-    starts, lengths = cuts[:-1] * row_bytes, np.diff(cuts) * row_bytes
-    memory = _shifted(np.zeros(int(lengths.sum()) + 512 * len(lengths), np.uint8), 0)
-    addresses, cursor = np.zeros(len(starts), np.int64), 256
-    for i in rng.permutation(len(starts)):  # 256-byte aligned, out of order, like an arena's blobs
-        addresses[i] = memory.ctypes.data + cursor
-        memory[cursor:cursor + lengths[i]] = staging.view(np.uint8)[starts[i]:starts[i] + lengths[i]]
-        cursor += -(-int(lengths[i]) // 256) * 256
-    source = MappedSource(starts, addresses, lengths, staging.nbytes).view(dtype)
+    source, _memory = scattered_source(rng, staging, width, blobs=8)
     plan = random_plan(rng, src_rows, dst_rows, max_frag=1)  # a fragment never crosses a blob
     out = _DeviceArray(poisoned_out(dtype, dst_rows * width))
     widen_scatter(source, plan, width, out, fill=6)

@@ -84,6 +84,24 @@ def _shifted(host: np.ndarray, shift: int) -> np.ndarray:
     return view
 
 
+def scattered_source(rng, staging: np.ndarray, width: int, blobs: int):
+    """``staging`` cut at row boundaries into ``blobs`` blobs laid out of order, 256-byte aligned,
+    as an arena holds them; returns the :class:`~kernels.MappedSource` over them and the memory
+    holding them (keep it alive while the source is read)."""
+    from kernels import MappedSource
+
+    rows, row_bytes = staging.size // width, width * staging.itemsize
+    cuts = np.unique(np.concatenate([[0, rows], rng.integers(1, rows, blobs - 1)]))
+    starts, lengths = cuts[:-1] * row_bytes, np.diff(cuts) * row_bytes
+    memory = _shifted(np.zeros(int(lengths.sum()) + 512 * len(lengths), np.uint8), 0)
+    addresses, cursor = np.zeros(len(starts), np.int64), 256
+    for i in rng.permutation(len(starts)):
+        addresses[i] = memory.ctypes.data + cursor
+        memory[cursor:cursor + lengths[i]] = staging.view(np.uint8)[starts[i]:starts[i] + lengths[i]]
+        cursor += -(-int(lengths[i]) // 256) * 256
+    return MappedSource(starts, addresses, lengths, staging.nbytes).view(staging.dtype), memory
+
+
 def _run(launch, staging, plan, width, out, fill, steps):
     plan, fill = check_call(staging.dtype.name, staging.size, out.dtype.name, out.size, plan, width, fill, True)
     table, nblocks = fragment_table(plan, width, chunk_elements(staging.itemsize, steps))
@@ -132,23 +150,11 @@ def test_kernel_source_tiny_huge_and_empty_fragments(tmp_path_factory, dtype):
 @pytest.mark.parametrize("dtype", ["uint8", "uint16"])
 def test_kernel_source_reads_a_mapped_source_in_place(tmp_path_factory, dtype):
     """The zero-copy launch: a row plan over staging translated to blobs scattered in memory."""
-    from kernels import MappedSource
-
     launch = _kernel(tmp_path_factory, 4)
     rng = np.random.default_rng(8)
     width, src_rows, dst_rows = 48, 600, 900
     staging = random_staging(rng, dtype, src_rows * width)
-    row_bytes = width * staging.itemsize
-    cuts = np.unique(np.concatenate([[0, src_rows], rng.integers(1, src_rows, 9)]))
-    starts, lengths = cuts[:-1] * row_bytes, np.diff(cuts) * row_bytes
-    memory = _shifted(np.zeros(int(lengths.sum()) + 512 * len(lengths), np.uint8), 0)
-    addresses = np.zeros(len(starts), np.int64)
-    cursor = 256
-    for i in rng.permutation(len(starts)):  # blobs out of order, 256-byte aligned like an arena's
-        addresses[i] = memory.ctypes.data + cursor
-        memory[cursor:cursor + lengths[i]] = staging.view(np.uint8)[starts[i]:starts[i] + lengths[i]]
-        cursor += -(-int(lengths[i]) // 256) * 256
-    source = MappedSource(starts, addresses, lengths, staging.nbytes).view(dtype)
+    source, _memory = scattered_source(rng, staging, width, blobs=10)
     plan = random_plan(rng, src_rows, dst_rows, max_frag=1)  # fragments never cross a blob
     elements, base, src_elems = source.element_plan(plan, width)
     table, nblocks = fragment_table(elements, 1, chunk_elements(staging.itemsize))

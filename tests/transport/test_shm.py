@@ -479,20 +479,6 @@ def test_one_cached_cuda_probe_answers_everywhere():
         cuda.host_register(0, 4096, cuda.HOST_REGISTER_READ_ONLY)
 
 
-def test_zero_copy_threshold_is_configurable(monkeypatch):
-    from transport.shm import DEFAULT_ZERO_COPY_MAX_BYTES, ZERO_COPY_ENV, zero_copy_max_bytes
-
-    monkeypatch.delenv(ZERO_COPY_ENV, raising=False)
-    assert zero_copy_max_bytes() == DEFAULT_ZERO_COPY_MAX_BYTES
-    for text, value in (("0", 0), ("inf", float("inf")), ("1048576", 1 << 20)):
-        monkeypatch.setenv(ZERO_COPY_ENV, text)
-        assert zero_copy_max_bytes() == value
-    for bad in ("lots", "-1"):
-        monkeypatch.setenv(ZERO_COPY_ENV, bad)
-        with pytest.raises(InvalidInputError, match=ZERO_COPY_ENV):
-            zero_copy_max_bytes()
-
-
 def test_large_reads_are_split_over_threads(served, monkeypatch):
     unit, blobs, channel, _ = served
     share_every_copy(monkeypatch, 4096, threads=3)
@@ -641,7 +627,7 @@ def test_the_arena_mapping_is_page_locked_read_only_and_mapped_once(served, monk
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("zero_copy_max", ["inf", "0"])
+@pytest.mark.parametrize("zero_copy_max", [float("inf"), 0], ids=["in-place", "copied"])
 def test_gpu_restore_paths_replayed_on_the_host(monkeypatch, zero_copy_max):
     """The reader's GPU restore over shm end to end, with host memory standing in for the GPU.
 
@@ -662,7 +648,6 @@ def test_gpu_restore_paths_replayed_on_the_host(monkeypatch, zero_copy_max):
 
     launches: list = []
     runtime = _HostRuntime()
-    monkeypatch.setenv(shm.ZERO_COPY_ENV, zero_copy_max)
     real_widen = MappedSource.widen_scatter
     monkeypatch.setattr(ShmChannel, "device_mappable", lambda self: self.mapping is not None)
     monkeypatch.setattr(cuda, "mapped_device_pointer", lambda ptr: ptr)
@@ -671,7 +656,8 @@ def test_gpu_restore_paths_replayed_on_the_host(monkeypatch, zero_copy_max):
                         lambda self, *a, **k: (launches.append(1), real_widen(self, *a, **k))[1])
     monkeypatch.setattr(reader_module, "_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
         get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))))
-    with local_units("shm", routed_experts_dtype="uint16") as (config, services, clients):
+    with local_units("shm", routed_experts_dtype="uint16", zero_copy_max_bytes=zero_copy_max) as \
+            (config, services, clients):
         segments = _written_segments(clients, config, "uint16", seed=3)
         monkeypatch.setattr(cuda, "usable_cupy", lambda: _host_cupy(runtime)[0])  # the units pinned their arenas
         with reader_module.Reader(clients, config) as reader:
@@ -681,20 +667,19 @@ def test_gpu_restore_paths_replayed_on_the_host(monkeypatch, zero_copy_max):
             _check_restored(segments, reader.fetch([seg.layouts for seg in segments]))
             assert launches and reader.last_stats.bytes_fetched > 0
             # staged: a few span copies (keys written in sequence are one span), none in place
-            assert (0 < len(runtime.calls) < reader.last_stats.unique_keys) == (zero_copy_max == "0")
+            assert (0 < len(runtime.calls) < reader.last_stats.unique_keys) == (zero_copy_max == 0)
         wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("zero_copy_max", ["inf", "0"])
+@pytest.mark.parametrize("zero_copy_max", [float("inf"), 0], ids=["in-place", "copied"])
 def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_max):
     """A CPU restore widens straight out of the arena mappings (no staging copy), or from a copy of
-    them in spans when ``GPUTQ_ZERO_COPY_MAX_BYTES`` says so; both are bit-exact with the inline path."""
+    them in spans when ``zero_copy_max_bytes`` says so; both are bit-exact with the inline path."""
     from gputq.reader import Reader
     from kernels import MappedSource
     from tests.conftest import local_units
 
-    monkeypatch.setenv(shm.ZERO_COPY_ENV, zero_copy_max)
     copies, sources = [], []
     real_copy, real_widen = arena_copies.copy_runs, MappedSource.widen_scatter
 
@@ -706,7 +691,8 @@ def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_m
     monkeypatch.setattr(arena_copies, "copy_runs", counted_copy)
     monkeypatch.setattr(MappedSource, "widen_scatter",
                         lambda self, *a, **k: (sources.append(self.addresses.copy()), real_widen(self, *a, **k))[1])
-    with local_units("shm", routed_experts_dtype="uint8") as (config, services, clients):
+    with local_units("shm", routed_experts_dtype="uint8", zero_copy_max_bytes=zero_copy_max) as \
+            (config, services, clients):
         segments = _written_segments(clients, config, "uint8", seed=5)
         with Reader(clients, config) as reader:
             restored = reader.fetch([seg.layouts for seg in segments])
@@ -718,7 +704,7 @@ def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_m
         assert sum(channel.hint_misses for channel in channels) == 0
         arenas = [(c.mapping.address, c.mapping.address + c.mapping.nbytes) for c in channels]
     in_arena = [any(low <= a < high for low, high in arenas) for a in np.concatenate(sources)]
-    if zero_copy_max == "inf":
+    if zero_copy_max:
         assert all(in_arena) and not copies
     else:  # one copy call, a few spans (keys written in sequence lie back to back), read from the copy
         assert not any(in_arena) and len(copies) == 1 and copies[0] <= len(clients.units) * 4
@@ -729,7 +715,6 @@ def test_a_restore_on_a_wrong_directory_entry_is_made_again_after_the_leases(mon
     from gputq.reader import Reader
     from tests.conftest import local_units
 
-    monkeypatch.setenv(shm.ZERO_COPY_ENV, "inf")
     with local_units("shm", routed_experts_dtype="uint16") as (config, services, clients):
         segments = _written_segments(clients, config, "uint16", seed=8)
         unit = services[0]._unit
