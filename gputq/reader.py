@@ -500,14 +500,9 @@ def _mapped_here(channel, on_device: bool) -> bool:
 
 
 def _cupy():
-    try:
-        import cupy
-    except ImportError:
-        from .errors import MissingDependencyError
+    from transport.cuda import require_cupy
 
-        raise MissingDependencyError(
-            "device='cuda' needs CuPy: pip install cupy-cuda12x (or cupy-cuda13x)") from None
-    return cupy
+    return require_cupy("device='cuda'")
 
 
 def _device_index(device: str) -> int:

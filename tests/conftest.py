@@ -34,3 +34,12 @@ def local_units(transport: str = "tcp", *, units: int = 2, capacity: int = 64 <<
 @pytest.fixture(params=TRANSPORT_PARAMS)
 def transport_name(request):
     return request.param
+
+
+@pytest.fixture
+def host_cuda(monkeypatch, tmp_path_factory):
+    """A CuPy stand-in whose device memory is host memory, installed as ``cupy`` (see tests/host_cuda.py)."""
+    from tests.host_cuda import installed
+
+    with installed(monkeypatch, tmp_path_factory) as fake:
+        yield fake

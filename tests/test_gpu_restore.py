@@ -23,10 +23,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.cuda_available(), reason="no CUDA device")]
 
 
-def _restore_and_compare(transport_name, dtype, **overrides) -> int:
+def restore_and_compare(transport_name, dtype, *, on_gpu: bool = True, **overrides) -> int:
     """Restore every segment of synthetic sessions into GPU memory; check each against the inline path.
 
-    Returns the number of segments compared.
+    Returns the number of segments compared. ``on_gpu=False`` under a CuPy
+    stand-in whose device memory is host memory: its tensors are CPU ones.
     """
     torch = pytest.importorskip("torch")
     compared = 0
@@ -48,7 +49,7 @@ def _restore_and_compare(transport_name, dtype, **overrides) -> int:
                     assert set(got) == set(expected)
                     for name, want in expected.items():
                         tensor = got[name]
-                        assert tensor.is_cuda and tuple(tensor.shape) == want.shape
+                        assert tensor.is_cuda == on_gpu and tuple(tensor.shape) == want.shape
                         assert tensor.dtype == {np.int32: torch.int32, np.float32: torch.float32}[want.dtype.type]
                         assert np.array_equal(tensor.cpu().numpy(), want), (seg.segment_id, name)
                     compared += 1
@@ -57,7 +58,7 @@ def _restore_and_compare(transport_name, dtype, **overrides) -> int:
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
 def test_gpu_restore_matches_inline_path(transport_name, dtype):
-    assert _restore_and_compare(transport_name, dtype) > 0
+    assert restore_and_compare(transport_name, dtype) > 0
 
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "copied"])
@@ -70,7 +71,7 @@ def test_gpu_restore_over_shm_in_place_or_copied(monkeypatch, zero_copy, dtype):
     original = MappedSource.widen_scatter
     monkeypatch.setattr(MappedSource, "widen_scatter",
                         lambda self, *a, **k: launches.append(self) or original(self, *a, **k))
-    assert _restore_and_compare("shm", dtype, zero_copy_max_bytes=float("inf") if zero_copy else 0) > 0
+    assert restore_and_compare("shm", dtype, zero_copy_max_bytes=float("inf") if zero_copy else 0) > 0
     assert launches
     # in place the kernel reads the page-locked arenas (host memory); copied, a copy in device memory
     kinds = {int(cp.cuda.runtime.pointerGetAttributes(int(address)).type)

@@ -18,6 +18,7 @@ from transport.policy import nixl_import_error
 from transport import arena_copies, shm
 from transport.shm import ShmChannel
 
+from tests.host_cuda import HOST
 from tests.transport.piecewise import NumpyWithCopyto, share_every_copy
 from tests.waiting import wait_until
 
@@ -490,130 +491,56 @@ def test_large_reads_are_split_over_threads(served, monkeypatch):
 
 
 
-class _HostRuntime:
-    """CuPy's CUDA runtime as far as the shm device copies use it, moving host memory."""
-
-    memcpyHostToDevice = 1
-
-    def __init__(self):
-        self.calls: list = []
-
-    def pointerGetAttributes(self, ptr):
-        import types
-
-        return types.SimpleNamespace(device=0)
-
-    def memcpyAsync(self, dst, src, n, kind, stream):
-        import ctypes
-
-        assert kind == self.memcpyHostToDevice and stream == 42
-        self.calls.append((dst, src, n))
-        ctypes.memmove(dst, src, n)
+def _copies_and_waits(log: list) -> list:
+    return [entry[:4] if entry[0] == "copy" else entry[:1] for entry in log if entry[0] in ("copy", "sync")]
 
 
-def _host_cupy(runtime):
-    """A stand-in for CuPy whose "device" memory is host memory."""
-    import contextlib
-    import types
-
-    synced: list = []
-    stream = types.SimpleNamespace(ptr=42, synchronize=lambda: synced.append(1))
-    cuda_ns = types.SimpleNamespace(runtime=runtime, Device=lambda device: contextlib.nullcontext(),
-                                    get_current_stream=lambda: stream)
-    return types.SimpleNamespace(cuda=cuda_ns), synced
-
-
-class _HostDeviceArray(np.ndarray):
-    """A numpy array that presents itself as CUDA memory (its host address)."""
-
-    @property
-    def __cuda_array_interface__(self):
-        return {"data": (self.ctypes.data, False), "shape": self.shape, "typestr": self.dtype.str, "version": 3}
-
-
-def test_device_copies_land_each_run_at_its_offset_and_wait(monkeypatch):
-    from transport import cuda
-
-    runtime = _HostRuntime()
-    fake, synced = _host_cupy(runtime)
-    monkeypatch.setattr(cuda, "usable_cupy", lambda: fake)
+def test_device_copies_land_each_run_at_its_offset_and_wait(host_cuda):
     rng = np.random.default_rng(5)
     src = rng.integers(0, 256, 10_000, dtype=np.uint8)
-    out = np.zeros(3_000, np.uint8).view(_HostDeviceArray)
+    out = host_cuda.empty(3_000, np.uint8)
     runs = [(9_000, 0, 1_000), (100, 1_000, 1_500), (4_000, 2_500, 500)]
     arena_copies.device_copy_runs(out, src, runs)
-    assert runtime.calls == [(out.ctypes.data + off, src.ctypes.data + at, n) for at, off, n in runs]
     want = np.concatenate([src[at:at + n] for at, _, n in runs])
-    assert np.array_equal(np.asarray(out), want) and synced == [1]  # one wait, after the last copy
+    assert np.array_equal(out.host, want)
+    # one cudaMemcpyAsync per run, then one wait, after the last copy
+    assert _copies_and_waits(host_cuda.log) == \
+        [("copy", out.data.ptr + off, src.ctypes.data + at, n) for at, off, n in runs] + [("sync",)]
 
 
-def test_a_read_into_gpu_memory_copies_each_run_from_the_mapping(served, monkeypatch):
-    # channel.read into CUDA memory, replayed on the host: one cudaMemcpyAsync per run of the
-    # arena, from the mapping's own addresses, and one wait before the lease is confirmed.
-    from transport import cuda
-
+def test_a_read_into_gpu_memory_copies_each_run_from_the_mapping(host_cuda, served):
+    # channel.read into CUDA memory: one cudaMemcpyAsync per run of the arena, from the mapping's
+    # own (page-locked) addresses, and one wait before the lease is confirmed.
     unit, blobs, channel, _ = served
-    runtime = _HostRuntime()
-    fake, synced = _host_cupy(runtime)
-    monkeypatch.setattr(cuda, "usable_cupy", lambda: fake)
-    monkeypatch.setattr(channel.mapping, "register", lambda: False)  # page-locking needs a real driver
     keys = ["c", "a", "b"]  # padded to 256 bytes apart in the arena: a run each
     want = np.concatenate([blobs[k] for k in keys])
-    dest = np.zeros(want.size, np.uint8).view(_HostDeviceArray)
+    dest = host_cuda.empty(want.size, np.uint8)
     assert channel.read(keys, dest, timeout=10, generations=_generations(unit, keys)) == [70_000, 1000, 24]
-    assert np.array_equal(np.asarray(dest), want) and synced == [1]
+    assert np.array_equal(dest.host, want) and channel.mapping.registered
     at, packed = [entry["offset"] for entry in unit.lookup(keys)], np.cumsum([0, 70_000, 1000])
-    assert runtime.calls == [(dest.ctypes.data + int(p), channel.mapping.address + a, blobs[k].size)
-                             for k, a, p in zip(keys, at, packed)]
+    assert _copies_and_waits(host_cuda.log) == \
+        [("copy", dest.data.ptr + int(p), channel.mapping.address + a, blobs[k].size)
+         for k, a, p in zip(keys, at, packed)] + [("sync",)]
+    assert {entry[5] for entry in host_cuda.log if entry[0] == "copy"} == {HOST}
     assert (channel.reads_ahead, channel.hint_misses) == (1, 0)
 
 
-class _RegisterRuntime:
-    """The CUDA runtime calls that page-lock a mapping, recorded; ``refuse`` fails the registration."""
-
-    class CUDARuntimeError(RuntimeError):
-        pass
-
-    def __init__(self, read_only_supported: int, refuse: bool):
-        self.read_only_supported, self.refuse, self.calls = read_only_supported, refuse, []
-
-    def deviceGetAttribute(self, attribute: int, device: int) -> int:
-        assert (attribute, device) == (113, 0)  # cudaDevAttrHostRegisterReadOnlySupported
-        return self.read_only_supported
-
-    def hostRegister(self, ptr: int, nbytes: int, flags: int) -> None:
-        self.calls.append(("register", ptr, nbytes, flags))
-        if self.refuse:
-            raise self.CUDARuntimeError("cudaErrorMemoryAllocation: out of page-lockable memory")
-
-    def hostUnregister(self, ptr: int) -> None:
-        self.calls.append(("unregister", ptr))
-
-    def pointerGetAttributes(self, ptr: int):
-        import types
-
-        registered = any(call[0] == "register" and call[1] == ptr for call in self.calls) and not self.refuse
-        return types.SimpleNamespace(devicePointer=ptr + (1 << 40) if registered else 0)
-
-
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("supported, refuse", [(1, False), (0, False), (1, True)],
+@pytest.mark.parametrize("supported, refuse", [(True, False), (False, False), (True, True)],
                          ids=["registered", "no-read-only-support", "refused"])
-def test_the_arena_mapping_is_page_locked_read_only_and_mapped_once(served, monkeypatch, supported, refuse):
-    import types
-
+def test_the_arena_mapping_is_page_locked_read_only_and_mapped_once(served, host_cuda, supported, refuse):
     from transport import cuda
 
     _, _, channel, _ = served
-    runtime = _RegisterRuntime(supported, refuse)
-    monkeypatch.setattr(cuda, "usable_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
-    # this runtime's answer, not one cached from the real probe
-    monkeypatch.setattr(cuda, "read_only_register_supported", cuda.read_only_register_supported.__wrapped__)
+    host_cuda.read_only_register_supported, host_cuda.refuse_registration = supported, refuse
+    host_cuda.mapped_offset = 1 << 40  # a device address that is not the host one
     mapping = shm.ArenaMapping(channel.mapping.path, channel.mapping.nbytes)
-    registered = bool(supported) and not refuse
+    registered = supported and not refuse
     assert mapping.register() is registered and mapping.register() is registered  # tried once
     flags = cuda.HOST_REGISTER_PORTABLE | cuda.HOST_REGISTER_MAPPED | cuda.HOST_REGISTER_READ_ONLY
-    assert runtime.calls == ([("register", mapping.address, mapping.nbytes, flags)] if supported else [])
+    attempts = [entry for entry in host_cuda.log if entry[0] in ("register", "refused")]
+    assert attempts == ([("refused" if refuse else "register", mapping.address, mapping.nbytes, flags)]
+                        if supported else [])
     assert (mapping.register_error is None) is registered
     if registered:  # the kernel reads it through the device address the runtime gives
         assert cuda.mapped_device_pointer(mapping.address) == mapping.address + (1 << 40)
@@ -622,53 +549,8 @@ def test_the_arena_mapping_is_page_locked_read_only_and_mapped_once(served, monk
             cuda.mapped_device_pointer(mapping.address)
     mapping.close()
     mapping.close()
-    unregistered = [call for call in runtime.calls if call[0] == "unregister"]
+    unregistered = [entry for entry in host_cuda.log if entry[0] == "unregister"]
     assert unregistered == ([("unregister", mapping.address)] if registered else [])  # once, and only if locked
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("zero_copy_max", [float("inf"), 0], ids=["in-place", "copied"])
-def test_gpu_restore_paths_replayed_on_the_host(monkeypatch, zero_copy_max):
-    """The reader's GPU restore over shm end to end, with host memory standing in for the GPU.
-
-    Channels claim a mapped arena (device address = host address), the
-    kernel launch becomes the numpy reference reading those addresses,
-    device buffers are numpy arrays that present a CUDA interface, and the
-    span copies into them go through :func:`transport.arena_copies.device_copy_runs`
-    on a stand-in CUDA runtime: everything else (leases, the shard's
-    translation to arena or staging addresses, the confirmation) runs as on
-    a GPU. ``inf`` reads in place (zero-copy); ``0`` copies spans first.
-    """
-    import types
-
-    from gputq import reader as reader_module
-    from kernels import MappedSource
-    from tests.conftest import local_units
-    from transport import cuda
-
-    launches: list = []
-    runtime = _HostRuntime()
-    real_widen = MappedSource.widen_scatter
-    monkeypatch.setattr(ShmChannel, "device_mappable", lambda self: self.mapping is not None)
-    monkeypatch.setattr(cuda, "mapped_device_pointer", lambda ptr: ptr)
-    # the kernel launch: the host path of the same call, reading the "device" (host) addresses
-    monkeypatch.setattr(MappedSource, "widen_scatter",
-                        lambda self, *a, **k: (launches.append(1), real_widen(self, *a, **k))[1])
-    monkeypatch.setattr(reader_module, "_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
-        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))))
-    with local_units("shm", routed_experts_dtype="uint16", zero_copy_max_bytes=zero_copy_max) as \
-            (config, services, clients):
-        segments = _written_segments(clients, config, "uint16", seed=3)
-        monkeypatch.setattr(cuda, "usable_cupy", lambda: _host_cupy(runtime)[0])  # the units pinned their arenas
-        with reader_module.Reader(clients, config) as reader:
-            reader._device = "cuda"  # the GPU path, on host buffers
-            monkeypatch.setattr(reader, "_empty", lambda nbytes: np.empty(nbytes, np.uint8).view(_HostDeviceArray))
-            monkeypatch.setattr(reader, "_to_output", lambda array: np.asarray(array))
-            _check_restored(segments, reader.fetch([seg.layouts for seg in segments]))
-            assert launches and reader.last_stats.bytes_fetched > 0
-            # staged: a few span copies (keys written in sequence are one span), none in place
-            assert (0 < len(runtime.calls) < reader.last_stats.unique_keys) == (zero_copy_max == 0)
-        wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,88 @@
+"""The reader's GPU restore, run on a CPU box under a CuPy stand-in (:mod:`tests.host_cuda`).
+
+Real StorageUnits, real sockets and arena mappings; only CuPy is replaced,
+by one whose device memory is host memory and whose kernel launches run
+the CPU build of ``widen_scatter.cu``. So ``Reader(device="cuda")`` takes
+every branch it takes on a GPU (device staging over tcp, the arena mapping
+registered and read in place or copied over shm) and is checked bit for
+bit against the inline path, as ``test_gpu_restore`` checks it on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.host_cuda import DEVICE, HOST, UNREGISTERED
+from tests.conftest import nixl_usable
+from tests.test_gpu_restore import restore_and_compare
+from transport.cuda import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY
+
+pytestmark = pytest.mark.timeout(120)
+
+_MAPPING_FLAGS = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED | HOST_REGISTER_READ_ONLY
+_UNITS = 2  # local_units' default
+
+
+def _entries(log: list, kind: str) -> list:
+    return [entry for entry in log if entry[0] == kind]
+
+
+def _in_mapping(address: int, mappings: list) -> bool:
+    return any(start <= address < start + nbytes for _, start, nbytes, _ in mappings)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_a_restore_over_tcp_stages_into_device_memory_and_launches_on_it(host_cuda, dtype):
+    assert restore_and_compare("tcp", dtype, on_gpu=False) > 0
+    launches = _entries(host_cuda.log, "launch")
+    assert launches and {launch[5] for launch in launches} == {DEVICE}
+    # the staging ring's pinned slots (and the fragment tables) are copied into device memory
+    copies = _entries(host_cuda.log, "copy")
+    assert copies and {copy[5] for copy in copies} == {HOST}
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "copied"])
+def test_a_restore_over_shm_reads_the_registered_mapping_in_place_or_copies_from_it(host_cuda, zero_copy, dtype):
+    assert restore_and_compare("shm", dtype, on_gpu=False, zero_copy_max_bytes=float("inf") if zero_copy else 0) > 0
+    log = host_cuda.log
+    # Each unit's arena mapping is page-locked read-only and mapped once, however many fetches read it.
+    mappings = [entry for entry in _entries(log, "register") if entry[3] == _MAPPING_FLAGS]
+    assert len(mappings) == _UNITS
+    launches, copies = _entries(log, "launch"), _entries(log, "copy")
+    assert launches
+    from_mappings = [copy for copy in copies if _in_mapping(copy[2], mappings)]
+    if zero_copy:
+        # the kernel reads the compact bytes where they lie; only fragment tables are copied
+        assert all(launch[5] == HOST and _in_mapping(launch[3], mappings) for launch in launches)
+        assert not from_mappings
+    else:
+        # spans of the mappings are copied into device memory, and the kernel reads them there
+        assert {launch[5] for launch in launches} == {DEVICE}
+        assert from_mappings and {copy[5] for copy in from_mappings} == {HOST}
+    # Closed: the mappings and the units' own arenas are unregistered, every one of them.
+    assert sorted(entry[1] for entry in _entries(log, "register")) == \
+        sorted(entry[1] for entry in _entries(log, "unregister"))
+
+
+def test_without_read_only_registration_the_restore_copies_from_pageable_memory(host_cuda):
+    # A driver that cannot page-lock a read-only mapping: no zero-copy, the reads copy into device memory.
+    host_cuda.read_only_register_supported = False
+    assert restore_and_compare("shm", "uint16", on_gpu=False) > 0
+    assert not [entry for entry in _entries(host_cuda.log, "register") if entry[3] == _MAPPING_FLAGS]
+    assert {launch[5] for launch in _entries(host_cuda.log, "launch")} == {DEVICE}
+    assert UNREGISTERED in {copy[5] for copy in _entries(host_cuda.log, "copy")}
+
+
+def test_slime_samples_hydrate_through_the_device_path(host_cuda):
+    from tests.test_slime import hydrate_and_compare
+
+    hydrate_and_compare(on_gpu=False)
+    assert {launch[5] for launch in _entries(host_cuda.log, "launch")} == {DEVICE}
+
+
+@pytest.mark.rdma
+@pytest.mark.skipif(nixl_usable() is not None, reason=str(nixl_usable()))
+def test_a_restore_over_rdma_lands_in_device_memory(host_cuda):
+    assert restore_and_compare("rdma", "uint16", on_gpu=False) > 0
+    assert {launch[5] for launch in _entries(host_cuda.log, "launch")} == {DEVICE}
