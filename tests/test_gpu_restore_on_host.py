@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 
 from tests.host_cuda import DEVICE, HOST, UNREGISTERED
-from tests.conftest import nixl_usable
 from tests.test_gpu_restore import restore_and_compare
 from transport.cuda import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY
 
@@ -80,9 +79,3 @@ def test_slime_samples_hydrate_through_the_device_path(host_cuda):
     hydrate_and_compare(on_gpu=False)
     assert {launch[5] for launch in _entries(host_cuda.log, "launch")} == {DEVICE}
 
-
-@pytest.mark.rdma
-@pytest.mark.skipif(nixl_usable() is not None, reason=str(nixl_usable()))
-def test_a_restore_over_rdma_lands_in_device_memory(host_cuda):
-    assert restore_and_compare("rdma", "uint16", on_gpu=False) > 0
-    assert {launch[5] for launch in _entries(host_cuda.log, "launch")} == {DEVICE}
