@@ -37,7 +37,7 @@ from kernels import plan_bytes, widen_scatter
 from kernels.cupy_backend import chunk_elements, fragment_table
 from kernels.plan import check_call, row_gather_indices
 
-__all__ = ["main", "make_shard_plan", "host_side_us"]
+__all__ = ["main", "make_shard_plan", "host_side_us", "kernel_result"]
 
 SETS = 3  # input sets rotated through, each far larger than L2
 GOAL_VS_COPY = 0.9
@@ -164,6 +164,12 @@ def bench_dtype(torch, dtype, plan, src_rows, width, iters, steps) -> dict:
     del srcs, dsts
     torch.cuda.empty_cache()
 
+    return kernel_result(nbytes, kernel_ms, copy_ms, naive_ms, host_us, match, steps_ms)
+
+
+def kernel_result(nbytes: int, kernel_ms: float, copy_ms: float, naive_ms: float, host_us: float, match: bool,
+                  steps_ms: dict) -> dict:
+    """One dtype's row of the JSON result (what ``bench.gpu_summary`` reads)."""
     gbps = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731 - local shorthand
     return {
         "bytes": nbytes,

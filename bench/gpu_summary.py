@@ -1,0 +1,103 @@
+"""The table that ends ``bench/gpu_check.sh``: one line per check, every fetch against the pinned copy.
+
+``python -m bench.gpu_summary OUT``
+
+Reads what the script's steps left in ``OUT``: ``date`` and ``gpu``, the
+GPU tests' log, and the last JSON line of ``anchors.log``, ``kernel.log``
+and ``fetch_{shm,rdma,tcp}.log``. A step that failed, timed out or was
+skipped (no GPU) is a line saying so, never a missing table: the GPU lease
+that ran the script may not come back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+__all__ = ["GOALS", "summary_rows", "main"]
+
+GOALS = "goals: shm fetch+restore >= 0.8x pinned copy; kernel >= 0.9x device copy; host <= 50 us"
+_FETCH_TRANSPORTS = ("shm", "rdma", "tcp")
+
+
+def _last_json(out: Path, name: str) -> dict:
+    try:
+        return json.loads((out / name).read_text().strip().splitlines()[-1])
+    except Exception as exc:  # a missing, empty or cut log: say so in the table
+        return {"error": f"{name}: {type(exc).__name__}: {exc}"}
+
+
+def _read(out: Path, name: str) -> str:
+    path = out / name
+    return path.read_text() if path.exists() else ""
+
+
+def _kernel_rows(kernel: dict) -> list[tuple[str, str]]:
+    rows = []
+    for dtype, r in kernel.get("results", {}).items():
+        match = "" if r.get("matches_naive", True) else ", WRONG BYTES (differs from naive torch)"
+        rows.append((f"kernel {dtype}", f"{r['kernel_gbps']:.0f} GB/s, {r['ratio_vs_copy']:.2f}x copy "
+                     f"({r['copy_gbps']:.0f}), {r['speedup_vs_naive']:.1f}x naive ({r['naive_gbps']:.0f}){match}"))
+        for steps, gbps in r.get("steps_gbps", {}).items():
+            rows.append((f"kernel {dtype}, {steps} groups/thread", f"{gbps:.0f} GB/s, {gbps / r['copy_gbps']:.2f}x copy"))
+    host = kernel.get("host", {})
+    if host:
+        call = f", whole call {host['launch_us']:.0f} us" if "launch_us" in host else ""
+        rows.append((f"kernel host side, {host.get('fragments')} frags", f"table {host.get('table_us', 0):.0f} us{call}"))
+    for problem in ("error", "skipped"):
+        if problem in kernel:
+            rows.append(("kernel", kernel[problem]))
+    return rows
+
+
+def _fetch_rows(out: Path, name: str, pinned: float | None) -> list[tuple[str, str]]:
+    fetch, rows = _last_json(out, f"fetch_{name}.log"), []
+    for r in fetch.get("rows", []):
+        total = r["fetch+restore_GBps"]
+        ratio = f", {total / pinned:.2f}x pinned" if pinned else ""
+        # in place the bytes move in the restore itself: there is no transfer to time apart
+        alone = "" if r["fetch_GBps"] is None else f" (fetch alone {r['fetch_GBps']} GB/s)"
+        path = f" {r['path']}" if name == "shm" else ""
+        rows.append((f"fetch+restore->GPU {name}{path} {r['shard_MiB']} MiB",
+                     f"{total} GB/s{ratio}{alone}"))
+    if "error" in fetch:
+        rows.append((f"fetch {name}", fetch["error"]))
+    if name == "shm" and "reads over" in _read(out, f"fetch_{name}.log"):
+        rows.append((f"fetch {name}", "WARNING: the shm channel fell back (see the log): not an shm figure"))
+    return rows
+
+
+def summary_rows(out: Path) -> list[tuple[str, str]]:
+    """``(check, result)`` lines from the outputs of ``bench/gpu_check.sh`` in ``out``."""
+    out = Path(out)
+    summary = [line for line in _read(out, "pytest_gpu.log").splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    rows = [("GPU tests", summary[-1].strip("= ") if summary else "no result")]
+    anchors = _last_json(out, "anchors.log")
+    pinned = anchors.get("pinned_h2d")
+    for name in ("pinned_h2d", "device_copy", "host_memcpy", "socket"):
+        if name in anchors:
+            rows.append((f"anchor {name}", f"{anchors[name]:.1f} GB/s"))
+    if "error" in anchors or "gpu_skipped" in anchors:
+        rows.append(("anchors", anchors.get("error") or anchors["gpu_skipped"]))
+    rows += _kernel_rows(_last_json(out, "kernel.log"))
+    for name in _FETCH_TRANSPORTS:
+        rows += _fetch_rows(out, name, pinned)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_summary", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="the folder bench/gpu_check.sh wrote (its $OUT)")
+    out = parser.parse_args(argv).out
+    rows = summary_rows(out)
+    width = max(len(check) for check, _ in rows)
+    print(f"gputq GPU check {_read(out, 'date').strip() or '(no date)'} on {_read(out, 'gpu').strip() or '(no GPU)'}")
+    print(GOALS)
+    for check, result in rows:
+        print(f"{check:<{width}}  {result}")
+
+
+if __name__ == "__main__":
+    main()

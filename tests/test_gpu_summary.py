@@ -1,0 +1,78 @@
+"""The table ``bench/gpu_check.sh`` ends with, read from what its steps leave in ``$OUT``.
+
+The benchmarks run here for real where they can without a GPU: the shard
+fetch into "GPU" memory under the CuPy stand-in (``tests/host_cuda.py``),
+the anchors and the kernel benchmark on the host. What only a GPU writes
+(the kernel's per-dtype rows, the pinned copy) comes from the benchmarks'
+own result builders, so the table and the benchmarks cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bench.anchors
+import bench.fetch
+import bench.kernel
+from bench.gpu_summary import GOALS, main, summary_rows
+from bench.kernel import kernel_result
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(capsys, module, argv: list) -> str:
+    module.main(argv)
+    return capsys.readouterr().out
+
+
+def _step_outputs(out, capsys) -> None:
+    (out / "date").write_text("2026-12-01T10:00:00Z\n")
+    (out / "gpu").write_text("GPU 0: stand-in\n")
+    (out / "pytest_gpu.log").write_text("........s.\n======= 12 passed, 3 skipped in 4.20s =======\n")
+    (out / "anchors.log").write_text(_run(capsys, bench.anchors, ["--mib", "1", "--repeats", "1", "--json"]))
+    (out / "kernel.log").write_text(_run(capsys, bench.kernel, ["--json"]))
+    for transport in ("shm", "tcp"):  # rdma left nothing: a step killed by its timeout
+        (out / f"fetch_{transport}.log").write_text(_run(capsys, bench.fetch, [
+            "--device", "cuda", "--transport", transport, "--sizes", "1", "--repeats", "1", "--json"]))
+
+
+def test_every_step_is_a_line_of_the_table_even_without_a_gpu(tmp_path, capsys, host_cuda):
+    _step_outputs(tmp_path, capsys)
+    rows = summary_rows(tmp_path)
+    table = dict(rows)
+    assert table["GPU tests"] == "12 passed, 3 skipped in 4.20s"
+    assert table["anchors"].startswith("no CUDA device") and table["anchor host_memcpy"].endswith(" GB/s")
+    assert "needs a CUDA device" in table["kernel"]
+    assert any(check.startswith("kernel host side, ") for check in table)
+    fetches = [check for check in table if check.startswith("fetch+restore->GPU ")]
+    assert [check.rsplit(" ", 2)[0] for check in fetches] == [
+        "fetch+restore->GPU shm copy", "fetch+restore->GPU shm in place", "fetch+restore->GPU tcp"]
+    assert "fetch alone" in table[fetches[0]] and "fetch alone" not in table[fetches[1]]  # in place: no transfer
+    assert table["fetch rdma"].startswith("fetch_rdma.log: FileNotFoundError")
+    main([str(tmp_path)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == ["gputq GPU check 2026-12-01T10:00:00Z on GPU 0: stand-in", GOALS]
+    assert len(printed) == 2 + len(rows)
+
+
+def test_gpu_rows_carry_their_ratios_to_the_copies_of_the_same_run(tmp_path):
+    (tmp_path / "anchors.log").write_text(json.dumps({"bench": "anchors", "pinned_h2d": 50.0, "device_copy": 4300.0,
+                                                      "host_memcpy": 10.0, "socket": 3.8}) + "\n")
+    steps = {2: 1.0, 4: 1.25}
+    results = {"uint8": kernel_result(4_000_000_000, 1.25, 1.0, 5.0, 30.0, True, steps),
+               "uint16": kernel_result(4_000_000_000, 1.0, 1.0, 4.0, 30.0, False, {})}
+    (tmp_path / "kernel.log").write_text("...\n" + json.dumps({"results": results, "host": {
+        "fragments": 1077, "table_us": 38.0, "launch_us": 44.0}}) + "\n")
+    (tmp_path / "fetch_shm.log").write_text(json.dumps({"rows": [
+        {"shard_MiB": 256.0, "path": "in place", "fetch+restore_GBps": 45.0, "fetch_GBps": None}]}) + "\n")
+    table = dict(summary_rows(tmp_path))
+    assert table["anchor pinned_h2d"] == "50.0 GB/s" and table["anchor device_copy"] == "4300.0 GB/s"
+    assert table["kernel uint8"] == "3200 GB/s, 0.80x copy (4000), 4.0x naive (800)"
+    assert table["kernel uint8, 2 groups/thread"] == "4000 GB/s, 1.00x copy"
+    assert table["kernel uint8, 4 groups/thread"] == "3200 GB/s, 0.80x copy"
+    assert table["kernel uint16"].endswith("WRONG BYTES (differs from naive torch)")
+    assert table["kernel host side, 1077 frags"] == "table 38 us, whole call 44 us"
+    assert table["fetch+restore->GPU shm in place 256.0 MiB"] == "45.0 GB/s, 0.90x pinned"
+    assert table["GPU tests"] == "no result" and "fetch tcp" in table
