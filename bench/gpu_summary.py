@@ -41,11 +41,13 @@ def _kernel_rows(kernel: dict) -> list[tuple[str, str]]:
         rows.append((f"kernel {dtype}", f"{r['kernel_gbps']:.0f} GB/s, {r['ratio_vs_copy']:.2f}x copy "
                      f"({r['copy_gbps']:.0f}), {r['speedup_vs_naive']:.1f}x naive ({r['naive_gbps']:.0f}){match}"))
         for steps, gbps in r.get("steps_gbps", {}).items():
-            rows.append((f"kernel {dtype}, {steps} groups/thread", f"{gbps:.0f} GB/s, {gbps / r['copy_gbps']:.2f}x copy"))
+            rows.append((f"kernel {dtype}, {steps} groups/thread",
+                         f"{gbps:.0f} GB/s, {gbps / r['copy_gbps']:.2f}x copy"))
     host = kernel.get("host", {})
     if host:
         call = f", whole call {host['launch_us']:.0f} us" if "launch_us" in host else ""
-        rows.append((f"kernel host side, {host.get('fragments')} frags", f"table {host.get('table_us', 0):.0f} us{call}"))
+        rows.append((f"kernel host side, {host.get('fragments')} frags",
+                     f"table {host.get('table_us', 0):.0f} us{call}"))
     for problem in ("error", "skipped"):
         if problem in kernel:
             rows.append(("kernel", kernel[problem]))
