@@ -195,13 +195,6 @@ class HostCupy:
             return HOST
         return UNREGISTERED
 
-    def registration_flags(self, ptr: int) -> int | None:
-        """The flags of the registration holding ``ptr``, or None."""
-        for start, (stop, flags, _) in self._host_ranges.items():
-            if start <= ptr < stop:
-                return flags
-        return None
-
     def _pointer_attributes(self, ptr: int):
         kind = self.memory_type(ptr)
         device_pointer = {UNREGISTERED: 0, HOST: ptr + self.mapped_offset, DEVICE: ptr}[kind]
