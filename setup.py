@@ -1,6 +1,14 @@
-"""Packaging for gputq: the library plus its two lower layers, transport and kernels."""
+"""Packaging for gputq: the library plus its two lower layers, transport and kernels.
+
+The repository keeps ``transport/`` and ``kernels/`` at its top, but they are
+installed and imported as ``gputq.transport`` and ``gputq.kernels`` only:
+generic top-level names would collide with other packages (PyPI's
+``kernels`` among them).
+"""
 
 from setuptools import find_packages, setup
+
+LOWER_LAYERS = {"gputq.transport": "transport", "gputq.kernels": "kernels"}
 
 setup(
     name="gputq",
@@ -9,8 +17,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["gputq", "gputq.*", "transport", "transport.*", "kernels", "kernels.*"]),
-    package_data={"kernels": ["*.cu"]},
+    packages=find_packages(include=["gputq", "gputq.*"]) + sorted(LOWER_LAYERS),
+    package_dir=LOWER_LAYERS,
+    package_data={"gputq.kernels": ["*.cu"]},
     install_requires=["numpy>=1.24", "msgpack>=1.0", "pyyaml>=6"],
     extras_require={
         "ray": ["ray>=2.40"],
@@ -26,5 +35,5 @@ setup(
         "bench": ["transferqueue==0.1.11", "tensordict>=0.10", "pyzmq", "hydra-core", "omegaconf",
                   "msgspec", "psutil", "prometheus_client>=0.20", "grpcio", "matplotlib>=3.7"],
     },
-    entry_points={"console_scripts": ["gputq=gputq.cli:main"]},
+    entry_points={"console_scripts": ["gputq=gputq.tools.cli:main"]},
 )

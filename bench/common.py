@@ -10,6 +10,7 @@ reference for the tcp transport.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import platform
@@ -18,10 +19,9 @@ import statistics
 import struct
 import sys
 import time
-import contextlib
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from transport.tcp import SOCKET_BUFFER_BYTES
+from gputq.transport.tcp import SOCKET_BUFFER_BYTES
 
 __all__ = [
     "median_time",
@@ -267,7 +267,7 @@ def progress_range(label: str, total: int):
 
 
 def _serve_unit(conn, name: str, config) -> None:
-    from gputq.deploy import UnitService
+    from gputq.cluster.deploy import UnitService
 
     service = UnitService(name, config)
     try:
@@ -283,10 +283,10 @@ def remote_units(config) -> Iterator:
     """``config.num_units`` UnitServices, each in its own child process, and clients to them.
 
     Yields ``(config, clients)``: the config with its token set, and
-    :class:`~gputq.clients.UnitClients` of the units, as a deployment's
+    :class:`~gputq.client.clients.UnitClients` of the units, as a deployment's
     processes would reach them. Units stop when the block ends.
     """
-    from gputq.clients import UnitClients
+    from gputq.client.clients import UnitClients
 
     config = config.with_token()
     ctx = multiprocessing.get_context("spawn")

@@ -32,14 +32,15 @@ import pickle
 import time
 
 from bench.common import add_json_flag, emit_json, print_header, print_table, progress_range
+from gputq.client.writer import Writer
+from gputq.cluster.deploy import Deployment
+from gputq.cluster.names import import_ray
 from gputq.config import GputqConfig
-from gputq.demo import RolloutManager, TrainerRank, digest_fields
-from gputq.deploy import Deployment, import_ray
-from gputq.fields import FieldRegistry
-from gputq.slime import to_slime_sample
-from gputq.synthetic import SyntheticConfig, build_sessions
-from gputq.trajectory import inline_fields, lineage_segments
-from gputq.writer import Writer
+from gputq.data.fields import FieldRegistry
+from gputq.data.trajectory import inline_fields, lineage_segments
+from gputq.integrations.slime import to_slime_sample
+from gputq.tools.demo import RolloutManager, TrainerRank, digest_fields
+from gputq.tools.synthetic import SyntheticConfig, build_sessions
 
 
 class InlineTrainer:

@@ -163,8 +163,8 @@ class unit_processes:
 
 
 def _serve_unit(name: str) -> None:
+    from gputq.cluster.deploy import UnitService
     from gputq.config import GputqConfig
-    from gputq.deploy import UnitService
 
     config = GputqConfig.from_mapping(json.loads(os.environ[_CONFIG_ENV])).replace(token=os.environ[_TOKEN_ENV])
     with UnitService(name, config) as service:
@@ -203,7 +203,7 @@ def _check(clients, config, unit: str, blobs: dict) -> tuple[int, int]:
 
 
 def kill_mid_read(size_mib: int = 16) -> dict:
-    from gputq.clients import UnitClients
+    from gputq.client.clients import UnitClients
     from gputq.errors import GputqError, UnitLostError
 
     with unit_processes(2, capacity=(4 * size_mib) << 20, read_timeout_s=10.0) as (config, units):
@@ -251,8 +251,8 @@ def _four_writes(channel, timeout_s: float) -> list[float]:
 
 
 def stop_writes(timeout_s: float = 0.5, baseline: bool = False) -> dict:
-    from gputq.clients import UnitClients
-    from transport import get_transport
+    from gputq.client.clients import UnitClients
+    from gputq.transport import get_transport
 
     with unit_processes(3 if baseline else 2, put_timeout_s=timeout_s) as (config, units):
         with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
@@ -276,8 +276,8 @@ def stop_writes(timeout_s: float = 0.5, baseline: bool = False) -> dict:
 
 
 def kill_release() -> dict:
-    from gputq.clients import UnitClients
-    from gputq.controller import Controller
+    from gputq.client.clients import UnitClients
+    from gputq.cluster.controller import Controller
     from gputq.errors import PartialFailureError
 
     with unit_processes(3) as (config, units):
@@ -306,8 +306,8 @@ def kill_release() -> dict:
 
 
 def heartbeat(interval_s: float = 0.2, probe_timeout_s: float = 0.5) -> dict:
-    from gputq.clients import UnitClients
-    from gputq.controller import Controller
+    from gputq.client.clients import UnitClients
+    from gputq.cluster.controller import Controller
     from gputq.errors import PartialFailureError
 
     with unit_processes(3, heartbeat_interval_s=interval_s, probe_timeout_s=probe_timeout_s) as (config, units):

@@ -30,12 +30,20 @@ import time
 
 import numpy as np
 
-from bench.common import (SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, progress_range,
-                          remote_units)
+from bench.common import (
+    SocketBaseline,
+    add_json_flag,
+    emit_json,
+    gbps,
+    print_header,
+    print_table,
+    progress_range,
+    remote_units,
+)
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
 from gputq.config import GputqConfig
-from gputq.reader import Reader
-from gputq.refs import Layout
-from gputq.writer import Writer
+from gputq.data.refs import Layout
 
 _MIB = 1 << 20
 

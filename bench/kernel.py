@@ -32,10 +32,10 @@ import time
 
 import numpy as np
 
-import kernels
-from kernels import plan_bytes, widen_scatter
-from kernels.cupy_backend import chunk_elements, fragment_table
-from kernels.plan import check_call, row_gather_indices
+from gputq import kernels
+from gputq.kernels import plan_bytes, widen_scatter
+from gputq.kernels.cupy_backend import chunk_elements, fragment_table
+from gputq.kernels.plan import check_call, row_gather_indices
 
 __all__ = ["main", "make_shard_plan", "host_side_us", "kernel_result"]
 
@@ -135,7 +135,7 @@ def bench_dtype(torch, dtype, plan, src_rows, width, iters, steps) -> dict:
 
     steps_ms = {}
     if steps:
-        from kernels.cupy_backend import torch_widen_scatter_cupy
+        from gputq.kernels.cupy_backend import torch_widen_scatter_cupy
 
         for k in steps:
             calls = [lambda s=s, o=o, k=k: torch_widen_scatter_cupy(s, plan, width, o, steps=k)
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
             print(json.dumps({"bench": "kernel", "host": host, "skipped": msg}))
         return 0
 
-    from kernels.cupy_backend import DEFAULT_STEPS, cupy_usable
+    from gputq.kernels.cupy_backend import DEFAULT_STEPS, cupy_usable
 
     host["launch_us"] = _launch_us(torch, host_plan, host_src_rows)
     print(f"host time per widen_scatter call, {len(host_plan)} fragments, CUDA tensors: "

@@ -224,8 +224,9 @@ def rollout_plan(rollout: Rollout, units: list[str], dtype: str, run: str = "r")
     Placement is a pure function of the key, so the arenas can be sized
     before anything is written.
     """
-    from gputq.placement import rendezvous_unit
-    from gputq.synthetic import generate_calls, step_key
+    from gputq.client.placement import rendezvous_unit
+    from gputq.data.keys import step_key
+    from gputq.tools.synthetic import generate_calls
 
     itemsize = np.dtype(dtype).itemsize
     per_unit = dict.fromkeys(units, 0)
@@ -260,9 +261,9 @@ class Proxy:
         """Send each session's segments with their fields inline; returns bytes sent."""
         import ray
 
-        from gputq.fields import FieldRegistry
-        from gputq.synthetic import build_sessions
-        from gputq.trajectory import inline_fields, lineage_segments
+        from gputq.data.fields import FieldRegistry
+        from gputq.data.trajectory import inline_fields, lineage_segments
+        from gputq.tools.synthetic import build_sessions
 
         fields = FieldRegistry.builtin(rollout.synth.layers, rollout.synth.topk)
         sent = 0
@@ -279,11 +280,11 @@ class Proxy:
         """Write each session's fields to the units, send lightweight samples; returns bytes written."""
         import ray
 
-        from gputq.clients import UnitClients
-        from gputq.fields import FieldRegistry
-        from gputq.synthetic import build_sessions
-        from gputq.trajectory import lineage_segments
-        from gputq.writer import Writer
+        from gputq.client.clients import UnitClients
+        from gputq.client.writer import Writer
+        from gputq.data.fields import FieldRegistry
+        from gputq.data.trajectory import lineage_segments
+        from gputq.tools.synthetic import build_sessions
 
         fields = FieldRegistry.builtin(rollout.synth.layers, rollout.synth.topk, config.routed_experts_dtype)
         with UnitClients(membership, config) as clients, Writer(clients, config) as writer:
@@ -336,8 +337,8 @@ class Trainer:
     def __init__(self, membership: dict | None = None, config=None):
         self._reader = self._clients = None
         if membership is not None:
-            from gputq.clients import UnitClients
-            from gputq.reader import Reader
+            from gputq.client.clients import UnitClients
+            from gputq.client.reader import Reader
 
             self._clients = UnitClients(membership, config)
             self._reader = Reader(self._clients, config)
@@ -352,7 +353,7 @@ class Trainer:
         if self._reader is None:
             out = {item["id"]: digest(item["fields"]) for item in items}
         else:
-            from gputq.trajectory import Segment
+            from gputq.data.trajectory import Segment
 
             restored = self._reader.fetch([Segment.from_sample(item["sample"]).layouts for item in items])
             out = {item["id"]: digest(fields) for item, fields in zip(items, restored)}
@@ -412,8 +413,8 @@ def run_centralised(ray, rollout: Rollout, args) -> tuple[dict, dict]:
 
 
 def run_gputq(ray, rollout: Rollout, units: int, dtype: str, args, run: str) -> tuple[dict, dict]:
+    from gputq.cluster.deploy import Deployment
     from gputq.config import GputqConfig
-    from gputq.deploy import Deployment
 
     names = [f"su-{i}" for i in range(units)]
     plan = rollout_plan(rollout, names, dtype, run)
@@ -479,8 +480,8 @@ def calibration(r3_int32: int, central: dict, runs: list[dict]) -> dict:
 
 
 def run(args) -> dict:
-    from gputq.deploy import import_ray
-    from gputq.synthetic import SyntheticConfig
+    from gputq.cluster.names import import_ray
+    from gputq.tools.synthetic import SyntheticConfig
 
     ray = import_ray()
     tokens = args.tokens

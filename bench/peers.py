@@ -85,11 +85,11 @@ def _same(shard: list[np.ndarray], got) -> None:
 
 # -- one function per system; each runs in its own process ---------------------
 def _gputq(transport: str, shards: dict, repeats: int) -> dict:
+    from gputq.client.reader import Reader
+    from gputq.client.writer import Writer
+    from gputq.cluster.deploy import Deployment
     from gputq.config import GputqConfig
-    from gputq.deploy import Deployment
-    from gputq.reader import Reader
-    from gputq.refs import Layout
-    from gputq.writer import Writer
+    from gputq.data.refs import Layout
 
     biggest = max(sum(a.nbytes for a in s) for s in shards.values())
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype="int32",
@@ -209,7 +209,7 @@ def _socket(shards: dict, repeats: int) -> dict:
 def available_systems() -> list[str]:
     """Systems this machine can run, gputq's transports first."""
     from gputq.config import TRANSPORTS
-    from transport.policy import nixl_import_error
+    from gputq.transport.policy import nixl_import_error
 
     systems = [f"gputq-{t}" for t in TRANSPORTS if t != "auto" and (t != "rdma" or nixl_import_error() is None)]
     try:

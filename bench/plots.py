@@ -116,7 +116,7 @@ def memory_figures(result: dict, outdir: str) -> list[str]:
 
 def capacity_figure(calibration: dict, outdir: str) -> str:
     """The 744B-A40B projection against batch size, with the 2 TB host-memory line."""
-    from gputq.capacity import DEFAULT_HOST_BYTES, PRESETS, TIB, Calibration, master_peak_bytes
+    from gputq.tools.capacity import DEFAULT_HOST_BYTES, PRESETS, TIB, Calibration, master_peak_bytes
 
     plt = _pyplot()
     cal = Calibration(calibration["centralised"], calibration["residual"], calibration["local_unit"])

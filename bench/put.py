@@ -60,10 +60,10 @@ from typing import Callable
 import numpy as np
 
 from bench.common import add_json_flag, emit_json, print_header, print_table, remote_units
-from gputq import writer as writer_module
-from gputq.clients import UnitClients
+from gputq.client import writer as writer_module
+from gputq.client.clients import UnitClients
+from gputq.client.writer import Writer
 from gputq.config import GputqConfig
-from gputq.writer import Writer
 
 __all__ = ["main", "step_fields", "one_pass"]
 

@@ -26,7 +26,7 @@ is read, as one batched read, through:
 Ratios: ``rdma / nixl``, ``rdma / nixl prep`` and ``tcp / socket`` per
 shape; the JSON line has their minima over shapes. A second table times writes through the rdma
 channel's two write paths (tcp WRITE frame, NIXL push), the measurement
-behind ``transport.nixl.PUSH_MIN_BYTES``.
+behind ``gputq.transport.nixl.PUSH_MIN_BYTES``.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import time
 import numpy as np
 
 from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, progress_range
-from gputq.storage_unit import StorageUnit
-from transport.nixl import NixlTransport, import_nixl
-from transport.tcp import TcpTransport
+from gputq.transport.nixl import NixlTransport, import_nixl
+from gputq.transport.tcp import TcpTransport
+from gputq.unit.storage_unit import StorageUnit
 
 __all__ = ["SHAPES", "merge_regions", "main"]
 

@@ -8,92 +8,50 @@ starts the controller and units on Ray.
 
 Only numpy is needed to import this package; Ray, NIXL, CuPy and torch
 load when used.
+
+Names load lazily, on first use: ``import gputq.transport`` (a unit's
+process, a benchmark) loads only the exception tree besides, and
+``from gputq import Reader`` only the client side. Every error is here at
+once, as :mod:`gputq.errors` lists them.
 """
 
-from .clients import UnitClients
-from .config import GputqConfig, add_transfer_queue_arguments
-from .controller import Controller
-from .deploy import Deployment, UnitService
-from .errors import (
-    AuthenticationError,
-    CapacityError,
-    ClosedError,
-    ConfigError,
-    DuplicateKeyError,
-    FieldValueError,
-    GputqError,
-    GputqTimeoutError,
-    InvalidInputError,
-    LayoutError,
-    MissingDependencyError,
-    PartialFailureError,
-    PeerLostError,
-    ProtocolError,
-    RequestTooLargeError,
-    StaleReadError,
-    TransferError,
-    UnknownKeyError,
-)
-from .fields import FieldRegistry, FieldSpec, canonicalize, logprobs_spec, routed_experts_spec
-from .placement import rendezvous_unit
-from .reader import FetchStats, Reader
-from .refs import FieldRef, Fragment, Layout
-from .storage_unit import StorageUnit
-from .trajectory import (
-    Segment,
-    Session,
-    StepRecord,
-    inline_fields,
-    lineage_segments,
-    timeline_segments,
-)
-from .writer import CommitRegion, Writer
+from __future__ import annotations
+
+import importlib
+
+from gputq import errors as _errors
+from gputq.errors import *  # noqa: F401,F403  (the whole tree; errors.__all__ is its one list)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AuthenticationError",
-    "CapacityError",
-    "ClosedError",
-    "CommitRegion",
-    "ConfigError",
-    "Controller",
-    "Deployment",
-    "DuplicateKeyError",
-    "FetchStats",
-    "FieldRef",
-    "FieldRegistry",
-    "FieldSpec",
-    "FieldValueError",
-    "Fragment",
-    "GputqConfig",
-    "GputqError",
-    "GputqTimeoutError",
-    "InvalidInputError",
-    "Layout",
-    "LayoutError",
-    "MissingDependencyError",
-    "PartialFailureError",
-    "PeerLostError",
-    "ProtocolError",
-    "Reader",
-    "RequestTooLargeError",
-    "Segment",
-    "Session",
-    "StaleReadError",
-    "StepRecord",
-    "StorageUnit",
-    "TransferError",
-    "UnitClients",
-    "UnitService",
-    "UnknownKeyError",
-    "Writer",
-    "add_transfer_queue_arguments",
-    "canonicalize",
-    "inline_fields",
-    "lineage_segments",
-    "logprobs_spec",
-    "rendezvous_unit",
-    "routed_experts_spec",
-    "timeline_segments",
-]
+# module -> the public names it defines; each module is imported when one of its names is first used.
+_EXPORTS = {
+    "gputq.client.clients": ("UnitClients",),
+    "gputq.client.placement": ("rendezvous_unit",),
+    "gputq.client.reader": ("FetchStats", "Reader"),
+    "gputq.client.writer": ("CommitRegion", "Writer"),
+    "gputq.cluster.controller": ("Controller",),
+    "gputq.cluster.deploy": ("Deployment", "UnitService"),
+    "gputq.config": ("GputqConfig", "add_transfer_queue_arguments"),
+    "gputq.data.fields": ("FieldRegistry", "FieldSpec", "canonicalize", "logprobs_spec", "routed_experts_spec"),
+    "gputq.data.refs": ("FieldRef", "Fragment", "Layout"),
+    "gputq.data.trajectory": ("Segment", "Session", "StepRecord", "inline_fields", "lineage_segments",
+                              "timeline_segments"),
+    "gputq.unit.storage_unit": ("StorageUnit",),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted([*_HOME, *_errors.__all__])
+
+
+def __getattr__(name: str):
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gputq' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -22,10 +22,9 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from transport.policy import TRANSPORT_NAMES
-
-from .errors import ConfigError
-from .fields import LOGPROBS, ROUTED_EXPERTS, ROUTED_EXPERTS_DTYPES, FieldRegistry
+from gputq.data.fields import LOGPROBS, ROUTED_EXPERTS, ROUTED_EXPERTS_DTYPES, FieldRegistry
+from gputq.errors import ConfigError
+from gputq.transport.policy import TRANSPORT_NAMES
 
 __all__ = [
     "GputqConfig",

@@ -1,38 +1,17 @@
-"""gputq's exceptions: one tree rooted at :class:`GputqError`.
+"""gputq's exceptions: one tree rooted at :class:`GputqError`, in this one module.
 
-Import errors from here. The root and the errors transports raise
-themselves (lost peers, timeouts, protocol and stale-read errors, ...) are
-defined in ``transport.errors``, because ``transport`` does not import
-``gputq``, and are re-exported here. gputq's own errors are defined here:
-those the storage unit answers with (:class:`UnknownKeyError`,
-:class:`DuplicateKeyError`, :class:`CapacityError`),
-:class:`PartialFailureError` and the errors of the upper layers.
+Every error gputq raises on purpose derives from :class:`GputqError`.
+Timeouts also derive from :class:`TimeoutError`, lost peers from
+:class:`ConnectionError` and bad input from :class:`ValueError`, so callers
+can catch either family.
 
-A unit's error crosses the wire by class name: the transport rebuilds it
-with :func:`transport.errors.error_from_wire`, which knows every subclass of
-:class:`GputqError` defined in the process. Importing this module (as
-``gputq``, :mod:`gputq.clients` and everything that talks to units do)
-is what lets a client rebuild these with their own class.
-
-Catch :class:`GputqError` for everything; timeouts are also ``TimeoutError``,
-lost peers ``ConnectionError`` and bad input ``ValueError``.
+The module sits below every other layer (the transports raise these errors
+too) and imports nothing. A unit's error crosses the wire by class name:
+:func:`gputq.transport.wire.error_from_wire` rebuilds it with its own class
+from the subclasses of :class:`GputqError` defined here.
 """
 
 from __future__ import annotations
-
-from transport.errors import (
-    AuthenticationError,
-    ClosedError,
-    GputqError,
-    GputqTimeoutError,
-    InvalidInputError,
-    MissingDependencyError,
-    PeerLostError,
-    ProtocolError,
-    RequestTooLargeError,
-    StaleReadError,
-    TransferError,
-)
 
 __all__ = [
     "AuthenticationError",
@@ -43,6 +22,7 @@ __all__ = [
     "FieldValueError",
     "GputqError",
     "GputqTimeoutError",
+    "HintMissedError",
     "InvalidInputError",
     "LayoutError",
     "MissingDependencyError",
@@ -56,6 +36,63 @@ __all__ = [
     "UnitTimeoutError",
     "UnknownKeyError",
 ]
+
+
+class GputqError(Exception):
+    """Root of every error gputq raises on purpose."""
+
+
+class GputqTimeoutError(GputqError, TimeoutError):
+    """An operation did not complete within its timeout."""
+
+
+class PeerLostError(GputqError, ConnectionError):
+    """The remote side closed the connection or stopped answering."""
+
+
+class ProtocolError(GputqError, ConnectionError):
+    """A frame violated the wire protocol (bad magic, truncated, oversized)."""
+
+
+class AuthenticationError(GputqError, PermissionError):
+    """The shared-token handshake failed."""
+
+
+class TransferError(GputqError):
+    """A data transfer failed; the message names the unit and the keys."""
+
+    def __init__(self, message: str, unit: str | None = None, keys=()):
+        super().__init__(message)
+        self.unit = unit
+        self.keys = tuple(keys)
+
+
+class InvalidInputError(GputqError, ValueError):
+    """The caller passed something malformed: shape, dtype, range, size."""
+
+
+class RequestTooLargeError(InvalidInputError):
+    """A request can never succeed: larger than the arena or the frame limit."""
+
+
+class StaleReadError(GputqError):
+    """A read raced a release and could not be served with the right bytes."""
+
+
+class HintMissedError(StaleReadError):
+    """A same-host read ran on the unit's key directory, and the lease named other regions.
+
+    What the block read may belong to other keys; reading again after the
+    lease (``ahead=False``) gets the right bytes.
+    """
+
+
+class MissingDependencyError(GputqError, ImportError):
+    """An optional dependency (torch, cupy, nixl, ray) is not installed."""
+
+
+class ClosedError(GputqError):
+    """The object was used after ``close()``."""
 
 
 class UnknownKeyError(GputqError, KeyError):

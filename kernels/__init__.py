@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from transport.cuda import cuda_available
+from gputq.transport.cuda import cuda_available
 
+from .cupy_backend import cupy_usable, cupy_widen_scatter, torch_widen_scatter_cupy
 from .mapped import MappedSource
 from .plan import PlanError, plan_bytes, validate_plan
 from .reference import reference_widen_scatter
+from .torch_backend import torch_widen_scatter
 
 __all__ = [
     "widen_scatter",
@@ -92,20 +94,12 @@ def widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stream=No
     if kind == "numpy":
         return reference_widen_scatter(staging, plan, width, out, fill, validate=validate)
     if kind == "cupy":
-        from .cupy_backend import cupy_widen_scatter
-
         return cupy_widen_scatter(staging, plan, width, out, fill, validate=validate, stream=stream)
     if kind == "torch":
-        from .cupy_backend import cupy_usable
-
         if out.is_cuda and cupy_usable():
-            from .cupy_backend import torch_widen_scatter_cupy
-
             return torch_widen_scatter_cupy(
                 staging, plan, width, out, fill, validate=validate, stream=stream
             )
-        from .torch_backend import torch_widen_scatter
-
         return torch_widen_scatter(staging, plan, width, out, fill, validate=validate, stream=stream)
     raise PlanError(f"unsupported array type {type(staging).__name__}")
 

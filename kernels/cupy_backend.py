@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from transport.cuda import usable_cupy
+from gputq.transport.cuda import usable_cupy
 
 from .plan import PlanError, check_call, dtype_name
 
@@ -76,7 +76,7 @@ def _import_cupy():
 
 
 def cupy_usable() -> bool:
-    """Return True when CuPy imports and sees a CUDA device (:mod:`transport.cuda`'s probe)."""
+    """Return True when CuPy imports and sees a CUDA device (:mod:`gputq.transport.cuda`'s probe)."""
     return usable_cupy() is not None
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cupy_backend import widen_scatter_from_pointer
 from .plan import PlanError, as_plan_array
+from .reference import reference_widen_scatter
 
 __all__ = ["MappedSource", "SPAN_GAP_BYTES"]
 
@@ -117,12 +119,8 @@ class MappedSource:
         """
         elements, base, src_elems = self.element_plan(plan, int(width))
         if isinstance(out, np.ndarray):
-            from .reference import reference_widen_scatter
-
             return reference_widen_scatter(self._host_elements(base, src_elems), elements, 1,
                                            out.reshape(-1), fill, validate=validate)
-        from .cupy_backend import widen_scatter_from_pointer
-
         return widen_scatter_from_pointer(base, self.dtype, src_elems, elements, out, fill,
                                           validate=validate, stream=stream)
 
@@ -156,7 +154,7 @@ class MappedSource:
         into (at least ``nbytes``): host memory, or CUDA memory (a CuPy
         array). ``copy_runs(out, src, runs)`` copies (src offset, out
         offset, length) runs from the host view ``src`` into it
-        (:func:`transport.arena_copies.copy_runs` or ``device_copy_runs``).
+        (:func:`gputq.transport.arena_copies.copy_runs` or ``device_copy_runs``).
         """
         starts, lengths, offsets = self.spans(max_gap)
         runs, total = [], 0

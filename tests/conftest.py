@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from gputq.cluster.deploy import local_cluster
 from gputq.config import GputqConfig
-from gputq.deploy import local_cluster
 
 
 def nixl_usable() -> str | None:
     """None when a NIXL agent can be created here, else the reason it cannot."""
-    from transport.policy import nixl_import_error
+    from gputq.transport.policy import nixl_import_error
 
     error = nixl_import_error()
     return None if error is None else f"NIXL not importable: {error}"

@@ -2,7 +2,7 @@
 
 Installed as the ``cupy`` module (:func:`installed`, the ``host_cuda``
 fixture), it is
-what every probe of :mod:`transport.cuda` finds, so the code under test
+what every probe of :mod:`gputq.transport.cuda` finds, so the code under test
 takes its real CUDA branches: the reader allocates "device" buffers and
 returns tensors over them, the arena mapping is registered with
 ``cudaHostRegister``, copies into the device go through
@@ -29,8 +29,8 @@ import types
 
 import numpy as np
 
-from kernels import cupy_backend
-from kernels.cupy_backend import _KERNELS, _SOURCE, THREADS
+from gputq.kernels import cupy_backend
+from gputq.kernels.cupy_backend import _KERNELS, _SOURCE, THREADS
 from tests.kernels.test_kernel_on_host import _KINDS, _kernel
 
 __all__ = ["DeviceArray", "HostCupy", "installed", "UNREGISTERED", "HOST", "DEVICE"]
@@ -242,7 +242,7 @@ class _HostModule:
 
 
 def _forget_probes() -> None:
-    from transport import cuda
+    from gputq.transport import cuda
 
     for probe in (cuda.usable_cupy, cuda.usable_torch, cuda.read_only_register_supported):
         probe.cache_clear()

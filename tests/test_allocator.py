@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputq.allocator import FreeListAllocator
-from transport.errors import InvalidInputError
+from gputq.errors import InvalidInputError
+from gputq.unit.allocator import FreeListAllocator
 
 
 def test_fill_then_free_restores_one_block():

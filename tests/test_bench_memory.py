@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from bench.memory import MASTER, Rollout, process_memory, rollout_plan, summarise
-from gputq.arena import Arena
-from gputq.synthetic import SyntheticConfig
+from gputq.tools.synthetic import SyntheticConfig
+from gputq.unit.arena import Arena
 
 
 def test_process_memory_counts_an_arena_whole_and_apart():

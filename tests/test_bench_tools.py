@@ -42,7 +42,7 @@ def test_progress_range_yields_every_index(capsys):
 
 
 def test_merge_regions_joins_touching_neighbours_only():
-    nixl = pytest.importorskip("transport.nixl")  # bench.transport imports the NIXL backend module
+    nixl = pytest.importorskip("gputq.transport.nixl")  # bench.transport imports the NIXL backend module
     del nixl
     from bench.transport import merge_regions
 

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from gputq.capacity import (
+from gputq.errors import ConfigError
+from gputq.tools.capacity import (
     PRESETS,
     TIB,
     Calibration,
@@ -21,8 +22,7 @@ from gputq.capacity import (
     reference_figures,
     threshold_prompts,
 )
-from gputq.cli import main as cli_main
-from gputq.errors import ConfigError
+from gputq.tools.cli import main as cli_main
 
 LARGE = PRESETS["744b-a40b"]
 SMALL = PRESETS["35b-a3b"]

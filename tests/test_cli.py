@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gputq.cli import build_parser, demo_setup
+from gputq.tools.cli import build_parser, demo_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(*args, timeout=150, env=None):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPUTQ_")}, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": ROOT, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "gputq.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gputq.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -62,7 +62,7 @@ def test_bad_input_is_one_line_and_exit_2_before_ray(args, env, message):
 
 
 def test_cuda_without_a_gpu_is_refused():
-    from kernels import cuda_available
+    from gputq.kernels import cuda_available
 
     if cuda_available():
         pytest.skip("this machine has a CUDA device")
@@ -98,7 +98,7 @@ def test_import_needs_only_numpy():
     blocked = ["torch", "cupy", "nixl", "ray", "msgpack", "yaml", "prometheus_client"]
     code = ("import sys\n"
             f"for name in {blocked!r}: sys.modules[name] = None\n"
-            "import gputq, transport, kernels, gputq.sglang, gputq.slime, gputq.metrics\n"
+            "import gputq, transport, kernels, gputq.integrations.sglang, gputq.integrations.slime, gputq.cluster.metrics\n"
             "print(len(gputq.__all__))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": ROOT})

@@ -12,10 +12,11 @@ ray = pytest.importorskip("ray", reason="Ray not installed (pip install 'gputq[r
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
+from gputq.client.writer import Writer  # noqa: E402
+from gputq.cluster.deploy import Deployment  # noqa: E402
+from gputq.cluster.names import CONTROLLER_NAME, NAMESPACE  # noqa: E402
 from gputq.config import GputqConfig  # noqa: E402
-from gputq.deploy import CONTROLLER_NAME, NAMESPACE, Deployment  # noqa: E402
-from gputq.refs import Layout  # noqa: E402
-from gputq.writer import Writer  # noqa: E402
+from gputq.data.refs import Layout  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -25,8 +26,8 @@ class ShardReader:
     """A trainer rank on its own node: reads its shard and reports where it ran and what it got."""
 
     def read(self, membership: dict, config: GputqConfig, samples: list[dict]) -> dict:
-        from gputq.clients import UnitClients
-        from gputq.reader import Reader
+        from gputq.client.clients import UnitClients
+        from gputq.client.reader import Reader
 
         layouts = [{name: Layout.from_dict(d) for name, d in sample.items()} for sample in samples]
         with UnitClients(membership, config) as clients, Reader(clients, config) as reader:

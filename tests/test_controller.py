@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from gputq.controller import Controller
+from gputq.client.writer import Writer
+from gputq.cluster.controller import Controller
 from gputq.errors import ConfigError, InvalidInputError
-from gputq.writer import Writer
 from tests.waiting import wait_until
 
 from .conftest import local_units

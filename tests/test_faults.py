@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 from bench.faults import unit_processes
-from gputq.clients import UnitClients
-from gputq.controller import Controller
-from gputq.lifecycle import on_units
+from gputq.client.clients import UnitClients
+from gputq.client.lifecycle import on_units
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.cluster.controller import Controller
+from gputq.data.refs import Layout
 from gputq.errors import (
     GputqTimeoutError,
     PartialFailureError,
@@ -22,9 +25,6 @@ from gputq.errors import (
     UnitLostError,
     UnitTimeoutError,
 )
-from gputq.reader import Reader
-from gputq.refs import Layout
-from gputq.writer import Writer
 from tests.waiting import wait_until
 
 

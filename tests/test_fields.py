@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
+from gputq.data.fields import FieldRegistry, FieldSpec, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
-from gputq.fields import FieldRegistry, FieldSpec, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
 
 
 def test_builtin_specs():

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
-from gputq import fields as fields_module  # noqa: E402
+from gputq.data import fields as fields_module  # noqa: E402
+from gputq.data.fields import FieldSpec, canonicalize, row_nbytes  # noqa: E402
+from gputq.data.refs import FieldRef, Fragment, Layout  # noqa: E402
 from gputq.errors import FieldValueError, InvalidInputError  # noqa: E402
-from gputq.fields import FieldSpec, canonicalize, row_nbytes  # noqa: E402
-from gputq.refs import FieldRef, Fragment, Layout  # noqa: E402
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kernels
-from gputq.fields import FieldRegistry
-from gputq.reader import Reader
-from gputq.synthetic import SyntheticConfig, build_sessions
-from gputq.trajectory import inline_fields, lineage_segments, timeline_segments
-from gputq.writer import Writer
+from gputq import kernels
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.data.fields import FieldRegistry
+from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
+from gputq.tools.synthetic import SyntheticConfig, build_sessions
 
 from .conftest import local_units
 
@@ -64,7 +64,7 @@ def test_gpu_restore_matches_inline_path(transport_name, dtype):
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "copied"])
 @pytest.mark.parametrize("dtype", ["uint8", "uint16"])
 def test_gpu_restore_over_shm_in_place_or_copied(monkeypatch, zero_copy, dtype):
-    from kernels import MappedSource
+    from gputq.kernels import MappedSource
 
     cp = pytest.importorskip("cupy")
     launches = []

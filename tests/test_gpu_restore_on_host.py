@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
+from gputq.transport.cuda import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY
 from tests.host_cuda import DEVICE, HOST, UNREGISTERED
 from tests.test_gpu_restore import restore_and_compare
-from transport.cuda import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import builtins
-import sys
 import json
+import sys
 
 import pytest
 
-from gputq import info
-from transport import policy
+from gputq.tools import info
+from gputq.transport import policy
+from gputq.transport.policy import nixl_fix
 
 
 @pytest.fixture
@@ -89,11 +90,11 @@ def test_install_hint_names_what_fixes_it(monkeypatch):
         raise info.metadata.PackageNotFoundError(dist)
 
     monkeypatch.setattr(info.metadata, "version", version)
-    hint = info.nixl_fix("libucs.so.0: cannot open shared object file")
+    hint = nixl_fix("libucs.so.0: cannot open shared object file")
     assert "nixl-cu12 1.5.1 is installed but does not load (libucs.so.0" in hint
     assert "--force-reinstall" in hint
     installed.clear()
-    assert info.nixl_fix("No module named 'nixl'").startswith("pip install 'gputq[rdma]'")
+    assert nixl_fix("No module named 'nixl'").startswith("pip install 'gputq[rdma]'")
 
 
 def test_missing_nixl_report_carries_the_fix(no_nixl):

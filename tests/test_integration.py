@@ -7,13 +7,13 @@ import threading
 import numpy as np
 import pytest
 
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.data.fields import FieldRegistry
+from gputq.data.refs import FieldRef, Layout
+from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
 from gputq.errors import CapacityError, UnknownKeyError
-from gputq.fields import FieldRegistry
-from gputq.reader import Reader
-from gputq.refs import FieldRef, Layout
-from gputq.synthetic import SyntheticConfig, build_sessions
-from gputq.trajectory import inline_fields, lineage_segments, timeline_segments
-from gputq.writer import Writer
+from gputq.tools.synthetic import SyntheticConfig, build_sessions
 from tests.waiting import wait_until
 
 from .conftest import local_units
@@ -178,7 +178,7 @@ def test_full_arena_without_consumer_raises_capacity_error():
 
 @pytest.mark.rdma
 def test_tcp_client_reads_from_a_unit_serving_rdma():
-    from gputq.clients import UnitClients
+    from gputq.client.clients import UnitClients
 
     from .conftest import nixl_usable
 
@@ -198,8 +198,8 @@ def test_tcp_client_reads_from_a_unit_serving_rdma():
 
 def test_read_racing_a_release_returns_the_right_bytes(transport_name):
     """A release (and a new write) landing between lease and transfer never leaks other bytes."""
-    from gputq.storage_unit import StorageUnit
-    from transport import get_transport
+    from gputq.transport import get_transport
+    from gputq.unit.storage_unit import StorageUnit
 
     size = 64 << 10
 

@@ -11,14 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputq.controller import Controller
+from gputq.client.lifecycle import carry, drop, uses_of
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.cluster.controller import Controller
+from gputq.data.fields import FieldRegistry
+from gputq.data.refs import Layout
+from gputq.data.trajectory import Session, inline_fields, timeline_segments
 from gputq.errors import InvalidInputError, UnknownKeyError
-from gputq.fields import FieldRegistry
-from gputq.lifecycle import carry, drop, overlapping_rollouts, uses_of
-from gputq.reader import Reader
-from gputq.refs import Layout
-from gputq.trajectory import Session, inline_fields, timeline_segments
-from gputq.writer import Writer
+from gputq.tools.scenarios import overlapping_rollouts
 
 from .conftest import local_units
 
@@ -358,7 +359,7 @@ def test_random_lifecycles_match_the_reference_model_long(lifecycle_env, ops):
 
 def test_check_invariants_with_the_units_keys_call(monkeypatch):
     """The ``keys`` branch: a stand-in for the unit's own call where this unit lacks it."""
-    import gputq.storage_unit as su
+    import gputq.unit.storage_unit as su
 
     rng = np.random.default_rng(7)
     with local_units("tcp", units=2) as (config, services, clients):

@@ -9,12 +9,13 @@ import pytest
 
 pytest.importorskip("prometheus_client", reason="pip install 'gputq[metrics]'")
 
+from gputq.client.reader import Reader  # noqa: E402
+from gputq.client.writer import Writer  # noqa: E402
+from gputq.cluster.controller import Controller  # noqa: E402
+from gputq.cluster.metrics import UNIT_METRICS, controller_metrics, rss_bytes, serve_metrics, unit_metrics  # noqa: E402
 from gputq.config import GputqConfig  # noqa: E402
-from gputq.controller import Controller  # noqa: E402
-from gputq.metrics import UNIT_METRICS, controller_metrics, format_table, rss_bytes, serve_metrics, unit_metrics  # noqa: E402
-from gputq.reader import Reader  # noqa: E402
-from gputq.refs import Layout  # noqa: E402
-from gputq.writer import Writer  # noqa: E402
+from gputq.data.refs import Layout  # noqa: E402
+from gputq.tools.stats import format_table
 
 from .conftest import local_units  # noqa: E402
 
@@ -108,7 +109,7 @@ def _free_port_pair() -> int:
 
 
 def test_unit_service_and_controller_serve_metrics_when_a_port_is_set():
-    from gputq.deploy import ControllerService, UnitService
+    from gputq.cluster.deploy import ControllerService, UnitService
 
     port = _free_port_pair()
     config = GputqConfig(transport="tcp", host="127.0.0.1", unit_capacity_bytes=4 << 20, metrics_port=port,

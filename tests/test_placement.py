@@ -2,8 +2,8 @@ import collections
 
 import pytest
 
+from gputq.client.placement import rendezvous_order, rendezvous_unit
 from gputq.errors import InvalidInputError
-from gputq.placement import rendezvous_order, rendezvous_unit
 
 
 def test_deterministic_and_balanced():
@@ -37,7 +37,7 @@ def test_no_units_is_typed_error():
 
 
 def test_new_keys_go_to_live_units_only():
-    from gputq.clients import UnitClients
+    from gputq.client.clients import UnitClients
     from gputq.config import GputqConfig
 
     clients = UnitClients({f"su-{i}": {"transport": "tcp", "host": "127.0.0.1", "port": 1} for i in range(3)},

@@ -9,11 +9,11 @@ import threading
 import numpy as np
 import pytest
 
+from gputq.client.reader import Reader
+from gputq.client.writer import SENDER_NICE, Writer, _Buffers
+from gputq.data.fields import canonicalize, logprobs_spec, routed_experts_spec
+from gputq.data.refs import Layout
 from gputq.errors import FieldValueError, InvalidInputError
-from gputq.fields import canonicalize, logprobs_spec, routed_experts_spec
-from gputq.reader import Reader
-from gputq.refs import Layout
-from gputq.writer import SENDER_NICE, Writer, _Buffers
 
 from .conftest import local_units
 

@@ -6,9 +6,9 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray not installed (pip install 'gputq[ray]')")
 
+from gputq.cluster.deploy import Deployment  # noqa: E402
 from gputq.config import GputqConfig  # noqa: E402
-from gputq.demo import DemoOptions, run_demo  # noqa: E402
-from gputq.deploy import Deployment  # noqa: E402
+from gputq.tools.demo import DemoOptions, run_demo  # noqa: E402
 
 from .conftest import TRANSPORT_PARAMS  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_stats_attaches_to_a_running_deployment():
     import subprocess
     import sys
 
-    from gputq.deploy import CONTROLLER_NAME, NAMESPACE
+    from gputq.cluster.names import CONTROLLER_NAME, NAMESPACE
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     config = GputqConfig(transport="tcp", unit_capacity_bytes=8 << 20, num_units=2)
@@ -83,7 +83,7 @@ def test_stats_attaches_to_a_running_deployment():
         ray.get(deployment.controller.open_partition.remote("rollout-7"))
         address = ray.get_runtime_context().gcs_address
         env = {**os.environ, "PYTHONPATH": root}
-        proc = subprocess.run([sys.executable, "-m", "gputq.cli", "stats", "--address", address, "--json",
+        proc = subprocess.run([sys.executable, "-m", "gputq.tools.cli", "stats", "--address", address, "--json",
                                "--check"], capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -91,14 +91,14 @@ def test_stats_attaches_to_a_running_deployment():
         assert all(u["capacity"] == 8 << 20 and u["keys"] == 0 and u["rss_bytes"] > 0
                    for u in report["units"].values())
         assert report["partitions"] == ["rollout-7"]
-        from gputq.controller import Controller
+        from gputq.cluster.controller import Controller
 
         if hasattr(Controller, "check_invariants"):
             assert report["check"]["available"] is True and report["check"]["ok"] is True
         else:
             assert report["check"] == {"available": False,
                                        "reason": "this deployment's controller has no check_invariants"}
-        table = subprocess.run([sys.executable, "-m", "gputq.cli", "stats", "--address", address, "--once"],
+        table = subprocess.run([sys.executable, "-m", "gputq.tools.cli", "stats", "--address", address, "--once"],
                                capture_output=True, text=True, timeout=120, env=env)
         assert table.returncode == 0 and table.stdout.splitlines()[0].startswith("unit")
         assert "partitions: rollout-7" in table.stdout
@@ -111,7 +111,7 @@ def test_stats_without_a_deployment_is_one_line():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     address = ray.get_runtime_context().gcs_address
-    proc = subprocess.run([sys.executable, "-m", "gputq.cli", "stats", "--address", address, "--once"],
+    proc = subprocess.run([sys.executable, "-m", "gputq.tools.cli", "stats", "--address", address, "--once"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 2 and "no gputq deployment on this Ray cluster" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -124,10 +124,11 @@ def test_readme_multi_turn_path_runs_and_passes_slimes_checks(tmp_path):
 
     import numpy as np
 
-    from gputq import GputqConfig as Config, Reader, Writer, add_transfer_queue_arguments
-    from gputq.sglang import RolloutIngest, encode_response
-    from gputq.slime import LOG_PROBS, ROUTED_EXPERTS_KEY, check_sample, hydrate, to_slime_sample
-    from gputq.trajectory import lineage_segments
+    from gputq import GputqConfig as Config
+    from gputq import Reader, Writer, add_transfer_queue_arguments
+    from gputq.data.trajectory import lineage_segments
+    from gputq.integrations.sglang import RolloutIngest, encode_response
+    from gputq.integrations.slime import LOG_PROBS, ROUTED_EXPERTS_KEY, check_sample, hydrate, to_slime_sample
 
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     code = re.search(r"## The multi-turn path.*?```python\n(.*?)```", readme, re.S).group(1)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
+from gputq.client.reader import READ_BATCH_KEYS, Reader, _lay_out, _stage_field
+from gputq.client.writer import Writer
+from gputq.data.refs import FieldRef, Layout
 from gputq.errors import GputqError, InvalidInputError, PartialFailureError, StaleReadError
-from gputq.reader import READ_BATCH_KEYS, Reader, _lay_out, _stage_field
-from gputq.refs import FieldRef, Layout
-from gputq.writer import Writer
 
 from .conftest import local_units
 

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
+from gputq.data.refs import FieldRef, Fragment, Layout
 from gputq.errors import InvalidInputError, LayoutError
-from gputq.refs import FieldRef, Fragment, Layout
 
 L, K = 3, 2
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import base64
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import pytest
 
+from gputq.client.writer import Writer
 from gputq.config import GputqConfig
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
-from gputq.sglang import RolloutIngest, decode_response, encode_response
-from gputq.writer import Writer
+from gputq.integrations.sglang import RolloutIngest, decode_response, encode_response
 
 from .conftest import local_units
 
@@ -188,7 +188,7 @@ def test_r3_offload_needs_routed_experts_in_the_response():
 def test_any_start_len_and_variant_rebuilds_the_context_routing(turns):
     """Whatever start_len each turn sends (up to where the session stands), and whichever
     row-count variant the engine uses, the steps hold each position's routing exactly once."""
-    from gputq.trajectory import inline_fields, lineage_segments
+    from gputq.data.trajectory import inline_fields, lineage_segments
 
     truth = np.random.default_rng(len(turns)).integers(0, 64, (400, L, K), dtype=np.int32)
     ingest = _ingest(R3_INLINE)

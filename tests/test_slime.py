@@ -7,15 +7,15 @@ import pickle
 import numpy as np
 import pytest
 
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.cluster.deploy import local_cluster
 from gputq.config import GputqConfig
-from gputq.deploy import local_cluster
+from gputq.data.trajectory import lineage_segments, timeline_segments
 from gputq.errors import InvalidInputError
-from gputq.reader import Reader
-from gputq.sglang import RolloutIngest, ingest_synthetic
-from gputq.slime import LOG_PROBS, LOSS_MASK, ROUTED_EXPERTS_KEY, check_sample, hydrate, to_slime_sample
-from gputq.synthetic import SyntheticConfig
-from gputq.trajectory import lineage_segments, timeline_segments
-from gputq.writer import Writer
+from gputq.integrations.sglang import RolloutIngest
+from gputq.integrations.slime import LOG_PROBS, LOSS_MASK, ROUTED_EXPERTS_KEY, check_sample, hydrate, to_slime_sample
+from gputq.tools.synthetic import SyntheticConfig, ingest_synthetic
 
 from .conftest import local_units
 
@@ -129,7 +129,7 @@ def hydrate_and_compare(*, on_gpu: bool = True) -> None:
 
 @pytest.mark.gpu
 def test_hydrate_on_cuda():
-    from kernels import cuda_available
+    from gputq.kernels import cuda_available
 
     if not cuda_available():
         pytest.skip("no usable CUDA device")

@@ -9,8 +9,6 @@ import msgpack
 import numpy as np
 import pytest
 
-from gputq.arena import Arena, default_shm_dir
-from gputq.storage_unit import DEFAULT_PARTITION, StorageUnit
 from gputq.errors import (
     CapacityError,
     ClosedError,
@@ -19,8 +17,10 @@ from gputq.errors import (
     RequestTooLargeError,
     UnknownKeyError,
 )
+from gputq.transport.base import ArenaHandler, Lease
+from gputq.unit.arena import Arena, default_shm_dir
+from gputq.unit.storage_unit import DEFAULT_PARTITION, StorageUnit
 from tests.waiting import wait_until
-from transport.base import ArenaHandler, Lease
 
 KIB = 1024
 
@@ -460,7 +460,7 @@ def test_arena_that_does_not_fit_its_folder_is_a_config_error(monkeypatch, tmp_p
 
 
 def test_orphaned_arena_files_are_swept(tmp_path):
-    from gputq.arena import sweep_orphans
+    from gputq.unit.arena import sweep_orphans
 
     dead = tmp_path / "gputq-999999999-su-0-abc.arena"  # no such pid
     dead.write_bytes(b"x")

@@ -1,9 +1,10 @@
 import numpy as np
 import pytest
 
+from gputq.data.fields import FieldRegistry
+from gputq.data.keys import step_key
 from gputq.errors import ConfigError, FieldValueError
-from gputq.fields import FieldRegistry
-from gputq.synthetic import SyntheticConfig, build_sessions, engine_fields, generate_calls, step_key
+from gputq.tools.synthetic import SyntheticConfig, build_sessions, engine_fields, generate_calls
 from tests.test_trajectory import MemWriter
 
 

@@ -3,11 +3,18 @@ import json
 import numpy as np
 import pytest
 
+from gputq.data.fields import FieldRegistry, canonicalize
+from gputq.data.refs import FieldRef
+from gputq.data.trajectory import (
+    Segment,
+    Session,
+    inline_fields,
+    lineage_segments,
+    materialize_layouts,
+    timeline_segments,
+)
 from gputq.errors import FieldValueError, InvalidInputError, LayoutError
-from gputq.fields import FieldRegistry, canonicalize
-from gputq.refs import FieldRef
-from gputq.synthetic import SyntheticConfig, build_sessions
-from gputq.trajectory import Segment, Session, inline_fields, lineage_segments, materialize_layouts, timeline_segments
+from gputq.tools.synthetic import SyntheticConfig, build_sessions
 
 L, K = 2, 3
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gputq.errors import CapacityError
-from gputq.storage_unit import StorageUnit
+from gputq.unit.storage_unit import StorageUnit
 from tests.waiting import wait_until
 
 KIB = 1024

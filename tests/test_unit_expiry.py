@@ -11,9 +11,9 @@ import weakref
 import numpy as np
 import pytest
 
-from gputq import arena as arena_module
 from gputq.errors import InvalidInputError, UnknownKeyError
-from gputq.storage_unit import StorageUnit
+from gputq.unit import arena as arena_module
+from gputq.unit.storage_unit import StorageUnit
 from tests.waiting import wait_until
 
 KIB = 1024
@@ -132,8 +132,8 @@ def test_unclosed_unit_is_collected_and_its_timer_ends():
 
 def test_configured_reservation_timeout_and_write_aging_reach_the_units():
     """``GPUTQ_RESERVATION_TIMEOUT_S`` / ``GPUTQ_WRITE_AGING_S`` end up in every unit a config builds."""
+    from gputq.cluster.deploy import local_cluster
     from gputq.config import GputqConfig
-    from gputq.deploy import local_cluster
 
     config = GputqConfig.load(env={"GPUTQ_RESERVATION_TIMEOUT_S": "0.3", "GPUTQ_WRITE_AGING_S": "0.25"})
     assert (config.reservation_timeout_s, config.write_aging_s) == (0.3, 0.25)
@@ -169,7 +169,7 @@ def test_orphan_sweep_skips_files_it_cannot_remove(tmp_path, monkeypatch, caplog
 
     monkeypatch.setattr(os, "unlink", unlink)
     monkeypatch.setattr(arena_module, "_last_sweep_warning", -float("inf"))
-    with caplog.at_level(logging.WARNING, logger="gputq.arena"):
+    with caplog.at_level(logging.WARNING, logger="gputq.unit.arena"):
         with StorageUnit("su-starts", 4 * KIB, shm_dir=str(tmp_path)) as unit:
             assert unit.put("a", np.ones(10, np.uint8))["nbytes"] == 10
         with StorageUnit("su-starts-again", 4 * KIB, shm_dir=str(tmp_path)):

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputq.errors import GputqError, InvalidInputError, StaleReadError, UnknownKeyError
-from gputq.storage_unit import CONTROL_METHODS, StorageUnit
+from gputq.unit.storage_unit import CONTROL_METHODS, StorageUnit
 
 KIB = 1024
 KEYS = ["a", "b", "c"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gputq.errors import CapacityError, DuplicateKeyError, StaleReadError, UnknownKeyError
-from gputq.storage_unit import StorageUnit
+from gputq.unit.storage_unit import StorageUnit
 
 KIB = 1024
 NAMES = [f"k{i}" for i in range(12)]  # few names: they are released and rewritten constantly

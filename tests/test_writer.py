@@ -7,11 +7,11 @@ import threading
 import numpy as np
 import pytest
 
-from gputq.clients import UnitClients
+from gputq.client.clients import UnitClients
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.data.refs import Layout
 from gputq.errors import GputqTimeoutError, TransferError
-from gputq.reader import Reader
-from gputq.refs import Layout
-from gputq.writer import Writer
 
 from .conftest import local_units
 

@@ -1,6 +1,7 @@
 """Moving bytes between processes and devices: one interface, one module per backend.
 
-``transport`` imports neither ``gputq`` nor Ray. Backends are loaded by
+Installed as ``gputq.transport``. It imports nothing of gputq but the
+exception tree (:mod:`gputq.errors`), and never Ray. Backends are loaded by
 name with :func:`get_transport`, lazily, so a backend whose native library
 is missing costs nothing until it is asked for.
 """
@@ -9,22 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-from transport.base import ArenaHandler, Channel, Lease, Region, Server, TransportType, is_device_buffer
-from transport.errors import (
-    AuthenticationError,
-    ClosedError,
-    GputqError,
-    GputqTimeoutError,
-    InvalidInputError,
-    MissingDependencyError,
-    PeerLostError,
-    ProtocolError,
-    RequestTooLargeError,
-    StaleReadError,
-    TransferError,
-    error_from_wire,
-    error_to_wire,
-)
+from gputq.errors import InvalidInputError, MissingDependencyError
+from gputq.transport.base import ArenaHandler, Channel, Lease, Region, Server, TransportType, is_device_buffer
 
 __all__ = [
     "Region",
@@ -34,28 +21,15 @@ __all__ = [
     "Server",
     "TransportType",
     "is_device_buffer",
-    "GputqError",
-    "GputqTimeoutError",
-    "PeerLostError",
-    "ProtocolError",
-    "AuthenticationError",
-    "TransferError",
-    "RequestTooLargeError",
-    "StaleReadError",
-    "InvalidInputError",
-    "MissingDependencyError",
-    "ClosedError",
-    "error_to_wire",
-    "error_from_wire",
     "TRANSPORTS",
     "get_transport",
 ]
 
 # name -> (module, class); modules are imported on first use.
 TRANSPORTS: dict[str, tuple[str, str]] = {
-    "tcp": ("transport.tcp", "TcpTransport"),
-    "rdma": ("transport.nixl", "NixlTransport"),
-    "shm": ("transport.shm", "ShmTransport"),
+    "tcp": ("gputq.transport.tcp", "TcpTransport"),
+    "rdma": ("gputq.transport.nixl", "NixlTransport"),
+    "shm": ("gputq.transport.shm", "ShmTransport"),
 }
 
 

@@ -1,6 +1,6 @@
 """Copies out of a mapped arena: into host memory shared over free threads, into GPU memory by DMA.
 
-A same-host read (:mod:`transport.shm`) copies the regions its lease names
+A same-host read (:mod:`gputq.transport.shm`) copies the regions its lease names
 straight from the unit's arena mapping. Regions adjacent in the arena are
 one run (:func:`merge_runs`), copied at once.
 
@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from transport.errors import MissingDependencyError
+from gputq.errors import MissingDependencyError
+from gputq.transport.cuda import usable_cupy, usable_torch
 
 __all__ = ["merge_runs", "copy_runs", "device_copy_runs", "help_copies", "COPY_THREADS", "PARALLEL_COPY_BYTES",
            "COPY_PIECE_BYTES"]
@@ -160,7 +161,6 @@ class _DeviceCopier:
     """Host-to-device copies of runs of a mapping on the destination's stream (CuPy, else torch)."""
 
     def __init__(self, dest):
-        from transport.cuda import usable_cupy, usable_torch
 
         self._cp, self._torch = usable_cupy(), usable_torch()
         if self._cp is None and self._torch is None:

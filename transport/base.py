@@ -11,7 +11,7 @@ Timeouts (seconds, ``None`` means wait forever):
 - a write's timeout covers waiting for arena space (back-pressure) and the
   transfer; on expiry the write is aborted and nothing is kept;
 - a read's timeout covers lease, transfer and completion; on expiry the
-  lease is dropped and :class:`~transport.errors.GputqTimeoutError` raised;
+  lease is dropped and :class:`~gputq.errors.GputqTimeoutError` raised;
 - a control call's timeout covers the round trip.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from transport.errors import InvalidInputError, ProtocolError
+from gputq.errors import InvalidInputError, ProtocolError
 
 __all__ = [
     "Region",
@@ -82,7 +82,7 @@ class ArenaHandler(Protocol):
     object: a reference made before a restart is then stale); servers
     publish it in addresses and HELLO replies, and an empty one when absent.
     A handler may have ``directory_file`` (``{"path", "slots"}``), its key
-    directory (:mod:`transport.directory`): servers hand it to same-host
+    directory (:mod:`gputq.transport.directory`): servers hand it to same-host
     readers with the arena file, and those copy before their lease returns.
     A handler whose reservations expire has ``reservation_timeout_s``
     (seconds): servers then bound a write's transfer into its region by
@@ -104,9 +104,9 @@ class ArenaHandler(Protocol):
         """Reserve ``nbytes`` for ``key``; return the arena offset.
 
         Waits for space up to ``timeout`` (back-pressure) and then raises
-        a :class:`~transport.errors.GputqTimeoutError` (the StorageUnit's
+        a :class:`~gputq.errors.GputqTimeoutError` (the StorageUnit's
         ``gputq.errors.CapacityError``). Raises an
-        :class:`~transport.errors.InvalidInputError` for a known key (the
+        :class:`~gputq.errors.InvalidInputError` for a known key (the
         unit's ``DuplicateKeyError``) and ``RequestTooLargeError`` when
         ``nbytes`` can never fit. Errors cross the wire by class name.
         """
@@ -127,7 +127,7 @@ class ArenaHandler(Protocol):
     def lease(self, keys: Sequence[str], generations=None, incarnation=None, *, expires: bool = True) -> Lease:
         """Pin the regions of ``keys`` (in order).
 
-        A missing key raises a :class:`~transport.errors.GputqError` naming
+        A missing key raises a :class:`~gputq.errors.GputqError` naming
         it (the StorageUnit's ``gputq.errors.UnknownKeyError``); ``StaleReadError`` when
         ``incarnation`` (not None) is not the handler's, or a key's stored
         generation differs from its entry in ``generations`` (0 or None

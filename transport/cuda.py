@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import warnings
 
-from transport.errors import GputqError, MissingDependencyError
+from gputq.errors import GputqError, MissingDependencyError
 
 __all__ = [
     "HOST_REGISTER_PORTABLE",

@@ -2,7 +2,7 @@
 
 Data plane: the unit registers its arena with a NIXL agent once, at start.
 A reader process owns one NIXL agent and one pool of registered destination
-buffers (:mod:`transport.nixl_pool`), both shared by all its channels and
+buffers (:mod:`gputq.transport.nixl_pool`), both shared by all its channels and
 reused across reads, so no memory is registered per request.
 :meth:`NixlTransport.destination` lends a pool buffer: a read of any
 channel into any slice of it is one NIXL READ straight into it, with no
@@ -11,7 +11,7 @@ of every key, built with numpy.
 
 Control plane: the tcp backend. The unit serves tcp beside NIXL, and a
 :class:`NixlChannel` reaches the unit through a
-:class:`~transport.tcp.TcpChannel`: the token handshake first, then the
+:class:`~gputq.transport.tcp.TcpChannel`: the token handshake first, then the
 ``nixl_connect`` call, the only source of the unit's NIXL agent metadata and
 arena base (they let a NIXL peer read and write the whole arena; see
 docs/security.md). A read leases its keys (``lease``: the unit checks the
@@ -20,14 +20,14 @@ then makes sure the lease covered the whole READ, which is what makes a
 one-sided read safe against a release racing it. A READ completed well
 inside the lease lifetime the unit states, counted from before the lease
 request, was covered for sure: the lease is ended in the background
-(:mod:`transport.lease_ends`) and the read costs one control round trip.
+(:mod:`gputq.transport.lease_ends`) and the read costs one control round trip.
 A slower one confirms with ``end_lease``: the unit answers whether the
 lease was still held. It was not when the reader was slower than the unit's
 lease timeout; the regions may have been reused meanwhile, so the read
-raises :class:`~transport.errors.StaleReadError` and returns nothing.
+raises :class:`~gputq.errors.StaleReadError` and returns nothing.
 
 GPU destinations: where a NIC can DMA into GPU memory (GPUDirect, see
-:func:`transport.policy.gpudirect_support`) the READ lands in a registered
+:func:`gputq.transport.policy.gpudirect_support`) the READ lands in a registered
 device buffer; elsewhere it lands in host memory and one copy moves it to
 the device (on one H200 host: 4 GB/s that way, 0.7 GB/s when UCX stages
 device destinations itself).
@@ -42,7 +42,7 @@ gVisor sandbox of the GPU host the push lost at every size, so
 ``GPUTQ_RDMA_WRITE_PATH=tcp`` (or ``write_path``) forces the tcp path
 (docs/operations.md has both tables). The unit cannot stop a remote WRITE
 into a region it granted, so the client ends its push within
-:func:`~transport.base.write_window` of the unit's reservation timeout
+:func:`~gputq.transport.base.write_window` of the unit's reservation timeout
 (from ``nixl_connect``): a push is abandoned, and the write aborted, while
 the reservation still holds, and a commit after it expired is refused by
 the unit (``UnknownKeyError``).
@@ -59,9 +59,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from transport.base import ArenaHandler, Channel, TransportType, byte_view, describe_keys, is_device_buffer, \
-    leased_regions, write_window
-from transport.errors import (
+from gputq.errors import (
     ClosedError,
     GputqError,
     GputqTimeoutError,
@@ -70,13 +68,23 @@ from transport.errors import (
     StaleReadError,
     TransferError,
 )
-from transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
-from transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
-from transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
-from transport.policy import gpudirect_support
-from transport.staging import device_nbytes
-from transport.tcp import TcpTransport
-from transport.tcp_server import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S
+from gputq.transport.base import (
+    ArenaHandler,
+    Channel,
+    TransportType,
+    byte_view,
+    describe_keys,
+    is_device_buffer,
+    leased_regions,
+    write_window,
+)
+from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
+from gputq.transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
+from gputq.transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
+from gputq.transport.policy import gpudirect_support
+from gputq.transport.staging import device_nbytes
+from gputq.transport.tcp import TcpTransport
+from gputq.transport.tcp_server import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S
 
 _log = logging.getLogger(__name__)
 

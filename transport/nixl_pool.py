@@ -26,9 +26,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transport.base import byte_view
-from transport.errors import InvalidInputError, MissingDependencyError
-from transport.policy import load_nixl_api, local_hostname
+from gputq.errors import InvalidInputError, MissingDependencyError
+from gputq.transport.base import byte_view
+from gputq.transport.cuda import usable_cupy, usable_torch
+from gputq.transport.policy import load_nixl_api, local_hostname
 
 __all__ = ["host_ptr", "import_nixl", "agent_name", "LocalAgent", "local_pool", "BufferPool", "CudaOps",
            "cuda_device_of", "MIN_POOL_BYTES", "DRAM"]
@@ -93,7 +94,6 @@ class CudaOps:
     """Allocate device buffers and copy between raw pointers (CuPy, else torch)."""
 
     def __init__(self):
-        from transport.cuda import usable_cupy, usable_torch
 
         self._cp, self._torch = usable_cupy(), usable_torch()
         if self._cp is None and self._torch is None:
@@ -146,9 +146,8 @@ def cuda_device_of(buf, ptr: int) -> int:
 def _page_locker() -> tuple[Callable[[int, int], None], Callable[[int], None]] | None:
     """``(lock, unlock)`` page-locking host ranges with CUDA, or ``None`` without CUDA.
 
-    CuPy first, else torch's CUDA runtime binding, as transport.staging does.
+    CuPy first, else torch's CUDA runtime binding, as gputq.transport.staging does.
     """
-    from transport.cuda import usable_cupy, usable_torch
 
     cupy, torch = usable_cupy(), usable_torch()
     if cupy is not None:

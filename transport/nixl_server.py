@@ -13,7 +13,7 @@ rdma-only methods in front of the handler's own:
   pushed write (the client NIXL-WRITEs into the reserved region in between).
   The unit cannot stop a remote WRITE into its arena, so ``nixl_connect``
   also tells the client the unit's ``reservation_timeout_s``: the client
-  bounds its push by :func:`~transport.base.write_window` of it, and a
+  bounds its push by :func:`~gputq.transport.base.write_window` of it, and a
   commit after the reservation expired is refused by the unit with a typed
   error the client raises.
 """
@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from transport.base import ArenaHandler, LogLimiter, Server
-from transport.errors import InvalidInputError
-from transport.nixl_pool import agent_name, host_ptr, import_nixl
-from transport.policy import infiniband_devices, local_hostname
-from transport.tcp import TcpTransport
-from transport.tcp_server import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S
+from gputq.errors import InvalidInputError
+from gputq.transport.base import ArenaHandler, LogLimiter, Server
+from gputq.transport.nixl_pool import agent_name, host_ptr, import_nixl
+from gputq.transport.policy import infiniband_devices, local_hostname
+from gputq.transport.tcp import TcpTransport
+from gputq.transport.tcp_server import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S
 
 __all__ = ["NixlServer", "CONNECT", "BEGIN_WRITE", "COMMIT_WRITE", "ABORT_WRITE"]
 
@@ -102,7 +102,7 @@ class NixlServer(Server):
     The address holds ``transport`` (``"rdma"``), ``unit``, ``incarnation``,
     ``control`` (the tcp server's address: a tcp client of this unit
     connects with it), ``hostname`` and ``ib_devices`` (what
-    :mod:`transport.policy` looks at). No secret: the NIXL metadata comes
+    :mod:`gputq.transport.policy` looks at). No secret: the NIXL metadata comes
     from the ``nixl_connect`` call, after the token handshake.
     """
 

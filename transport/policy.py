@@ -23,17 +23,20 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata as metadata
 import mmap
 import os
 import socket
 
-from transport.errors import InvalidInputError
+from gputq.errors import InvalidInputError
 
 __all__ = [
     "TRANSPORT_NAMES",
     "ENV_VAR",
     "choose_transport",
     "nixl_import_error",
+    "nixl_fix",
+    "NIXL_DISTRIBUTIONS",
     "load_nixl_api",
     "NIXL_API_MODULES",
     "infiniband_devices",
@@ -53,6 +56,8 @@ _IB_SYSFS = "/sys/class/infiniband"
 #: installing it pulls a CUDA build of torch; ``pip install 'gputq[rdma]'``
 #: installs ``nixl-cu12`` alone, so its module is tried directly too.
 NIXL_API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+#: The distributions that install NIXL, as pip names them.
+NIXL_DISTRIBUTIONS = ("nixl-cu12", "nixl-cu13", "nixl")
 
 
 def load_nixl_api():
@@ -84,6 +89,23 @@ def nixl_import_error() -> str | None:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def nixl_fix(error: str) -> str:
+    """What fixes a NIXL that does not import: installing it, or repairing the installed wheel."""
+    installed = [f"{dist} {metadata.version(dist)}" for dist in NIXL_DISTRIBUTIONS if _installed(dist)]
+    if not installed:
+        return "pip install 'gputq[rdma]' (installs nixl-cu12; CUDA 13 hosts: pip install nixl-cu13)"
+    return (f"{', '.join(installed)} is installed but does not load ({error}); reinstall it with "
+            f"pip install --force-reinstall 'gputq[rdma]' and check its bundled libraries with gputq info")
+
+
+def _installed(dist: str) -> bool:
+    try:
+        metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def infiniband_devices() -> list[str]:

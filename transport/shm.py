@@ -19,7 +19,7 @@ everything but the bytes. A read is
    ``cudaMemcpyAsync`` per run, from the mapping registered with CUDA once
    per channel (read-only, page-locked). The copy does not wait for the
    lease's reply: the unit also publishes where each stored key lies in a
-   directory file (:mod:`transport.directory`) mapped here read-only, and
+   directory file (:mod:`gputq.transport.directory`) mapped here read-only, and
    the copy runs from the regions it names while a helper thread sends
    the request and reads the reply. It stands when the reply leases
    exactly those regions (the key was then stored there all along);
@@ -28,7 +28,7 @@ everything but the bytes. A read is
 3. the confirmation that the lease covered the whole copy. When the copy
    ended well inside the lifetime the unit states for the lease, measured
    from before the request, the lease provably held and is ended in the
-   background (:mod:`transport.lease_ends`): one round trip per read.
+   background (:mod:`gputq.transport.lease_ends`): one round trip per read.
    Otherwise ``"end_lease"`` answers whether it was still held; an expired
    lease means the unit may have reused a region while it was copied: the
    read raises :class:`StaleReadError` and the destination is garbage.
@@ -61,10 +61,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from transport import arena_copies
-from transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer, leased_regions
-from transport.directory import DirectoryView, directory_nbytes
-from transport.errors import (
+from gputq.errors import (
     ClosedError,
     HintMissedError,
     InvalidInputError,
@@ -73,8 +70,23 @@ from transport.errors import (
     StaleReadError,
     TransferError,
 )
-from transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
-from transport.staging import device_nbytes
+from gputq.transport import arena_copies
+from gputq.transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer, leased_regions
+from gputq.transport.cuda import (
+    HOST_REGISTER_MAPPED,
+    HOST_REGISTER_PORTABLE,
+    HOST_REGISTER_READ_ONLY,
+    host_register,
+    host_unregister,
+    mapped_device_pointer,
+    read_only_register_supported,
+)
+from gputq.transport.directory import DirectoryView, directory_nbytes
+from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
+from gputq.transport.nixl import NixlTransport
+from gputq.transport.policy import local_hostname, nixl_import_error
+from gputq.transport.staging import device_nbytes
+from gputq.transport.tcp import TcpTransport
 
 __all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "LEASE_THREADS", "LEASE", "END_LEASE", "ARENA_FILE"]
 
@@ -131,13 +143,6 @@ class ArenaMapping:
         """
         with self._lock:
             if self._registered is None:
-                from transport.cuda import (
-                    HOST_REGISTER_MAPPED,
-                    HOST_REGISTER_PORTABLE,
-                    HOST_REGISTER_READ_ONLY,
-                    host_register,
-                    read_only_register_supported,
-                )
 
                 try:
                     if not read_only_register_supported():
@@ -160,7 +165,6 @@ class ArenaMapping:
         """Unregister and unmap. Idempotent; a view still held keeps the mapping alive."""
         with self._lock:
             if self._registered:
-                from transport.cuda import host_unregister
 
                 with contextlib.suppress(Exception):  # best effort at teardown
                     host_unregister(self.address)
@@ -271,8 +275,6 @@ class ShmChannel(Channel):
     """
 
     def __init__(self, address: dict, *, token: str, max_frame_bytes: int, timeout: float | None = None):
-        from transport.policy import local_hostname
-        from transport.tcp import TcpTransport
 
         control = address.get("control") if address.get("transport") == "rdma" else address
         if not isinstance(control, dict):
@@ -322,11 +324,9 @@ class ShmChannel(Channel):
 
     def _fallback_channel(self, address: dict, token: str, max_frame_bytes: int, timeout) -> Channel:
         """rdma for a unit that serves it and where NIXL imports (cma on one host), else the tcp lane."""
-        from transport.policy import nixl_import_error
 
         if address.get("transport") == "rdma" and nixl_import_error() is None:
             try:
-                from transport.nixl import NixlTransport
 
                 return NixlTransport().connect(address, token=token, max_frame_bytes=max_frame_bytes,
                                                timeout=timeout)
@@ -427,7 +427,6 @@ class ShmChannel(Channel):
             reason = self.fallback_reason or (self.mapping.register_error if self.mapping else None)
             raise MissingDependencyError(f"unit {self.unit}: no mapped arena for zero-copy reads ({reason})")
         if device:
-            from transport.cuda import mapped_device_pointer
 
             base = mapped_device_pointer(self.mapping.address)
         else:
@@ -576,7 +575,6 @@ class ShmTransport(TransportType):
     name = "shm"
 
     def serve(self, handler, *, host: str = "127.0.0.1", port: int = 0, token: str, max_frame_bytes: int):
-        from transport.tcp import TcpTransport
 
         return TcpTransport().serve(handler, host=host, port=port, token=token, max_frame_bytes=max_frame_bytes)
 

@@ -8,7 +8,7 @@ previous copy finished (one CUDA event per slot), and a read returns only
 after the stream is synchronised, so the caller sees complete data.
 
 The CUDA work is done by a *copier*: CuPy when it imports and sees a device,
-else torch (:mod:`transport.cuda` decides, once per process). Both are imported lazily. The ring logic itself is independent
+else torch (:mod:`gputq.transport.cuda` decides, once per process). Both are imported lazily. The ring logic itself is independent
 of CUDA, which lets tests drive it with a host-only copier.
 """
 
@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from transport.cuda import cuda_available, usable_cupy
-from transport.errors import InvalidInputError, MissingDependencyError
+from gputq.errors import InvalidInputError, MissingDependencyError
+from gputq.transport.cuda import cuda_available, usable_cupy
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -175,7 +175,7 @@ class StagingRing:
         """Receive ``nbytes`` into ``dest[0:nbytes]`` chunk by chunk.
 
         ``fill(view)`` must fill the host view completely (e.g.
-        :meth:`transport.wire.FrameReader.recv_exact`). The stream is
+        :meth:`gputq.transport.wire.FrameReader.recv_exact`). The stream is
         synchronised before returning, also on error, so no copy still
         reads a slot that a later read refills.
         """

@@ -6,7 +6,7 @@ Reads stream the leased regions with ``sendall`` of arena slices and the
 client receives them with ``recv_into`` straight into the caller's buffer
 (through a pinned staging ring when that buffer is on a GPU). No payload
 byte is copied in Python on either side. The serving side is
-:mod:`transport.tcp_server`; the framing is :mod:`transport.wire`.
+:mod:`gputq.transport.tcp_server`; the framing is :mod:`gputq.transport.wire`.
 
 A :class:`TcpChannel` keeps two pools of connections: one for writes, which
 may wait on the unit for arena space, and one for reads and control calls,
@@ -22,18 +22,17 @@ import threading
 import time
 from typing import Any, Sequence
 
-from transport.base import ArenaHandler, Channel, TransportType, byte_view, describe_keys, is_device_buffer
-from transport.errors import (
+from gputq.errors import (
     ClosedError,
     GputqTimeoutError,
     InvalidInputError,
     PeerLostError,
     ProtocolError,
     RequestTooLargeError,
-    error_from_wire,
 )
-from transport.staging import StagingPool, device_nbytes
-from transport.tcp_server import (
+from gputq.transport.base import ArenaHandler, Channel, TransportType, byte_view, describe_keys, is_device_buffer
+from gputq.transport.staging import StagingPool, device_nbytes
+from gputq.transport.tcp_server import (
     HANDSHAKE_TIMEOUT_S,
     MAX_CONNECTIONS,
     SEND_TIMEOUT_S,
@@ -42,7 +41,7 @@ from transport.tcp_server import (
     serve_connection,
     tune_socket,
 )
-from transport.wire import Deadline, FrameReader, FrameWriter, Op
+from gputq.transport.wire import Deadline, FrameReader, FrameWriter, Op, error_from_wire
 
 __all__ = [
     "SOCKET_BUFFER_BYTES",

@@ -2,7 +2,7 @@
 
 One thread accepts connections and runs every handshake in a selector loop:
 an unauthenticated peer holds a socket and at most a few KiB
-(:data:`~transport.wire.PRE_AUTH_BODY_BYTES`), never a thread, and must
+(:data:`~gputq.transport.wire.PRE_AUTH_BODY_BYTES`), never a thread, and must
 complete its HELLO within ``handshake_timeout_s``. Each authenticated
 connection then gets a thread. ``max_connections`` caps the connections of
 both kinds; above it, new ones are closed at once. Failed handshakes are
@@ -13,14 +13,14 @@ never expires while the server sends) and under ``send_timeout_s``: a client
 that stops reading loses its connection, and only then does the lease end,
 so every byte it was sent is the key's. A write is received straight into
 its reserved region under a deadline strictly shorter than the handler's
-reservation timeout (:func:`~transport.base.write_window`): a client that
+reservation timeout (:func:`~gputq.transport.base.write_window`): a client that
 stalls mid-payload loses its connection and its reservation is aborted
 while it still holds, so no byte of it lands in a region that expired and
 went to another key. Every tcp server also answers the
 one-sided readers' control calls (``lease``, ``end_lease``, ``arena_file``)
 in front of the handler's own. Malformed requests get typed errors
-(:class:`~transport.errors.InvalidInputError`) and the connection goes on;
-framing violations (:class:`~transport.errors.ProtocolError`) close it.
+(:class:`~gputq.errors.InvalidInputError`) and the connection goes on;
+framing violations (:class:`~gputq.errors.ProtocolError`) close it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ import time
 
 import numpy as np
 
-from transport.base import ArenaHandler, LogLimiter, Server, byte_view, write_window
-from transport.errors import (
+from gputq.errors import (
     AuthenticationError,
     GputqError,
     GputqTimeoutError,
@@ -46,11 +45,22 @@ from transport.errors import (
     ProtocolError,
     RequestTooLargeError,
     TransferError,
-    error_to_wire,
 )
-from transport.policy import local_hostname
-from transport.wire import HEADER, PRE_AUTH_BODY_BYTES, Deadline, FrameReader, FrameWriter, Op, decode_header, \
-    encode_header, pack_body, unpack_body
+from gputq.transport.base import ArenaHandler, LogLimiter, Server, byte_view, write_window
+from gputq.transport.policy import local_hostname
+from gputq.transport.wire import (
+    HEADER,
+    PRE_AUTH_BODY_BYTES,
+    Deadline,
+    FrameReader,
+    FrameWriter,
+    Op,
+    decode_header,
+    encode_header,
+    error_to_wire,
+    pack_body,
+    unpack_body,
+)
 
 __all__ = [
     "SOCKET_BUFFER_BYTES",
@@ -184,7 +194,7 @@ def _generic_call(handler: ArenaHandler, method: str, args: dict):
         reply = {"lease_id": lease_id, "regions": regions.tobytes()}
         lifetime = getattr(handler, "lease_timeout_s", None)
         if isinstance(lifetime, (int, float)) and not isinstance(lifetime, bool):
-            reply["expires_in"] = float(lifetime)  # lets the reader skip the confirm (transport.lease_ends)
+            reply["expires_in"] = float(lifetime)  # lets the reader skip the confirm (gputq.transport.lease_ends)
         return reply
     if method == "end_lease":
         return {"held": [_held(handler.end_lease(i)) for i in _list_of(args.get("lease_ids"), int, "lease_ids")]}
@@ -324,7 +334,7 @@ def serve_connection(sock, handler: ArenaHandler, *, max_frame_bytes: int,
     violation (bad magic or version, oversized or truncated frame, malformed
     msgpack) is answered with a best-effort ERROR frame and ends this
     connection only; so does a reply not sent within ``send_timeout_s``,
-    and a write payload not received within :func:`~transport.base.write_window`
+    and a write payload not received within :func:`~gputq.transport.base.write_window`
     of the handler's ``reservation_timeout_s`` (and ``send_timeout_s``):
     its reservation is then aborted, before it could expire.
     A request with malformed fields, and any error raised by ``handler``,
@@ -375,7 +385,7 @@ class Handshake:
 
     Pure bookkeeping (no socket calls), so it can be fuzzed on its own. It
     never holds more than one header plus
-    :data:`~transport.wire.PRE_AUTH_BODY_BYTES`.
+    :data:`~gputq.transport.wire.PRE_AUTH_BODY_BYTES`.
     """
 
     __slots__ = ("sock", "peer", "deadline", "buf", "header", "draining")

@@ -14,9 +14,9 @@ length can never make a peer allocate or wait for more than it agreed to.
 object (``sendall``, ``recv_into``, ``recv``, ``settimeout``, ``close``), so
 tests can drive them with in-memory sockets. They translate socket failures
 into the gputq error tree: a socket timeout becomes
-:class:`~transport.errors.GputqTimeoutError`, a reset or closed peer
-:class:`~transport.errors.PeerLostError`, a malformed frame
-:class:`~transport.errors.ProtocolError`.
+:class:`~gputq.errors.GputqTimeoutError`, a reset or closed peer
+:class:`~gputq.errors.PeerLostError`, a malformed frame
+:class:`~gputq.errors.ProtocolError`.
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from typing import Iterable
 
 import msgpack
 
-from transport.base import byte_view
-from transport.errors import GputqTimeoutError, PeerLostError, ProtocolError, RequestTooLargeError
+from gputq.errors import GputqError, GputqTimeoutError, PeerLostError, ProtocolError, RequestTooLargeError
+from gputq.transport.base import byte_view
 
 __all__ = [
     "MAGIC",
     "VERSION",
     "HEADER",
+    "error_to_wire",
+    "error_from_wire",
     "MAX_BODY_BYTES",
     "PRE_AUTH_BODY_BYTES",
     "Op",
@@ -313,3 +315,32 @@ class FrameWriter:
         for view in views:
             if view.nbytes:
                 self._sendall(view)
+
+
+# -- errors in ERROR frames ------------------------------------------------------------
+
+def _registry() -> dict[str, type[GputqError]]:
+    found: dict[str, type[GputqError]] = {}
+    stack = [GputqError]
+    while stack:
+        cls = stack.pop()
+        found[cls.__name__] = cls
+        stack.extend(cls.__subclasses__())
+    return found
+
+
+def error_to_wire(exc: BaseException) -> dict:
+    """Describe ``exc`` for a peer: its class name (if a gputq error) and message."""
+    name = type(exc).__name__ if isinstance(exc, GputqError) else "GputqError"
+    message = str(exc) if isinstance(exc, GputqError) else f"{type(exc).__name__}: {exc}"
+    return {"error": name, "message": message}
+
+
+def error_from_wire(payload: dict) -> GputqError:
+    """Rebuild the exception a peer described with :func:`error_to_wire`.
+
+    Names of classes this process does not know (a newer peer) fall back
+    to :class:`GputqError`.
+    """
+    cls = _registry().get(payload.get("error", ""), GputqError)
+    return cls(payload.get("message", ""))

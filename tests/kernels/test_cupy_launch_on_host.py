@@ -9,7 +9,7 @@ upload slot and copied to the device before the launch, the slots rotating
 with their events, the grid, and the arguments in the kernel's order and
 C types (a Python int passed for an ``int`` parameter would be read as 8
 bytes on a GPU). The zero-copy restore goes through
-:func:`kernels.cupy_backend.widen_scatter_from_pointer` on blobs scattered
+:func:`gputq.kernels.cupy_backend.widen_scatter_from_pointer` on blobs scattered
 in memory, as it reads an arena mapping.
 """
 
@@ -18,10 +18,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels import reference_widen_scatter, widen_scatter
-from kernels import cupy_backend
-from kernels.cupy_backend import TABLE_SLOTS
-from transport.cuda import HOST_REGISTER_MAPPED
+from gputq.kernels import cupy_backend, reference_widen_scatter, widen_scatter
+from gputq.kernels.cupy_backend import TABLE_SLOTS
+from gputq.transport.cuda import HOST_REGISTER_MAPPED
 from tests.kernels.test_kernel_on_host import _shifted, scattered_source
 from tests.kernels.test_reference import DTYPES, bits, poisoned_out, random_plan, random_staging
 

@@ -13,8 +13,8 @@ import os
 import numpy as np
 import pytest
 
-from kernels import PlanError, cuda_available, reference_widen_scatter, widen_scatter
-from kernels.cupy_backend import cupy_usable
+from gputq.kernels import PlanError, cuda_available, reference_widen_scatter, widen_scatter
+from gputq.kernels.cupy_backend import cupy_usable
 from tests.kernels.test_reference import (
     DTYPES,
     bits,
@@ -168,7 +168,7 @@ def test_torch_cuda_tensors_through_dispatch(dtype):
 @pytest.mark.parametrize("width", [1, 384])
 def test_torch_fallback_on_cuda(dtype, width):
     torch = _torch_cuda()
-    from kernels.torch_backend import torch_widen_scatter
+    from gputq.kernels.torch_backend import torch_widen_scatter
 
     staging, plan, fill, want = _case(width, dtype, width, 400, 1000, 70)
     out = _torch_tensor(torch, poisoned_out(dtype, want.size), "cuda")
@@ -182,7 +182,8 @@ def test_torch_fallback_on_cuda(dtype, width):
 @pytest.mark.parametrize("steps", [1, 2, 8])
 def test_cupy_kernel_other_steps_per_thread(dtype, steps):
     import cupy as cp
-    from kernels.cupy_backend import cupy_widen_scatter
+
+    from gputq.kernels.cupy_backend import cupy_widen_scatter
 
     staging, plan, fill, want = _case(steps * 13, dtype, 24, 3000, 5000, max_frag=900)
     for s_shift, d_shift in ((0, 0), (5, 1)):
@@ -196,9 +197,15 @@ def test_cupy_kernel_other_steps_per_thread(dtype, steps):
 def test_zero_copy_from_mapped_host_memory(dtype):
     """The kernel reads compact elements straight from registered, mapped host memory."""
     import cupy as cp
-    from kernels.cupy_backend import widen_scatter_from_pointer
-    from transport.cuda import (HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, host_register,
-                                host_unregister, mapped_device_pointer)
+
+    from gputq.kernels.cupy_backend import widen_scatter_from_pointer
+    from gputq.transport.cuda import (
+        HOST_REGISTER_MAPPED,
+        HOST_REGISTER_PORTABLE,
+        host_register,
+        host_unregister,
+        mapped_device_pointer,
+    )
 
     width = 384
     staging, plan, fill, want = _case(77, dtype, width, 700, 1500, max_frag=200)
@@ -231,7 +238,8 @@ def test_zero_copy_from_mapped_host_memory(dtype):
 @needs_cupy
 def test_table_buffers_are_reused_across_launches():
     import cupy as cp
-    from kernels import cupy_backend
+
+    from gputq.kernels import cupy_backend
 
     staging, plan, fill, want = _case(4, "uint8", 8, 400, 800, 30)
     stg = cp.asarray(staging)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cupy_backend import _KERNELS, _SOURCE, DEFAULT_STEPS, compile_options
+from gputq.kernels.cupy_backend import _KERNELS, _SOURCE, DEFAULT_STEPS, compile_options
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import reference_widen_scatter
-from kernels.cupy_backend import THREADS, chunk_elements, fragment_table
-from kernels.plan import check_call
+from gputq.kernels import reference_widen_scatter
+from gputq.kernels.cupy_backend import THREADS, chunk_elements, fragment_table
+from gputq.kernels.plan import check_call
 from tests.kernels.test_reference import DTYPES, bits, poisoned_out, random_plan, random_staging
 
 _SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "widen_scatter.cu"
@@ -88,7 +88,7 @@ def scattered_source(rng, staging: np.ndarray, width: int, blobs: int):
     """``staging`` cut at row boundaries into ``blobs`` blobs laid out of order, 256-byte aligned,
     as an arena holds them; returns the :class:`~kernels.MappedSource` over them and the memory
     holding them (keep it alive while the source is read)."""
-    from kernels import MappedSource
+    from gputq.kernels import MappedSource
 
     rows, row_bytes = staging.size // width, width * staging.itemsize
     cuts = np.unique(np.concatenate([[0, rows], rng.integers(1, rows, blobs - 1)]))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kernels
-from kernels import PlanError, plan_bytes, reference_widen_scatter, validate_plan, widen_scatter
+from gputq import kernels
+from gputq.kernels import PlanError, plan_bytes, reference_widen_scatter, validate_plan, widen_scatter
 
 DTYPES = ["uint8", "uint16", "int32", "float32"]
 WIDTHS = [1, 3, 7, 8, 600]
@@ -236,7 +236,7 @@ def test_cuda_available_is_a_quiet_bool():
 @pytest.mark.parametrize("width", [1, 7, 600])
 def test_torch_fallback_on_cpu_matches_reference(dtype, width):
     torch = pytest.importorskip("torch")
-    from kernels.torch_backend import torch_widen_scatter
+    from gputq.kernels.torch_backend import torch_widen_scatter
 
     rng = np.random.default_rng(width * 10 + DTYPES.index(dtype))
     src_rows, dst_rows = (9, 13) if width == 600 else (50, 90)

@@ -1,14 +1,14 @@
-"""Test helpers for copies shared in pieces (:mod:`transport.arena_copies`)."""
+"""Test helpers for copies shared in pieces (:mod:`gputq.transport.arena_copies`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from transport import arena_copies
+from gputq.transport import arena_copies
 
 
 class NumpyWithCopyto:
-    """numpy as :mod:`transport.arena_copies` sees it, with ``copyto`` replaced."""
+    """numpy as :mod:`gputq.transport.arena_copies` sees it, with ``copyto`` replaced."""
 
     def __init__(self, copyto):
         self.copyto = copyto

@@ -8,9 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from transport import arena_copies
-from transport.arena_copies import copy_runs, help_copies, merge_runs
-
+from gputq.transport import arena_copies
+from gputq.transport.arena_copies import copy_runs, help_copies, merge_runs
 from tests.transport.piecewise import NumpyWithCopyto, share_every_copy
 from tests.waiting import wait_until
 

@@ -8,8 +8,8 @@ import stat
 import numpy as np
 import pytest
 
-from gputq.storage_unit import StorageUnit
-from transport.directory import PROBE, DirectoryView, KeyDirectory, directory_nbytes, directory_slots, key_hash
+from gputq.transport.directory import PROBE, DirectoryView, KeyDirectory, directory_nbytes, directory_slots, key_hash
+from gputq.unit.storage_unit import StorageUnit
 
 
 def _pair(slots: int = 16):

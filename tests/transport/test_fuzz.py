@@ -16,13 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gputq.errors import AuthenticationError, GputqError, ProtocolError
+from gputq.transport.base import leased_regions
+from gputq.transport.tcp import TcpTransport
+from gputq.transport.tcp_server import Handshake
+from gputq.transport.wire import HEADER, MAGIC, PRE_AUTH_BODY_BYTES, VERSION, Op, encode_header, pack_body
 from tests.transport.test_wire import TOKEN, send_and_collect, serve_pair
 from tests.transport.units import make_unit
-from transport.base import leased_regions
-from transport.errors import AuthenticationError, GputqError, ProtocolError
-from transport.tcp import TcpTransport
-from transport.tcp_server import Handshake
-from transport.wire import HEADER, MAGIC, PRE_AUTH_BODY_BYTES, VERSION, Op, encode_header, pack_body
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
+from gputq.errors import AuthenticationError
+from gputq.transport.tcp import TcpTransport
+from gputq.transport.wire import HEADER, MAGIC, VERSION, Op
 from tests.transport.units import make_unit
 from tests.waiting import pause, wait_until
-from transport.errors import AuthenticationError
-from transport.tcp import TcpTransport
-from transport.wire import HEADER, MAGIC, VERSION, Op
 
 TOKEN = "token-of-the-handshake-tests"
 MAX = 32 << 20
@@ -177,7 +177,7 @@ def test_a_slow_but_steady_handshake_still_hits_the_whole_deadline():
 
 
 def test_failed_handshakes_are_logged_at_a_limited_rate(caplog):
-    caplog.set_level(logging.WARNING, logger="transport.tcp_server")
+    caplog.set_level(logging.WARNING, logger="gputq.transport.tcp_server")
     with make_unit(1 << 20) as unit, TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
         for _ in range(50):
             with pytest.raises(AuthenticationError):

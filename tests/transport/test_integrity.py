@@ -12,13 +12,12 @@ import threading
 import numpy as np
 import pytest
 
-from gputq.errors import UnknownKeyError
+from gputq.errors import MissingDependencyError, PeerLostError, StaleReadError, UnknownKeyError
+from gputq.transport.shm import ShmTransport
+from gputq.transport.staging import StagingPool
+from gputq.transport.tcp import TcpChannel, TcpTransport
 from tests.transport.units import make_unit
 from tests.waiting import wait_until
-from transport.errors import MissingDependencyError, PeerLostError, StaleReadError
-from transport.shm import ShmTransport
-from transport.staging import StagingPool
-from transport.tcp import TcpChannel, TcpTransport
 
 TOKEN = "token-of-the-integrity-tests"
 MAX = 1 << 30
@@ -202,7 +201,7 @@ def _shm_races(cycles: int) -> dict:
 
 
 def _rdma_races(cycles: int) -> dict:
-    nixl = pytest.importorskip("transport.nixl", reason="transport.nixl does not import")
+    nixl = pytest.importorskip("gputq.transport.nixl", reason="gputq.transport.nixl does not import")
     try:
         nixl.import_nixl()
     except MissingDependencyError as exc:

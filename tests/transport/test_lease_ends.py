@@ -7,18 +7,18 @@ import threading
 import numpy as np
 import pytest
 
-from gputq.storage_unit import StorageUnit
-from tests.conftest import nixl_usable
-from tests.waiting import wait_until
-from transport import get_transport, lease_ends
-from transport.errors import StaleReadError
-from transport.lease_ends import (
+from gputq.errors import StaleReadError
+from gputq.transport import get_transport, lease_ends
+from gputq.transport.lease_ends import (
     CLOCK_RATE_SLACK,
     DEADLINE_MARGIN_S,
     LeaseEnds,
     expires_in_of,
     lease_covered,
 )
+from gputq.unit.storage_unit import StorageUnit
+from tests.conftest import nixl_usable
+from tests.waiting import wait_until
 
 TOKEN = "e" * 32
 ONE_SIDED = ["shm", pytest.param("rdma", marks=[

@@ -13,10 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from gputq.errors import UnknownKeyError
-from tests.transport.units import ContractUnit, make_unit
-from tests.waiting import pause, wait_until
-from transport.errors import (
+from gputq.errors import (
     AuthenticationError,
     ClosedError,
     GputqTimeoutError,
@@ -26,7 +23,10 @@ from transport.errors import (
     RequestTooLargeError,
     StaleReadError,
     TransferError,
+    UnknownKeyError,
 )
+from tests.transport.units import ContractUnit, make_unit
+from tests.waiting import pause, wait_until
 
 pytestmark = [pytest.mark.rdma, pytest.mark.timeout(60)]
 
@@ -35,7 +35,7 @@ MAX_FRAME = 1 << 30
 
 
 def _nixl_or_skip():
-    nixl = pytest.importorskip("transport.nixl", reason="transport.nixl does not import")
+    nixl = pytest.importorskip("gputq.transport.nixl", reason="gputq.transport.nixl does not import")
     try:
         nixl.import_nixl()
     except MissingDependencyError as exc:
@@ -397,7 +397,7 @@ def test_write_path_from_environment(monkeypatch):
 
 
 def _cuda_array_module():
-    from transport.staging import cuda_available
+    from gputq.transport.staging import cuda_available
 
     if not cuda_available():
         pytest.skip("no CUDA device (CuPy or CUDA torch)")
@@ -533,7 +533,7 @@ def test_destination_reads_from_four_threads(server, second_server):
 
 
 def test_base_transport_destination_is_plain_memory():
-    from transport.tcp import TcpTransport
+    from gputq.transport.tcp import TcpTransport
 
     with TcpTransport().destination(12) as buf:
         assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.shape == (12,)
@@ -572,7 +572,7 @@ def test_descriptors_merge_adjacent_regions_and_drop_empty_ones():
 
 def test_pool_page_locks_host_buffers_when_cuda_is_usable(monkeypatch):
     _nixl_or_skip()
-    from transport import nixl_pool
+    from gputq.transport import nixl_pool
 
     calls = []
     monkeypatch.setattr(nixl_pool, "_page_locker", lambda: (
@@ -587,7 +587,7 @@ def test_pool_page_locks_host_buffers_when_cuda_is_usable(monkeypatch):
 
 def test_pool_works_unpinned_when_page_locking_fails(monkeypatch):
     _nixl_or_skip()
-    from transport import nixl_pool
+    from gputq.transport import nixl_pool
 
     def refuse(ptr, nbytes):
         raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
@@ -606,7 +606,7 @@ def test_peer_with_membership_but_no_token_gets_nothing(server, handler, caplog)
     """The address (what membership hands out) reaches neither the NIXL metadata nor a byte of the arena."""
     import socket
 
-    from transport.wire import FrameReader, FrameWriter, Op
+    from gputq.transport.wire import FrameReader, FrameWriter, Op
 
     nixl = _nixl_or_skip()
     caplog.set_level(logging.DEBUG)
@@ -683,7 +683,7 @@ def test_leased_regions_outside_the_arena_are_refused_before_any_read(handler):
 
 
 def test_progress_loop_failures_are_logged_at_a_limited_rate(server, caplog):
-    caplog.set_level(logging.WARNING, logger="transport.nixl_server")
+    caplog.set_level(logging.WARNING, logger="gputq.transport.nixl_server")
     calls = []
 
     def failing():

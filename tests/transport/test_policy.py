@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from transport import policy
-from transport.errors import InvalidInputError
+from gputq.errors import InvalidInputError
+from gputq.transport import policy
 
 HERE = {"hostname": "node-a"}
 REMOTE = {"hostname": "node-b"}

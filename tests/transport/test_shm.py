@@ -9,19 +9,22 @@ import threading
 import numpy as np
 import pytest
 
-from gputq.errors import UnknownKeyError
-from gputq.storage_unit import StorageUnit
-from transport import get_transport
-from transport.cuda import cuda_available, usable_cupy
-from transport.errors import GputqError, HintMissedError, InvalidInputError, RequestTooLargeError, StaleReadError
-from transport.policy import nixl_import_error
-from transport import arena_copies, shm
-from transport.shm import ShmChannel
-
+from gputq.errors import (
+    GputqError,
+    HintMissedError,
+    InvalidInputError,
+    RequestTooLargeError,
+    StaleReadError,
+    UnknownKeyError,
+)
+from gputq.transport import arena_copies, get_transport, shm
+from gputq.transport.cuda import cuda_available, usable_cupy
+from gputq.transport.policy import nixl_import_error
+from gputq.transport.shm import ShmChannel
+from gputq.unit.storage_unit import StorageUnit
 from tests.host_cuda import HOST
 from tests.transport.piecewise import NumpyWithCopyto, share_every_copy
 from tests.waiting import wait_until
-
 
 TOKEN = "s" * 32
 needs_cupy = pytest.mark.skipif(usable_cupy() is None, reason="CuPy sees no CUDA device")
@@ -464,9 +467,9 @@ def test_mapped_source_lends_device_addresses_under_a_lease(served):
 
 
 def test_one_cached_cuda_probe_answers_everywhere():
-    import kernels
-    from kernels import cupy_backend
-    from transport import cuda, staging
+    from gputq import kernels
+    from gputq.kernels import cupy_backend
+    from gputq.transport import cuda, staging
 
     assert kernels.cuda_available is cuda.cuda_available is staging.cuda_available
     assert cupy_backend.cupy_usable() is (cuda.usable_cupy() is not None)
@@ -529,7 +532,7 @@ def test_a_read_into_gpu_memory_copies_each_run_from_the_mapping(host_cuda, serv
 @pytest.mark.parametrize("supported, refuse", [(True, False), (False, False), (True, True)],
                          ids=["registered", "no-read-only-support", "refused"])
 def test_the_arena_mapping_is_page_locked_read_only_and_mapped_once(served, host_cuda, supported, refuse):
-    from transport import cuda
+    from gputq.transport import cuda
 
     _, _, channel, _ = served
     host_cuda.read_only_register_supported, host_cuda.refuse_registration = supported, refuse
@@ -558,8 +561,8 @@ def test_the_arena_mapping_is_page_locked_read_only_and_mapped_once(served, host
 def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_max):
     """A CPU restore widens straight out of the arena mappings (no staging copy), or from a copy of
     them in spans when ``zero_copy_max_bytes`` says so; both are bit-exact with the inline path."""
-    from gputq.reader import Reader
-    from kernels import MappedSource
+    from gputq.client.reader import Reader
+    from gputq.kernels import MappedSource
     from tests.conftest import local_units
 
     copies, sources = [], []
@@ -594,7 +597,7 @@ def test_host_restore_over_shm_reads_in_place_or_stages(monkeypatch, zero_copy_m
 
 @pytest.mark.timeout(60)
 def test_a_restore_on_a_wrong_directory_entry_is_made_again_after_the_leases(monkeypatch):
-    from gputq.reader import Reader
+    from gputq.client.reader import Reader
     from tests.conftest import local_units
 
     with local_units("shm", routed_experts_dtype="uint16") as (config, services, clients):
@@ -612,10 +615,10 @@ def test_a_restore_on_a_wrong_directory_entry_is_made_again_after_the_leases(mon
 
 def _written_segments(clients, config, dtype: str, seed: int) -> list:
     """A small synthetic rollout (branches, rewrites) written to the units; its lineage segments."""
-    from gputq.fields import FieldRegistry
-    from gputq.synthetic import SyntheticConfig, build_sessions
-    from gputq.trajectory import lineage_segments
-    from gputq.writer import Writer
+    from gputq.client.writer import Writer
+    from gputq.data.fields import FieldRegistry
+    from gputq.data.trajectory import lineage_segments
+    from gputq.tools.synthetic import SyntheticConfig, build_sessions
 
     synth = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=4, num_experts=200, prompt_tokens=40,
                             tokens_per_step=30, tool_tokens=6, branch_prob=0.5, rewrite_prob=0.3, seed=seed)
@@ -627,7 +630,7 @@ def _written_segments(clients, config, dtype: str, seed: int) -> list:
 
 def _check_restored(segments, restored) -> None:
     """Every restored field is bit-exact with the segment's inline fields."""
-    from gputq.trajectory import inline_fields
+    from gputq.data.trajectory import inline_fields
 
     assert len(restored) == len(segments)
     for seg, got in zip(segments, restored):

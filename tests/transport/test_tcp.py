@@ -11,22 +11,24 @@ import time
 import numpy as np
 import pytest
 
-import transport
-from gputq.errors import CapacityError, DuplicateKeyError, UnknownKeyError
-from tests.transport.units import ContractUnit, make_unit
-from tests.waiting import wait_until
-from transport.errors import (
+from gputq import transport
+from gputq.errors import (
+    CapacityError,
     ClosedError,
+    DuplicateKeyError,
     GputqTimeoutError,
     InvalidInputError,
     MissingDependencyError,
     PeerLostError,
     RequestTooLargeError,
     StaleReadError,
+    UnknownKeyError,
 )
-from transport.staging import StagingPool, cuda_available
-from transport.tcp import TcpChannel, TcpTransport
-from transport.wire import FrameReader, FrameWriter, Op, encode_header, pack_body
+from gputq.transport.staging import StagingPool, cuda_available
+from gputq.transport.tcp import TcpChannel, TcpTransport
+from gputq.transport.wire import FrameReader, FrameWriter, Op, encode_header, pack_body
+from tests.transport.units import ContractUnit, make_unit
+from tests.waiting import wait_until
 
 TOKEN = "t0ken-for-the-tcp-tests"
 MAX = 32 << 20
@@ -85,10 +87,10 @@ def test_registry_and_address(server, handler):
     try:
         rdma = transport.get_transport("rdma")
     except MissingDependencyError:
-        pass  # transport.nixl or nixl itself not installed
+        pass  # gputq.transport.nixl or nixl itself not installed
     else:
         assert rdma.name == "rdma"
-    assert set(transport.__all__) >= {"get_transport", "Channel", "StaleReadError", "error_from_wire"}
+    assert set(transport.__all__) >= {"get_transport", "Channel", "Server", "Region", "TRANSPORTS"}
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, MiB, 20 * MiB])
@@ -491,7 +493,7 @@ def test_undecodable_authenticated_body_closes_cleanly(server, handler):
 @pytest.mark.timeout(60)
 def test_writer_stalled_past_its_reservation_is_cut_off_and_its_late_bytes_land_nowhere(caplog):
     """The region of a stalled write expires and goes to another key; the writer's late bytes must not."""
-    caplog.set_level(logging.WARNING, logger="transport.tcp_server")
+    caplog.set_level(logging.WARNING, logger="gputq.transport.tcp_server")
     reservation, nbytes = 1.0, 64 << 10
     stale, fresh = np.full(nbytes, 0xAA, np.uint8), random_bytes(nbytes, 7)
     with make_unit(4 * nbytes, name="su-tcp", reservation_timeout_s=reservation) as unit, \

@@ -3,7 +3,7 @@
 The golden vectors are literal bytes, written once by hand from the format
 (``GPTQ`` | version | opcode | 2 pad | body length u32 | payload length u64,
 big-endian, then a msgpack body and the payload). Changing any of them is a
-protocol change: bump :data:`transport.wire.VERSION` and say so.
+protocol change: bump :data:`gputq.transport.wire.VERSION` and say so.
 """
 
 from __future__ import annotations
@@ -15,18 +15,17 @@ import threading
 import numpy as np
 import pytest
 
-from gputq.errors import UnknownKeyError
-from tests.transport.units import make_unit
-from transport.errors import (
+from gputq.errors import (
     AuthenticationError,
     GputqTimeoutError,
     InvalidInputError,
     PeerLostError,
     ProtocolError,
+    UnknownKeyError,
 )
-from transport.tcp import TcpChannel, TcpTransport, serve_connection
-from transport.tcp_server import Handshake
-from transport.wire import (
+from gputq.transport.tcp import TcpChannel, TcpTransport, serve_connection
+from gputq.transport.tcp_server import Handshake
+from gputq.transport.wire import (
     HEADER,
     MAGIC,
     MAX_BODY_BYTES,
@@ -42,6 +41,7 @@ from transport.wire import (
     pack_body,
     unpack_body,
 )
+from tests.transport.units import make_unit
 
 TOKEN = "secret-token-of-the-wire-tests"
 MAX = 1 << 20
@@ -226,7 +226,7 @@ def test_server_replies_match_the_golden_layout():
 # ------------------------------------------------------------------ pure functions
 
 def test_write_window_ends_strictly_inside_the_reservation():
-    from transport.base import WRITE_WINDOW_SHARE, write_window
+    from gputq.transport.base import WRITE_WINDOW_SHARE, write_window
 
     assert WRITE_WINDOW_SHARE < 1
     assert write_window(60.0, 60.0) == 30.0 and write_window(1.0) == 0.5

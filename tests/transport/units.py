@@ -1,6 +1,6 @@
 """A real StorageUnit for transport tests, with the lease contract the transports are written to.
 
-Transport tests are served by :class:`gputq.storage_unit.StorageUnit` with a
+Transport tests are served by :class:`gputq.unit.storage_unit.StorageUnit` with a
 small arena, so their replies are the real unit's. Where this branch's unit
 predates parts of the lease contract (``incarnation``, ``generations``,
 ``expires=False``, ``end_lease`` answering whether the lease was still held),
@@ -13,8 +13,8 @@ from __future__ import annotations
 import inspect
 import secrets
 
-from gputq.storage_unit import StorageUnit
-from transport.errors import StaleReadError
+from gputq.errors import StaleReadError
+from gputq.unit.storage_unit import StorageUnit
 
 __all__ = ["ContractUnit", "make_unit", "HAS_CONTRACT"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 
-from transport.errors import InvalidInputError
+from gputq.errors import InvalidInputError
 
 __all__ = ["FreeListAllocator"]
 

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .errors import InvalidInputError, LayoutError
+from gputq.errors import InvalidInputError, LayoutError
 
 __all__ = ["SCHEMA_VERSION", "GENERATION_LIMIT", "FieldRef", "Fragment", "Layout", "check_fill", "read_record",
            "uses_by_unit"]

@@ -15,8 +15,8 @@ follows the sample's initial prompt). slime wants ``rollout_log_probs``
 float32 ``[response_len]`` (tool/observation tokens inside the response get
 the fill 0.0) and ``rollout_routed_experts`` int32 ``[T-1, L, K]``.
 
-A step keeps its fields as :class:`~gputq.refs.FieldRef` (offload path), as
-arrays (inline path) or both. Segments compose :class:`~gputq.refs.Layout`
+A step keeps its fields as :class:`~gputq.data.refs.FieldRef` (offload path), as
+arrays (inline path) or both. Segments compose :class:`~gputq.data.refs.Layout`
 objects from refs only, never reading payloads back.
 :func:`inline_fields` rebuilds the trainer fields straight from the inline
 arrays with plain concatenation, independently of the layout algebra, so a
@@ -30,9 +30,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .errors import FieldValueError, InvalidInputError, LayoutError
-from .fields import FieldRegistry, FieldSpec
-from .refs import FieldRef, Layout, read_record
+from gputq.data.fields import FieldRegistry, FieldSpec
+from gputq.data.refs import FieldRef, Layout, read_record
+from gputq.errors import FieldValueError, InvalidInputError, LayoutError
 
 __all__ = [
     "Segment",

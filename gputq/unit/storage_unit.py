@@ -1,11 +1,11 @@
 """The StorageUnit: one arena, its allocator, its key table, and the remote-call surface.
 
 A unit stores write-once blobs (keys) in a pinned host arena and serves them
-to transports through the :class:`~transport.base.ArenaHandler` protocol.
+to transports through the :class:`~gputq.transport.base.ArenaHandler` protocol.
 It is plain Python and thread-safe: the tcp and NIXL servers call it from
 many threads, and a Ray actor wraps it elsewhere. The key table and its
-ownership rules live in :mod:`gputq.keytable`; leases, reservations and the
-timer that expires them in :mod:`gputq.leases`.
+ownership rules live in :mod:`gputq.unit.keytable`; leases, reservations and the
+timer that expires them in :mod:`gputq.unit.leases`.
 
 Partitions are normalised to ``str`` (msgpack maps need string keys); a
 write whose ``meta`` has no ``partition`` belongs to :data:`DEFAULT_PARTITION`.
@@ -24,12 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from transport.base import Closeable, Lease, Region
-from transport.directory import KeyDirectory, directory_nbytes, directory_slots
-
-from .allocator import FreeListAllocator
-from .arena import Arena
-from .errors import (
+from gputq.errors import (
     CapacityError,
     ClosedError,
     DuplicateKeyError,
@@ -38,7 +33,11 @@ from .errors import (
     StaleReadError,
     UnknownKeyError,
 )
-from .keytable import (
+from gputq.transport.base import Closeable, Lease, Region
+from gputq.transport.directory import KeyDirectory, directory_nbytes, directory_slots
+from gputq.unit.allocator import FreeListAllocator
+from gputq.unit.arena import Arena
+from gputq.unit.keytable import (
     COMMITTED,
     DEFAULT_PARTITION,
     RESERVED,
@@ -53,7 +52,7 @@ from .keytable import (
     check_partition,
     check_release_id,
 )
-from .leases import ExpiryTimer, LeaseBook
+from gputq.unit.leases import ExpiryTimer, LeaseBook
 
 __all__ = ["StorageUnit", "DEFAULT_PARTITION", "CONTROL_METHODS"]
 
@@ -97,7 +96,7 @@ class StorageUnit(Closeable):
     comes back with no other activity on the unit. A commit after the
     reservation deadline is refused even before the timer ran. A transport
     must finish receiving a write into its region before the reservation
-    deadline (they bound it by :func:`transport.base.write_window`).
+    deadline (they bound it by :func:`gputq.transport.base.write_window`).
 
     Parameters
     ----------
@@ -146,7 +145,7 @@ class StorageUnit(Closeable):
         self._alloc = FreeListAllocator(capacity_bytes, alignment)  # validates before allocating
         self._arena = Arena(capacity_bytes, name, shm_dir)
         # Where committed keys lie, for same-host readers to start copying before their lease
-        # is granted (transport.directory); a file of its own, so readers map it read-only.
+        # is granted (gputq.transport.directory); a file of its own, so readers map it read-only.
         slots = directory_slots(capacity_bytes)
         try:
             self._directory_file = Arena(directory_nbytes(slots), f"{name}-keys", shm_dir, pin=False)
@@ -178,7 +177,7 @@ class StorageUnit(Closeable):
 
     @property
     def directory_file(self) -> dict:
-        """The key directory's shared-memory file: ``{"path", "slots"}`` (see :mod:`transport.directory`)."""
+        """The key directory's shared-memory file: ``{"path", "slots"}`` (see :mod:`gputq.transport.directory`)."""
         return {"path": self._directory_file.path, "slots": self._directory.slots}
 
     @property

@@ -28,10 +28,11 @@ import time
 from collections import Counter
 from typing import Iterable
 
-from .clients import UnitClients, failures, fan_out, tally
-from .config import GputqConfig
-from .errors import GputqError, InvalidInputError, UnknownKeyError
-from .lifecycle import uses_of
+from gputq.client.clients import UnitClients
+from gputq.client.fanout import failures, fan_out, tally
+from gputq.client.lifecycle import uses_of
+from gputq.config import GputqConfig
+from gputq.errors import GputqError, InvalidInputError, UnknownKeyError
 
 __all__ = ["Controller"]
 
@@ -240,7 +241,7 @@ class Controller:
         referenced:
             What the caller still holds: sessions, segments, samples
             (mappings of field name to Layout), layouts or FieldRefs, in
-            any iterable (see :func:`gputq.lifecycle.uses_of`).
+            any iterable (see :func:`gputq.client.lifecycle.uses_of`).
 
         Returns
         -------

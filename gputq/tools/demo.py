@@ -24,7 +24,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import GputqConfig
+from gputq.client.clients import UnitClients
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.cluster.deploy import Deployment
+from gputq.cluster.names import import_ray
+from gputq.config import GputqConfig
+from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
+from gputq.integrations.sglang import RolloutIngest
+from gputq.integrations.slime import LOG_PROBS, ROUTED_EXPERTS_KEY, hydrate, to_slime_sample
+from gputq.tools.scenarios import blocking, overlapping_rollouts
+from gputq.tools.synthetic import SyntheticConfig, ingest_synthetic
 
 __all__ = ["DemoOptions", "run_demo", "TrainerRank", "RolloutManager", "digest_fields"]
 
@@ -78,8 +88,6 @@ class TrainerRank:
     """One data-parallel rank: hydrates its slime samples and reports digests and stats."""
 
     def __init__(self, rank: int, membership: dict, config: GputqConfig, device: str = "cpu"):
-        from .clients import UnitClients
-        from .reader import Reader
 
         self.rank = rank
         self._clients = UnitClients(membership, config)
@@ -90,7 +98,6 @@ class TrainerRank:
     def train_step(self, manager, world: int, partition: str) -> dict:
         import ray
 
-        from .slime import LOG_PROBS, ROUTED_EXPERTS_KEY, hydrate
 
         samples = ray.get(manager.shard.remote(self.rank, world))
         # In place, slime's checks included; the consumed shard is released.
@@ -119,12 +126,6 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
     ``config`` (default: ``GputqConfig.load()``, the file and ``GPUTQ_*``
     variables) supplies every setting the options do not fix.
     """
-    from .deploy import Deployment, import_ray
-    from .sglang import RolloutIngest, ingest_synthetic
-    from .slime import to_slime_sample
-    from .synthetic import SyntheticConfig
-    from .trajectory import inline_fields, lineage_segments, timeline_segments
-    from .writer import Writer
 
     ray = import_ray()
     t0 = time.perf_counter()
@@ -183,7 +184,6 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
         released = ray.get(deployment.controller.release_partition.remote(partition))
         overlap = None
         if options.overlap:
-            from .lifecycle import blocking, overlapping_rollouts
 
             _say(progress, "[+] two overlapping rollouts: sessions carried over, groups filtered out")
             overlap = overlapping_rollouts(blocking(deployment.controller), clients, config,

@@ -5,7 +5,7 @@ it costs about one pass over the step on the caller's thread: each field is
 checked and compacted in one cache-friendly pass straight into a buffer the
 writer owns (so a bad expert ID fails right there, naming the key, and the
 caller may reuse its arrays at once). It returns the
-:class:`~gputq.refs.FieldRef` of every field at once, each carrying the
+:class:`~gputq.data.refs.FieldRef` of every field at once, each carrying the
 unit's incarnation and a fresh random generation for the key, and hands the
 buffers to sender threads. The bytes go to the unit over the transport,
 never through Ray. Queued bytes are bounded: ``put`` blocks while
@@ -31,14 +31,13 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from transport.base import Closeable, byte_view
-
-from .clients import UnitClients
-from .config import GputqConfig
-from .errors import ClosedError, DuplicateKeyError, GputqTimeoutError, InvalidInputError, TransferError
-from .fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
-from .placement import rendezvous_unit
-from .refs import FieldRef, uses_by_unit
+from gputq.client.clients import UnitClients
+from gputq.client.placement import rendezvous_unit
+from gputq.config import GputqConfig
+from gputq.data.fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
+from gputq.data.refs import FieldRef, uses_by_unit
+from gputq.errors import ClosedError, DuplicateKeyError, GputqTimeoutError, InvalidInputError, TransferError
+from gputq.transport.base import Closeable, byte_view
 
 __all__ = ["Writer", "CommitRegion", "SENDER_NICE", "stored_key"]
 

@@ -25,7 +25,7 @@ import time
 import weakref
 from typing import Callable
 
-from .keytable import Entry
+from gputq.unit.keytable import Entry
 
 __all__ = ["LeaseBook", "ExpiryTimer"]
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of units and the controller, and the ``gputq stats`` table.
+"""Prometheus metrics of units and the controller.
 
 Each StorageUnit process and the controller serve ``/metrics`` with
 ``prometheus_client`` when ``metrics_port`` is set (0, the default, serves
@@ -29,21 +29,19 @@ process_resident_memory_bytes      gauge    RSS of the process (and the other
 =================================  =======  ==================================
 
 ``prometheus_client`` is imported only when an endpoint starts
-(``pip install 'gputq[metrics]'``).
+(``pip install 'gputq[metrics]'``). The ``gputq stats`` table that reads the
+same counters over Ray is :mod:`gputq.tools.stats`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import time
 from typing import Callable, Iterable
 
-from .errors import InvalidInputError, MissingDependencyError
+from gputq.errors import MissingDependencyError
 
 __all__ = ["UNIT_METRICS", "MetricsServer", "unit_metrics", "controller_metrics", "serve_metrics",
-           "rss_bytes", "format_table", "run_stats", "require_prometheus"]
+           "rss_bytes", "require_prometheus"]
 
 #: (metric name, kind, unit stats key, help); every unit stats key here is a counter or gauge.
 UNIT_METRICS = (
@@ -158,111 +156,3 @@ def serve_metrics(collector, port: int, host: str) -> MetricsServer:
             continue
         return MetricsServer(server, thread, registry)
     raise OSError(f"no free metrics port in [{port}, {port + _PORT_SPAN}) on {host}: {error}")
-
-
-# -- gputq stats ---------------------------------------------------------------------------
-
-_COLUMNS = (("unit", "name", 24), ("held MiB", "used", 10), ("cap MiB", "capacity", 9), ("keys", "keys", 8),
-            ("leases", "leases", 7), ("writes/s", "puts", 9), ("reads/s", "reads", 9),
-            ("MB in/s", "bytes_written", 9), ("MB out/s", "bytes_read", 9), ("waits", "waits", 7),
-            ("expired", "leases_expired", 8), ("errors", "capacity_errors", 7), ("RSS MiB", "rss_bytes", 8))
-_RATES = {"puts", "reads", "bytes_written", "bytes_read"}
-
-
-def format_table(units: dict[str, dict], previous: dict[str, dict] | None = None, seconds: float = 0.0) -> str:
-    """One line per unit; rates from ``previous`` over ``seconds`` (totals when there is none)."""
-    header = " ".join(title.rjust(width) if i else title.ljust(width)
-                      for i, (title, _, width) in enumerate(_COLUMNS))
-    lines = [header]
-    for name, stats in sorted(units.items()):
-        if "error" in stats:
-            lines.append(f"{name.ljust(24)} unreachable: {stats['error']}")
-            continue
-        cells = [name[:24].ljust(24)]
-        for _, key, width in _COLUMNS[1:]:
-            value = float(stats.get(key, 0))
-            if key in _RATES and previous and name in previous and seconds > 0:
-                value = (value - float(previous[name].get(key, 0))) / seconds
-            if key in ("used", "capacity", "rss_bytes"):
-                value /= 1 << 20
-            elif key in ("bytes_written", "bytes_read"):
-                value /= 1e6
-            counted = key not in _RATES and key not in ("used", "capacity", "rss_bytes")
-            cells.append((f"{int(value)}" if counted else f"{value:.1f}").rjust(width))
-        lines.append(" ".join(cells))
-    return "\n".join(lines)
-
-
-def _attach(address: str):
-    from .deploy import CONTROLLER_NAME, NAMESPACE, import_ray
-
-    ray = import_ray()
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
-        except ConnectionError as exc:
-            raise InvalidInputError(f"no Ray cluster at --address {address!r}: {exc}") from None
-    try:
-        return ray, ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-    except ValueError:
-        raise InvalidInputError(f"no gputq deployment on this Ray cluster (no actor {CONTROLLER_NAME!r} "
-                                     f"in namespace {NAMESPACE!r})") from None
-
-
-def _unit_stats(ray, controller) -> dict[str, dict]:
-    from .deploy import NAMESPACE, unit_actor_name
-
-    out = {}
-    for name in sorted(ray.get(controller.membership.remote())):
-        try:
-            out[name] = ray.get(ray.get_actor(unit_actor_name(name), namespace=NAMESPACE).stats.remote(),
-                                timeout=30)
-        except Exception as exc:  # a lost unit is a row of the table, not the end of it
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:120]}
-    return out
-
-
-def run_stats(*, address: str = "auto", interval: float = 2.0, once: bool = False, as_json: bool = False,
-              check: bool = False) -> int:
-    """``gputq stats``: print the units' table (live, or once), optionally the invariant check."""
-    ray, controller = _attach(address)
-    units = _unit_stats(ray, controller)
-    if as_json or once:
-        result = {"units": units, "partitions": ray.get(controller.partitions.remote())}
-        status = 0
-        if check:
-            result["check"], status = _check(ray, controller)
-        if as_json:
-            print(json.dumps(result, default=str))
-        else:
-            print(format_table(units))
-            print(f"partitions: {', '.join(result['partitions']) or '(none)'}")
-            if check:
-                print(_check_line(result["check"]))
-        return status
-    previous, last = units, time.monotonic()
-    try:
-        while True:
-            time.sleep(interval)  # a refresh period, not a wait for an event
-            units, now = _unit_stats(ray, controller), time.monotonic()
-            sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
-            print(format_table(units, previous, now - last), flush=True)
-            previous, last = units, now
-    except KeyboardInterrupt:
-        return 0
-
-
-def _check(ray, controller) -> tuple[dict, int]:
-    try:
-        report = ray.get(controller.check_invariants.remote(), timeout=120)
-    except AttributeError:
-        return {"available": False, "reason": "this deployment's controller has no check_invariants"}, 0
-    return {"available": True, **report}, 0 if report.get("ok") else 1
-
-
-def _check_line(check: dict) -> str:
-    if not check.get("available"):
-        return f"invariant check unavailable: {check['reason']}"
-    if check.get("ok"):
-        return "invariant check: ok"
-    return "invariant check: VIOLATIONS\n  " + "\n  ".join(map(str, check.get("violations", [])))

@@ -24,33 +24,20 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from transport.base import Closeable
+from gputq.client.clients import UnitClients
+from gputq.cluster.controller import Controller
+from gputq.cluster.metrics import controller_metrics, require_prometheus, rss_bytes, serve_metrics, unit_metrics
+from gputq.cluster.names import CONTROLLER_NAME, NAMESPACE, import_ray, unit_actor_name
+from gputq.config import GputqConfig
+from gputq.errors import MissingDependencyError
+from gputq.transport import get_transport
+from gputq.transport.base import Closeable
+from gputq.transport.policy import nixl_fix, nixl_import_error
+from gputq.unit.storage_unit import StorageUnit
 
-from .clients import UnitClients
-from .config import GputqConfig
-from .controller import Controller
-from .errors import MissingDependencyError
-from .storage_unit import StorageUnit
+__all__ = ["UnitService", "ControllerService", "Deployment", "local_cluster", "serving_transport"]
 
-__all__ = ["UnitService", "ControllerService", "Deployment", "local_cluster", "serving_transport", "import_ray",
-           "CONTROLLER_NAME", "NAMESPACE", "unit_actor_name"]
-
-CONTROLLER_NAME = "gputq-controller"
-NAMESPACE = "gputq"
 _log = logging.getLogger(__name__)
-
-
-def unit_actor_name(unit: str, controller_name: str = CONTROLLER_NAME) -> str:
-    """The Ray actor name of ``unit`` (in :data:`NAMESPACE`)."""
-    return f"{controller_name}/{unit}"
-
-
-def import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise MissingDependencyError("this needs Ray: pip install 'gputq[ray]'") from None
-    return ray
 
 
 def serving_transport(requested: str) -> str:
@@ -60,14 +47,10 @@ def serving_transport(requested: str) -> str:
     """
     if requested in ("tcp", "shm"):
         return "tcp"
-    from transport.policy import nixl_import_error
-
     missing = nixl_import_error()
     if missing is None:
         return "rdma"
     if requested == "rdma":
-        from .info import nixl_fix
-
         raise MissingDependencyError(f"transport 'rdma' needs NIXL: {nixl_fix(missing)}")
     return "tcp"
 
@@ -84,7 +67,6 @@ class UnitService(Closeable):
     """
 
     def __init__(self, name: str, config: GputqConfig):
-        from transport import get_transport
 
         self.name = name
         # Leases outlive no read: a reader gives up after read_timeout_s, the unit after twice that.
@@ -100,7 +82,6 @@ class UnitService(Closeable):
                 max_frame_bytes=config.max_frame_bytes, send_timeout_s=config.send_timeout_s,
                 max_connections=config.max_connections, handshake_timeout_s=config.handshake_timeout_s)
             if config.metrics_port:
-                from .metrics import serve_metrics, unit_metrics
 
                 # The next free port above the controller's: one unit per node -> metrics_port + 1.
                 self._metrics = serve_metrics(unit_metrics(self._unit.stats), config.metrics_port + 1, host)
@@ -120,7 +101,6 @@ class UnitService(Closeable):
 
     def stats(self) -> dict:
         """The unit's stats plus this process's RSS and metrics endpoint."""
-        from .metrics import rss_bytes
 
         return {**self._unit.stats(), "rss_bytes": rss_bytes(),
                 "metrics": None if self._metrics is None else f"{self._metrics.host}:{self._metrics.port}"}
@@ -141,7 +121,6 @@ class ControllerService(Controller):
         super().__init__(config)
         self._metrics = None
         if config.metrics_port:
-            from .metrics import controller_metrics, serve_metrics
 
             self._metrics = serve_metrics(controller_metrics(self), config.metrics_port,
                                           config.host or _default_host())
@@ -215,7 +194,6 @@ class Deployment:
         """
         ray = import_ray()
         if config.metrics_port:
-            from .metrics import require_prometheus
 
             require_prometheus()  # here, in one line, not as a failed actor on every node
         started = False
@@ -366,7 +344,7 @@ def local_cluster(config: GputqConfig) -> Iterator[tuple[GputqConfig, list[UnitS
     """``config.num_units`` units in this process, without Ray, and clients to them.
 
     For tests, benchmarks and single-process tools. Yields the config (with
-    its token), the services and a :class:`~gputq.clients.UnitClients`.
+    its token), the services and a :class:`~gputq.client.clients.UnitClients`.
     """
     config = config.with_token()
     services: list[UnitService] = []

@@ -6,7 +6,7 @@ session before the call (a branch, a context rewrite). Lengths are ragged,
 everything is deterministic in ``seed``, and each session draws from its own
 stream, so session ``i`` is the same whatever ``sessions`` is.
 
-:func:`build_sessions` replays the calls onto :class:`~gputq.trajectory.Session`
+:func:`build_sessions` replays the calls onto :class:`~gputq.data.trajectory.Session`
 objects, keeping inline arrays (the reference path) and/or handing each
 step's fields to a writer (the offload path) under the deterministic key
 ``f"{partition}/{session_id}/{step_index}"``.
@@ -19,13 +19,15 @@ from typing import Any, Iterator, Mapping, Protocol
 
 import numpy as np
 
-from .errors import ConfigError
-from .fields import LOGPROBS, ROUTED_EXPERTS, FieldRegistry
-from .refs import FieldRef
-from .trajectory import Session
+from gputq.data.fields import LOGPROBS, ROUTED_EXPERTS, FieldRegistry
+from gputq.data.keys import step_key
+from gputq.data.refs import FieldRef
+from gputq.data.trajectory import Session
+from gputq.errors import ConfigError
+from gputq.integrations.sglang import RolloutIngest, encode_response
 
 __all__ = ["FieldWriter", "SyntheticCall", "SyntheticConfig", "build_sessions", "engine_fields",
-           "generate_calls", "step_key"]
+           "generate_calls", "ingest_synthetic"]
 
 
 @dataclass(frozen=True)
@@ -157,13 +159,8 @@ def engine_fields(engine_output: Mapping[str, Any]) -> dict[str, np.ndarray]:
             ROUTED_EXPERTS: np.asarray(meta["routed_experts"])}
 
 
-def step_key(partition: str, session_id: str, step_index: int) -> str:
-    """The storage key of one step's fields."""
-    return f"{partition}/{session_id}/{step_index}"
-
-
 class FieldWriter(Protocol):
-    """What :func:`build_sessions` needs from a writer (``gputq.writer.Writer`` fits)."""
+    """What :func:`build_sessions` needs from a writer (``gputq.client.writer.Writer`` fits)."""
 
     def put(self, key: str, partition: str, fields: Mapping[str, np.ndarray]) -> dict[str, FieldRef]:
         ...
@@ -209,4 +206,31 @@ def build_sessions(cfg: SyntheticConfig, *, fields: FieldRegistry | None = None,
             refs = writer.put(step_key(partition, call.session_id, call.step_index), partition, arrays)
         session.append_step(call.prompt_ids, call.engine_output["output_ids"],
                             arrays=arrays if inline else None, refs=refs)
+    return list(sessions.values())
+
+
+def ingest_synthetic(synth: SyntheticConfig, ingest: RolloutIngest) -> list[Session]:
+    """Replay a synthetic rollout through the wire format and :meth:`RolloutIngest.add`.
+
+    Each call's engine output is encoded as SGLang sends it (base64 experts,
+    logprob triples) and decoded again by the ingest path, exactly as a
+    proxy would see it. Returns every session, branches included.
+    """
+    sessions: dict[str, Session] = {}
+    for call in generate_calls(synth):
+        if call.branch_from is not None:
+            parent_id, at = call.branch_from
+            sessions[call.session_id] = sessions[parent_id].branch(at, session_id=call.session_id)
+        session = sessions.get(call.session_id)
+        if session is None:
+            session = sessions[call.session_id] = ingest.session(call.session_id)
+        if call.rewrite is not None:
+            session.rewrite_context(call.rewrite)
+        meta = call.engine_output["meta_info"]
+        output = call.engine_output["output_ids"]
+        experts = meta["routed_experts"]
+        # The start the proxy sent: where this context's rows begin.
+        start_len = len(call.prompt_ids) + len(output) - 1 - len(experts)
+        ingest.add(session, call.prompt_ids, encode_response(output, meta["output_token_logprobs"], experts),
+                   start_len=start_len)
     return list(sessions.values())

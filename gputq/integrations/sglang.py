@@ -45,13 +45,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .config import GputqConfig
-from .errors import ConfigError, FieldValueError, InvalidInputError
-from .fields import LOGPROBS, ROUTED_EXPERTS
-from .synthetic import SyntheticConfig, generate_calls, step_key
-from .trajectory import Session, StepRecord
+from gputq.config import GputqConfig
+from gputq.data.fields import LOGPROBS, ROUTED_EXPERTS
+from gputq.data.keys import step_key
+from gputq.data.trajectory import Session, StepRecord
+from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 
-__all__ = ["EngineOutput", "RolloutIngest", "decode_response", "encode_response", "ingest_synthetic"]
+__all__ = ["EngineOutput", "RolloutIngest", "decode_response", "encode_response"]
 
 
 @dataclass(frozen=True)
@@ -257,30 +257,3 @@ class RolloutIngest:
                 bad = int(np.flatnonzero((got != want).reshape(len(got), -1).any(axis=1))[0])
                 raise FieldValueError(f"{where}: routed_experts re-sent for position {lo + bad} differ "
                                       f"from the rows an earlier step stored")
-
-
-def ingest_synthetic(synth: SyntheticConfig, ingest: RolloutIngest) -> list[Session]:
-    """Replay a synthetic rollout through the wire format and :meth:`RolloutIngest.add`.
-
-    Each call's engine output is encoded as SGLang sends it (base64 experts,
-    logprob triples) and decoded again by the ingest path, exactly as a
-    proxy would see it. Returns every session, branches included.
-    """
-    sessions: dict[str, Session] = {}
-    for call in generate_calls(synth):
-        if call.branch_from is not None:
-            parent_id, at = call.branch_from
-            sessions[call.session_id] = sessions[parent_id].branch(at, session_id=call.session_id)
-        session = sessions.get(call.session_id)
-        if session is None:
-            session = sessions[call.session_id] = ingest.session(call.session_id)
-        if call.rewrite is not None:
-            session.rewrite_context(call.rewrite)
-        meta = call.engine_output["meta_info"]
-        output = call.engine_output["output_ids"]
-        experts = meta["routed_experts"]
-        # The start the proxy sent: where this context's rows begin.
-        start_len = len(call.prompt_ids) + len(output) - 1 - len(experts)
-        ingest.add(session, call.prompt_ids, encode_response(output, meta["output_token_logprobs"], experts),
-                   start_len=start_len)
-    return list(sessions.values())

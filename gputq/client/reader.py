@@ -33,16 +33,16 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from kernels import MappedSource
-from transport import arena_copies
-from transport.base import Closeable
-from transport.errors import HintMissedError
-
-from .clients import UnitClients, fan_out, tally
-from .config import GputqConfig
-from .errors import ClosedError, InvalidInputError, LayoutError, StaleReadError, TransferError
-from .fields import sample_key_of
-from .refs import FieldRef, Layout, uses_by_unit
+from gputq.client.clients import UnitClients
+from gputq.client.fanout import fan_out, tally
+from gputq.config import GputqConfig
+from gputq.data.fields import sample_key_of
+from gputq.data.refs import FieldRef, Layout, uses_by_unit
+from gputq.errors import ClosedError, HintMissedError, InvalidInputError, LayoutError, StaleReadError, TransferError
+from gputq.kernels import MappedSource, cuda_available, widen_scatter
+from gputq.transport import arena_copies, get_transport
+from gputq.transport.base import Closeable
+from gputq.transport.cuda import require_cupy
 
 __all__ = ["Reader", "FetchStats", "build_plan"]
 
@@ -231,7 +231,6 @@ class Reader(Closeable):
             raise InvalidInputError(f"reader_id must be a non-empty str, got {reader_id!r}")
         self.reader_id = reader_id
         if device != "cpu":
-            from kernels import cuda_available
 
             if not cuda_available():
                 raise InvalidInputError(f"device={device!r}, but no usable CUDA device (CuPy sees none)")
@@ -318,7 +317,6 @@ class Reader(Closeable):
         if self._device == "cpu" and units:
             transports = {self._clients.transport_of(unit)[0] for unit in units}
             if transports == {"rdma"}:
-                from transport import get_transport
 
                 return lent.enter_context(get_transport("rdma").destination(nbytes))
         return self._own_staging(nbytes)
@@ -351,7 +349,6 @@ class Reader(Closeable):
             self._read(request, dest)
 
     def _restore(self, per_field: dict, staging, samples: int) -> list[dict]:
-        from kernels import widen_scatter
 
         results: list[dict] = [{} for _ in range(samples)]
         for name, (layouts, stage) in per_field.items():
@@ -500,7 +497,6 @@ def _mapped_here(channel, on_device: bool) -> bool:
 
 
 def _cupy():
-    from transport.cuda import require_cupy
 
     return require_cupy("device='cuda'")
 

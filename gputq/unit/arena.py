@@ -23,10 +23,9 @@ import weakref
 
 import numpy as np
 
-from transport.base import Closeable
-from transport.errors import GputqError, InvalidInputError
-
-from .errors import ConfigError
+from gputq.errors import ConfigError, GputqError, InvalidInputError
+from gputq.transport.base import Closeable
+from gputq.transport.cuda import usable_cupy, usable_torch
 
 __all__ = ["Arena", "default_shm_dir", "sweep_orphans"]
 
@@ -119,7 +118,7 @@ class Arena(Closeable):
     pin : bool, optional
         Page-lock the arena with CUDA when CUDA is usable (pageable memory
         otherwise). A registration that fails on a working CUDA raises
-        :class:`~transport.errors.GputqError` rather than silently losing
+        :class:`~gputq.errors.GputqError` rather than silently losing
         the ~10x faster host-to-device copies.
 
     Attributes
@@ -217,7 +216,6 @@ def _pin(array: np.ndarray):
     Only "CUDA is not usable here" is swallowed (library missing, no driver,
     no device). A registration that fails on a working CUDA is an error.
     """
-    from transport.cuda import usable_cupy, usable_torch
 
     cupy = usable_cupy()
     if cupy is not None:

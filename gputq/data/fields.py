@@ -25,8 +25,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import ConfigError, FieldValueError, InvalidInputError
-from .refs import check_fill, read_record
+from gputq.data.refs import check_fill, read_record
+from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 
 __all__ = [
     "sample_key_of",

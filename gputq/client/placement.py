@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from typing import Iterable, Sequence
 
-from .errors import InvalidInputError
+from gputq.errors import InvalidInputError
 
 __all__ = ["rendezvous_unit", "rendezvous_order"]
 

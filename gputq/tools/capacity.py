@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
-from .errors import ConfigError
+from gputq.errors import ConfigError
 
 __all__ = [
     "BYTES_PER_ID",
@@ -373,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gputq.capacity``, the same as ``gputq capacity``."""
+    """``python -m gputq.tools.capacity``, the same as ``gputq capacity``."""
     return run(build_parser().parse_args(argv))
 
 

@@ -3,7 +3,7 @@
 A slime sample is a dict with ``tokens`` (the whole context),
 ``response_length``, ``loss_mask`` (1 for generated tokens of the response,
 0 for tool/observation tokens) and the two R3 fields under
-:func:`~gputq.fields.sample_key_of` names: ``rollout_log_probs`` (float32,
+:func:`~gputq.data.fields.sample_key_of` names: ``rollout_log_probs`` (float32,
 response only) and ``rollout_routed_experts`` (int32 ``[len(tokens)-1, L, K]``).
 
 :func:`to_slime_sample` puts a layout (a small dict, no payload) in the
@@ -21,10 +21,10 @@ from typing import Any, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
-from .errors import InvalidInputError, LayoutError
-from .fields import LOGPROBS, ROUTED_EXPERTS, sample_key_of
-from .refs import Layout
-from .trajectory import Segment, inline_fields
+from gputq.data.fields import LOGPROBS, ROUTED_EXPERTS, sample_key_of
+from gputq.data.refs import Layout
+from gputq.data.trajectory import Segment, inline_fields
+from gputq.errors import InvalidInputError, LayoutError
 
 __all__ = ["TOKENS", "RESPONSE_LENGTH", "LOSS_MASK", "LOG_PROBS", "ROUTED_EXPERTS_KEY", "SAMPLE_FIELDS",
            "to_slime_sample", "hydrate", "check_sample", "loss_mask"]
@@ -86,7 +86,7 @@ def hydrate(samples: Sequence[MutableMapping[str, Any]], reader, partition: str,
     samples:
         The rank's slime samples after the data-parallel split.
     reader:
-        The rank's :class:`~gputq.reader.Reader` (its ``device`` decides
+        The rank's :class:`~gputq.client.reader.Reader` (its ``device`` decides
         numpy or CUDA torch tensors).
     partition:
         The rollout the samples came from.

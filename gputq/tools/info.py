@@ -17,21 +17,25 @@ import platform
 import shutil
 import subprocess
 
-from transport.policy import (
+from gputq.transport.nixl import import_nixl
+from gputq.transport.policy import (
     ENV_VAR,
+    NIXL_DISTRIBUTIONS,
     choose_transport,
     gpudirect_support,
     infiniband_devices,
+    load_nixl_api,
     local_hostname,
+    nixl_fix,
     nixl_import_error,
 )
 
-__all__ = ["collect_info", "format_info", "nixl_fix"]
+__all__ = ["collect_info", "format_info"]
 
 # Distribution names to report, first installed one wins per label.
 _PACKAGES = {
     "gputq": ("gputq",),
-    "nixl": ("nixl-cu12", "nixl-cu13", "nixl"),
+    "nixl": NIXL_DISTRIBUTIONS,
     "torch": ("torch",),
     "cupy": ("cupy-cuda12x", "cupy-cuda13x", "cupy-cuda11x", "cupy"),
     "ray": ("ray",),
@@ -61,27 +65,8 @@ def _run(cmd: list[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def nixl_fix(error: str) -> str:
-    """What fixes a NIXL that does not import: installing it, or repairing the installed wheel."""
-    installed = [f"{dist} {metadata.version(dist)}" for dist in _PACKAGES["nixl"] if _installed(dist)]
-    if not installed:
-        return "pip install 'gputq[rdma]' (installs nixl-cu12; CUDA 13 hosts: pip install nixl-cu13)"
-    return (f"{', '.join(installed)} is installed but does not load ({error}); reinstall it with "
-            f"pip install --force-reinstall 'gputq[rdma]' and check its bundled libraries with gputq info")
-
-
-def _installed(dist: str) -> bool:
-    try:
-        metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 def _nixl_libs_dir() -> str | None:
     """The directory of libraries bundled with the NIXL wheel (``nixl_cu12.libs``)."""
-    from transport.policy import load_nixl_api
-
     try:
         api = load_nixl_api()
     except Exception:
@@ -98,7 +83,6 @@ def _nixl_info() -> dict:
     if error is not None:
         return info
     try:
-        from transport.nixl import import_nixl
 
         nixl_agent, nixl_agent_config, _ = import_nixl()
         # No backend: listing plugins must not open UCX workers.

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .errors import InvalidInputError, StaleReadError, UnknownKeyError
+from gputq.errors import InvalidInputError, StaleReadError, UnknownKeyError
 
 __all__ = [
     "DEFAULT_PARTITION",

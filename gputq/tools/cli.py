@@ -13,8 +13,16 @@ import sys
 
 import numpy as np
 
-from .config import EXPERT_DTYPES, TRANSPORTS, GputqConfig
-from .errors import ConfigError, InvalidInputError, MissingDependencyError
+from gputq.cluster.deploy import serving_transport
+from gputq.cluster.names import import_ray
+from gputq.config import EXPERT_DTYPES, TRANSPORTS, GputqConfig
+from gputq.errors import ConfigError, InvalidInputError, MissingDependencyError
+from gputq.kernels import cuda_available
+from gputq.tools.capacity import build_parser as capacity_parser
+from gputq.tools.capacity import run
+from gputq.tools.demo import DemoOptions, run_demo
+from gputq.tools.info import collect_info, format_info
+from gputq.tools.stats import run_stats
 
 __all__ = ["main", "build_parser", "UsageError"]
 
@@ -108,7 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print one JSON object and exit")
     stats.add_argument("--check", action="store_true",
                        help="run the controller's invariant check; exit 1 if it finds violations")
-    from .capacity import build_parser as capacity_parser
 
     capacity_parser(sub.add_parser("capacity", help="R3 bytes of a rollout and the master node's projected peak"))
     return parser
@@ -116,7 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def demo_setup(args: argparse.Namespace, env=None):
     """Check the demo's arguments and build its options and config; raises ``UsageError``."""
-    from .demo import DemoOptions
 
     env = os.environ if env is None else env
     try:
@@ -134,13 +140,11 @@ def demo_setup(args: argparse.Namespace, env=None):
     if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
         raise UsageError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if device != "cpu":
-        from kernels import cuda_available
 
         if not cuda_available():
             raise UsageError(f"--device {device}: no usable CUDA device here (use --device cpu)")
     transport = args.transport or config.transport
     try:
-        from .deploy import import_ray, serving_transport
 
         import_ray()
         serving_transport(transport)
@@ -167,7 +171,6 @@ def main(argv=None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        from .demo import run_demo
 
         options, config = demo_setup(args)
         result = run_demo(options, config=config, progress=not args.json)
@@ -175,17 +178,14 @@ def _run(args: argparse.Namespace) -> int:
             print(json.dumps(result))
         return 0 if result["verified"] else 1
     if args.command == "capacity":
-        from .capacity import run
 
         return run(args)
     if args.command == "info":
-        from .info import collect_info, format_info
 
         data = collect_info()
         print(json.dumps(data, default=str) if args.json else format_info(data))
         return 0
     if args.command == "stats":
-        from .metrics import run_stats
 
         return run_stats(address=args.address, interval=args.interval, once=args.once or args.check,
                          as_json=args.json, check=args.check)
