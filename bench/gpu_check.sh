@@ -10,8 +10,10 @@
 # then a short table last, every fetch with its ratio to the pinned copy of the same run.
 # Logs and JSON land in $OUT (default out/gpu_check).
 #
-# Needs: python3 with numpy, torch (CUDA), cupy, msgpack, pytest; no internet. Wheels in .whl/
-# (or $WHEELS; e.g. nixl-cu13 and nixl for this Python) are installed into a private folder first.
+# Needs: python3 >= 3.11 with numpy, torch (CUDA), cupy, msgpack, pyyaml, pytest, pytest-timeout;
+# no internet, and gputq need not be installed (it is laid out from the checkout, below). Wheels
+# in .whl/ (or $WHEELS; e.g. nixl-cu13 and nixl for this Python) are installed into a private
+# folder first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -22,16 +24,40 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/gputq-site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/gputq-site:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# gputq is not installed here: lay it out as it installs (setup.py's package_dir puts transport/
+# and kernels/ inside it, as gputq.transport and gputq.kernels) in a temporary folder, first on
+# PYTHONPATH; $PWD stays on it for bench and tests. The checkout's own ./gputq (which has neither)
+# must not shadow the layout: PYTHONSAFEPATH=1 (Python >= 3.11) keeps the current folder and the
+# script's off sys.path, in subprocesses too, and pytest runs with --import-mode=append (it would
+# otherwise put the rootdir first).
+if ! $PY -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "gpu_check.sh needs Python >= 3.11 (PYTHONSAFEPATH); $PY is $($PY -V 2>&1)" >&2
+  exit 2
+fi
+LAYOUT=$(mktemp -d "${TMPDIR:-/tmp}/gputq-layout.XXXXXX")
+trap 'rm -rf "$LAYOUT"' EXIT
+cp -R gputq "$LAYOUT/gputq" && cp -R transport "$LAYOUT/gputq/transport" && cp -R kernels "$LAYOUT/gputq/kernels" \
+  || { echo "gpu_check.sh: could not lay gputq out in $LAYOUT" >&2; exit 2; }
+find "$LAYOUT" -name __pycache__ -prune -exec rm -rf {} +
+export PYTHONPATH=$LAYOUT:$PWD:${PYTHONPATH:-} PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
 date -u +"%Y-%m-%dT%H:%M:%SZ" > "$OUT/date"
+$PY -c 'import gputq.transport as t, gputq.kernels as k; print("gputq from", t.__file__, k.__file__)' \
+    | tee "$OUT/layout"
 nvidia-smi -L | tee "$OUT/gpu"
 
 step() { echo; echo "=== $1"; }
 
 step "GPU tests"
-timeout 100 $PY -m pytest -q -p no:cacheprovider -m "gpu or rdma" tests/kernels tests/transport \
-    tests/test_storage_unit.py tests/test_gpu_restore.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+GPU_TESTS="tests/kernels tests/transport tests/test_storage_unit.py tests/test_gpu_restore.py"
+# Without hypothesis (no GPU needs it) the modules that import it, which hold no gpu or rdma test,
+# are left out instead of stopping the collection.
+NO_HYPOTHESIS=""
+if ! $PY -c 'import hypothesis' 2>/dev/null; then
+  for f in $(grep -rlE '^(from|import) hypothesis' $GPU_TESTS); do NO_HYPOTHESIS+=" --ignore=$f"; done
+fi
+timeout 100 $PY -m pytest -q -p no:cacheprovider --import-mode=append $NO_HYPOTHESIS -m "gpu or rdma" $GPU_TESTS \
+    2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 
 step "anchors"
 timeout 20 $PY -m bench.anchors --mib 256 --json 2>&1 | tee "$OUT/anchors.log" | tail -7

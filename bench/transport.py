@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, progress_range
+from gputq.transport.base import ServerLimits
 from gputq.transport.nixl import NixlTransport, import_nixl
 from gputq.transport.tcp import TcpTransport
 from gputq.unit.storage_unit import StorageUnit
@@ -54,6 +55,7 @@ SHAPES = (
 )
 TOKEN = "bench"
 MAX_FRAME = 1 << 30
+LIMITS = ServerLimits(max_frame_bytes=MAX_FRAME)
 
 
 def merge_regions(regions: np.ndarray) -> np.ndarray:
@@ -188,7 +190,7 @@ def write_rows(control, address: dict, repeats: int) -> list[dict]:
 def _serve_unit(conn, capacity: int) -> None:
     """The unit's process: a StorageUnit served over rdma until told to stop."""
     with StorageUnit("bench-su", capacity) as unit, \
-            NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as server:
+            NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as server:
         conn.send(server.address)
         conn.recv()
 

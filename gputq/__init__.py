@@ -11,8 +11,8 @@ load when used.
 
 Names load lazily, on first use: ``import gputq.transport`` (a unit's
 process, a benchmark) loads only the exception tree besides, and
-``from gputq import Reader`` only the client side. Every error is here at
-once, as :mod:`gputq.errors` lists them.
+``from gputq import Reader`` only the client side. Every error is here too,
+as :mod:`gputq.errors` lists them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 
 from gputq import errors as _errors
-from gputq.errors import *  # noqa: F401,F403  (the whole tree; errors.__all__ is its one list)
 
 __version__ = "0.1.0"
 
@@ -38,10 +37,11 @@ _EXPORTS = {
     "gputq.data.trajectory": ("Segment", "Session", "StepRecord", "inline_fields", "lineage_segments",
                               "timeline_segments"),
     "gputq.unit.storage_unit": ("StorageUnit",),
+    "gputq.errors": tuple(_errors.__all__),  # the whole tree, as its one list names it
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = sorted([*_HOME, *_errors.__all__])
+__all__ = sorted(_HOME)
 
 
 def __getattr__(name: str):

@@ -23,7 +23,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from gputq.data.fields import LOGPROBS, ROUTED_EXPERTS, ROUTED_EXPERTS_DTYPES, FieldRegistry
-from gputq.errors import ConfigError
+from gputq.errors import ConfigError, InvalidInputError
+from gputq.transport.base import ServerLimits
 from gputq.transport.policy import TRANSPORT_NAMES
 
 __all__ = [
@@ -47,7 +48,12 @@ ENV_PREFIX = "GPUTQ_"
 #: ``GPUTQ_*`` variables that are not settings but are read elsewhere (no warning for them).
 OTHER_ENV_VARS = ("GPUTQ_CONFIG", "GPUTQ_RDMA_WRITE_PATH", "GPUTQ_KERNEL_TEST_GIB")
 _REDACTED = "***"
+#: Settings whose values no error message shows (nor repr or to_dict, which redact the token).
+_SECRET_FIELDS = ("token",)
 _MIB = 1 << 20
+# The settings that make up a unit server's ServerLimits, whose defaults are theirs.
+_LIMITS = ServerLimits()
+_SERVER_LIMIT_FIELDS = tuple(f.name for f in fields(ServerLimits))
 
 
 class ConfigWarning(UserWarning):
@@ -106,7 +112,8 @@ class GputqConfig:
     control_timeout_s:
         Deadline of one control call (release, stats, membership).
     max_frame_bytes:
-        Largest payload of one wire frame; larger requests are refused.
+        Largest payload of one wire frame, in bytes; larger requests are
+        refused. A unit server limit (:attr:`server_limits`), also used by clients.
     writer_inflight_bytes:
         Bytes a writer may have queued but not yet sent before ``put`` blocks.
     writer_threads:
@@ -121,13 +128,14 @@ class GputqConfig:
     shm_dir:
         Folder of the arenas' shared-memory files (``/dev/shm`` when unset).
     send_timeout_s:
-        A unit's deadline for sending one reply; a client that stops reading
-        loses its connection.
+        A unit's deadline for sending one reply, in seconds; a client that
+        stops reading loses its connection. A unit server limit.
     max_connections:
         Connections one unit accepts at once (authenticated or not); above
-        it, new connections are closed at once.
+        it, new connections are closed at once. A unit server limit.
     handshake_timeout_s:
-        Time a client has from connecting to completing the token handshake.
+        Seconds a client has from connecting to completing the token
+        handshake. A unit server limit.
     heartbeat_interval_s:
         How often the controller probes every unit, and clients probe the
         units they marked lost; a killed unit is marked lost within this.
@@ -157,23 +165,25 @@ class GputqConfig:
     write_aging_s: float = 1.0
     read_timeout_s: float = 120.0
     control_timeout_s: float = 30.0
-    max_frame_bytes: int = 4096 * _MIB
+    max_frame_bytes: int = _LIMITS.max_frame_bytes
     writer_inflight_bytes: int = 256 * _MIB
     writer_threads: int = 2
     host: str | None = None
     token: str | None = None
     shm_dir: str | None = None
-    send_timeout_s: float = 60.0
-    max_connections: int = 256
-    handshake_timeout_s: float = 5.0
+    send_timeout_s: float = _LIMITS.send_timeout_s
+    max_connections: int = _LIMITS.max_connections
+    handshake_timeout_s: float = _LIMITS.handshake_timeout_s
     heartbeat_interval_s: float = 1.0
     probe_timeout_s: float = 2.0
     metrics_port: int = 0
-    # Both paths move the compact bytes over PCIe once. The copy runs on the DMA engines
-    # (55.3 GB/s from a read-only registered mapping on one H200 host, against 51.1 GB/s for
-    # a kernel reading it), but writes the bytes once more on the device; in place stays the
-    # default until `bench/gpu_check.sh`, which times both at 64 and 256 MiB, says otherwise.
-    # On the host, reading in place saves the staging memcpy at every size measured.
+    # Both paths move the compact bytes over PCIe once. The copy runs on the DMA engines but
+    # writes the bytes once more on the device; the kernel reads them in place over PCIe.
+    # Which is faster on a GPU awaits a measurement: no GPU log has one yet (the runs in
+    # docs/gpu/ predate the same-host path); `bench/gpu_check.sh` times both at 64 and
+    # 256 MiB. In place stays the default until it says otherwise. On the host, reading in
+    # place saved the staging memcpy at every size measured (dev box, 18-256 MiB:
+    # docs/logs/fetch-shm-2026-12-01-final.log and docs/PERFORMANCE.md).
     zero_copy_max_bytes: float = math.inf
 
     def __post_init__(self):
@@ -193,14 +203,18 @@ class GputqConfig:
                 raise _error("transfer_params", "offloading routed_experts needs R3: pass "
                                                 "--use-rollout-routing-replay (use_rollout_routing_replay=True) "
                                                 "or drop routed_experts from --transfer-params")
-        for name in ("num_units", "unit_capacity_bytes", "max_frame_bytes", "writer_inflight_bytes",
-                     "writer_threads", "max_connections"):
+        for name in ("num_units", "unit_capacity_bytes", "writer_inflight_bytes", "writer_threads"):
             if getattr(self, name) < 1:
                 raise _error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("put_timeout_s", "reservation_timeout_s", "read_timeout_s", "control_timeout_s",
-                     "send_timeout_s", "handshake_timeout_s", "heartbeat_interval_s", "probe_timeout_s"):
+                     "heartbeat_interval_s", "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise _error(name, f"{name} must be > 0, got {getattr(self, name)}")
+        for name in _SERVER_LIMIT_FIELDS:  # one at a time, so the error names the setting's source
+            try:
+                ServerLimits(**{name: getattr(self, name)})
+            except InvalidInputError as exc:
+                raise _error(name, str(exc)) from None
         if not self.zero_copy_max_bytes >= 0:  # NaN included
             raise _error("zero_copy_max_bytes", f"zero_copy_max_bytes must be >= 0 (or inf), "
                                                 f"got {self.zero_copy_max_bytes}")
@@ -211,6 +225,12 @@ class GputqConfig:
         if self.token is not None and len(self.token) < MIN_TOKEN_CHARS:
             raise _error("token", f"token must have at least {MIN_TOKEN_CHARS} characters, "
                                   f"got {len(self.token)} (leave it unset to generate one per deployment)")
+
+    @property
+    def server_limits(self) -> ServerLimits:
+        """The limits a unit's server takes: ``max_frame_bytes``, ``send_timeout_s``,
+        ``max_connections`` and ``handshake_timeout_s`` of this config."""
+        return ServerLimits(**{name: getattr(self, name) for name in _SERVER_LIMIT_FIELDS})
 
     @property
     def offloaded_fields(self) -> tuple[str, ...]:
@@ -285,30 +305,42 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _typed(name: str, kind: Any, value: Any) -> Any:
-    """``value`` as ``kind``, accepting only what converts without loss."""
+    """``value`` as ``kind``, accepting only what converts without loss.
+
+    A refusal shows the value (a secret's type only: see :func:`_shown`).
+    """
     if kind is bool:
         if isinstance(value, bool):
             return value
-        raise _error(name, f"{name} must be true or false, got {value!r}")
+        raise _error(name, f"{name} must be true or false, got {_shown(name, value)}")
     if kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise _error(name, f"{name} must be an integer, got {value!r}")
+        raise _error(name, f"{name} must be an integer, got {_shown(name, value)}")
     if kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise _error(name, f"{name} must be a number, got {value!r}")
+        raise _error(name, f"{name} must be a number, got {_shown(name, value)}")
     if kind == "fields":
         if value is None:
             return None
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)
-        raise _error(name, f"{name} must be a list of field names, got {value!r}")
+        raise _error(name, f"{name} must be a list of field names, got {_shown(name, value)}")
     if kind == "optional str" and value is None:
         return None
     if isinstance(value, str):
         return value
-    raise _error(name, f"{name} must be a string, got {value!r}")
+    raise _error(name, f"{name} must be a string, got {_shown(name, value)}")
+
+
+def _shown(name: str, value: Any) -> str:
+    """``value`` for an error message: its repr, or for a secret only its type.
+
+    A mistyped secret (an unquoted numeric token in YAML, which YAML reads as
+    an int) is still the secret: it must never reach a log or a terminal.
+    """
+    return f"a value of type {type(value).__name__}" if name in _SECRET_FIELDS else repr(value)
 
 
 def _coerce(name: str, raw: Any) -> Any:

@@ -28,6 +28,7 @@ __all__ = [
     "MissingDependencyError",
     "PartialFailureError",
     "PeerLostError",
+    "PlanError",
     "ProtocolError",
     "RequestTooLargeError",
     "StaleReadError",
@@ -69,6 +70,10 @@ class TransferError(GputqError):
 
 class InvalidInputError(GputqError, ValueError):
     """The caller passed something malformed: shape, dtype, range, size."""
+
+
+class PlanError(InvalidInputError):
+    """A plan or a buffer handed to the widen+scatter kernel (:mod:`gputq.kernels`) is invalid."""
 
 
 class RequestTooLargeError(InvalidInputError):

@@ -12,18 +12,21 @@ the rows of fill plan rows. It dispatches on the array type:
 - a :class:`MappedSource` (compact bytes left in mapped host memory) with a
   CUDA ``out``: the CUDA kernel reading them in place (zero-copy).
 
-Nothing here knows about RL, and only numpy is needed to import it.
+Nothing here knows about RL, and only numpy is needed to import it. A bad
+plan or buffer raises :class:`gputq.errors.PlanError` (an ``InvalidInputError``,
+so a ``ValueError`` too).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from gputq.errors import PlanError
 from gputq.transport.cuda import cuda_available
 
 from .cupy_backend import cupy_usable, cupy_widen_scatter, torch_widen_scatter_cupy
 from .mapped import MappedSource
-from .plan import PlanError, plan_bytes, validate_plan
+from .plan import plan_bytes, validate_plan
 from .reference import reference_widen_scatter
 from .torch_backend import torch_widen_scatter
 
@@ -32,7 +35,6 @@ __all__ = [
     "reference_widen_scatter",
     "validate_plan",
     "plan_bytes",
-    "PlanError",
     "cuda_available",
     "MappedSource",
 ]

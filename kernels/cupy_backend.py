@@ -24,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gputq.errors import PlanError
 from gputq.transport.cuda import usable_cupy
 
-from .plan import PlanError, check_call, dtype_name
+from .plan import check_call, dtype_name
 
 __all__ = [
     "DEFAULT_STEPS",

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from gputq.errors import PlanError
+
 from .cupy_backend import widen_scatter_from_pointer
-from .plan import PlanError, as_plan_array
+from .plan import as_plan_array
 from .reference import reference_widen_scatter
 
 __all__ = ["MappedSource", "SPAN_GAP_BYTES"]

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from gputq.errors import PlanError
+
 __all__ = [
-    "PlanError",
     "INPUT_DTYPES",
     "OUTPUT_DTYPE_FOR",
     "dtype_name",
@@ -40,14 +41,6 @@ OUTPUT_DTYPE_FOR = {
 INPUT_DTYPES = tuple(OUTPUT_DTYPE_FOR)
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-class PlanError(ValueError):
-    """A plan or a buffer handed to the widen+scatter kernel is invalid.
-
-    A plain ``ValueError`` subclass: ``kernels`` must not import the gputq
-    exception tree, and callers catch the ``ValueError`` family anyway.
-    """
 
 
 def dtype_name(dtype) -> str:

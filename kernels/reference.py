@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plan import PlanError, check_call, row_gather_indices
+from gputq.errors import PlanError
+
+from .plan import check_call, row_gather_indices
 
 __all__ = ["reference_widen_scatter"]
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 
-from .plan import PlanError, check_call, dtype_name, row_gather_indices
+from gputq.errors import PlanError
+
+from .plan import check_call, dtype_name, row_gather_indices
 
 __all__ = ["torch_widen_scatter"]
 

@@ -104,3 +104,13 @@ def test_import_needs_only_numpy():
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) > 20
+
+
+def test_a_numeric_token_in_the_config_file_is_refused_without_showing_it(tmp_path):
+    path = tmp_path / "tq.yaml"
+    path.write_text("num_units: 1\ntoken: 1234567890123456\n")
+    proc = _run("demo", "--config", str(path), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "token must be a string" in line and "tq.yaml" in line
+    assert "1234567890123456" not in proc.stderr + proc.stdout

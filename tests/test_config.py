@@ -191,3 +191,20 @@ def test_metrics_port_setting():
     assert GputqConfig.load(env={"GPUTQ_METRICS_PORT": "9400"}).metrics_port == 9400
     with pytest.raises(ConfigError, match="metrics_port"):
         GputqConfig(metrics_port=70000)
+
+
+@pytest.mark.parametrize("line", ["token: 1234567890123456", "token: 12345678901234.5",
+                                  "token: [1234567890123456]", "token: {k: 1234567890123456}"])
+def test_a_token_of_the_wrong_type_is_never_echoed(tmp_path, line):
+    """An unquoted numeric token in YAML is refused without its digits in the message."""
+    path = tmp_path / "tq.yaml"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=r"tq.yaml: token: token must be a string") as info:
+        GputqConfig.load(yaml_path=str(path), env={})
+    assert "1234567890123456" not in str(info.value) and "12345678901234" not in str(info.value)
+    with pytest.raises(ConfigError, match="token must be a string") as info:
+        GputqConfig(token=1234567890123456)
+    assert "1234567890123456" not in str(info.value)
+    with pytest.raises(ConfigError, match="token must be a string") as info:
+        GputqConfig.from_mapping({"token": 1234567890123456})
+    assert "1234567890123456" not in str(info.value)

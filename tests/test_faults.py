@@ -284,3 +284,53 @@ def test_the_first_timeout_ends_the_other_requests_in_flight_to_the_hung_unit():
         finally:
             gate.set()
             unit.control = original
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_over_shm_of_a_closed_unit_marks_it_lost_like_tcp():
+    """The shm path's lease requests go through the loss rule too: a closed unit's server
+    gives UnitLostError naming the unit and the keys, and the unit is marked lost."""
+    from .conftest import local_units
+
+    with local_units("shm", units=2, capacity=1 << 20) as (config, services, clients):
+        refs = _write(clients, config, "r0", 10)
+        shard = [{"logprobs": Layout.from_ref(ref)} for ref in refs]
+        on_lost = {ref.key for ref in refs if ref.unit == "su-1"}
+        assert on_lost and clients.transport_of("su-1")[0] == "shm"
+        with Reader(clients, config) as reader:
+            reader.fetch(shard)  # connected, arenas mapped, before the fault
+            assert clients.channel("su-1").mapping is not None  # read in place from the mapping
+            services[1].close()
+            with pytest.raises(UnitLostError, match="unit su-1 is lost") as info:
+                reader.fetch(shard)
+            assert info.value.unit == "su-1" and info.value.keys and set(info.value.keys) <= on_lost
+            assert set(clients.lost) == {"su-1"}
+            with pytest.raises(UnitLostError, match="su-1") as info:  # fails fast from now on, keys named
+                reader.fetch(shard)
+            assert set(info.value.keys) == on_lost
+            kept = on_units(shard, clients.live_units)
+            got = reader.fetch([shard[i] for i in kept])
+        assert [float(g["rollout_log_probs"][0]) for g in got] == [float(i) for i in kept]
+
+
+@pytest.mark.timeout(60)
+def test_a_mapped_source_of_a_closed_unit_raises_unit_lost_and_marks_it():
+    from .conftest import local_units
+
+    with local_units("shm", units=1, capacity=1 << 20) as (config, services, clients):
+        (ref,) = _write(clients, config, "r0", 1)
+        channel = clients.channel("su-0")
+        with channel.mapped_source([ref.key], 5, generations=[ref.generation], device=False) as regions:
+            assert regions.shape == (1, 2) and int(regions[0, 1]) == 256 * 4
+        assert channel.device_mappable() in (True, False) and channel.mapping is not None
+        services[0].close()
+        with pytest.raises(UnitLostError, match="unit su-0 is lost") as info:
+            with channel.mapped_source([ref.key], 5, generations=[ref.generation], device=False,
+                                       ahead=False):
+                pass
+        assert info.value.unit == "su-0" and info.value.keys == (ref.key,)
+        assert set(clients.lost) == {"su-0"}
+        assert channel.mapping is None and channel.device_mappable() is False  # a lost unit maps nothing
+        with pytest.raises(UnitLostError, match="su-0 is lost"):
+            with channel.mapped_source([ref.key], 5, device=False):
+                pass

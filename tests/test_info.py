@@ -54,6 +54,24 @@ def test_rdma_forced_without_lanes_warns(no_nixl, monkeypatch):
     assert "warning:" in info.format_info(data)
 
 
+def test_the_reported_request_is_the_configs(no_nixl, monkeypatch, tmp_path):
+    """What info reports is what the config loaded here requests: YAML < GPUTQ_TRANSPORT."""
+    data = info.collect_info()
+    assert data["transport"]["requested"] == "auto" and data["transport"]["env"] is None
+    assert "transport auto as configured (GPUTQ_TRANSPORT=unset" in info.format_info(data)
+    path = tmp_path / "tq.yaml"
+    path.write_text("transport: shm\n")
+    monkeypatch.setenv("GPUTQ_CONFIG", str(path))
+    data = info.collect_info()
+    assert data["transport"]["requested"] == "shm"
+    assert data["transport"]["remote"] == {"choice": "shm", "reason": "requested shm explicitly"}
+    monkeypatch.setenv(policy.ENV_VAR, "tcp")  # the variable beats the file
+    data = info.collect_info()
+    assert data["transport"]["requested"] == "tcp" and data["transport"]["env"] == "tcp"
+    assert data["transport"]["same_host"] == {"choice": "tcp", "reason": "requested tcp explicitly"}
+    assert "transport tcp as configured (GPUTQ_TRANSPORT=tcp; a --transport flag wins" in info.format_info(data)
+
+
 def test_bad_env_value_is_reported_not_raised(no_nixl, monkeypatch):
     monkeypatch.setenv(policy.ENV_VAR, "ib")
     data = info.collect_info()

@@ -14,6 +14,7 @@ from gputq.data.refs import FieldRef, Layout
 from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
 from gputq.errors import CapacityError, UnknownKeyError
 from gputq.tools.synthetic import SyntheticConfig, build_sessions
+from gputq.transport.base import ServerLimits
 from tests.waiting import wait_until
 
 from .conftest import local_units
@@ -218,7 +219,7 @@ def test_read_racing_a_release_returns_the_right_bytes(transport_name):
     with RacingUnit("su-race", 3 * size, put_timeout_s=1) as unit:
         unit.put("victim", original, {"partition": "p"})
         server = get_transport(transport_name).serve(unit, host="127.0.0.1", port=0, token="t" * 32,
-                                                     max_frame_bytes=1 << 30)
+                                                     limits=ServerLimits(max_frame_bytes=1 << 30))
         try:
             with get_transport(transport_name).connect(server.address, token="t" * 32,
                                                        max_frame_bytes=1 << 30, timeout=10) as channel:

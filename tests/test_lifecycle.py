@@ -18,7 +18,7 @@ from gputq.cluster.controller import Controller
 from gputq.data.fields import FieldRegistry
 from gputq.data.refs import Layout
 from gputq.data.trajectory import Session, inline_fields, timeline_segments
-from gputq.errors import InvalidInputError, UnknownKeyError
+from gputq.errors import InvalidInputError, PartialFailureError, UnknownKeyError
 from gputq.tools.scenarios import overlapping_rollouts
 
 from .conftest import local_units
@@ -112,6 +112,39 @@ def test_drop_frees_only_what_no_other_live_layout_uses():
             assert drop([t1.layouts], "r0", clients) == 2  # step 1's fields; step 0's experts stay for t0
             assert drop([t0.layouts], "r0", clients) == 2
         assert sum(s.stats()["keys"] for s in services) == 0
+        controller.close()
+
+
+@pytest.mark.timeout(60)
+def test_carry_transfer_and_drop_finish_on_the_reachable_units_and_name_the_lost_one():
+    """One fan-out behind carry and Controller.transfer, one behind drop and Reader.release."""
+    with local_units("tcp", units=3, capacity=1 << 20) as (config, services, clients):
+        controller = _controller(config, services)
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"r0/s{i}/0", "r0", {"logprobs": np.full(4, i, np.float32)})["logprobs"]
+                    for i in range(30)]
+            writer.flush()
+        on = {s.name: [ref for ref in refs if ref.unit == s.name] for s in services}
+        assert all(on.values())
+        services[0].close()
+        with pytest.raises(PartialFailureError, match="transfer 'r0' -> 'r1'.*unreachable: su-0") as info:
+            carry(refs[:20], "r0", "r1", clients)
+        carried = [ref for ref in refs[:20] if ref.unit != "su-0"]
+        assert info.value.result == {"moved": len(carried), "unreachable": {"su-0": info.value.result[
+            "unreachable"]["su-0"]}} and "unit su-0 is lost" in info.value.result["unreachable"]["su-0"]
+        by_unit = {}
+        for ref in refs[20:]:
+            by_unit.setdefault(ref.unit, []).extend([ref.key, ref.key])  # repeats count once
+        with pytest.raises(PartialFailureError, match="su-0") as info:
+            controller.transfer(by_unit, "r0", "r2")
+        assert info.value.result["moved"] == sum(ref.unit != "su-0" for ref in refs[20:])
+        assert controller.partitions() == ["r2"]
+        samples = [{"logprobs": Layout.from_ref(ref)} for ref in carried]
+        with pytest.raises(PartialFailureError, match="drop from 'r1'") as info:
+            drop(samples + [{"logprobs": Layout.from_ref(on["su-0"][0])}], "r1", clients)
+        assert info.value.result == {"freed": len(carried), "unreachable": {"su-0": info.value.result[
+            "unreachable"]["su-0"]}}
+        assert sum(s.stats()["keys"] for s in services[1:]) == sum(ref.unit != "su-0" for ref in refs[20:])
         controller.close()
 
 

@@ -1,7 +1,6 @@
 """The StorageUnit's side of the cross-branch contract: incarnation, generations,
 stale reads, non-expiring leases, exactly-once release, the keys method, typed control errors."""
 
-import os
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from gputq.errors import (
     StaleReadError,
     UnknownKeyError,
 )
+from gputq.transport.base import ServerLimits
 from gputq.transport.wire import error_from_wire, error_to_wire
 from gputq.unit.storage_unit import CONTROL_METHODS, DEFAULT_PARTITION, StorageUnit
 from tests.waiting import wait_until
@@ -276,7 +276,8 @@ def test_contract_over_a_real_tcp_server(unit):
 
     token = "t" * 32
     tcp = get_transport("tcp")
-    with tcp.serve(unit, host="127.0.0.1", port=0, token=token, max_frame_bytes=1 << 20) as server, \
+    with tcp.serve(unit, host="127.0.0.1", port=0, token=token,
+                   limits=ServerLimits(max_frame_bytes=1 << 20)) as server, \
             tcp.connect(server.address, token=token, max_frame_bytes=1 << 20, timeout=10) as channel:
         receipt = channel.write("a", np.arange(10, dtype=np.uint8), {"partition": "p", "generation": 77})
         assert receipt["generation"] == 77 and receipt["incarnation"] == unit.incarnation
@@ -307,7 +308,8 @@ def test_unit_errors_are_defined_in_gputq_and_cross_tcp_with_their_class():
     token = "t" * 32
     tcp = get_transport("tcp")
     with StorageUnit("su-full", 4 * KIB, put_timeout_s=0.0) as unit, \
-            tcp.serve(unit, host="127.0.0.1", port=0, token=token, max_frame_bytes=1 << 20) as server, \
+            tcp.serve(unit, host="127.0.0.1", port=0, token=token,
+                      limits=ServerLimits(max_frame_bytes=1 << 20)) as server, \
             tcp.connect(server.address, token=token, max_frame_bytes=1 << 20, timeout=10) as channel:
         channel.write("a", np.zeros(4 * KIB, np.uint8))
         with pytest.raises(CapacityError, match="su-full: no space for key 'b'") as full:

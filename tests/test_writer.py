@@ -10,8 +10,8 @@ import pytest
 from gputq.client.clients import UnitClients
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
-from gputq.data.refs import Layout
-from gputq.errors import GputqTimeoutError, TransferError
+from gputq.data.refs import Layout, uses_by_unit
+from gputq.errors import GputqTimeoutError, PartialFailureError, TransferError, UnknownKeyError
 
 from .conftest import local_units
 
@@ -157,3 +157,48 @@ def test_a_write_stored_under_another_version_fails(change, message):
             with pytest.raises(TransferError, match=message) as info:
                 writer.flush()
         assert info.value.keys == ("s/logprobs",)
+
+
+def _holders(service, keys) -> dict:
+    return {entry["key"]: entry["holders"] for entry in service.unit.lookup(sorted(keys))}
+
+
+@pytest.mark.timeout(60)
+def test_finalize_serves_every_reachable_unit_and_names_the_lost_one():
+    with local_units("tcp", units=3, capacity=1 << 20) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"logprobs": np.full(4, i, np.float32)})["logprobs"]
+                    for i in range(30)]
+            writer.flush()
+            shard = [{"logprobs": Layout.from_ref(ref)} for ref in refs]
+            uses = uses_by_unit(shard)
+            assert len(uses) == 3  # every unit holds some of the shard
+            lost = next(iter(uses))  # the first unit served: one at a time, the rest waited behind it
+            by_name = {service.name: service for service in services}
+            by_name[lost].close()
+            with pytest.raises(PartialFailureError, match=f"unreachable: {lost}: unit {lost} is lost") as info:
+                writer.finalize(shard + shard, "p")  # two segments use every step
+        others = [unit for unit in uses if unit != lost]
+        assert info.value.result == {"finalized": sum(len(uses[u]) for u in others),
+                                     "unreachable": {lost: info.value.result["unreachable"][lost]}}
+        assert set(clients.lost) == {lost}
+        for unit in others:  # the write reference became two segment references
+            assert _holders(by_name[unit], uses[unit]) == {key: {"p": 2} for key in uses[unit]}
+
+
+@pytest.mark.timeout(60)
+def test_finalize_raises_a_units_own_answer_after_the_others_finalized():
+    with local_units("tcp", units=2, capacity=1 << 20) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"logprobs": np.full(4, i, np.float32)})["logprobs"]
+                    for i in range(20)]
+            writer.flush()
+            shard = [{"logprobs": Layout.from_ref(ref)} for ref in refs]
+            uses = uses_by_unit(shard)
+            gone, kept = list(uses)
+            by_name = {service.name: service for service in services}
+            by_name[gone].unit.release_partition("p")  # its keys are gone
+            with pytest.raises(UnknownKeyError):
+                writer.finalize(shard, "p")
+        assert _holders(by_name[kept], uses[kept]) == {key: {"p": 1} for key in uses[kept]}
+        assert clients.lost == {}

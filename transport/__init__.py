@@ -11,12 +11,22 @@ from __future__ import annotations
 import importlib
 
 from gputq.errors import InvalidInputError, MissingDependencyError
-from gputq.transport.base import ArenaHandler, Channel, Lease, Region, Server, TransportType, is_device_buffer
+from gputq.transport.base import (
+    ArenaHandler,
+    Channel,
+    Lease,
+    Region,
+    Server,
+    ServerLimits,
+    TransportType,
+    is_device_buffer,
+)
 
 __all__ = [
     "Region",
     "Lease",
     "ArenaHandler",
+    "ServerLimits",
     "Channel",
     "Server",
     "TransportType",

@@ -161,7 +161,6 @@ class _DeviceCopier:
     """Host-to-device copies of runs of a mapping on the destination's stream (CuPy, else torch)."""
 
     def __init__(self, dest):
-
         self._cp, self._torch = usable_cupy(), usable_torch()
         if self._cp is None and self._torch is None:
             raise MissingDependencyError("reading into a CUDA buffer over shm needs CuPy or torch with a device")

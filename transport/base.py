@@ -3,8 +3,10 @@
 A *server* side lives in the StorageUnit process and serves one arena; it
 calls back into an :class:`ArenaHandler` (the StorageUnit) for everything
 that is not moving bytes: allocation, commit, leases and control calls.
-A *client* side is a :class:`Channel` to one unit. A :class:`TransportType`
-builds both, in the manner of Ray's channel type objects.
+What a server allows its peers (frame size, deadlines, connections) is one
+:class:`ServerLimits` value. A *client* side is a :class:`Channel` to one
+unit. A :class:`TransportType` builds both, in the manner of Ray's channel
+type objects.
 
 Timeouts (seconds, ``None`` means wait forever):
 
@@ -20,10 +22,11 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
+import math
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -32,7 +35,9 @@ from gputq.errors import InvalidInputError, ProtocolError
 __all__ = [
     "Region",
     "Lease",
+    "ServerLimits",
     "ArenaHandler",
+    "check_handler",
     "Closeable",
     "Channel",
     "Server",
@@ -74,78 +79,234 @@ class Lease:
     generations: tuple[int, ...] = field(default=())
 
 
-@runtime_checkable
-class ArenaHandler(Protocol):
-    """What a transport server needs from the owner of the arena.
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one unit's server allows its peers: the one set of server limits and their defaults.
 
-    A handler should also have ``incarnation`` (a str, random per handler
-    object: a reference made before a restart is then stale); servers
-    publish it in addresses and HELLO replies, and an empty one when absent.
-    A handler may have ``directory_file`` (``{"path", "slots"}``), its key
-    directory (:mod:`gputq.transport.directory`): servers hand it to same-host
-    readers with the arena file, and those copy before their lease returns.
-    A handler whose reservations expire has ``reservation_timeout_s``
-    (seconds): servers then bound a write's transfer into its region by
-    :func:`write_window` of it, so that no byte lands after the region may
-    have been reused.
+    Every backend's ``serve`` takes one; :attr:`gputq.config.GputqConfig.server_limits`
+    builds it from the settings of the same names, whose defaults are these.
+
+    Attributes
+    ----------
+    max_frame_bytes : int
+        Largest payload of one frame, in bytes (default 4 GiB). A read whose
+        bytes exceed it is refused with ``RequestTooLargeError``; a frame
+        announcing more is a ``ProtocolError`` and closes the connection.
+    send_timeout_s : float
+        Seconds the server has to send one reply frame (default 60). A peer
+        that stops reading loses its connection, and only then does the
+        server's lease on the bytes it was sending end. It also bounds the
+        receive of one write payload (see :func:`write_window`).
+    max_connections : int
+        Connections one server holds at once, handshaking or authenticated
+        (default 256); above it, new ones are closed at once.
+    handshake_timeout_s : float
+        Seconds a peer has from connecting to a complete, valid HELLO
+        (default 5); then its connection is closed.
+
+    Raises
+    ------
+    InvalidInputError
+        A count that is not an int >= 1, or a time that is not a finite
+        number > 0; the message names the field.
     """
 
-    name: str
+    max_frame_bytes: int = 4 << 30
+    send_timeout_s: float = 60.0
+    max_connections: int = 256
+    handshake_timeout_s: float = 5.0
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if type(f.default) is int:  # a count; the float defaults are times
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise InvalidInputError(f"{f.name} must be an int >= 1, got {value!r}")
+                continue
+            # inf would reach socket.settimeout, which refuses it; NaN compares false to everything.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not (math.isfinite(value) and value > 0):
+                raise InvalidInputError(f"{f.name} must be a finite number of seconds > 0, got {value!r}")
+            object.__setattr__(self, f.name, float(value))
+
+
+class ArenaHandler(abc.ABC):
+    """What a transport server needs from the owner of the arena (the StorageUnit).
+
+    Every member below is called by a server; a handler subclasses this
+    class and implements them all (one that does not cannot be
+    instantiated), and servers refuse anything else (:func:`check_handler`).
+    Members a handler has no value for answer ``None``, as documented.
+    Errors cross the wire by class name.
+    """
 
     @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The unit's name; in errors, addresses and HELLO replies."""
+
+    @property
+    @abc.abstractmethod
+    def incarnation(self) -> str:
+        """Random per handler object, so that a reference made before a restart is stale.
+
+        Servers publish it in addresses and HELLO replies.
+        """
+
+    @property
+    @abc.abstractmethod
     def arena(self) -> memoryview:
         """The whole arena as one writable, C-contiguous byte view."""
 
     @property
+    @abc.abstractmethod
     def arena_path(self) -> str:
         """The arena's shared-memory file, for readers on the same host."""
 
+    @property
+    @abc.abstractmethod
+    def directory_file(self) -> dict | None:
+        """The key directory (:mod:`gputq.transport.directory`) as ``{"path", "slots"}``, or ``None``.
+
+        Servers hand it to same-host readers with the arena file, and those
+        copy before their lease returns.
+        """
+
+    @property
+    @abc.abstractmethod
+    def lease_timeout_s(self) -> float | None:
+        """Seconds after which an expiring lease ends; ``None`` when leases never expire.
+
+        Servers tell one-sided readers (``expires_in``), so that a read
+        finished well inside it needs no confirmation.
+        """
+
+    @property
+    @abc.abstractmethod
+    def reservation_timeout_s(self) -> float | None:
+        """Seconds after which an uncommitted write's reservation is aborted; ``None``: never.
+
+        Servers bound a write's transfer into its region by
+        :func:`write_window` of it, so that no byte lands after the region
+        may have been reused.
+        """
+
+    @abc.abstractmethod
     def begin_write(self, key: str, nbytes: int, meta: dict, timeout: float | None) -> int:
         """Reserve ``nbytes`` for ``key``; return the arena offset.
 
-        Waits for space up to ``timeout`` (back-pressure) and then raises
-        a :class:`~gputq.errors.GputqTimeoutError` (the StorageUnit's
-        ``gputq.errors.CapacityError``). Raises an
-        :class:`~gputq.errors.InvalidInputError` for a known key (the
-        unit's ``DuplicateKeyError``) and ``RequestTooLargeError`` when
-        ``nbytes`` can never fit. Errors cross the wire by class name.
+        Parameters
+        ----------
+        key : str
+        nbytes : int
+        meta : dict
+            The writer's metadata; ``meta["generation"]`` (an int) names the write.
+        timeout : float or None
+            Seconds to wait for space (back-pressure); ``None``: the handler's default.
+
+        Raises
+        ------
+        GputqTimeoutError
+            No space within ``timeout`` (the StorageUnit's ``CapacityError``).
+        InvalidInputError
+            A known key (the unit's ``DuplicateKeyError``), or
+            ``RequestTooLargeError`` when ``nbytes`` can never fit.
         """
 
+    @abc.abstractmethod
     def commit_write(self, key: str, generation: int | None = None) -> dict:
         """Make a reserved, fully written key visible; return a receipt.
 
-        Refuses (the StorageUnit: ``UnknownKeyError``) a reservation that
-        expired, even one the handler's timer has not reaped yet, and one
-        whose generation is not ``generation`` (the write's meta's, when it
-        carried one): another write's reservation of the same key.
+        Raises
+        ------
+        GputqError
+            (the StorageUnit: ``UnknownKeyError``) for a reservation that
+            expired, even one the handler's timer has not reaped yet, and one
+            whose generation is not ``generation`` (the write's meta's, when
+            it carried one): another write's reservation of the same key.
         """
 
+    @abc.abstractmethod
     def abort_write(self, key: str, generation: int | None = None) -> None:
-        """Drop a reservation whose bytes did not all arrive (not another write's: see
-        :meth:`commit_write`)."""
+        """Drop a reservation whose bytes did not all arrive.
 
-    def lease(self, keys: Sequence[str], generations=None, incarnation=None, *, expires: bool = True) -> Lease:
+        Not another write's: see :meth:`commit_write`.
+        """
+
+    @abc.abstractmethod
+    def lease(self, keys: Sequence[str], generations: Sequence[int | None] | None = None,
+              incarnation: str | None = None, *, expires: bool = True) -> Lease:
         """Pin the regions of ``keys`` (in order).
 
-        A missing key raises a :class:`~gputq.errors.GputqError` naming
-        it (the StorageUnit's ``gputq.errors.UnknownKeyError``); ``StaleReadError`` when
-        ``incarnation`` (not None) is not the handler's, or a key's stored
-        generation differs from its entry in ``generations`` (0 or None
-        entries are not checked). ``expires=False``: no deadline, for a
-        server that ends the lease itself in ``finally``; ``True``: the
-        handler ends it after its lease timeout (one-sided readers).
+        Parameters
+        ----------
+        keys : sequence of str
+        generations : sequence of int or None, optional
+            One per key, the generation the caller's reference names; 0 or
+            ``None`` entries (and ``None`` for all) are not checked.
+        incarnation : str, optional
+            The handler incarnation the caller's references name; ``None``: unchecked.
+        expires : bool, optional
+            False: no deadline, for a server that ends the lease itself in
+            ``finally``; True: the handler ends it after :attr:`lease_timeout_s`
+            (one-sided readers).
+
+        Raises
+        ------
+        GputqError
+            Naming a missing key (the StorageUnit's ``UnknownKeyError``).
+        StaleReadError
+            ``incarnation`` is not the handler's, or a key's stored
+            generation differs from its entry in ``generations``.
         """
 
+    def lease_regions(self, keys: Sequence[str], generations: Sequence[int | None] | None = None,
+                      incarnation: str | None = None, *, expires: bool = True) -> tuple[int, np.ndarray]:
+        """:meth:`lease` as ``(lease_id, int64 [n, 2] of (offset, nbytes))``; what servers call.
+
+        This default builds the array from :meth:`lease`; a handler may
+        override it to lease many keys without building a ``Region`` per key.
+        """
+        lease = self.lease(keys, generations=generations, incarnation=incarnation, expires=expires)
+        regions = np.array([(r.offset, r.nbytes) for r in lease.regions], dtype=np.int64)
+        return lease.lease_id, regions.reshape(len(lease.regions), 2)
+
+    @abc.abstractmethod
     def end_lease(self, lease_id: int) -> bool | None:
         """Unpin; regions released meanwhile are freed now. Idempotent.
 
-        Returns True when the lease was still held, False when it had
-        expired or is unknown: a one-sided reader then discards what it
-        read. ``None`` (a handler whose leases never expire) counts as held.
+        Returns
+        -------
+        bool or None
+            True when the lease was still held, False when it had expired or
+            is unknown: a one-sided reader then discards what it read.
+            ``None`` (a handler whose leases never expire) counts as held.
         """
 
+    @abc.abstractmethod
     def control(self, method: str, args: dict) -> Any:
-        """Answer a control call (release, stats, ...); the result is msgpack-able."""
+        """Answer a control call (release, stats, ...); the result is msgpack-able.
+
+        Raises
+        ------
+        InvalidInputError
+            An unknown method or malformed arguments.
+        """
+
+
+def check_handler(handler) -> ArenaHandler:
+    """``handler``, checked once by a server before it serves it.
+
+    Raises
+    ------
+    InvalidInputError
+        ``handler`` is not an :class:`ArenaHandler` (duck-typed objects are
+        refused: the servers call every member the class declares).
+    """
+    if not isinstance(handler, ArenaHandler):
+        raise InvalidInputError(f"a transport serves an ArenaHandler; {type(handler).__name__} does not "
+                                f"subclass gputq.transport.base.ArenaHandler")
+    return handler
 
 
 class Closeable(abc.ABC):
@@ -222,14 +383,19 @@ class TransportType(abc.ABC):
 
     @abc.abstractmethod
     def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0, token: str,
-              max_frame_bytes: int, send_timeout_s: float = 60.0, max_connections: int = 256,
-              handshake_timeout_s: float = 5.0) -> Server:
+              limits: ServerLimits = ServerLimits()) -> Server:
         """Start serving ``handler.arena``.
 
-        ``send_timeout_s`` bounds each reply frame (a client not reading
-        loses its connection), ``max_connections`` caps open connections
-        (above it new ones are closed at once) and ``handshake_timeout_s``
-        bounds the whole token handshake.
+        Parameters
+        ----------
+        handler : ArenaHandler
+            The arena's owner (checked with :func:`check_handler`).
+        host, port : str, int
+            Where to listen; port 0 picks a free one (see :attr:`Server.address`).
+        token : str
+            The shared secret of the handshake.
+        limits : ServerLimits, optional
+            Frame size, deadlines and connection cap; the defaults when omitted.
         """
 
     @abc.abstractmethod

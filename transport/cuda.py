@@ -13,7 +13,10 @@ is a quiet ``False``/``None``.
 
 Host registration flags and device attributes are the CUDA runtime's values
 (``cuda_runtime_api.h``), so the calls below work through CuPy's runtime
-binding or torch's ``cudart()`` alike.
+binding or torch's ``cudart()`` alike. :func:`host_register` is gputq's one
+``cudaHostRegister``: the arena, the rdma pool and the shm mapping all
+page-lock through it (or :func:`page_lock`), so a refusal is always a
+:class:`~gputq.errors.GputqError` carrying CUDA's reason.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import warnings
 from gputq.errors import GputqError, MissingDependencyError
 
 __all__ = [
+    "HOST_REGISTER_DEFAULT",
     "HOST_REGISTER_PORTABLE",
     "HOST_REGISTER_MAPPED",
     "HOST_REGISTER_READ_ONLY",
@@ -33,10 +37,13 @@ __all__ = [
     "require_cupy",
     "host_register",
     "host_unregister",
+    "page_lock",
     "read_only_register_supported",
     "mapped_device_pointer",
 ]
 
+#: cudaHostRegisterDefault: pinned for the current CUDA context only.
+HOST_REGISTER_DEFAULT = 0x00
 #: cudaHostRegisterPortable: pinned for every CUDA context, not just the current one.
 HOST_REGISTER_PORTABLE = 0x01
 #: cudaHostRegisterMapped: kernels may read the range through a device pointer.
@@ -97,34 +104,48 @@ def require_cupy(what: str):
     return cupy
 
 
-def host_register(ptr: int, nbytes: int, flags: int) -> None:
+def host_register(ptr: int, nbytes: int, flags: int, *, hint: str = "") -> None:
     """``cudaHostRegister(ptr, nbytes, flags)`` through CuPy, else torch.
+
+    Parameters
+    ----------
+    ptr, nbytes : int
+        The host range to page-lock.
+    flags : int
+        ``HOST_REGISTER_*`` values, or-ed.
+    hint : str, optional
+        What the caller can do about a refusal; appended to the error's message.
 
     Raises
     ------
     MissingDependencyError
         No usable CUDA here.
     GputqError
-        The runtime refused (the message carries CUDA's reason).
+        The runtime refused (the message carries CUDA's reason and ``hint``).
     """
+    what = f"cudaHostRegister of {nbytes} bytes (flags {flags:#x}) failed"
+    tail = f"; {hint}" if hint else ""
     cupy = usable_cupy()
     if cupy is not None:
         rt = cupy.cuda.runtime
         try:
             rt.hostRegister(int(ptr), int(nbytes), int(flags))
         except rt.CUDARuntimeError as exc:
-            raise GputqError(f"cudaHostRegister of {nbytes} bytes (flags {flags:#x}) failed: {exc}") from exc
+            raise GputqError(f"{what}: {exc}{tail}") from exc
         return
     torch = usable_torch()
     if torch is None:
         raise MissingDependencyError("page-locking host memory needs CUDA through CuPy or torch")
     err = int(torch.cuda.cudart().cudaHostRegister(int(ptr), int(nbytes), int(flags)))
     if err:
-        raise GputqError(f"cudaHostRegister of {nbytes} bytes (flags {flags:#x}) failed: CUDA error {err}")
+        raise GputqError(f"{what}: CUDA error {err}{tail}")
 
 
 def host_unregister(ptr: int) -> None:
-    """``cudaHostUnregister(ptr)``; errors are raised as :class:`GputqError`."""
+    """``cudaHostUnregister(ptr)``; errors are raised as :class:`GputqError`.
+
+    Without usable CUDA nothing can have been registered: a no-op.
+    """
     cupy = usable_cupy()
     if cupy is not None:
         rt = cupy.cuda.runtime
@@ -138,6 +159,29 @@ def host_unregister(ptr: int) -> None:
         err = int(torch.cuda.cudart().cudaHostUnregister(int(ptr)))
         if err:
             raise GputqError(f"cudaHostUnregister failed: CUDA error {err}")
+
+
+def page_lock(ptr: int, nbytes: int, flags: int = HOST_REGISTER_PORTABLE, *, hint: str = "") -> bool:
+    """:func:`host_register` where CUDA is usable; without it, nothing and ``False``.
+
+    Pageable memory is a normal configuration (tcp transport, CPU hosts),
+    so only "CUDA is not usable here" is quiet: a registration refused by a
+    working CUDA raises. Undo a ``True`` with :func:`host_unregister`.
+
+    Returns
+    -------
+    bool
+        True when ``[ptr, ptr + nbytes)`` is now page-locked.
+
+    Raises
+    ------
+    GputqError
+        The runtime refused (the message carries CUDA's reason and ``hint``).
+    """
+    if not cuda_available():
+        return False
+    host_register(ptr, nbytes, flags, hint=hint)
+    return True
 
 
 @functools.lru_cache(maxsize=None)

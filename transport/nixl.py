@@ -71,6 +71,7 @@ from gputq.errors import (
 from gputq.transport.base import (
     ArenaHandler,
     Channel,
+    ServerLimits,
     TransportType,
     byte_view,
     describe_keys,
@@ -84,7 +85,6 @@ from gputq.transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, 
 from gputq.transport.policy import gpudirect_support
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
-from gputq.transport.tcp_server import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S
 
 _log = logging.getLogger(__name__)
 
@@ -509,12 +509,8 @@ class NixlTransport(TransportType):
         self.write_path = write_path
 
     def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0, token: str,
-              max_frame_bytes: int, send_timeout_s: float = SEND_TIMEOUT_S,
-              max_connections: int = MAX_CONNECTIONS,
-              handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> NixlServer:
-        return NixlServer(handler, host=host, port=port, token=token, max_frame_bytes=max_frame_bytes,
-                          send_timeout_s=send_timeout_s, max_connections=max_connections,
-                          handshake_timeout_s=handshake_timeout_s)
+              limits: ServerLimits = ServerLimits()) -> NixlServer:
+        return NixlServer(handler, host=host, port=port, token=token, limits=limits)
 
     def connect(self, address: dict, *, token: str, max_frame_bytes: int,
                 timeout: float | None = None) -> NixlChannel:

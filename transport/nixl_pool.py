@@ -7,8 +7,10 @@ registration and no copy, whichever channel issues it. Buffers are lent
 out whole (:meth:`BufferPool.lend`): the Reader stages a shard in one lent
 buffer and several channels READ into disjoint slices of it at once.
 
-Host buffers are page-locked with CUDA where this process can run CUDA, so
-the host-to-device copy after a READ into host memory runs at pinned speed.
+Host buffers are page-locked with CUDA (:func:`gputq.transport.cuda.page_lock`)
+where this process can run CUDA, so the host-to-device copy after a READ
+into host memory runs at pinned speed; a refused page-lock leaves the
+buffer pageable, which still works.
 
 The CUDA helpers (:class:`CudaOps`) are imported lazily: only a device
 buffer or a device destination reaches them.
@@ -22,13 +24,13 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from gputq.errors import InvalidInputError, MissingDependencyError
+from gputq.errors import GputqError, InvalidInputError, MissingDependencyError
 from gputq.transport.base import byte_view
-from gputq.transport.cuda import usable_cupy, usable_torch
+from gputq.transport.cuda import HOST_REGISTER_DEFAULT, host_unregister, page_lock, usable_cupy, usable_torch
 from gputq.transport.policy import load_nixl_api, local_hostname
 
 __all__ = ["host_ptr", "import_nixl", "agent_name", "LocalAgent", "local_pool", "BufferPool", "CudaOps",
@@ -94,7 +96,6 @@ class CudaOps:
     """Allocate device buffers and copy between raw pointers (CuPy, else torch)."""
 
     def __init__(self):
-
         self._cp, self._torch = usable_cupy(), usable_torch()
         if self._cp is None and self._torch is None:
             raise MissingDependencyError(
@@ -143,31 +144,6 @@ def cuda_device_of(buf, ptr: int) -> int:
         raise InvalidInputError(f"cannot tell the CUDA device of {type(buf).__name__}: {exc}") from exc
 
 
-def _page_locker() -> tuple[Callable[[int, int], None], Callable[[int], None]] | None:
-    """``(lock, unlock)`` page-locking host ranges with CUDA, or ``None`` without CUDA.
-
-    CuPy first, else torch's CUDA runtime binding, as gputq.transport.staging does.
-    """
-
-    cupy, torch = usable_cupy(), usable_torch()
-    if cupy is not None:
-        rt = cupy.cuda.runtime
-        return (lambda ptr, nbytes: rt.hostRegister(ptr, nbytes, 0)), rt.hostUnregister
-    if torch is None:
-        return None
-    cudart = torch.cuda.cudart()
-
-    def lock(ptr: int, nbytes: int) -> None:
-        err = cudart.cudaHostRegister(ptr, nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(err)}")
-
-    def unlock(ptr: int) -> None:
-        cudart.cudaHostUnregister(ptr)
-
-    return lock, unlock
-
-
 @dataclass(eq=False)  # identity equality: records hold arrays
 class _PoolBuffer:
     ptr: int
@@ -201,7 +177,6 @@ class BufferPool:
         self._all: list[_PoolBuffer] = []
         self._largest: dict[tuple[str, int], int] = {}
         self._cuda: CudaOps | None = None
-        self._locker: tuple | None | bool = False  # False: not decided yet
         self.registrations = 0
         self.pinned = 0
 
@@ -299,27 +274,19 @@ class BufferPool:
         return buf
 
     def _pin(self, ptr: int, size: int) -> bool:
-        # Decided once per pool: probing CUDA imports CuPy or torch.
-        if self._locker is False:
-            try:
-                self._locker = _page_locker()
-            except Exception as exc:
-                _log.info("cannot page-lock pool buffers (%s); host-to-device copies run unpinned", exc)
-                self._locker = None
-        if self._locker is None:
-            return False
         try:
-            self._locker[0](ptr, size)
-        except Exception as exc:  # e.g. the process's page-lock limit: unpinned still works
+            pinned = page_lock(ptr, size, HOST_REGISTER_DEFAULT)
+        except GputqError as exc:  # e.g. the process's page-lock limit: unpinned still works
             _log.info("page-locking a %d-byte pool buffer failed (%s); it stays unpinned", size, exc)
             return False
-        self.pinned += 1
-        return True
+        if pinned:
+            self.pinned += 1
+        return pinned
 
     def _unpin(self, ptr: int) -> None:
         try:
-            self._locker[1](ptr)
-        except Exception as exc:  # best effort: the memory is freed either way
+            host_unregister(ptr)
+        except GputqError as exc:  # best effort: the memory is freed either way
             _log.warning("unpinning a pool buffer failed: %s", exc)
 
     def _drop(self, buf: _PoolBuffer) -> None:

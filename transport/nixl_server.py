@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from gputq.errors import InvalidInputError
-from gputq.transport.base import ArenaHandler, LogLimiter, Server
+from gputq.transport.base import ArenaHandler, Lease, LogLimiter, Server, ServerLimits, check_handler
 from gputq.transport.nixl_pool import agent_name, host_ptr, import_nixl
 from gputq.transport.policy import infiniband_devices, local_hostname
 from gputq.transport.tcp import TcpTransport
-from gputq.transport.tcp_server import HANDSHAKE_TIMEOUT_S, MAX_CONNECTIONS, SEND_TIMEOUT_S
 
 __all__ = ["NixlServer", "CONNECT", "BEGIN_WRITE", "COMMIT_WRITE", "ABORT_WRITE"]
 
@@ -58,25 +57,64 @@ def _generation(args: dict) -> int | None:
     return generation
 
 
-class _NixlControl:
+class _NixlControl(ArenaHandler):
     """The handler as the tcp server sees it: the rdma control calls added in front.
 
-    Everything else (writes, leases, the handler's own control methods) is
-    delegated unchanged, so the tcp path of an rdma unit behaves exactly
-    like a tcp unit.
+    Every other member is the handler's, unchanged, so the tcp path of an
+    rdma unit behaves exactly like a tcp unit.
     """
 
     def __init__(self, handler: ArenaHandler, connect_info: dict):
         self._handler = handler
         self._connect_info = connect_info
-        self.name = handler.name
+
+    @property
+    def name(self) -> str:
+        return self._handler.name
+
+    @property
+    def incarnation(self) -> str:
+        return self._handler.incarnation
 
     @property
     def arena(self) -> memoryview:
         return self._handler.arena
 
-    def __getattr__(self, attr):  # begin_write, commit_write, lease, incarnation, ...
-        return getattr(self._handler, attr)
+    @property
+    def arena_path(self) -> str:
+        return self._handler.arena_path
+
+    @property
+    def directory_file(self) -> dict | None:
+        return self._handler.directory_file
+
+    @property
+    def lease_timeout_s(self) -> float | None:
+        return self._handler.lease_timeout_s
+
+    @property
+    def reservation_timeout_s(self) -> float | None:
+        return self._handler.reservation_timeout_s
+
+    def begin_write(self, key: str, nbytes: int, meta: dict, timeout: float | None) -> int:
+        return self._handler.begin_write(key, nbytes, meta, timeout)
+
+    def commit_write(self, key: str, generation: int | None = None) -> dict:
+        return self._handler.commit_write(key, generation)
+
+    def abort_write(self, key: str, generation: int | None = None) -> None:
+        self._handler.abort_write(key, generation)
+
+    def lease(self, keys: Sequence[str], generations=None, incarnation=None, *, expires: bool = True) -> Lease:
+        return self._handler.lease(keys, generations=generations, incarnation=incarnation, expires=expires)
+
+    def lease_regions(self, keys: Sequence[str], generations=None, incarnation=None, *,
+                      expires: bool = True) -> tuple[int, np.ndarray]:
+        return self._handler.lease_regions(keys, generations=generations, incarnation=incarnation,
+                                           expires=expires)
+
+    def end_lease(self, lease_id: int) -> bool | None:
+        return self._handler.end_lease(lease_id)
 
     def control(self, method: str, args: dict) -> Any:
         h = self._handler
@@ -107,8 +145,8 @@ class NixlServer(Server):
     """
 
     def __init__(self, handler: ArenaHandler, *, host: str, port: int, token: str,
-                 max_frame_bytes: int, send_timeout_s: float = SEND_TIMEOUT_S,
-                 max_connections: int = MAX_CONNECTIONS, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S):
+                 limits: ServerLimits = ServerLimits()):
+        check_handler(handler)  # before an agent is made for it
         nixl_agent, nixl_agent_config, sync = import_nixl()
         self._closed = False
         self._reg = None
@@ -132,11 +170,9 @@ class NixlServer(Server):
                 self._reg = self._agent.register_memory(
                     np.array([[base, nbytes, 0]], dtype=np.uint64), "DRAM")
             info = {"agent_metadata": self._agent.get_agent_metadata(), "arena_base": base, "arena_nbytes": nbytes,
-                    "reservation_timeout_s": getattr(handler, "reservation_timeout_s", None)}
+                    "reservation_timeout_s": handler.reservation_timeout_s}
             self._tcp = TcpTransport().serve(_NixlControl(handler, info), host=host, port=port, token=token,
-                                             max_frame_bytes=max_frame_bytes, send_timeout_s=send_timeout_s,
-                                             max_connections=max_connections,
-                                             handshake_timeout_s=handshake_timeout_s)
+                                             limits=limits)
             control = self._tcp.address
             self._address = dict(transport="rdma", unit=handler.name, incarnation=control["incarnation"],
                                  control=control, hostname=local_hostname(), ib_devices=infiniband_devices())
@@ -147,6 +183,11 @@ class NixlServer(Server):
     @property
     def address(self) -> dict:
         return dict(self._address, control=dict(self._address["control"]))
+
+    @property
+    def limits(self) -> ServerLimits:
+        """What the control lane allows its peers (the one-sided transfers have no frames)."""
+        return self._tcp.limits
 
     def _progress_loop(self) -> None:
         while not self._stop.wait(_SERVER_PROGRESS_S):

@@ -14,9 +14,11 @@ the figures behind the rule (2-core dev box, ``python -m bench.transport``,
 - remote peer without InfiniBand: UCX falls back to its tcp lane, which
   emulates READ in software at 1.1-1.5 GB/s, below the tcp backend => tcp.
 
-``GPUTQ_TRANSPORT`` (``auto``, ``shm``, ``rdma`` or ``tcp``) overrides the
-requested value, so an operator can force a backend without touching the
-job's flags.
+What is requested comes from the caller, read once by the config
+(:class:`gputq.config.GputqConfig`): dataclass default ``auto`` < YAML
+``transport:`` < ``GPUTQ_TRANSPORT`` < the ``--transport`` flag. This module
+reads no environment variable: a flag the job was started with wins over
+the variable, as everywhere else in the config.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
 ]
 
 TRANSPORT_NAMES = ("auto", "shm", "rdma", "tcp")
+#: The variable that sets the config's ``transport`` (``GPUTQ_<FIELD>``); the config reads it, not this module.
 ENV_VAR = "GPUTQ_TRANSPORT"
 _IB_SYSFS = "/sys/class/infiniband"
 
@@ -131,18 +134,12 @@ def shm_supported() -> bool:
     return os.name == "posix" and hasattr(mmap, "MAP_SHARED")
 
 
-def _requested(requested: str) -> tuple[str, str]:
-    override = os.environ.get(ENV_VAR, "").strip().lower()
-    if override:
-        if override not in TRANSPORT_NAMES:
-            raise InvalidInputError(
-                f"{ENV_VAR}={override!r} is not one of {', '.join(TRANSPORT_NAMES)}")
-        return override, f"{ENV_VAR}={override}"
+def _requested(requested: str) -> str:
     name = (requested or "auto").strip().lower()
     if name not in TRANSPORT_NAMES:
         raise InvalidInputError(
             f"transport {requested!r} is not one of {', '.join(TRANSPORT_NAMES)}")
-    return name, f"requested {name}"
+    return name
 
 
 def choose_transport(requested: str = "auto", peer_address: dict | None = None) -> tuple[str, str]:
@@ -151,8 +148,10 @@ def choose_transport(requested: str = "auto", peer_address: dict | None = None) 
     Parameters
     ----------
     requested : str
-        ``"auto"``, ``"shm"``, ``"rdma"`` or ``"tcp"``; ``GPUTQ_TRANSPORT``
-        overrides it.
+        ``"auto"``, ``"shm"``, ``"rdma"`` or ``"tcp"``: what the caller asks,
+        usually its config's ``transport`` (where ``GPUTQ_TRANSPORT`` sits
+        below the ``--transport`` flag). Taken as given: no variable
+        overrides it here.
     peer_address : dict or None
         The unit's published address. Its ``hostname`` tells whether the peer
         shares this host; its ``ib_devices`` (when present) whether the peer
@@ -170,9 +169,9 @@ def choose_transport(requested: str = "auto", peer_address: dict | None = None) 
     InvalidInputError
         For a name other than auto/shm/rdma/tcp.
     """
-    name, source = _requested(requested)
+    name = _requested(requested)
     if name != "auto":
-        return name, f"{source} explicitly"
+        return name, f"requested {name} explicitly"
     if is_same_host(peer_address) and shm_supported():
         return "shm", ("auto: peer on the same host, reads copy from its arena file mapped read-only "
                        "(rdma or tcp reads where the file cannot be mapped)")

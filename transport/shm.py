@@ -71,7 +71,16 @@ from gputq.errors import (
     TransferError,
 )
 from gputq.transport import arena_copies
-from gputq.transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer, leased_regions
+from gputq.transport.base import (
+    ArenaHandler,
+    Channel,
+    ServerLimits,
+    TransportType,
+    byte_view,
+    describe_keys,
+    is_device_buffer,
+    leased_regions,
+)
 from gputq.transport.cuda import (
     HOST_REGISTER_MAPPED,
     HOST_REGISTER_PORTABLE,
@@ -143,7 +152,6 @@ class ArenaMapping:
         """
         with self._lock:
             if self._registered is None:
-
                 try:
                     if not read_only_register_supported():
                         raise TransferError("this GPU does not register read-only host memory")
@@ -165,7 +173,6 @@ class ArenaMapping:
         """Unregister and unmap. Idempotent; a view still held keeps the mapping alive."""
         with self._lock:
             if self._registered:
-
                 with contextlib.suppress(Exception):  # best effort at teardown
                     host_unregister(self.address)
             self._registered = False
@@ -275,7 +282,6 @@ class ShmChannel(Channel):
     """
 
     def __init__(self, address: dict, *, token: str, max_frame_bytes: int, timeout: float | None = None):
-
         control = address.get("control") if address.get("transport") == "rdma" else address
         if not isinstance(control, dict):
             raise InvalidInputError(f"not a tcp or rdma address: {address!r}")
@@ -324,10 +330,8 @@ class ShmChannel(Channel):
 
     def _fallback_channel(self, address: dict, token: str, max_frame_bytes: int, timeout) -> Channel:
         """rdma for a unit that serves it and where NIXL imports (cma on one host), else the tcp lane."""
-
         if address.get("transport") == "rdma" and nixl_import_error() is None:
             try:
-
                 return NixlTransport().connect(address, token=token, max_frame_bytes=max_frame_bytes,
                                                timeout=timeout)
             except Exception as exc:  # NIXL's agent or UCX refused: tcp still works
@@ -427,7 +431,6 @@ class ShmChannel(Channel):
             reason = self.fallback_reason or (self.mapping.register_error if self.mapping else None)
             raise MissingDependencyError(f"unit {self.unit}: no mapped arena for zero-copy reads ({reason})")
         if device:
-
             base = mapped_device_pointer(self.mapping.address)
         else:
             base = self.mapping.address
@@ -574,9 +577,9 @@ class ShmTransport(TransportType):
 
     name = "shm"
 
-    def serve(self, handler, *, host: str = "127.0.0.1", port: int = 0, token: str, max_frame_bytes: int):
-
-        return TcpTransport().serve(handler, host=host, port=port, token=token, max_frame_bytes=max_frame_bytes)
+    def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0, token: str,
+              limits: ServerLimits = ServerLimits()):
+        return TcpTransport().serve(handler, host=host, port=port, token=token, limits=limits)
 
     def connect(self, address: dict, *, token: str, max_frame_bytes: int,
                 timeout: float | None = None) -> ShmChannel:

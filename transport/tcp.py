@@ -30,12 +30,17 @@ from gputq.errors import (
     ProtocolError,
     RequestTooLargeError,
 )
-from gputq.transport.base import ArenaHandler, Channel, TransportType, byte_view, describe_keys, is_device_buffer
+from gputq.transport.base import (
+    ArenaHandler,
+    Channel,
+    ServerLimits,
+    TransportType,
+    byte_view,
+    describe_keys,
+    is_device_buffer,
+)
 from gputq.transport.staging import StagingPool, device_nbytes
 from gputq.transport.tcp_server import (
-    HANDSHAKE_TIMEOUT_S,
-    MAX_CONNECTIONS,
-    SEND_TIMEOUT_S,
     SOCKET_BUFFER_BYTES,
     TcpServer,
     serve_connection,
@@ -323,11 +328,8 @@ class TcpTransport(TransportType):
     name = "tcp"
 
     def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0, token: str,
-              max_frame_bytes: int, send_timeout_s: float = SEND_TIMEOUT_S,
-              max_connections: int = MAX_CONNECTIONS,
-              handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> TcpServer:
-        return TcpServer(handler, host, port, token, max_frame_bytes, send_timeout_s=send_timeout_s,
-                         max_connections=max_connections, handshake_timeout_s=handshake_timeout_s)
+              limits: ServerLimits = ServerLimits()) -> TcpServer:
+        return TcpServer(handler, host, port, token, limits)
 
     def connect(self, address: dict, *, token: str, max_frame_bytes: int,
                 timeout: float | None = None) -> TcpChannel:

@@ -3,10 +3,10 @@
 One thread accepts connections and runs every handshake in a selector loop:
 an unauthenticated peer holds a socket and at most a few KiB
 (:data:`~gputq.transport.wire.PRE_AUTH_BODY_BYTES`), never a thread, and must
-complete its HELLO within ``handshake_timeout_s``. Each authenticated
-connection then gets a thread. ``max_connections`` caps the connections of
-both kinds; above it, new ones are closed at once. Failed handshakes are
-logged at a limited rate.
+complete its HELLO within the :class:`~gputq.transport.base.ServerLimits`'
+``handshake_timeout_s``. Each authenticated connection then gets a thread.
+``max_connections`` caps the connections of both kinds; above it, new ones
+are closed at once. Failed handshakes are logged at a limited rate.
 
 A read is sent under a lease the server holds itself (``expires=False``: it
 never expires while the server sends) and under ``send_timeout_s``: a client
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import inspect
 import logging
 import selectors
 import socket
@@ -46,7 +45,15 @@ from gputq.errors import (
     RequestTooLargeError,
     TransferError,
 )
-from gputq.transport.base import ArenaHandler, LogLimiter, Server, byte_view, write_window
+from gputq.transport.base import (
+    ArenaHandler,
+    LogLimiter,
+    Server,
+    ServerLimits,
+    byte_view,
+    check_handler,
+    write_window,
+)
 from gputq.transport.policy import local_hostname
 from gputq.transport.wire import (
     HEADER,
@@ -64,9 +71,6 @@ from gputq.transport.wire import (
 
 __all__ = [
     "SOCKET_BUFFER_BYTES",
-    "MAX_CONNECTIONS",
-    "HANDSHAKE_TIMEOUT_S",
-    "SEND_TIMEOUT_S",
     "MAX_REQUEST_ITEMS",
     "TcpServer",
     "Handshake",
@@ -78,12 +82,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 4 << 20
-#: Default cap on one server's connections, authenticated or not.
-MAX_CONNECTIONS = 256
-#: Default time a peer has from connecting to a complete, valid HELLO.
-HANDSHAKE_TIMEOUT_S = 5.0
-#: Default time a server has to send one reply frame; a peer not reading loses its connection.
-SEND_TIMEOUT_S = 60.0
 #: The most keys (or lease ids) one request may name.
 MAX_REQUEST_ITEMS = 1 << 16
 _ACCEPT_POLL_S = 0.1
@@ -139,45 +137,20 @@ def _typed(exc: Exception, handler: ArenaHandler) -> Exception:
 
 # ---------------------------------------------------------------- leases
 
-def _lease_kwargs(generations, incarnation, expires: bool | None) -> dict:
-    # Passed only when set: a handler without generation checks still serves reads without them.
-    kwargs: dict = {}
-    if generations is not None:
-        kwargs["generations"] = generations
-    if incarnation is not None:
-        kwargs["incarnation"] = incarnation
-    if expires is not None:
-        kwargs["expires"] = expires
-    return kwargs
+def lease_array(handler: ArenaHandler, keys: list, generations: list | None, incarnation: str | None, *,
+                expires: bool) -> tuple[int, np.ndarray]:
+    """Lease ``keys`` with :meth:`ArenaHandler.lease_regions`; return ``(lease_id, int64 [n, 2])``.
 
-
-def lease_array(handler: ArenaHandler, keys: list, **kwargs) -> tuple[int, np.ndarray]:
-    """Lease ``keys``; return ``(lease_id, int64 [n, 2] of (offset, nbytes))``.
-
-    Uses the handler's ``lease_regions`` when it has one: a 1024-key lease
-    without building 1024 region objects.
+    The rows are (offset, nbytes), one per key, little-endian as they go on the wire.
     """
-    lease_regions = getattr(handler, "lease_regions", None)
-    if lease_regions is not None:
-        lease_id, regions = lease_regions(keys, **kwargs)
-        return int(lease_id), np.asarray(regions, dtype="<i8").reshape(len(keys), 2)
-    lease = handler.lease(keys, **kwargs)
-    regions = np.array([(r.offset, r.nbytes) for r in lease.regions], dtype="<i8").reshape(len(keys), 2)
-    return lease.lease_id, regions
+    lease_id, regions = handler.lease_regions(keys, generations=generations, incarnation=incarnation,
+                                              expires=expires)
+    return int(lease_id), np.asarray(regions, dtype="<i8").reshape(len(keys), 2)
 
 
 def _held(result) -> bool:
     # None: a handler whose leases never expire (see ArenaHandler.end_lease).
     return result is None or bool(result)
-
-
-def _holds_without_expiry(handler: ArenaHandler) -> bool:
-    # A handler whose lease() has no ``expires`` keeps its own lease timeout on
-    # the server's lease too; the send deadline must then be the shorter one.
-    try:
-        return "expires" in inspect.signature(handler.lease).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _generic_call(handler: ArenaHandler, method: str, args: dict):
@@ -189,19 +162,20 @@ def _generic_call(handler: ArenaHandler, method: str, args: dict):
         for lease_id in _list_of(args.get("end", []), int, "end"):
             handler.end_lease(lease_id)  # first: a unit short of space frees them before leasing more
         keys = _list_of(args.get("keys"), str, "keys")
-        lease_id, regions = lease_array(handler, keys, **_lease_kwargs(
-            _generations(args.get("generations"), len(keys)), _incarnation(args.get("incarnation")), None))
+        # A one-sided reader may die mid-read: its lease must end without it.
+        lease_id, regions = lease_array(handler, keys, _generations(args.get("generations"), len(keys)),
+                                        _incarnation(args.get("incarnation")), expires=True)
         reply = {"lease_id": lease_id, "regions": regions.tobytes()}
-        lifetime = getattr(handler, "lease_timeout_s", None)
-        if isinstance(lifetime, (int, float)) and not isinstance(lifetime, bool):
+        lifetime = handler.lease_timeout_s
+        if lifetime is not None:
             reply["expires_in"] = float(lifetime)  # lets the reader skip the confirm (gputq.transport.lease_ends)
         return reply
     if method == "end_lease":
         return {"held": [_held(handler.end_lease(i)) for i in _list_of(args.get("lease_ids"), int, "lease_ids")]}
     if method == "arena_file":
         reply = {"path": handler.arena_path, "nbytes": byte_view(handler.arena).nbytes}
-        directory = getattr(handler, "directory_file", None)
-        if isinstance(directory, dict):
+        directory = handler.directory_file
+        if directory is not None:
             reply["directory"] = directory
         return reply
     return NotImplemented
@@ -268,12 +242,13 @@ def _coalesce(arena: memoryview, regions: np.ndarray) -> list[memoryview]:
     return [arena[off:off + n] for off, n in spans]
 
 
-def _serve_read(writer, handler, body, max_frame_bytes: int, own_expiry: bool | None) -> None:
+def _serve_read(writer, handler, body, max_frame_bytes: int) -> None:
     try:
         keys = _list_of(body.get("keys"), str, "keys")
-        kwargs = _lease_kwargs(_generations(body.get("generations"), len(keys)),
-                               _incarnation(body.get("incarnation")), own_expiry)
-        lease_id, regions = lease_array(handler, keys, **kwargs)
+        # expires=False: the server ends it in `finally`, so the handler's lease timeout
+        # cannot cut a slow send short and free the region under it.
+        lease_id, regions = lease_array(handler, keys, _generations(body.get("generations"), len(keys)),
+                                        _incarnation(body.get("incarnation")), expires=False)
     except Exception as exc:
         _reply_error(writer, _typed(exc, handler))
         return
@@ -326,27 +301,34 @@ def _linger(sock) -> None:
         pass
 
 
-def serve_connection(sock, handler: ArenaHandler, *, max_frame_bytes: int,
-                     send_timeout_s: float | None = SEND_TIMEOUT_S) -> None:
+def serve_connection(sock, handler: ArenaHandler, limits: ServerLimits) -> None:
     """Serve one authenticated connection until it closes, then close ``sock``.
 
     Sends the HELLO reply (``unit``, ``incarnation``) first. A protocol
-    violation (bad magic or version, oversized or truncated frame, malformed
-    msgpack) is answered with a best-effort ERROR frame and ends this
-    connection only; so does a reply not sent within ``send_timeout_s``,
-    and a write payload not received within :func:`~gputq.transport.base.write_window`
-    of the handler's ``reservation_timeout_s`` (and ``send_timeout_s``):
-    its reservation is then aborted, before it could expire.
-    A request with malformed fields, and any error raised by ``handler``,
-    gets a typed ERROR reply and the connection goes on.
+    violation (bad magic or version, a frame over ``limits.max_frame_bytes``,
+    truncated frame, malformed msgpack) is answered with a best-effort ERROR
+    frame and ends this connection only; so does a reply not sent within
+    ``limits.send_timeout_s``, and a write payload not received within
+    :func:`~gputq.transport.base.write_window` of the handler's
+    ``reservation_timeout_s`` (and ``send_timeout_s``): its reservation is
+    then aborted, before it could expire. A request with malformed fields,
+    and any error raised by ``handler``, gets a typed ERROR reply and the
+    connection goes on.
+
+    Raises
+    ------
+    InvalidInputError
+        ``handler`` is not an :class:`~gputq.transport.base.ArenaHandler`
+        (``sock`` is left open).
     """
+    check_handler(handler)
+    max_frame_bytes = limits.max_frame_bytes
     reader = FrameReader(sock, max_frame_bytes)
-    writer = FrameWriter(sock, frame_timeout=send_timeout_s)
-    own_expiry = False if _holds_without_expiry(handler) else None
-    receive_s = write_window(getattr(handler, "reservation_timeout_s", None), send_timeout_s)
+    writer = FrameWriter(sock, frame_timeout=limits.send_timeout_s)
+    receive_s = write_window(handler.reservation_timeout_s, limits.send_timeout_s)
     try:
         sock.settimeout(None)
-        writer.send(Op.OK, {"unit": handler.name, "incarnation": getattr(handler, "incarnation", "")})
+        writer.send(Op.OK, {"unit": handler.name, "incarnation": handler.incarnation})
         while True:
             try:
                 header = reader.read_header()
@@ -359,7 +341,7 @@ def serve_connection(sock, handler: ArenaHandler, *, max_frame_bytes: int,
             if header.payload_len:
                 raise ProtocolError(f"opcode {header.opcode} carries no payload")
             if header.opcode == Op.READ:
-                _serve_read(writer, handler, body, max_frame_bytes, own_expiry)
+                _serve_read(writer, handler, body, max_frame_bytes)
             elif header.opcode == Op.CALL:
                 _serve_call(writer, handler, body)
             else:
@@ -437,22 +419,18 @@ class TcpServer(Server):
     Attributes
     ----------
     refused : int
-        Connections closed at once because ``max_connections`` were open.
+        Connections closed at once because ``limits.max_connections`` were open.
     failed_handshakes : int
         Connections that did not authenticate (wrong token, bad frame, deadline).
     """
 
-    def __init__(self, handler: ArenaHandler, host: str, port: int, token: str, max_frame_bytes: int, *,
-                 send_timeout_s: float = SEND_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S):
-        if max_connections < 1 or handshake_timeout_s <= 0 or send_timeout_s <= 0:
-            raise InvalidInputError("max_connections, handshake_timeout_s and send_timeout_s must be positive")
-        self._handler = handler
+    def __init__(self, handler: ArenaHandler, host: str, port: int, token: str,
+                 limits: ServerLimits = ServerLimits()):
+        if not isinstance(limits, ServerLimits):
+            raise InvalidInputError(f"limits must be a ServerLimits, got {type(limits).__name__}")
+        self._handler = check_handler(handler)
         self._token = token
-        self._max_frame_bytes = int(max_frame_bytes)
-        self._send_timeout_s = float(send_timeout_s)
-        self._max_connections = int(max_connections)
-        self._handshake_timeout_s = float(handshake_timeout_s)
+        self._limits = limits
         self._lock = threading.Lock()
         self._closed = False
         self._nconns = 0  # handshaking + authenticated
@@ -469,7 +447,7 @@ class TcpServer(Server):
         self._host = host
         self._port = self._listener.getsockname()[1]
         self._address = {"transport": "tcp", "unit": handler.name,
-                         "incarnation": getattr(handler, "incarnation", ""),
+                         "incarnation": handler.incarnation,
                          "host": host, "port": self._port, "hostname": local_hostname()}
         self._loop = threading.Thread(target=self._accept_loop, name=f"gputq-tcp-accept-{handler.name}",
                                       daemon=True)
@@ -478,6 +456,11 @@ class TcpServer(Server):
     @property
     def address(self) -> dict:
         return dict(self._address)
+
+    @property
+    def limits(self) -> ServerLimits:
+        """What the server allows its peers."""
+        return self._limits
 
     @property
     def connections(self) -> int:
@@ -508,7 +491,7 @@ class TcpServer(Server):
                 for hs in [h for h in self._pending.values() if h.deadline <= now]:
                     if not hs.draining:
                         self._fail(hs, GputqTimeoutError(
-                            f"no valid HELLO within {self._handshake_timeout_s:g} s"), linger=False)
+                            f"no valid HELLO within {self.limits.handshake_timeout_s:g} s"), linger=False)
                     self._drop(hs)
         finally:
             for hs in list(self._pending.values()):
@@ -528,17 +511,17 @@ class TcpServer(Server):
                 time.sleep(_ACCEPT_RETRY_S)
                 return
             with self._lock:
-                full = self._nconns >= self._max_connections
+                full = self._nconns >= self.limits.max_connections
                 if not full:
                     self._nconns += 1
             if full:
                 self.refused += 1
                 self._limited_log.warning("unit %s: %d connections open (max_connections); refusing %s",
-                                          self._handler.name, self._max_connections, peer)
+                                          self._handler.name, self.limits.max_connections, peer)
                 sock.close()
                 continue
             sock.setblocking(False)
-            hs = Handshake(sock, peer, time.monotonic() + self._handshake_timeout_s)
+            hs = Handshake(sock, peer, time.monotonic() + self.limits.handshake_timeout_s)
             self._pending[sock] = hs
             self._selector.register(sock, selectors.EVENT_READ, hs)
 
@@ -610,8 +593,7 @@ class TcpServer(Server):
         try:
             sock.setblocking(True)
             tune_socket(sock)
-            serve_connection(sock, self._handler, max_frame_bytes=self._max_frame_bytes,
-                             send_timeout_s=self._send_timeout_s)
+            serve_connection(sock, self._handler, self.limits)
         except Exception:  # a handler bug must not go unnoticed, nor kill the server
             log.exception("unit %s: connection thread failed", self._handler.name)
             with contextlib.suppress(OSError):

@@ -25,10 +25,11 @@ new keys are placed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from gputq.config import GputqConfig
 from gputq.errors import (
@@ -38,6 +39,7 @@ from gputq.errors import (
     GputqError,
     GputqTimeoutError,
     InvalidInputError,
+    MissingDependencyError,
     PeerLostError,
     UnitLostError,
     UnitTimeoutError,
@@ -67,8 +69,15 @@ class UnitChannel(Channel):
     It forwards ``write``, ``read`` and ``call`` to the transport's channel
     and turns a lost peer or a timeout into :class:`UnitLostError` naming
     the unit and the keys; while the unit is marked lost, requests fail at
-    once. Other attributes are the transport channel's. ``close`` is a
-    no-op: :class:`UnitClients` owns the connection.
+    once. ``close`` is a no-op: :class:`UnitClients` owns the connection.
+
+    Same-host reads (the shm transport) add :meth:`mapped_source`, under the
+    same rule, and the queries :attr:`mapping`, :meth:`device_mappable`,
+    :attr:`fallback_reason`, :attr:`reads_ahead` and :attr:`hint_misses`,
+    which answer "nothing mapped" (``None``, ``False``, ``0``) for other
+    transports and while the unit is lost, so a reader takes the path whose
+    requests name their keys. Nothing else of the transport channel shows
+    through: each member decides how a lost unit appears.
     """
 
     def __init__(self, owner: "UnitClients", unit: str):
@@ -88,13 +97,87 @@ class UnitChannel(Channel):
         return self._owner._run(self.unit, keys if isinstance(keys, (list, tuple)) else (), method,
                                 lambda chan: chan.call(method, timeout=timeout, **args))
 
+    @contextlib.contextmanager
+    def mapped_source(self, keys: Sequence[str], timeout: float | None = None, **kwargs) -> Iterator:
+        """Lease ``keys`` and lend their bytes where they lie in the unit's mapped arena.
+
+        :meth:`ShmChannel.mapped_source <gputq.transport.shm.ShmChannel.mapped_source>`
+        (same arguments, a context manager yielding the ``[n, 2]`` addresses
+        and lengths) under the loss rule: the lease is requested on entry and
+        confirmed on exit, and a lost peer or a timeout in either marks the
+        unit lost and raises :class:`UnitLostError` naming the keys. An error
+        of the block itself passes through as it is.
+
+        Raises
+        ------
+        MissingDependencyError
+            The unit's transport maps no arena here (tcp, rdma), or the
+            mapping cannot serve this read (see the shm channel).
+        UnitLostError
+            The unit is lost, or was lost while the lease was requested or
+            confirmed.
+        """
+        keys, owner = list(keys), self._owner
+
+        def enter(chan):
+            lend = getattr(chan, "mapped_source", None)
+            if lend is None:
+                raise MissingDependencyError(f"unit {self.unit}: {type(chan).__name__} maps no arena "
+                                             f"for zero-copy reads")
+            source = lend(keys, timeout, **kwargs)
+            return source, source.__enter__()
+
+        source, regions = owner._run(self.unit, keys, "read", enter)
+        try:
+            yield regions
+        except BaseException as exc:
+            if not owner._guarded(self.unit, keys, "read", source.__exit__, type(exc), exc, exc.__traceback__):
+                raise
+        else:
+            owner._guarded(self.unit, keys, "read", source.__exit__, None, None, None)
+
+    @property
+    def mapping(self):
+        """The unit's arena as mapped here (shm), or None: the transport maps none, or the unit is lost."""
+        return getattr(self._live(), "mapping", None)
+
+    def device_mappable(self) -> bool:
+        """True when the arena is mapped here and registered with CUDA (False for other transports
+        and while the unit is lost)."""
+        chan = self._live()
+        if chan is None or not hasattr(chan, "device_mappable"):
+            return False
+        return bool(self._owner._guarded(self.unit, (), "device_mappable", chan.device_mappable))
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why an shm channel reads over rdma or tcp, when it does (None otherwise, or while lost)."""
+        return getattr(self._live(), "fallback_reason", None)
+
+    @property
+    def reads_ahead(self) -> int:
+        """Reads of the current shm channel copied from the key directory ahead of their lease."""
+        return int(getattr(self._live(), "reads_ahead", 0))
+
+    @property
+    def hint_misses(self) -> int:
+        """Reads of the current shm channel whose directory regions the lease did not confirm."""
+        return int(getattr(self._live(), "hint_misses", 0))
+
+    @property
+    def incarnation(self) -> str:
+        """The incarnation the unit announced on connecting (UnitLostError while it is lost)."""
+        return self._owner._run(self.unit, (), "incarnation", lambda chan: chan.incarnation)
+
     def close(self) -> None:
         """Nothing to do: the connection belongs to :class:`UnitClients`."""
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):  # private and dunder lookups (copy, pickle) are not forwarded
-            raise AttributeError(name)
-        return getattr(self._owner._transport_channel(self.unit, (), name), name)
+    def _live(self):
+        """The transport channel, connected if need be; None while the unit is lost."""
+        try:
+            return self._owner._transport_channel(self.unit, (), "connect")
+        except UnitLostError:
+            return None
 
     def __repr__(self) -> str:
         return f"UnitChannel({self.unit!r})"
@@ -161,7 +244,6 @@ class UnitClients(Closeable):
         with self._lock:
             choice = self._choices.get(unit)
         if choice is None:
-
             choice = choose_transport(self._config.transport, self._address(unit))
             with self._lock:
                 choice = self._choices.setdefault(unit, choice)
@@ -312,9 +394,14 @@ class UnitClients(Closeable):
 
     def _run(self, unit: str, keys: Sequence[str], what: str, request: Callable[[Any], Any], *,
              connect_timeout: float | None = None) -> Any:
+        """``request(channel)`` on the live transport channel of ``unit``, under :meth:`_guarded`."""
         chan = self._transport_channel(unit, keys, what, connect_timeout)
+        return self._guarded(unit, keys, what, lambda: request(chan))
+
+    def _guarded(self, unit: str, keys: Sequence[str], what: str, request: Callable[..., Any], *args) -> Any:
+        """``request(*args)``; a lost peer or a timeout in it marks ``unit`` lost and raises UnitLostError."""
         try:
-            return request(chan)
+            return request(*args)
         except GputqError as exc:
             # A ClosedError here is the channel mark_lost closed under this request.
             lost_meanwhile = isinstance(exc, ClosedError) and not self._closed and unit in self.lost

@@ -8,9 +8,10 @@ references are counted per partition (rollout) on the key's unit:
   reference per segment that uses the key;
 - :func:`carry` moves a session's references to a later partition without
   moving bytes (a partial rollout: the session goes on in the next rollout);
+  :func:`transfer` does it for keys listed per unit (``Controller.transfer``);
 - :func:`drop` gives back the references of segments nobody will train on
   (a filtered-out group); :meth:`Reader.release <gputq.client.reader.Reader.release>`
-  those of consumed segments;
+  those of consumed segments (both through :func:`release`);
 - ``Controller.release_partition`` drops whatever a rollout still holds.
 
 :func:`uses_of` counts what a caller still holds, for
@@ -26,9 +27,9 @@ from typing import Any, Iterable, Mapping
 from gputq.client.fanout import fan_out, tally
 from gputq.data.refs import FieldRef, Layout, uses_by_unit
 from gputq.data.trajectory import Segment, Session
-from gputq.errors import InvalidInputError
+from gputq.errors import InvalidInputError, UnitLostError
 
-__all__ = ["uses_of", "keys_by_unit", "on_units", "carry", "drop"]
+__all__ = ["uses_of", "keys_by_unit", "on_units", "carry", "transfer", "drop", "release"]
 
 
 def _samples(what: Any) -> Iterable[Mapping[str, Layout] | FieldRef]:
@@ -92,11 +93,6 @@ def on_units(samples: Iterable[Mapping[str, Layout]], units: Iterable[str]) -> l
             if all(ref.unit in units for layout in sample.values() for ref in layout.refs())]
 
 
-def _per_unit(clients, work: Mapping[str, Any], call, what: str) -> int:
-    """Run ``call(channel, args)`` on each unit in parallel; total its counts (see :func:`tally`)."""
-    return tally(fan_out(work, lambda unit: int(call(clients.channel(unit), work[unit]))), what, "done")["done"]
-
-
 def carry(what: Any, from_partition: str, to_partition: str, clients, *,
           timeout: float | None = None) -> int:
     """Move the references ``from_partition`` holds on the keys of ``what`` to ``to_partition``.
@@ -120,13 +116,40 @@ def carry(what: Any, from_partition: str, to_partition: str, clients, *,
         ``from_partition`` holds no reference to some key (nothing moved on
         that unit).
     PartialFailureError
-        Some units were unreachable; the others moved their keys.
+        Some units were unreachable; the others moved their keys
+        (``.result``: ``{"moved", "unreachable"}``).
+    """
+    return transfer(keys_by_unit(what), from_partition, to_partition, clients, timeout=timeout)
+
+
+def transfer(by_unit: Mapping[str, Iterable[str]], from_partition: str, to_partition: str, clients, *,
+             timeout: float | None = None) -> int:
+    """:func:`carry` for keys listed per unit: unit -> its keys (repeats and empty lists are fine).
+
+    Every unit is asked in parallel; a lost one does not keep the others
+    from moving theirs.
+
+    Returns
+    -------
+    int
+        Keys moved.
+
+    Raises
+    ------
+    InvalidInputError
+        ``from_partition`` holds no reference to some key (nothing moved on
+        that unit), or a unit is not a member; raised after the other units
+        moved theirs.
+    PartialFailureError
+        Some units were unreachable; the others moved their keys
+        (``.result``: ``{"moved", "unreachable"}``).
     """
     timeout = clients.config.control_timeout_s if timeout is None else timeout
-    work = keys_by_unit(what)
-    return _per_unit(clients, work, lambda chan, keys: chan.call(
-        "transfer", timeout=timeout, keys=keys, from_partition=str(from_partition),
-        to_partition=str(to_partition)), f"carry {from_partition!r} -> {to_partition!r}")
+    work = {unit: sorted(set(keys)) for unit, keys in by_unit.items() if keys}
+    done = fan_out(work, lambda unit: int(clients.channel(unit).call(
+        "transfer", timeout=timeout, keys=work[unit], from_partition=str(from_partition),
+        to_partition=str(to_partition))))
+    return tally(done, f"transfer {from_partition!r} -> {to_partition!r}", "moved")["moved"]
 
 
 def drop(samples: Iterable[Mapping[str, Layout]], partition: str, clients, *,
@@ -148,7 +171,8 @@ def drop(samples: Iterable[Mapping[str, Layout]], partition: str, clients, *,
     InvalidInputError
         ``partition`` holds fewer references to a key than the samples use.
     PartialFailureError
-        Some units were unreachable; the others released theirs.
+        Some units were unreachable (when asked or when released); the
+        others released theirs. ``.result``: ``{"freed", "unreachable"}``.
     """
     timeout = clients.config.control_timeout_s if timeout is None else timeout
     work = uses_by_unit(list(samples))
@@ -163,7 +187,53 @@ def drop(samples: Iterable[Mapping[str, Layout]], partition: str, clients, *,
                                         f"to key {entry['key']!r}; cannot drop {wanted[entry['key']]}")
         return 0
 
-    _per_unit(clients, work, short, f"drop from {partition!r}")
-    extra = {} if release_id is None else {"release_id": release_id}
-    return _per_unit(clients, work, lambda chan, keys: chan.call(
-        "release", timeout=timeout, keys=keys, partition=partition, **extra), f"drop from {partition!r}")
+    checked = fan_out(work, lambda unit: short(clients.channel(unit), work[unit]))
+    for unit in sorted(checked):  # a unit's own answer: a reference is missing, release nothing
+        if isinstance(checked[unit], BaseException) and not isinstance(checked[unit], UnitLostError):
+            raise checked[unit]
+    # A unit the check did not reach is reported as unreachable; the others release theirs.
+    reached = {unit: keys for unit, keys in work.items() if not isinstance(checked[unit], BaseException)}
+    done = {**checked, **_released(reached, partition, clients, release_id=release_id, timeout=timeout)}
+    return tally(done, f"drop from {partition!r}", "freed")["freed"]
+
+
+def release(uses: Mapping[str, Iterable[str]], partition: str, clients, *, missing_ok: bool = False,
+            release_id: str | None = None, timeout: float | None = None, what: str | None = None) -> dict:
+    """Drop one reference of ``partition`` per listed use (unit -> keys, a key once per use), in parallel.
+
+    The one fan-out behind :func:`drop` and :meth:`Reader.release
+    <gputq.client.reader.Reader.release>`. ``missing_ok`` skips keys no
+    longer stored and references ``partition`` no longer holds;
+    ``release_id`` makes a retry a no-op on each unit that applied it.
+
+    Returns
+    -------
+    dict
+        ``{"freed": keys freed, "unreachable": {}}``.
+
+    Raises
+    ------
+    UnknownKeyError
+        A key is no longer stored (unless ``missing_ok``).
+    InvalidInputError
+        ``partition`` holds fewer references to a key than listed (unless
+        ``missing_ok``).
+    PartialFailureError
+        Some units were unreachable; raised after every other unit released
+        its keys, with ``{"freed", "unreachable": {unit: reason}}`` as ``.result``.
+    """
+    done = _released(uses, partition, clients, missing_ok=missing_ok, release_id=release_id, timeout=timeout)
+    return tally(done, what or f"release from {partition!r}", "freed")
+
+
+def _released(uses: Mapping[str, Iterable[str]], partition: str, clients, *, missing_ok: bool = False,
+              release_id: str | None = None, timeout: float | None = None) -> dict:
+    """The fan-out of :func:`release`: unit -> keys freed, or the error its call raised."""
+    timeout = clients.config.control_timeout_s if timeout is None else timeout
+    partition = str(partition)
+    extra = {"missing_ok": True} if missing_ok else {}
+    if release_id is not None:
+        extra["release_id"] = release_id
+    work = {unit: list(keys) for unit, keys in uses.items()}
+    return fan_out(work, lambda unit: int(clients.channel(unit).call(
+        "release", timeout=timeout, keys=work[unit], partition=partition, **extra)))

@@ -34,7 +34,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from gputq.client.clients import UnitClients
-from gputq.client.fanout import fan_out, tally
+from gputq.client.lifecycle import release
 from gputq.config import GputqConfig
 from gputq.data.fields import sample_key_of
 from gputq.data.refs import FieldRef, Layout, uses_by_unit
@@ -231,7 +231,6 @@ class Reader(Closeable):
             raise InvalidInputError(f"reader_id must be a non-empty str, got {reader_id!r}")
         self.reader_id = reader_id
         if device != "cpu":
-
             if not cuda_available():
                 raise InvalidInputError(f"device={device!r}, but no usable CUDA device (CuPy sees none)")
         self._clients = clients
@@ -317,7 +316,6 @@ class Reader(Closeable):
         if self._device == "cpu" and units:
             transports = {self._clients.transport_of(unit)[0] for unit in units}
             if transports == {"rdma"}:
-
                 return lent.enter_context(get_transport("rdma").destination(nbytes))
         return self._own_staging(nbytes)
 
@@ -349,7 +347,6 @@ class Reader(Closeable):
             self._read(request, dest)
 
     def _restore(self, per_field: dict, staging, samples: int) -> list[dict]:
-
         results: list[dict] = [{} for _ in range(samples)]
         for name, (layouts, stage) in per_field.items():
             plan, offsets, total = build_plan(stage, layouts)
@@ -415,11 +412,9 @@ class Reader(Closeable):
             release_id = self._default_release_id(uses, partition)
         elif not isinstance(release_id, str) or not release_id:
             raise InvalidInputError(f"release_id must be a non-empty str, got {release_id!r}")
-        timeout = self._config.control_timeout_s
-        done = fan_out(uses, lambda unit: self._clients.channel(unit).call(
-            "release", timeout=timeout, keys=uses[unit], partition=partition, missing_ok=True,
-            release_id=release_id))
-        return tally(done, f"release of a shard of partition {partition!r}", "freed")
+        return release(uses, partition, self._clients, missing_ok=True, release_id=release_id,
+                       timeout=self._config.control_timeout_s,
+                       what=f"release of a shard of partition {partition!r}")
 
     def _default_release_id(self, uses: Mapping[str, list[str]], partition: str) -> str:
         """The default release id of a shard: ``reader_id`` and a digest of its ``uses`` per unit."""
@@ -491,9 +486,11 @@ def _mapped_staging(reader: Reader, requests: list[_Request], nbytes: int, stats
 
 
 def _mapped_here(channel, on_device: bool) -> bool:
+    """Whether ``channel`` (a :class:`~gputq.client.clients.UnitChannel`) lends its unit's arena
+    here: never for tcp or rdma, nor while the unit is lost (its reads then name their keys)."""
     if on_device:
-        return getattr(channel, "device_mappable", lambda: False)()
-    return getattr(channel, "mapping", None) is not None
+        return channel.device_mappable()
+    return channel.mapping is not None
 
 
 def _cupy():

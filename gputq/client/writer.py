@@ -32,6 +32,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from gputq.client.clients import UnitClients
+from gputq.client.fanout import fan_out, tally
 from gputq.client.placement import rendezvous_unit
 from gputq.config import GputqConfig
 from gputq.data.fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
@@ -223,12 +224,30 @@ class Writer(Closeable):
         Call it once per segment, after composing (it waits for the writes
         of these keys to land).
 
+        Every unit of the samples is served in parallel: a lost unit does
+        not keep the others from finalizing their keys.
+
         Parameters
         ----------
         samples:
             Per segment, its mapping of field name to :class:`Layout`.
         partition:
             The rollout that wrote the keys.
+
+        Raises
+        ------
+        TransferError
+            A write of one of these keys failed; nothing was finalized.
+        PartialFailureError
+            Some units were unreachable; raised after every other unit
+            finalized its keys, with ``{"finalized": keys finalized,
+            "unreachable": {unit: reason}}`` as ``.result``. The keys on an
+            unreachable unit keep their write references (its rollout's
+            ``release_partition`` frees them).
+        GputqError
+            A unit's own answer (``UnknownKeyError``: a key is gone, its
+            rollout released meanwhile), raised after the other units
+            finalized theirs.
         """
         uses = uses_by_unit(samples)
         self.wait([key for keys in uses.values() for key in keys])
@@ -236,12 +255,17 @@ class Writer(Closeable):
             failed = sorted({key for keys in uses.values() for key in keys} & set(self._failures))
         if failed:
             raise TransferError(f"cannot finalize: writes of {failed[:8]} failed", keys=failed)
-        for unit, keys in uses.items():
-            channel = self._clients.channel(unit)
+        timeout = self._config.control_timeout_s
+
+        def finalize_on(unit: str) -> int:
+            channel, keys = self._clients.channel(unit), uses[unit]
             # Segment references first: the count never touches zero in between.
-            channel.call("add_ref", timeout=self._config.control_timeout_s, keys=keys, partition=partition)
-            channel.call("release", timeout=self._config.control_timeout_s, keys=sorted(set(keys)),
-                         partition=partition)
+            channel.call("add_ref", timeout=timeout, keys=keys, partition=partition)
+            written = sorted(set(keys))
+            channel.call("release", timeout=timeout, keys=written, partition=partition)
+            return len(written)
+
+        tally(fan_out(uses, finalize_on), f"finalize of partition {partition!r}", "finalized")
 
     def delete(self, refs) -> None:
         """Remove the stored blobs of ``refs`` regardless of who references them."""

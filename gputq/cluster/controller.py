@@ -30,7 +30,7 @@ from typing import Iterable
 
 from gputq.client.clients import UnitClients
 from gputq.client.fanout import failures, fan_out, tally
-from gputq.client.lifecycle import uses_of
+from gputq.client.lifecycle import transfer, uses_of
 from gputq.config import GputqConfig
 from gputq.errors import GputqError, InvalidInputError, UnknownKeyError
 
@@ -215,17 +215,14 @@ class Controller:
                  to_partition: str) -> int:
         """Move keys to another rollout (partial rollout); no bytes move. Returns keys moved.
 
-        Raises :class:`PartialFailureError` (``.result``: ``{"moved", "unreachable"}``)
-        after the other units moved theirs, if some unit could not be reached.
+        Opens ``to_partition``, then :func:`gputq.client.lifecycle.transfer`
+        over this controller's channels. Raises :class:`PartialFailureError`
+        (``.result``: ``{"moved", "unreachable"}``) after the other units
+        moved theirs, if some unit could not be reached.
         """
         self.open_partition(to_partition)
-        clients = self._channels()
-        wanted = {unit: sorted(set(keys)) for unit, keys in keys_by_unit.items() if keys}
-        timeout = self._config.control_timeout_s
-        done = fan_out(wanted, lambda unit: int(clients.channel(unit).call(
-            "transfer", timeout=timeout, keys=wanted[unit], from_partition=str(from_partition),
-            to_partition=str(to_partition))))
-        return tally(done, f"transfer {from_partition!r} -> {to_partition!r}", "moved")["moved"]
+        return transfer(keys_by_unit, from_partition, to_partition, self._channels(),
+                        timeout=self._config.control_timeout_s)
 
     # -- invariants ------------------------------------------------------
     def check_invariants(self, referenced=None) -> dict:

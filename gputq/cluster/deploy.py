@@ -67,7 +67,6 @@ class UnitService(Closeable):
     """
 
     def __init__(self, name: str, config: GputqConfig):
-
         self.name = name
         # Leases outlive no read: a reader gives up after read_timeout_s, the unit after twice that.
         self._unit = StorageUnit(name, config.unit_capacity_bytes, put_timeout_s=config.put_timeout_s,
@@ -78,11 +77,8 @@ class UnitService(Closeable):
         self._metrics = None
         try:
             self._server = get_transport(serving_transport(config.transport)).serve(
-                self._unit, host=host, port=0, token=config.token,
-                max_frame_bytes=config.max_frame_bytes, send_timeout_s=config.send_timeout_s,
-                max_connections=config.max_connections, handshake_timeout_s=config.handshake_timeout_s)
+                self._unit, host=host, port=0, token=config.token, limits=config.server_limits)
             if config.metrics_port:
-
                 # The next free port above the controller's: one unit per node -> metrics_port + 1.
                 self._metrics = serve_metrics(unit_metrics(self._unit.stats), config.metrics_port + 1, host)
         except BaseException:
@@ -101,7 +97,6 @@ class UnitService(Closeable):
 
     def stats(self) -> dict:
         """The unit's stats plus this process's RSS and metrics endpoint."""
-
         return {**self._unit.stats(), "rss_bytes": rss_bytes(),
                 "metrics": None if self._metrics is None else f"{self._metrics.host}:{self._metrics.port}"}
 
@@ -121,7 +116,6 @@ class ControllerService(Controller):
         super().__init__(config)
         self._metrics = None
         if config.metrics_port:
-
             self._metrics = serve_metrics(controller_metrics(self), config.metrics_port,
                                           config.host or _default_host())
 
@@ -194,7 +188,6 @@ class Deployment:
         """
         ray = import_ray()
         if config.metrics_port:
-
             require_prometheus()  # here, in one line, not as a failed actor on every node
         started = False
         if not ray.is_initialized():

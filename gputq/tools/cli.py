@@ -1,4 +1,4 @@
-"""The ``gputq`` console script: ``demo``, ``info`` and ``stats``.
+"""The ``gputq`` console script: ``demo``, ``info``, ``stats`` and ``capacity``.
 
 Bad input never ends in a traceback: every invalid value is refused with one
 line on stderr and exit status 2, before Ray starts.
@@ -16,7 +16,7 @@ import numpy as np
 from gputq.cluster.deploy import serving_transport
 from gputq.cluster.names import import_ray
 from gputq.config import EXPERT_DTYPES, TRANSPORTS, GputqConfig
-from gputq.errors import ConfigError, InvalidInputError, MissingDependencyError
+from gputq.errors import InvalidInputError, MissingDependencyError
 from gputq.kernels import cuda_available
 from gputq.tools.capacity import build_parser as capacity_parser
 from gputq.tools.capacity import run
@@ -24,13 +24,9 @@ from gputq.tools.demo import DemoOptions, run_demo
 from gputq.tools.info import collect_info, format_info
 from gputq.tools.stats import run_stats
 
-__all__ = ["main", "build_parser", "UsageError"]
+__all__ = ["main", "build_parser"]
 
 EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """Bad input found after parsing; reported as one line with exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,34 +118,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def demo_setup(args: argparse.Namespace, env=None):
-    """Check the demo's arguments and build its options and config; raises ``UsageError``."""
+    """Check the demo's arguments and build its options and config.
 
+    Raises
+    ------
+    InvalidInputError or MissingDependencyError
+        A bad argument or config value, or a missing dependency; ``main``
+        reports either as one line with exit status 2.
+    """
     env = os.environ if env is None else env
-    try:
-        config = GputqConfig.load(yaml_path=args.config, env=env)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+    config = GputqConfig.load(yaml_path=args.config, env=env)
     dtype = args.dtype or config.routed_experts_dtype
     top = int(np.iinfo(np.dtype(dtype)).max)
     if args.experts - 1 > top:
-        raise UsageError(f"--experts {args.experts}: expert IDs up to {args.experts - 1} do not fit {dtype} "
+        raise InvalidInputError(f"--experts {args.experts}: expert IDs up to {args.experts - 1} do not fit {dtype} "
                          f"(at most {top + 1} experts); pick --dtype {'uint16' if dtype == 'uint8' else 'int32'}")
     if args.topk > args.experts:
-        raise UsageError(f"--topk {args.topk} is more than --experts {args.experts}")
+        raise InvalidInputError(f"--topk {args.topk} is more than --experts {args.experts}")
     device = args.device
     if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+        raise InvalidInputError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if device != "cpu":
-
         if not cuda_available():
-            raise UsageError(f"--device {device}: no usable CUDA device here (use --device cpu)")
+            raise InvalidInputError(f"--device {device}: no usable CUDA device here (use --device cpu)")
     transport = args.transport or config.transport
-    try:
-
-        import_ray()
-        serving_transport(transport)
-    except MissingDependencyError as exc:
-        raise UsageError(str(exc)) from None
+    import_ray()  # a missing Ray or NIXL is a usage error here, before any process starts
+    serving_transport(transport)
     options = DemoOptions(sessions=args.sessions, steps=args.steps, units=args.units or config.num_units,
                           ranks=args.ranks, dtype=dtype, layers=args.layers, topk=args.topk,
                           experts=args.experts, tokens=args.tokens, transport=transport, device=device,
@@ -161,9 +155,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except UsageError as exc:
-        print(f"gputq {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except (InvalidInputError, MissingDependencyError) as exc:
         print(f"gputq {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -171,22 +162,18 @@ def main(argv=None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-
         options, config = demo_setup(args)
         result = run_demo(options, config=config, progress=not args.json)
         if args.json:
             print(json.dumps(result))
         return 0 if result["verified"] else 1
     if args.command == "capacity":
-
         return run(args)
     if args.command == "info":
-
         data = collect_info()
         print(json.dumps(data, default=str) if args.json else format_info(data))
         return 0
     if args.command == "stats":
-
         return run_stats(address=args.address, interval=args.interval, once=args.once or args.check,
                          as_json=args.json, check=args.check)
     return EXIT_USAGE

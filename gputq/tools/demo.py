@@ -88,7 +88,6 @@ class TrainerRank:
     """One data-parallel rank: hydrates its slime samples and reports digests and stats."""
 
     def __init__(self, rank: int, membership: dict, config: GputqConfig, device: str = "cpu"):
-
         self.rank = rank
         self._clients = UnitClients(membership, config)
         self._reader = Reader(self._clients, config, device=device)
@@ -184,7 +183,6 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
         released = ray.get(deployment.controller.release_partition.remote(partition))
         overlap = None
         if options.overlap:
-
             _say(progress, "[+] two overlapping rollouts: sessions carried over, groups filtered out")
             overlap = overlapping_rollouts(blocking(deployment.controller), clients, config,
                                            sessions=options.sessions, steps=options.steps, layers=options.layers,

@@ -16,7 +16,10 @@ import os
 import platform
 import shutil
 import subprocess
+from warnings import catch_warnings
 
+from gputq.config import GputqConfig
+from gputq.errors import ConfigError
 from gputq.transport.nixl import import_nixl
 from gputq.transport.policy import (
     ENV_VAR,
@@ -83,7 +86,6 @@ def _nixl_info() -> dict:
     if error is not None:
         return info
     try:
-
         nixl_agent, nixl_agent_config, _ = import_nixl()
         # No backend: listing plugins must not open UCX workers.
         agent = nixl_agent(f"gputq-info-{os.getpid()}", nixl_agent_config(
@@ -146,28 +148,29 @@ def collect_info() -> dict:
     -------
     dict
         JSON-able: ``versions``, ``nixl``, ``ucx``, ``infiniband``, ``gpus``,
-        ``gpudirect``, ``transport`` (what auto would choose for a same-host
-        and a remote peer, and why) and ``warnings``.
+        ``gpudirect``, ``transport`` (``requested``: what the config loaded
+        here asks, ``auto`` unless YAML or ``GPUTQ_TRANSPORT`` says otherwise;
+        ``env``: that variable as set; and what the request chooses for a
+        same-host and a remote peer, and why) and ``warnings``.
     """
     ib = infiniband_devices()
     gpus = _gpus()
     warnings = []
     hostname = local_hostname()
-    transport: dict = {"env": os.environ.get(ENV_VAR)}
+    requested = _requested_transport(warnings)
+    transport: dict = {"env": os.environ.get(ENV_VAR), "requested": requested}
     for label, peer in (("same_host", {"hostname": hostname}), ("remote", None)):
-        try:
-            choice, reason = choose_transport("auto", peer)
-        except ValueError as exc:  # a bad GPUTQ_TRANSPORT value
-            choice, reason = None, str(exc)
-            warnings.append(str(exc))
-        transport[label] = {"choice": choice, "reason": reason}
+        if requested is None:
+            transport[label] = {"choice": None, "reason": "the config does not load (see the warnings)"}
+        else:
+            choice, reason = choose_transport(requested, peer)
+            transport[label] = {"choice": choice, "reason": reason}
     nixl = _nixl_info()
-    env = (os.environ.get(ENV_VAR) or "").strip().lower()
-    if env == "rdma" and not ib:
-        warnings.append(f"{ENV_VAR}=rdma but there is no InfiniBand device: remote peers will use "
-                        "UCX over tcp, slower than --transport tcp")
-    if env == "rdma" and not nixl["available"]:
-        warnings.append(f"{ENV_VAR}=rdma but nixl does not import: rdma channels will fail")
+    if requested == "rdma" and not ib:
+        warnings.append("the config requests transport rdma but there is no InfiniBand device: remote peers "
+                        "will use UCX over tcp, slower than --transport tcp")
+    if requested == "rdma" and not nixl["available"]:
+        warnings.append("the config requests transport rdma but nixl does not import: rdma channels will fail")
     return {
         "hostname": hostname,
         "python": platform.python_version(),
@@ -180,6 +183,23 @@ def collect_info() -> dict:
         "transport": transport,
         "warnings": warnings,
     }
+
+
+def _requested_transport(warnings: list) -> str | None:
+    """The transport the config of this environment requests, or None (the reason added to ``warnings``).
+
+    Read as every gputq process reads it, :meth:`GputqConfig.load` (defaults
+    < ``GPUTQ_CONFIG`` YAML < ``GPUTQ_TRANSPORT``), so what this reports is
+    what a job started here without a ``--transport`` flag would use.
+    """
+    with catch_warnings(record=True) as caught:  # an unknown GPUTQ_* variable is reported, not printed
+        try:
+            requested = GputqConfig.load(env=os.environ).transport
+        except ConfigError as exc:
+            requested = None
+            warnings.append(str(exc))
+    warnings.extend(str(w.message) for w in caught)
+    return requested
 
 
 def format_info(info: dict) -> str:
@@ -207,7 +227,8 @@ def format_info(info: dict) -> str:
     gd = info["gpudirect"]
     lines.append(f"gpudirect rdma: {'possible' if gd['possible'] else 'no'} ({gd['reason']})")
     tr = info["transport"]
-    lines.append(f"transport auto ({ENV_VAR}={tr['env'] or 'unset'}):")
+    lines.append(f"transport {tr['requested'] or '(config error)'} as configured "
+                 f"({ENV_VAR}={tr['env'] or 'unset'}; a --transport flag wins over it):")
     for label in ("same_host", "remote"):
         lines.append(f"  {label.replace('_', '-')} peer: {tr[label]['choice']} - {tr[label]['reason']}")
     lines += [f"warning: {w}" for w in info["warnings"]]

@@ -5,10 +5,11 @@ A StorageUnit allocates its whole arena once, at start. The memory is a
 later same-host path can map the very same pages from another process by
 ``path``; the file is removed on :meth:`Arena.close`.
 
-When CUDA is usable the arena is page-locked with ``cudaHostRegister`` (via
-CuPy, else torch), so host-to-device copies and RDMA registration can use it
-without staging. Without CUDA it stays plain pageable memory: that is a
-normal configuration (tcp transport, CPU tests), not an error.
+When CUDA is usable the arena is page-locked with ``cudaHostRegister``
+(:func:`gputq.transport.cuda.page_lock`, through CuPy, else torch), so
+host-to-device copies and RDMA registration can use it without staging.
+Without CUDA it stays plain pageable memory: that is a normal configuration
+(tcp transport, CPU tests), not an error.
 """
 
 from __future__ import annotations
@@ -23,16 +24,14 @@ import weakref
 
 import numpy as np
 
-from gputq.errors import ConfigError, GputqError, InvalidInputError
+from gputq.errors import ConfigError, InvalidInputError
 from gputq.transport.base import Closeable
-from gputq.transport.cuda import usable_cupy, usable_torch
+from gputq.transport.cuda import HOST_REGISTER_PORTABLE, host_unregister, page_lock
 
 __all__ = ["Arena", "default_shm_dir", "sweep_orphans"]
 
 log = logging.getLogger(__name__)
 
-# cudaHostRegisterPortable: pinned for every CUDA context, not just the current one.
-_HOST_REGISTER_PORTABLE = 1
 # Seen on an H200 host: a mapping of a file on ext4 fails with "invalid argument"
 # (the kernel refuses long-term pins of file-backed pages outside tmpfs).
 _PIN_HINT = ("a file-backed arena can only be pinned on tmpfs: use a shm_dir such as "
@@ -170,13 +169,19 @@ class Arena(Closeable):
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         if prefault and not hasattr(mmap, "MAP_POPULATE"):
             self.array[::mmap.PAGESIZE] = 0  # one write per page faults it in
-        self._unregister = _pin(self.array) if pin else None
+        # Portable: the unit's readers may copy from it under any CUDA context of the process.
+        try:
+            self._pinned = bool(pin) and page_lock(self.address, self.capacity, HOST_REGISTER_PORTABLE,
+                                                   hint=_PIN_HINT)
+        except BaseException:
+            self._unmap()
+            raise
         self.closed = False
 
     @property
     def pinned(self) -> bool:
         """True when the arena is page-locked with CUDA."""
-        return self._unregister is not None
+        return self._pinned
 
     @property
     def address(self) -> int:
@@ -193,9 +198,14 @@ class Arena(Closeable):
         if self.closed:
             return
         self.closed = True
-        if self._unregister is not None:
-            unregister, self._unregister = self._unregister, None
-            unregister()
+        try:
+            if self._pinned:
+                self._pinned = False
+                host_unregister(self.address)
+        finally:  # a refused unregister still frees the mapping and the file; the error is raised
+            self._unmap()
+
+    def _unmap(self) -> None:
         self.array = None
         try:
             self.view.release()
@@ -209,45 +219,3 @@ class Arena(Closeable):
         return (f"Arena(name={self.name!r}, capacity={self.capacity}, path={self.path!r}, "
                 f"pinned={self.pinned}, closed={self.closed})")
 
-
-def _pin(array: np.ndarray):
-    """Page-lock ``array`` with CUDA; return an unregister callable, or None without CUDA.
-
-    Only "CUDA is not usable here" is swallowed (library missing, no driver,
-    no device). A registration that fails on a working CUDA is an error.
-    """
-
-    cupy = usable_cupy()
-    if cupy is not None:
-        return _cupy_pin(cupy.cuda.runtime, array)
-    return _torch_pin(array) if usable_torch() is not None else None
-
-
-def _cupy_pin(runtime, array: np.ndarray):
-    try:
-        if runtime.getDeviceCount() == 0:
-            return None
-    except runtime.CUDARuntimeError:  # no driver / no device
-        return None
-    ptr, size = int(array.ctypes.data), int(array.nbytes)
-    try:
-        runtime.hostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
-    except runtime.CUDARuntimeError as exc:
-        raise GputqError(f"cudaHostRegister of {size} bytes failed: {exc}; {_PIN_HINT}") from exc
-    return lambda: runtime.hostUnregister(ptr)
-
-
-def _torch_pin(array: np.ndarray):
-    try:
-        import torch
-    except Exception:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    cudart = torch.cuda.cudart()
-    ptr, size = int(array.ctypes.data), int(array.nbytes)
-    err = cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
-    if int(err) != 0:
-        raise GputqError(
-            f"cudaHostRegister of {size} bytes failed: CUDA error {int(err)}; {_PIN_HINT}")
-    return lambda: cudart.cudaHostUnregister(ptr)

@@ -1,7 +1,7 @@
 """The StorageUnit: one arena, its allocator, its key table, and the remote-call surface.
 
 A unit stores write-once blobs (keys) in a pinned host arena and serves them
-to transports through the :class:`~gputq.transport.base.ArenaHandler` protocol.
+to transports as an :class:`~gputq.transport.base.ArenaHandler`.
 It is plain Python and thread-safe: the tcp and NIXL servers call it from
 many threads, and a Ray actor wraps it elsewhere. The key table and its
 ownership rules live in :mod:`gputq.unit.keytable`; leases, reservations and the
@@ -33,7 +33,7 @@ from gputq.errors import (
     StaleReadError,
     UnknownKeyError,
 )
-from gputq.transport.base import Closeable, Lease, Region
+from gputq.transport.base import ArenaHandler, Closeable, Lease, Region
 from gputq.transport.directory import KeyDirectory, directory_nbytes, directory_slots
 from gputq.unit.allocator import FreeListAllocator
 from gputq.unit.arena import Arena
@@ -71,7 +71,7 @@ class _Waiter:
     since: float
 
 
-class StorageUnit(Closeable):
+class StorageUnit(ArenaHandler, Closeable):
     """A pinned host arena plus a key table with reference-counted ownership.
 
     Safety. A full unit makes writers wait up to their timeout, then raises
@@ -122,8 +122,11 @@ class StorageUnit(Closeable):
 
     Attributes
     ----------
+    name : str
     incarnation : str
         16 random hex characters, new for each StorageUnit object.
+    lease_timeout_s, reservation_timeout_s : float
+        As given.
     """
 
     def __init__(self, name: str, capacity_bytes: int, *, put_timeout_s: float = 30.0,
@@ -136,12 +139,12 @@ class StorageUnit(Closeable):
                             ("reservation_timeout_s", reservation_timeout_s)):
             if value <= 0:
                 raise InvalidInputError(f"{what} must be > 0, got {value}")
-        self.name = name
-        self.incarnation = secrets.token_hex(8)
+        self._name = name
+        self._incarnation = secrets.token_hex(8)
         self.put_timeout_s = float(put_timeout_s)
         self.write_aging_s = float(write_aging_s)
-        self.lease_timeout_s = float(lease_timeout_s)
-        self.reservation_timeout_s = float(reservation_timeout_s)
+        self._lease_timeout_s = float(lease_timeout_s)
+        self._reservation_timeout_s = float(reservation_timeout_s)
         self._alloc = FreeListAllocator(capacity_bytes, alignment)  # validates before allocating
         self._arena = Arena(capacity_bytes, name, shm_dir)
         # Where committed keys lie, for same-host readers to start copying before their lease
@@ -164,6 +167,26 @@ class StorageUnit(Closeable):
                                   f"gputq-unit-timer-{name}")
 
     # -- ArenaHandler -----------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The unit's name."""
+        return self._name
+
+    @property
+    def incarnation(self) -> str:
+        """16 random hex characters, new for each StorageUnit object."""
+        return self._incarnation
+
+    @property
+    def lease_timeout_s(self) -> float:
+        """Lifetime of an expiring lease, in seconds."""
+        return self._lease_timeout_s
+
+    @property
+    def reservation_timeout_s(self) -> float:
+        """Lifetime of a write's reservation, in seconds."""
+        return self._reservation_timeout_s
 
     @property
     def arena(self) -> memoryview:

@@ -13,9 +13,10 @@ import time
 import numpy as np
 import pytest
 
+from gputq.errors import PlanError
 from gputq.kernels import reference_widen_scatter
 from gputq.kernels.cupy_backend import DEFAULT_STEPS, chunk_elements, fragment_table
-from gputq.kernels.plan import PlanError, validate_plan
+from gputq.kernels.plan import validate_plan
 from tests.kernels.test_reference import DTYPES, bits, poisoned_out, random_plan, random_staging
 
 

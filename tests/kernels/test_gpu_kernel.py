@@ -13,7 +13,8 @@ import os
 import numpy as np
 import pytest
 
-from gputq.kernels import PlanError, cuda_available, reference_widen_scatter, widen_scatter
+from gputq.errors import PlanError
+from gputq.kernels import cuda_available, reference_widen_scatter, widen_scatter
 from gputq.kernels.cupy_backend import cupy_usable
 from tests.kernels.test_reference import (
     DTYPES,

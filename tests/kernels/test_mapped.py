@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gputq.kernels import MappedSource, PlanError, reference_widen_scatter
+from gputq.errors import PlanError
+from gputq.kernels import MappedSource, reference_widen_scatter
 from gputq.transport.arena_copies import copy_runs
 from tests.kernels.test_reference import DTYPES, bits, poisoned_out, random_plan, random_staging
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from gputq import kernels
-from gputq.kernels import PlanError, plan_bytes, reference_widen_scatter, validate_plan, widen_scatter
+from gputq.errors import PlanError
+from gputq.kernels import plan_bytes, reference_widen_scatter, validate_plan, widen_scatter
 
 DTYPES = ["uint8", "uint16", "int32", "float32"]
 WIDTHS = [1, 3, 7, 8, 600]

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputq.errors import AuthenticationError, GputqError, ProtocolError
-from gputq.transport.base import leased_regions
+from gputq.transport.base import ServerLimits, leased_regions
 from gputq.transport.tcp import TcpTransport
 from gputq.transport.tcp_server import Handshake
 from gputq.transport.wire import HEADER, MAGIC, PRE_AUTH_BODY_BYTES, VERSION, Op, encode_header, pack_body
@@ -121,7 +121,8 @@ def test_fuzz_handshake_parser_at_length(data, chunks):
 @pytest.fixture(scope="module")
 def live_server():
     with make_unit(1 << 20, name="su-fuzz") as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=1 << 20, handshake_timeout_s=2) as srv:
+            TcpTransport().serve(unit, token=TOKEN,
+                                 limits=ServerLimits(max_frame_bytes=1 << 20, handshake_timeout_s=2)) as srv:
         unit.put("fixed", b"fixed bytes")
         yield srv, unit
 

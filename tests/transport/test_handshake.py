@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gputq.errors import AuthenticationError
+from gputq.transport.base import ServerLimits
 from gputq.transport.tcp import TcpTransport
 from gputq.transport.wire import HEADER, MAGIC, VERSION, Op
 from tests.transport.units import make_unit
@@ -19,6 +20,7 @@ from tests.waiting import pause, wait_until
 
 TOKEN = "token-of-the-handshake-tests"
 MAX = 32 << 20
+LIMITS = ServerLimits(max_frame_bytes=MAX)
 
 
 def rss_bytes() -> int:
@@ -93,7 +95,8 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
     deadline_s, drip_s, nattackers = 1.5, 0.1, 200
     payload = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
     with make_unit(8 << 20, name="su-drip") as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX, handshake_timeout_s=deadline_s) as srv:
+            TcpTransport().serve(unit, token=TOKEN,
+                                 limits=ServerLimits(max_frame_bytes=MAX, handshake_timeout_s=deadline_s)) as srv:
         unit.put("sample", payload)
         address = (srv.address["host"], srv.address["port"])
         threads_before, rss_before = threading.active_count(), rss_bytes()
@@ -143,7 +146,7 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
 
 def test_connections_above_the_cap_are_closed_at_once():
     with make_unit(1 << 20, name="su-cap") as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX, max_connections=4) as srv:
+            TcpTransport().serve(unit, token=TOKEN, limits=ServerLimits(max_frame_bytes=MAX, max_connections=4)) as srv:
         address = (srv.address["host"], srv.address["port"])
         idle = [socket.create_connection(address, timeout=5) for _ in range(4)]
         assert wait_until(lambda: srv.connections == 4)
@@ -166,7 +169,8 @@ def test_connections_above_the_cap_are_closed_at_once():
 def test_a_slow_but_steady_handshake_still_hits_the_whole_deadline():
     """Each byte arrives well within any per-receive timeout; the handshake as a whole does not."""
     with make_unit(1 << 20) as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX, handshake_timeout_s=0.6) as srv:
+            TcpTransport().serve(unit, token=TOKEN,
+                                 limits=ServerLimits(max_frame_bytes=MAX, handshake_timeout_s=0.6)) as srv:
         hello = HEADER.pack(MAGIC, VERSION, Op.HELLO, 40, 0)
         with socket.create_connection((srv.address["host"], srv.address["port"]), timeout=5) as sock:
             sock.setblocking(False)
@@ -178,7 +182,7 @@ def test_a_slow_but_steady_handshake_still_hits_the_whole_deadline():
 
 def test_failed_handshakes_are_logged_at_a_limited_rate(caplog):
     caplog.set_level(logging.WARNING, logger="gputq.transport.tcp_server")
-    with make_unit(1 << 20) as unit, TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
+    with make_unit(1 << 20) as unit, TcpTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv:
         for _ in range(50):
             with pytest.raises(AuthenticationError):
                 TcpTransport().connect(srv.address, token="not-the-token", max_frame_bytes=MAX, timeout=5)
@@ -191,7 +195,7 @@ def test_failed_handshakes_are_logged_at_a_limited_rate(caplog):
 def _serve_in_child(conn, payload_size: int) -> None:
     """A unit and its tcp server in their own process, as deployed; serves until told to stop."""
     with make_unit(8 << 20, name="su-child") as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
+            TcpTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv:
         unit.put("sample", np.arange(payload_size, dtype=np.uint64).astype(np.uint8))
         conn.send(srv.address)
         conn.recv()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gputq.errors import MissingDependencyError, PeerLostError, StaleReadError, UnknownKeyError
+from gputq.transport.base import ServerLimits
 from gputq.transport.shm import ShmTransport
 from gputq.transport.staging import StagingPool
 from gputq.transport.tcp import TcpChannel, TcpTransport
@@ -21,6 +22,7 @@ from tests.waiting import wait_until
 
 TOKEN = "token-of-the-integrity-tests"
 MAX = 1 << 30
+LIMITS = ServerLimits(max_frame_bytes=MAX)
 MiB = 1 << 20
 
 
@@ -70,7 +72,8 @@ def test_tcp_reader_paused_past_the_send_deadline_gets_an_error_never_other_byte
     PausingCopier.resume.clear()
     # The unit's lease timeout is shorter than the pause: a lease that could expire would.
     with make_unit(64 * MiB, name="su-paused", lease_timeout_s=1.0) as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX, send_timeout_s=0.5) as srv:
+            TcpTransport().serve(unit, token=TOKEN,
+                                 limits=ServerLimits(max_frame_bytes=MAX, send_timeout_s=0.5)) as srv:
         unit.put("victim", victim)
         staging = StagingPool(chunk_bytes=MiB, nchunks=2, make_copier=PausingCopier)
         outcome = {}
@@ -173,7 +176,7 @@ def _check(figures: dict, transport: str) -> None:
 
 def _tcp_races(cycles: int) -> dict:
     with make_unit(96 << 10, name="su-race") as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv, \
+            TcpTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, \
             TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         figures = run_races(ch, unit, cycles)
         try:
@@ -187,7 +190,7 @@ def _shm_races(cycles: int) -> dict:
     # Readers copy from the key directory while their lease is requested: with 4 keys rewritten
     # in a 96 KiB arena, a region a reader copies ahead is often released and rewritten meanwhile.
     with make_unit(96 << 10, name="su-race") as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv, \
+            TcpTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, \
             ShmTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         figures = run_races(ch, unit, cycles)
         figures.update(reads_ahead=ch.reads_ahead, hint_misses=ch.hint_misses)
@@ -208,7 +211,7 @@ def _rdma_races(cycles: int) -> dict:
         pytest.skip(f"nixl does not import: {exc}")
     # A lease timeout this short expires some leases mid-read on a busy machine: the confirm must catch them.
     with make_unit(96 << 10, name="su-race", lease_timeout_s=0.005) as unit, \
-            nixl.NixlTransport("tcp").serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv, \
+            nixl.NixlTransport("tcp").serve(unit, token=TOKEN, limits=LIMITS) as srv, \
             nixl.NixlTransport("tcp").connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         figures = run_races(ch, unit, cycles)
     return figures

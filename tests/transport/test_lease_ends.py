@@ -9,6 +9,7 @@ import pytest
 
 from gputq.errors import StaleReadError
 from gputq.transport import get_transport, lease_ends
+from gputq.transport.base import ServerLimits
 from gputq.transport.lease_ends import (
     CLOCK_RATE_SLACK,
     DEADLINE_MARGIN_S,
@@ -120,7 +121,8 @@ def one_sided(request, tmp_path):
     blob = np.random.default_rng(5).integers(0, 256, 300_000, dtype=np.uint8)
     unit.put("k", blob, {"partition": "p"})
     serving = "rdma" if kind == "rdma" else "tcp"
-    server = get_transport(serving).serve(unit, host="127.0.0.1", port=0, token=TOKEN, max_frame_bytes=1 << 26)
+    server = get_transport(serving).serve(unit, host="127.0.0.1", port=0, token=TOKEN,
+                                          limits=ServerLimits(max_frame_bytes=1 << 26))
     channel = get_transport(kind).connect(server.address, token=TOKEN, max_frame_bytes=1 << 26, timeout=10)
     try:
         yield unit, blob, channel
@@ -167,7 +169,8 @@ def test_the_next_lease_carries_the_ends_still_pending(one_sided, monkeypatch):
 @pytest.mark.timeout(60)
 def test_a_read_past_its_window_asks_the_unit_and_an_expired_lease_is_stale(one_sided, monkeypatch):
     unit, blob, channel = one_sided
-    monkeypatch.setattr(unit, "lease_timeout_s", 0.01)  # states a lifetime no read can be proven inside
+    # what unit.lease_timeout_s states: a lifetime no read can be proven inside
+    monkeypatch.setattr(unit, "_lease_timeout_s", 0.01)
     asked = []
     real_end = unit.end_lease
 

@@ -25,6 +25,7 @@ from gputq.errors import (
     TransferError,
     UnknownKeyError,
 )
+from gputq.transport.base import ArenaHandler, ServerLimits
 from tests.transport.units import ContractUnit, make_unit
 from tests.waiting import pause, wait_until
 
@@ -32,6 +33,7 @@ pytestmark = [pytest.mark.rdma, pytest.mark.timeout(60)]
 
 TOKEN = "test-token-of-the-nixl-tests"
 MAX_FRAME = 1 << 30
+LIMITS = ServerLimits(max_frame_bytes=MAX_FRAME)
 
 
 def _nixl_or_skip():
@@ -68,7 +70,7 @@ def handler():
 def server(handler):
     nixl = _nixl_or_skip()
     try:
-        srv = nixl.NixlTransport().serve(handler, token=TOKEN, max_frame_bytes=MAX_FRAME)
+        srv = nixl.NixlTransport().serve(handler, token=TOKEN, limits=LIMITS)
     except MissingDependencyError as exc:
         pytest.skip(f"no NIXL agent here: {exc}")
     except RuntimeError as exc:  # NIXL raises RuntimeError when no plugin loads
@@ -239,7 +241,7 @@ def test_push_slower_than_half_the_reservation_is_abandoned_while_it_holds(monke
     monkeypatch.setattr(nixl, "PUSH_CHUNK_BYTES", 64 << 10)  # four chunks
     payload = np.random.default_rng(5).integers(0, 256, 256 << 10, dtype=np.uint8)
     with make_unit(1 << 20, name="unit-push", reservation_timeout_s=1.0) as unit, \
-            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, \
+            nixl.NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, \
             _connect(srv, write_path="push") as ch:
         transfer, chunks = ch._transfer, []
 
@@ -265,7 +267,7 @@ def test_push_committed_after_the_reservation_expired_is_refused_with_a_typed_er
     nixl = _nixl_or_skip()
     payload = np.full(2 << 20, 0x5A, np.uint8)
     with make_unit(4 << 20, name="unit-late", reservation_timeout_s=0.3) as unit, \
-            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, \
+            nixl.NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, \
             _connect(srv, write_path="push") as ch:
         push = ch._push
 
@@ -445,7 +447,7 @@ def test_read_into_cuda_memory(server):
 def second_server():
     nixl = _nixl_or_skip()
     with make_unit(4 << 20, name="unit-nixl-2") as unit, \
-            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv:
+            nixl.NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv:
         yield srv
 
 
@@ -541,16 +543,16 @@ def test_base_transport_destination_is_plain_memory():
 
 
 class NoRegionsUnit(ContractUnit):
-    """A handler without the ``lease_regions`` fast path: leases come as Region objects."""
+    """A handler on :meth:`ArenaHandler.lease_regions`' default: leases come as Region objects."""
 
-    lease_regions = None
+    lease_regions = ArenaHandler.lease_regions
 
 
-def test_server_serves_a_handler_without_lease_regions():
+def test_server_serves_a_handler_on_the_default_lease_regions():
     nixl = _nixl_or_skip()
     items = _payloads(8, seed=13)
     with NoRegionsUnit("unit-regions", 1 << 20) as unit, \
-            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, _connect(srv) as ch:
+            nixl.NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, _connect(srv) as ch:
         _store(ch, items)
         out = np.zeros(sum(v.nbytes for v in items.values()), np.uint8)
         assert ch.read(list(items), out) == [v.nbytes for v in items.values()]
@@ -570,34 +572,7 @@ def test_descriptors_merge_adjacent_regions_and_drop_empty_ones():
     assert local.shape == (0, 3)
 
 
-def test_pool_page_locks_host_buffers_when_cuda_is_usable(monkeypatch):
-    _nixl_or_skip()
-    from gputq.transport import nixl_pool
-
-    calls = []
-    monkeypatch.setattr(nixl_pool, "_page_locker", lambda: (
-        lambda ptr, nbytes: calls.append(("lock", ptr, nbytes)), lambda ptr: calls.append(("unlock", ptr))))
-    pool = nixl_pool.BufferPool(nixl_pool.LocalAgent.get().agent)
-    buf = pool.acquire(1000, nixl_pool.DRAM)
-    assert calls == [("lock", buf.ptr, nixl_pool.MIN_POOL_BYTES)] and pool.pinned == 1
-    pool.release(buf)
-    pool.trim()
-    assert calls[-1] == ("unlock", buf.ptr)
-
-
-def test_pool_works_unpinned_when_page_locking_fails(monkeypatch):
-    _nixl_or_skip()
-    from gputq.transport import nixl_pool
-
-    def refuse(ptr, nbytes):
-        raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
-
-    monkeypatch.setattr(nixl_pool, "_page_locker", lambda: (refuse, lambda ptr: None))
-    pool = nixl_pool.BufferPool(nixl_pool.LocalAgent.get().agent)
-    with pool.lend(10) as view:
-        view[:] = 7
-    assert pool.pinned == 0 and pool.registrations == 1
-    pool.trim()
+# The pool's page-locking (no NIXL needed) is tested in tests/transport/test_host_register.py.
 
 
 # -- security and integrity ----------------------------------------------------------------
@@ -641,7 +616,7 @@ def test_lease_expired_before_the_confirm_raises_stale_read():
     victim = np.full(64 << 10, 0xAA, np.uint8)
     intruder = np.full(64 << 10, 0x55, np.uint8)
     with make_unit(1 << 20, name="unit-slow", lease_timeout_s=0.2) as unit, \
-            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, _connect(srv) as ch:
+            nixl.NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, _connect(srv) as ch:
         ch.write("victim", victim, {})
         offset = unit.lookup(["victim"])[0]["offset"]
         read_leased = ch._read_leased
@@ -673,7 +648,7 @@ def test_leased_regions_outside_the_arena_are_refused_before_any_read(handler):
             return lease_id, regions
 
     with Lying("unit-lying", 1 << 20) as unit, \
-            nixl.NixlTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX_FRAME) as srv, _connect(srv) as ch:
+            nixl.NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, _connect(srv) as ch:
         ch.write("k", np.ones(4096, np.uint8), {})
         transfers = []
         ch._transfer = lambda *a, **k: transfers.append(a)

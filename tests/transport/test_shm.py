@@ -18,6 +18,7 @@ from gputq.errors import (
     UnknownKeyError,
 )
 from gputq.transport import arena_copies, get_transport, shm
+from gputq.transport.base import ServerLimits
 from gputq.transport.cuda import cuda_available, usable_cupy
 from gputq.transport.policy import nixl_import_error
 from gputq.transport.shm import ShmChannel
@@ -39,7 +40,8 @@ def served(tmp_path):
              "c": rng.integers(0, 256, 70_000, dtype=np.uint8)}
     for key, blob in blobs.items():
         unit.put(key, blob, {"partition": "p"})
-    server = get_transport("tcp").serve(unit, host="127.0.0.1", port=0, token=TOKEN, max_frame_bytes=1 << 26)
+    server = get_transport("tcp").serve(unit, host="127.0.0.1", port=0, token=TOKEN,
+                                        limits=ServerLimits(max_frame_bytes=1 << 26))
     channel = get_transport("shm").connect(server.address, token=TOKEN, max_frame_bytes=1 << 26, timeout=10)
     try:
         yield unit, blobs, channel, server.address
@@ -82,7 +84,7 @@ def test_read_errors_are_typed_and_end_the_lease(served):
 def test_an_expired_lease_is_a_stale_read(served, monkeypatch):
     unit, blobs, channel, _ = served
     # a lifetime too short to prove the lease held: the read must ask the unit, which says it expired
-    monkeypatch.setattr(unit, "lease_timeout_s", 0.01)
+    monkeypatch.setattr(unit, "_lease_timeout_s", 0.01)  # what unit.lease_timeout_s states
     real_end = unit.end_lease
     monkeypatch.setattr(unit, "end_lease", lambda lease_id: real_end(lease_id) and False)  # expired meanwhile
     with pytest.raises(StaleReadError, match="expired"):
@@ -226,7 +228,8 @@ def test_a_unit_that_stops_answering_holds_up_its_own_reads_only(served, tmp_pat
     unit, blobs, channel, _ = served
     other = StorageUnit("su-shm-other", 1 << 20, shm_dir=str(tmp_path), alignment=256)
     other.put("x", blobs["a"], {"partition": "p"})
-    server = get_transport("tcp").serve(other, host="127.0.0.1", port=0, token=TOKEN, max_frame_bytes=1 << 26)
+    server = get_transport("tcp").serve(other, host="127.0.0.1", port=0, token=TOKEN,
+                                        limits=ServerLimits(max_frame_bytes=1 << 26))
     other_channel = get_transport("shm").connect(server.address, token=TOKEN, max_frame_bytes=1 << 26, timeout=10)
     stuck, release = threading.Semaphore(0), threading.Event()
     real_lease = unit.lease_regions
@@ -410,7 +413,7 @@ def test_unmappable_arena_of_an_rdma_unit_falls_back_to_rdma(tmp_path):
         blob = np.arange(5000, dtype=np.uint32).view(np.uint8)
         unit.put("k", blob, {"partition": "p"})
         server = get_transport("rdma").serve(unit, host="127.0.0.1", port=0, token=TOKEN,
-                                             max_frame_bytes=1 << 26)
+                                             limits=ServerLimits(max_frame_bytes=1 << 26))
         try:
             address = dict(server.address, hostname="elsewhere")
             with ShmChannel(address, token=TOKEN, max_frame_bytes=1 << 26, timeout=10) as channel:

@@ -24,6 +24,7 @@ from gputq.errors import (
     StaleReadError,
     UnknownKeyError,
 )
+from gputq.transport.base import ServerLimits
 from gputq.transport.staging import StagingPool, cuda_available
 from gputq.transport.tcp import TcpChannel, TcpTransport
 from gputq.transport.wire import FrameReader, FrameWriter, Op, encode_header, pack_body
@@ -32,6 +33,7 @@ from tests.waiting import wait_until
 
 TOKEN = "t0ken-for-the-tcp-tests"
 MAX = 32 << 20
+LIMITS = ServerLimits(max_frame_bytes=MAX)
 MiB = 1 << 20
 
 
@@ -61,7 +63,7 @@ def handler():
 
 @pytest.fixture
 def server(handler):
-    with TcpTransport().serve(handler, token=TOKEN, max_frame_bytes=MAX) as srv:
+    with TcpTransport().serve(handler, token=TOKEN, limits=LIMITS) as srv:
         yield srv
 
 
@@ -183,7 +185,7 @@ def test_timeout_discards_connection_and_recovers(channel):
 
 
 def test_write_back_pressure_expires_as_capacity_error():
-    with make_unit(1024) as small, TcpTransport().serve(small, token=TOKEN, max_frame_bytes=MAX) as srv, \
+    with make_unit(1024) as small, TcpTransport().serve(small, token=TOKEN, limits=LIMITS) as srv, \
             TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         ch.write("a", bytes(800))
         with pytest.raises(CapacityError, match="no space") as info:
@@ -238,7 +240,7 @@ def test_close_is_idempotent_and_use_after_close_fails(server):
 
 
 def test_server_close_while_connected_raises_peer_lost(handler):
-    srv = TcpTransport().serve(handler, token=TOKEN, max_frame_bytes=MAX)
+    srv = TcpTransport().serve(handler, token=TOKEN, limits=LIMITS)
     with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         ch.write("k", b"v")
         srv.close()
@@ -497,7 +499,7 @@ def test_writer_stalled_past_its_reservation_is_cut_off_and_its_late_bytes_land_
     reservation, nbytes = 1.0, 64 << 10
     stale, fresh = np.full(nbytes, 0xAA, np.uint8), random_bytes(nbytes, 7)
     with make_unit(4 * nbytes, name="su-tcp", reservation_timeout_s=reservation) as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
+            TcpTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv:
         sock, _, _ = authenticated(srv.address)
         with sock:
             body = pack_body({"key": "stalled", "nbytes": nbytes, "meta": {}, "timeout": None})
@@ -532,7 +534,7 @@ def test_reads_and_releases_do_not_wait_behind_blocked_writers():
     chunk = 256 << 10
     nwriters = 12  # more than a lane's connections: some wait for a write connection too
     with make_unit(4 * chunk, name="su-full") as unit, \
-            TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv, \
+            TcpTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, \
             TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
         blobs = {f"w{i}": random_bytes(chunk, i) for i in range(4 + nwriters)}
         names = list(blobs)

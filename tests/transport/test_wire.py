@@ -23,6 +23,7 @@ from gputq.errors import (
     ProtocolError,
     UnknownKeyError,
 )
+from gputq.transport.base import ServerLimits
 from gputq.transport.tcp import TcpChannel, TcpTransport, serve_connection
 from gputq.transport.tcp_server import Handshake
 from gputq.transport.wire import (
@@ -45,6 +46,7 @@ from tests.transport.units import make_unit
 
 TOKEN = "secret-token-of-the-wire-tests"
 MAX = 1 << 20
+LIMITS = ServerLimits(max_frame_bytes=MAX)
 INC = "0123456789abcdef"
 
 # name -> (literal frame, opcode, body, payload)
@@ -131,7 +133,7 @@ def serve_pair(data: bytes, unit) -> list[tuple[int, dict, bytes]]:
 
     def run():
         try:
-            serve_connection(server, unit, max_frame_bytes=MAX, send_timeout_s=5)
+            serve_connection(server, unit, ServerLimits(max_frame_bytes=MAX, send_timeout_s=5))
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -431,7 +433,7 @@ BAD_CLIENT_BYTES = {
 
 @pytest.fixture
 def server():
-    with make_unit(1 << 20) as unit, TcpTransport().serve(unit, token=TOKEN, max_frame_bytes=MAX) as srv:
+    with make_unit(1 << 20) as unit, TcpTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv:
         yield srv
 
 
