@@ -10,7 +10,7 @@ import pytest
 from gputq.client import fanout
 from gputq.client.fanout import fan_out
 from gputq.errors import InvalidInputError, UnitLostError
-from tests.waiting import wait_until
+from tests.waiting import child_exit_code
 
 UNITS = [f"su-{i}" for i in range(4)]
 
@@ -135,14 +135,4 @@ def test_a_forked_child_fans_out_on_threads_of_its_own():
         finally:
             os._exit(code)
 
-    def reaped():
-        done, status = os.waitpid(pid, os.WNOHANG)
-        return (status,) if done else None
-
-    try:
-        (status,) = wait_until(reaped, 40, "the forked child's fan-out")
-    except AssertionError:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        raise
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_exit_code(pid, 40, "the forked child's fan-out") == 0

@@ -8,11 +8,12 @@ asserts is still awaited with :func:`wait_until`.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["wait_until", "pause"]
+__all__ = ["wait_until", "pause", "child_exit_code"]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "the condition", *,
@@ -46,3 +47,19 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "
 def pause(seconds: float) -> None:
     """Let ``seconds`` pass: a stall or a drip under test, never a wait for a result."""
     threading.Event().wait(seconds)
+
+
+def child_exit_code(pid: int, timeout: float, what: str) -> int:
+    """Wait for the forked child ``pid`` and return its exit code; kill it if it outlives ``timeout``."""
+
+    def reaped():
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return (status,) if done else None
+
+    try:
+        (status,) = wait_until(reaped, timeout, what)
+    except AssertionError:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise
+    return os.waitstatus_to_exitcode(status)

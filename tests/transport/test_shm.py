@@ -25,7 +25,7 @@ from gputq.transport.shm import ShmChannel
 from gputq.unit.storage_unit import StorageUnit
 from tests.host_cuda import HOST
 from tests.transport.piecewise import NumpyWithCopyto, share_every_copy
-from tests.waiting import wait_until
+from tests.waiting import child_exit_code, wait_until
 
 TOKEN = "s" * 32
 needs_cupy = pytest.mark.skipif(usable_cupy() is None, reason="CuPy sees no CUDA device")
@@ -209,17 +209,7 @@ def test_a_forked_child_reads_over_a_channel_of_its_own(served, monkeypatch):
         finally:
             os._exit(code)
 
-    def reaped():
-        done, status = os.waitpid(pid, os.WNOHANG)
-        return (status,) if done else None
-
-    try:
-        (status,) = wait_until(reaped, 30, "the forked child's read")
-    except AssertionError:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        raise
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_exit_code(pid, 30, "the forked child's read") == 0
 
 
 
