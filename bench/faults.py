@@ -17,7 +17,7 @@ longest single wait of a caller. ``--json`` ends with one JSON line.
    and the release it missed replayed.
 
 :class:`UnitProcess` (one StorageUnit served over tcp in a child process)
-is shared with ``tests/test_faults.py``.
+is shared with ``tests/client/test_faults.py``.
 """
 
 from __future__ import annotations

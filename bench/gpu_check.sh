@@ -49,7 +49,7 @@ nvidia-smi -L | tee "$OUT/gpu"
 step() { echo; echo "=== $1"; }
 
 step "GPU tests"
-GPU_TESTS="tests/kernels tests/transport tests/test_storage_unit.py tests/test_gpu_restore.py"
+GPU_TESTS="tests/kernels tests/transport tests/unit/test_storage_unit.py tests/client/test_gpu_restore.py"
 # Without hypothesis (no GPU needs it) the modules that import it, which hold no gpu or rdma test,
 # are left out instead of stopping the collection.
 NO_HYPOTHESIS=""

@@ -8,9 +8,8 @@ import pytest
 from gputq.client.writer import Writer
 from gputq.cluster.controller import Controller
 from gputq.errors import ConfigError, InvalidInputError
+from tests.conftest import local_units
 from tests.waiting import wait_until
-
-from .conftest import local_units
 
 
 def _write_steps(clients, config, partition, n):

@@ -13,8 +13,7 @@ from gputq.client.writer import Writer
 from gputq.config import GputqConfig
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 from gputq.integrations.sglang import RolloutIngest, decode_response, encode_response
-
-from .conftest import local_units
+from tests.conftest import local_units
 
 L, K = 3, 2
 R3_INLINE = GputqConfig(use_rollout_routing_replay=True)  # R3 on, offload off

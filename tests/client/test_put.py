@@ -14,8 +14,7 @@ from gputq.client.writer import SENDER_NICE, Writer, _Buffers
 from gputq.data.fields import canonicalize, logprobs_spec, routed_experts_spec
 from gputq.data.refs import Layout
 from gputq.errors import FieldValueError, InvalidInputError
-
-from .conftest import local_units
+from tests.conftest import local_units
 
 L, K = 48, 8
 

@@ -14,7 +14,7 @@ import pytest
 @pytest.mark.timeout(300)
 def test_bench_put_runs_small_and_reports_its_ratios(tmp_path):
     log = tmp_path / "put.log"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-m", "bench.put", "--tokens", "256", "--puts", "20",
                            "--kinds", "uint8,logprobs", "--throughput-steps", "4", "--throughput-tokens", "256",

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from gputq.transport.cuda import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY
+from tests.client.test_gpu_restore import restore_and_compare
 from tests.host_cuda import DEVICE, HOST, UNREGISTERED
-from tests.test_gpu_restore import restore_and_compare
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,7 +74,7 @@ def test_without_read_only_registration_the_restore_copies_from_pageable_memory(
 
 
 def test_slime_samples_hydrate_through_the_device_path(host_cuda):
-    from tests.test_slime import hydrate_and_compare
+    from tests.integrations.test_slime import hydrate_and_compare
 
     hydrate_and_compare(on_gpu=False)
     assert {launch[5] for launch in _entries(host_cuda.log, "launch")} == {DEVICE}

@@ -16,8 +16,7 @@ from gputq.client.writer import Writer
 from gputq.data.fields import FieldRegistry
 from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
 from gputq.tools.synthetic import SyntheticConfig, build_sessions
-
-from .conftest import local_units
+from tests.conftest import local_units
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.cuda_available(), reason="no CUDA device")]

@@ -5,7 +5,7 @@ from gputq.data.fields import FieldRegistry
 from gputq.data.keys import step_key
 from gputq.errors import ConfigError, FieldValueError
 from gputq.tools.synthetic import SyntheticConfig, build_sessions, engine_fields, generate_calls
-from tests.test_trajectory import MemWriter
+from tests.data.test_trajectory import MemWriter
 
 
 def same_calls(a, b):

@@ -16,8 +16,7 @@ from gputq.errors import InvalidInputError
 from gputq.integrations.sglang import RolloutIngest
 from gputq.integrations.slime import LOG_PROBS, LOSS_MASK, ROUTED_EXPERTS_KEY, check_sample, hydrate, to_slime_sample
 from gputq.tools.synthetic import SyntheticConfig, ingest_synthetic
-
-from .conftest import local_units
+from tests.conftest import local_units
 
 SYNTH = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=2, num_experts=200, prompt_tokens=24,
                         tokens_per_step=12, tool_tokens=4, branch_prob=0.5, rewrite_prob=0.3, seed=11)

@@ -9,8 +9,7 @@ ray = pytest.importorskip("ray", reason="Ray not installed (pip install 'gputq[r
 from gputq.cluster.deploy import Deployment  # noqa: E402
 from gputq.config import GputqConfig  # noqa: E402
 from gputq.tools.demo import DemoOptions, run_demo  # noqa: E402
-
-from .conftest import TRANSPORT_PARAMS  # noqa: E402
+from tests.conftest import TRANSPORT_PARAMS  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -56,7 +55,7 @@ def test_readme_example_runs_and_restores_exactly():
 
     import numpy as np
 
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     code = re.search(r"## In ten lines\s+```python\n(.*?)```", readme, re.S).group(1)
     rng = np.random.default_rng(0)
     scope = {"logprobs": -rng.random(50, dtype=np.float32),
@@ -76,7 +75,7 @@ def test_stats_attaches_to_a_running_deployment():
 
     from gputq.cluster.names import CONTROLLER_NAME, NAMESPACE
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     config = GputqConfig(transport="tcp", unit_capacity_bytes=8 << 20, num_units=2)
     with Deployment.start(config) as deployment:
         assert ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE) is not None
@@ -109,7 +108,7 @@ def test_stats_without_a_deployment_is_one_line():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     address = ray.get_runtime_context().gcs_address
     proc = subprocess.run([sys.executable, "-m", "gputq.tools.cli", "stats", "--address", address, "--once"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
@@ -130,7 +129,7 @@ def test_readme_multi_turn_path_runs_and_passes_slimes_checks(tmp_path):
     from gputq.integrations.sglang import RolloutIngest, encode_response
     from gputq.integrations.slime import LOG_PROBS, ROUTED_EXPERTS_KEY, check_sample, hydrate, to_slime_sample
 
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     code = re.search(r"## The multi-turn path.*?```python\n(.*?)```", readme, re.S).group(1)
     (tmp_path / "tq.yaml").write_text("unit_capacity_bytes: 8388608\n")
     args = add_transfer_queue_arguments(argparse.ArgumentParser()).parse_args(

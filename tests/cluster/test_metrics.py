@@ -16,8 +16,7 @@ from gputq.cluster.metrics import UNIT_METRICS, controller_metrics, rss_bytes, s
 from gputq.config import GputqConfig  # noqa: E402
 from gputq.data.refs import Layout  # noqa: E402
 from gputq.tools.stats import format_table
-
-from .conftest import local_units  # noqa: E402
+from tests.conftest import local_units  # noqa: E402
 
 
 def _values(text: str) -> dict[str, float]:

@@ -9,8 +9,7 @@ from gputq.client.reader import READ_BATCH_KEYS, Reader, _lay_out, _stage_field
 from gputq.client.writer import Writer
 from gputq.data.refs import FieldRef, Layout
 from gputq.errors import GputqError, InvalidInputError, PartialFailureError, StaleReadError
-
-from .conftest import local_units
+from tests.conftest import local_units
 
 KIB = 1 << 10
 

@@ -20,8 +20,7 @@ from gputq.data.refs import Layout
 from gputq.data.trajectory import Session, inline_fields, timeline_segments
 from gputq.errors import InvalidInputError, PartialFailureError, UnknownKeyError
 from gputq.tools.scenarios import overlapping_rollouts
-
-from .conftest import local_units
+from tests.conftest import local_units
 
 L, K = 2, 3
 

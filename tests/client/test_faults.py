@@ -171,7 +171,7 @@ def test_controller_marks_killed_and_hung_units_lost_within_the_heartbeat_bound(
 # -- in-process: the same rules without child processes ---------------------------------
 
 def test_requests_to_a_lost_unit_fail_fast_until_a_probe_reaches_it():
-    from .conftest import local_units
+    from tests.conftest import local_units
 
     with local_units("tcp", units=2, heartbeat_interval_s=0.05) as (config, services, clients):
         clients.channel("su-0").call("stats", timeout=5)
@@ -191,8 +191,7 @@ def test_requests_to_a_lost_unit_fail_fast_until_a_probe_reaches_it():
 
 def test_a_full_unit_is_alive_and_its_capacity_error_passes_through():
     from gputq.errors import CapacityError
-
-    from .conftest import local_units
+    from tests.conftest import local_units
 
     with local_units("tcp", units=1, capacity=1 << 20) as (config, services, clients):
         channel = clients.channel("su-0")
@@ -205,7 +204,7 @@ def test_a_full_unit_is_alive_and_its_capacity_error_passes_through():
 def test_a_unit_whose_handler_hangs_costs_one_timeout():
     import threading
 
-    from .conftest import local_units
+    from tests.conftest import local_units
 
     with local_units("tcp", units=2) as (config, services, clients):
         clients.channel("su-0").call("stats", timeout=5)
@@ -230,7 +229,7 @@ def test_a_unit_whose_handler_hangs_costs_one_timeout():
 
 
 def test_reader_of_keys_on_a_closed_unit_gets_a_typed_error_naming_unit_and_keys():
-    from .conftest import local_units
+    from tests.conftest import local_units
 
     with local_units("tcp", units=2) as (config, services, clients):
         refs = _write(clients, config, "r0", 10)
@@ -248,7 +247,7 @@ def test_reader_of_keys_on_a_closed_unit_gets_a_typed_error_naming_unit_and_keys
 
 
 def test_writer_places_new_keys_on_live_units_only():
-    from .conftest import local_units
+    from tests.conftest import local_units
 
     with local_units("tcp", units=3) as (config, services, clients):
         clients.mark_lost("su-1", "test")
@@ -260,7 +259,7 @@ def test_the_first_timeout_ends_the_other_requests_in_flight_to_the_hung_unit():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from .conftest import local_units
+    from tests.conftest import local_units
 
     with local_units("tcp", units=1) as (config, services, clients):
         clients.channel("su-0").call("stats", timeout=5)
@@ -290,7 +289,7 @@ def test_the_first_timeout_ends_the_other_requests_in_flight_to_the_hung_unit():
 def test_a_reader_over_shm_of_a_closed_unit_marks_it_lost_like_tcp():
     """The shm path's lease requests go through the loss rule too: a closed unit's server
     gives UnitLostError naming the unit and the keys, and the unit is marked lost."""
-    from .conftest import local_units
+    from tests.conftest import local_units
 
     with local_units("shm", units=2, capacity=1 << 20) as (config, services, clients):
         refs = _write(clients, config, "r0", 10)
@@ -315,7 +314,7 @@ def test_a_reader_over_shm_of_a_closed_unit_marks_it_lost_like_tcp():
 
 @pytest.mark.timeout(60)
 def test_a_mapped_source_of_a_closed_unit_raises_unit_lost_and_marks_it():
-    from .conftest import local_units
+    from tests.conftest import local_units
 
     with local_units("shm", units=1, capacity=1 << 20) as (config, services, clients):
         (ref,) = _write(clients, config, "r0", 1)

@@ -12,7 +12,7 @@ import pytest
 
 from gputq.tools.cli import build_parser, demo_setup
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(*args, timeout=150, env=None):

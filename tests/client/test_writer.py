@@ -12,8 +12,7 @@ from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.data.refs import Layout, uses_by_unit
 from gputq.errors import GputqTimeoutError, PartialFailureError, TransferError, UnknownKeyError
-
-from .conftest import local_units
+from tests.conftest import local_units
 
 
 def test_caller_may_reuse_its_buffer_right_after_put():
