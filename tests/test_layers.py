@@ -167,7 +167,7 @@ def test_errors_are_defined_in_one_module():
                     for base in node.bases):
                 elsewhere.append(f"{module}.{node.name}")
     assert elsewhere == []
-    tree = {name for name in gputq.errors.__all__}
+    tree = set(gputq.errors.__all__)
     assert {"GputqError", "PlanError", "UnitLostError", "StaleReadError"} <= tree
     assert all(issubclass(getattr(gputq.errors, name), gputq.errors.GputqError) for name in tree)
 

@@ -424,7 +424,6 @@ class UnitClients(Closeable):
 
 
 def _connect(address: dict, config: GputqConfig, timeout: float | None):
-
     name, reason = choose_transport(config.transport, address)
     kwargs = dict(token=config.token, max_frame_bytes=config.max_frame_bytes, timeout=timeout)
     if name == "tcp" and address.get("transport") == "rdma":

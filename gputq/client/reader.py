@@ -494,7 +494,6 @@ def _mapped_here(channel, on_device: bool) -> bool:
 
 
 def _cupy():
-
     return require_cupy("device='cuda'")
 
 
