@@ -27,7 +27,10 @@ setup(
         "gpu": ["cupy-cuda12x"],
         "metrics": ["prometheus_client>=0.17"],
         # NVRTC alone (no driver needed) lets the tests compile the CUDA kernel where no GPU is.
+        # megatron-core: the tests feed its RouterReplay the streamed slices (it needs only numpy and
+        # packaging once torch is there; the Makefile installs torch first).
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ray>=2.40", "prometheus_client>=0.17",
+                "megatron-core==0.16.1",
                 "nvidia-cuda-nvrtc-cu12>=12.4; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         # python -m bench.memory / bench.peers: the peer system, its runtime, Ray's grpc client
         # (object-store gauge) and the figures. On a dev box that wants Ray minimal, install

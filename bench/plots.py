@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-__all__ = ["memory_figures", "capacity_figure", "peers_figure", "write_figures"]
+__all__ = ["memory_figures", "capacity_figure", "peers_figure", "trainer_memory_figure", "write_figures"]
 
 _MIB = 1 << 20
 _COLORS = {"proxy": "#4c72b0", "rollout_manager": "#dd8452", "object_store": "#55a868",
@@ -154,3 +154,18 @@ def peers_figure(result: dict, outdir: str) -> str:
     axes[0].set_ylabel("GB/s")
     axes[0].legend(fontsize=8)
     return _save(fig, outdir, "peers_bandwidth.png")
+
+
+def trainer_memory_figure(result: dict, outdir: str) -> str:
+    """A reader's peak RSS against shard size: streamed slices and today's whole-shard fetch."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for path, label in (("whole", "whole-shard fetch"), ("stream", "streamed slices")):
+        rows = [r for r in result["memory_rows"] if r["path"] == path]
+        ax.plot([r["scale"] for r in rows], [r["peak_rss_MiB"] for r in rows], marker="o", label=label)
+    ax.set_xlabel("shard size (x the 1x shard)")
+    ax.set_ylabel("peak RSS above start, MiB")
+    ax.set_title(f"rank dp0/pp0/cp0 of DP {result['dp']} x PP {result['pp']} x CP {result['cp']}, "
+                 f"{result['transport']}")
+    ax.legend()
+    return _save(fig, outdir, "trainer_memory.png")

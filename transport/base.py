@@ -32,6 +32,8 @@ import numpy as np
 
 from gputq.errors import InvalidInputError, ProtocolError
 
+from .spans import span_regions
+
 __all__ = [
     "Region",
     "Lease",
@@ -261,15 +263,24 @@ class ArenaHandler(abc.ABC):
         """
 
     def lease_regions(self, keys: Sequence[str], generations: Sequence[int | None] | None = None,
-                      incarnation: str | None = None, *, expires: bool = True) -> tuple[int, np.ndarray]:
+                      incarnation: str | None = None, *, expires: bool = True,
+                      spans: np.ndarray | None = None) -> tuple[int, np.ndarray]:
         """:meth:`lease` as ``(lease_id, int64 [n, 2] of (offset, nbytes))``; what servers call.
 
-        This default builds the array from :meth:`lease`; a handler may
-        override it to lease many keys without building a ``Region`` per key.
+        With ``spans`` (checked int64 ``[m, 3]``, see :mod:`gputq.transport.spans`)
+        the rows are the ``m`` spans' regions instead of one per key, and a
+        span outside its key's blob raises ``InvalidInputError`` with
+        nothing leased. This default builds the array from :meth:`lease`; a
+        handler may override it to lease many keys without building a
+        ``Region`` per key (and to count the bytes the spans name).
         """
         lease = self.lease(keys, generations=generations, incarnation=incarnation, expires=expires)
         regions = np.array([(r.offset, r.nbytes) for r in lease.regions], dtype=np.int64)
-        return lease.lease_id, regions.reshape(len(lease.regions), 2)
+        try:
+            return lease.lease_id, span_regions(regions.reshape(len(lease.regions), 2), spans, keys, self.name)
+        except BaseException:
+            self.end_lease(lease.lease_id)
+            raise
 
     @abc.abstractmethod
     def end_lease(self, lease_id: int) -> bool | None:
@@ -341,8 +352,14 @@ class Channel(Closeable):
 
     @abc.abstractmethod
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
-             generations: Sequence[int] | None = None, incarnation: str | None = None) -> list[int]:
+             generations: Sequence[int] | None = None, incarnation: str | None = None,
+             spans=None) -> list[int]:
         """Read the bytes of ``keys`` back to back into ``dest`` from offset 0.
+
+        With ``spans`` (int64 ``[m, 3]`` of (key index, offset, nbytes), see
+        :mod:`gputq.transport.spans`) only those byte ranges of the keys'
+        blobs are read, back to back in row order, and each span's length
+        is returned instead of each key's: only they leave the unit.
 
         ``dest`` is a 1-D uint8 host buffer (numpy array, memoryview) or,
         where the backend supports it, a CUDA buffer (anything with
@@ -485,11 +502,11 @@ def describe_keys(keys: Sequence[str]) -> str:
     return f"[{shown}{', ...' if len(keys) > 4 else ''}] ({len(keys)} keys)"
 
 
-def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str) -> np.ndarray:
+def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str, rows: int | None = None) -> np.ndarray:
     """Decode and check the regions of a ``"lease"`` reply before reading them one-sided.
 
     ``raw`` is little-endian int64 ``[n, 2]`` of (offset, nbytes), one row
-    per key. A one-sided reader trusts nothing it did not check: a region
+    per key, or ``rows`` of them when the lease named that many spans. A one-sided reader trusts nothing it did not check: a region
     outside the arena would read (or, mapped, fault on) memory that is not
     the arena.
 
@@ -499,12 +516,13 @@ def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str) -> np
         Wrong size or type, a negative value, or a region reaching past
         ``arena_nbytes``; names the unit and the keys.
     """
-    if not isinstance(raw, (bytes, bytearray)) or len(raw) != 16 * len(keys):
+    rows = len(keys) if rows is None else rows
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != 16 * rows:
         raise ProtocolError(f"unit {unit}: lease reply for keys {describe_keys(keys)} is not "
-                            f"{len(keys)} (offset, nbytes) pairs")
-    regions = np.frombuffer(raw, dtype="<i8").reshape(len(keys), 2)
+                            f"{rows} (offset, nbytes) pairs")
+    regions = np.frombuffer(raw, dtype="<i8").reshape(rows, 2)
     # nbytes > arena - offset, not offset + nbytes > arena: the sum can overflow int64.
-    if len(keys) and ((regions < 0).any() or (regions[:, 1] > arena_nbytes - regions[:, 0]).any()):
+    if rows and ((regions < 0).any() or (regions[:, 1] > arena_nbytes - regions[:, 0]).any()):
         raise ProtocolError(f"unit {unit}: leased regions outside its {arena_nbytes}-byte arena for keys "
                             f"{describe_keys(keys)}")
     return regions

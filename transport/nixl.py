@@ -83,6 +83,7 @@ from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 from gputq.transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
 from gputq.transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
 from gputq.transport.policy import gpudirect_support
+from gputq.transport.spans import spans_to_wire
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
 
@@ -202,8 +203,12 @@ class NixlChannel(Channel):
     # -- reads -------------------------------------------------------------------------
 
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
-             generations: Sequence[int] | None = None, incarnation: str | None = None) -> list[int]:
+             generations: Sequence[int] | None = None, incarnation: str | None = None,
+             spans=None) -> list[int]:
         """Read ``keys`` back to back into ``dest`` with one NIXL READ, then confirm it.
+
+        With ``spans`` the unit lends only those byte ranges of the keys'
+        blobs and the READ's descriptors cover exactly them.
 
         ``dest`` may be host memory, a CUDA buffer, or any slice of a buffer
         from :meth:`NixlTransport.destination` or :meth:`staging`: then the
@@ -247,11 +252,15 @@ class NixlChannel(Channel):
             args["generations"] = [None if g is None else int(g) for g in generations]
         if incarnation is not None:
             args["incarnation"] = incarnation
+        rows = None
+        if spans is not None:
+            args["spans"] = spans_to_wire(spans, len(keys))
+            rows = len(args["spans"]) // 24
         lease, started = self._ends.request_lease(
             lambda a: self._tcp.request("lease", a, _left(deadline), keys=keys), args)
         lease_id, staged, confirmed = lease["lease_id"], None, False
         try:
-            regions = leased_regions(lease["regions"], keys, self._arena_nbytes, self.unit)
+            regions = leased_regions(lease["regions"], keys, self._arena_nbytes, self.unit, rows)
             lengths = regions[:, 1]
             total = int(lengths.sum())
             if total > capacity:

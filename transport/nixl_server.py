@@ -109,9 +109,9 @@ class _NixlControl(ArenaHandler):
         return self._handler.lease(keys, generations=generations, incarnation=incarnation, expires=expires)
 
     def lease_regions(self, keys: Sequence[str], generations=None, incarnation=None, *,
-                      expires: bool = True) -> tuple[int, np.ndarray]:
+                      expires: bool = True, spans: np.ndarray | None = None) -> tuple[int, np.ndarray]:
         return self._handler.lease_regions(keys, generations=generations, incarnation=incarnation,
-                                           expires=expires)
+                                           expires=expires, spans=spans)
 
     def end_lease(self, lease_id: int) -> bool | None:
         return self._handler.end_lease(lease_id)

@@ -94,6 +94,7 @@ from gputq.transport.directory import DirectoryView, directory_nbytes
 from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 from gputq.transport.nixl import NixlTransport
 from gputq.transport.policy import local_hostname, nixl_import_error
+from gputq.transport.spans import span_regions, spans_from_wire, spans_to_wire
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
 
@@ -341,8 +342,9 @@ class ShmChannel(Channel):
     # -- reads -------------------------------------------------------------------------
 
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
-             generations: Sequence[int] | None = None, incarnation: str | None = None) -> list[int]:
-        """Read ``keys`` back to back into ``dest`` (host or CUDA memory) from the mapping.
+             generations: Sequence[int] | None = None, incarnation: str | None = None,
+             spans=None) -> list[int]:
+        """Read ``keys`` (or their ``spans``) back to back into ``dest`` (host or CUDA memory) from the mapping.
 
         With ``generations``, the copy runs from the unit's key directory
         while the lease is requested; a lease naming other regions costs a
@@ -362,7 +364,7 @@ class ShmChannel(Channel):
         self._check_open()
         keys = list(keys)
         if self.mapping is None:
-            return self._fallback.read(keys, dest, timeout, **_read_checks(generations, incarnation))
+            return self._fallback.read(keys, dest, timeout, spans=spans, **_read_checks(generations, incarnation))
         on_device = is_device_buffer(dest)
         if on_device:
             capacity = device_nbytes(dest)
@@ -371,10 +373,12 @@ class ShmChannel(Channel):
             capacity = out.nbytes
         if not keys:
             return []
-        hinted = self._hinted_regions(keys, generations, capacity)
+        wire_spans = None if spans is None else spans_to_wire(spans, len(keys))
+        hinted = self._hinted_regions(keys, generations, capacity, wire_spans)
         while True:
             try:
-                with self._leased(keys, generations, incarnation, timeout, hinted=hinted) as regions:
+                with self._leased(keys, generations, incarnation, timeout, hinted=hinted,
+                                  spans=wire_spans) as regions:
                     lengths = regions[:, 1]
                     total = int(lengths.sum())
                     if total > capacity:
@@ -392,11 +396,16 @@ class ShmChannel(Channel):
                     raise
                 hinted = None  # copy again, after the lease
 
-    def _hinted_regions(self, keys: list, generations, capacity: float) -> np.ndarray | None:
-        """The regions the directory names for every key, when they fit the arena and ``capacity``."""
+    def _hinted_regions(self, keys: list, generations, capacity: float, spans: bytes | None = None):
+        """The regions the directory names for every key (or span), when they fit the arena and ``capacity``."""
         if self.directory is None or generations is None:
             return None
         regions = self.directory.lookup(keys, generations, within=self.mapping.nbytes)
+        if regions is not None and spans is not None:
+            try:
+                regions = span_regions(regions, spans_from_wire(spans, len(keys)), keys, self.unit)
+            except InvalidInputError:
+                return None  # the lease answers with the unit's own error
         if regions is None or (capacity < float("inf") and int(regions[:, 1].sum()) > capacity):
             return None  # a torn or foreign entry, or too many bytes: wait for the lease
         return regions
@@ -404,10 +413,11 @@ class ShmChannel(Channel):
     @contextlib.contextmanager
     def mapped_source(self, keys: Sequence[str], timeout: float | None = None, *,
                       generations: Sequence[int] | None = None, incarnation: str | None = None,
-                      device: bool = True, ahead: bool = True):
-        """Lease ``keys`` and lend their bytes where they lie in the mapping.
+                      device: bool = True, ahead: bool = True, spans=None):
+        """Lease ``keys`` and lend their bytes (or only their ``spans``) where they lie in the mapping.
 
-        Yields an int64 ``[n, 2]`` array of (address, length) per key: with
+        Yields an int64 ``[n, 2]`` array of (address, length) per key (per
+        span with ``spans``, see :meth:`read`): with
         ``device`` (the default), device addresses of the mapping registered
         as page-locked, mapped host memory that a kernel reads over PCIe;
         else host addresses in this process. Keep every read of them inside
@@ -435,8 +445,9 @@ class ShmChannel(Channel):
         else:
             base = self.mapping.address
         keys = list(keys)
-        hinted = self._hinted_regions(keys, generations, float("inf")) if ahead else None
-        with self._leased(keys, generations, incarnation, timeout, hinted=hinted) as regions:
+        wire_spans = None if spans is None else spans_to_wire(spans, len(keys))
+        hinted = self._hinted_regions(keys, generations, float("inf"), wire_spans) if ahead else None
+        with self._leased(keys, generations, incarnation, timeout, hinted=hinted, spans=wire_spans) as regions:
             lent = regions.copy()
             lent[:, 0] += base
             yield lent
@@ -446,7 +457,7 @@ class ShmChannel(Channel):
         return self.mapping is not None and self.mapping.register()
 
     @contextlib.contextmanager
-    def _leased(self, keys: list, generations, incarnation, timeout: float | None, *, hinted=None):
+    def _leased(self, keys: list, generations, incarnation, timeout: float | None, *, hinted=None, spans=None):
         """Lease ``keys`` for the block; yields their regions; confirms the lease after it.
 
         With ``hinted``, the directory's regions of the keys, the block runs
@@ -455,10 +466,13 @@ class ShmChannel(Channel):
         the block.
         """
         args = {"keys": keys, **_read_checks(generations, incarnation)}
+        rows = None
+        if spans is not None:
+            args["spans"], rows = spans, len(spans) // 24
         if hinted is None:
             reply, started = self._ends.request_lease(lambda a: self._tcp.request(LEASE, a, timeout, keys=keys),
                                                       args)
-            with self._confirmed(reply, started, keys) as regions:
+            with self._confirmed(reply, started, keys, rows) as regions:
                 yield regions
             return
         ended = self._ends.take()
@@ -481,7 +495,7 @@ class ShmChannel(Channel):
                 self._settle(reply, started, keys)
                 self.reads_ahead += 1
                 return
-            with self._confirmed(reply, started, keys):
+            with self._confirmed(reply, started, keys, rows):
                 self.hint_misses += 1
                 raise HintMissedError(f"unit {self.unit}: the key directory named other regions than the "
                                       f"lease of keys {describe_keys(keys)}; read them again after the lease")
@@ -493,11 +507,12 @@ class ShmChannel(Channel):
             raise
 
     @contextlib.contextmanager
-    def _confirmed(self, reply: dict, started: float, keys: list):
-        """The checked regions of a lease ``reply`` for the block; the lease settled after it."""
+    def _confirmed(self, reply: dict, started: float, keys: list, rows: int | None = None):
+        """The checked regions of a lease ``reply`` (``rows`` spans, or one per key) for the block;
+        the lease settled after it."""
         ok = False
         try:
-            yield leased_regions(reply["regions"], keys, self.mapping.nbytes, self.unit)
+            yield leased_regions(reply["regions"], keys, self.mapping.nbytes, self.unit, rows)
             ok = True
         finally:
             self._settle(reply, started, keys, ok=ok)

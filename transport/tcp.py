@@ -39,6 +39,7 @@ from gputq.transport.base import (
     describe_keys,
     is_device_buffer,
 )
+from gputq.transport.spans import spans_to_wire
 from gputq.transport.staging import StagingPool, device_nbytes
 from gputq.transport.tcp_server import (
     SOCKET_BUFFER_BYTES,
@@ -264,9 +265,13 @@ class TcpChannel(Channel):
             return conn.reply()["receipt"]
 
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
-             generations: Sequence[int] | None = None, incarnation: str | None = None) -> list[int]:
+             generations: Sequence[int] | None = None, incarnation: str | None = None,
+             spans=None) -> list[int]:
         keys = list(keys)
         body: dict = {"keys": keys}
+        if spans is not None:
+            body["spans"] = spans_to_wire(spans, len(keys))
+        pieces = len(keys) if spans is None else len(body["spans"]) // 24
         if generations is not None:
             if len(generations) != len(keys):
                 raise InvalidInputError(f"{len(generations)} generations for {len(keys)} keys")
@@ -284,7 +289,7 @@ class TcpChannel(Channel):
             header, reply = conn.reply_header()
             lengths = reply.get("lengths")
             total = header.payload_len
-            if not isinstance(lengths, list) or len(lengths) != len(keys) \
+            if not isinstance(lengths, list) or len(lengths) != pieces \
                     or not all(type(n) is int and n >= 0 for n in lengths) or sum(lengths) != total:
                 raise ProtocolError("READ reply lengths do not match its payload")
             if total > capacity:

@@ -55,6 +55,7 @@ from gputq.transport.base import (
     write_window,
 )
 from gputq.transport.policy import local_hostname
+from gputq.transport.spans import spans_from_wire
 from gputq.transport.wire import (
     HEADER,
     PRE_AUTH_BODY_BYTES,
@@ -138,14 +139,18 @@ def _typed(exc: Exception, handler: ArenaHandler) -> Exception:
 # ---------------------------------------------------------------- leases
 
 def lease_array(handler: ArenaHandler, keys: list, generations: list | None, incarnation: str | None, *,
-                expires: bool) -> tuple[int, np.ndarray]:
+                expires: bool, spans=None) -> tuple[int, np.ndarray]:
     """Lease ``keys`` with :meth:`ArenaHandler.lease_regions`; return ``(lease_id, int64 [n, 2])``.
 
-    The rows are (offset, nbytes), one per key, little-endian as they go on the wire.
+    The rows are (offset, nbytes), one per key or, with ``spans`` (a
+    request's wire bytes), one per span; little-endian as they go on the wire.
     """
+    checked = spans_from_wire(spans, len(keys))
+    # Whole-key reads pass no spans: a handler that overrides lease_regions without them still serves those.
     lease_id, regions = handler.lease_regions(keys, generations=generations, incarnation=incarnation,
-                                              expires=expires)
-    return int(lease_id), np.asarray(regions, dtype="<i8").reshape(len(keys), 2)
+                                              expires=expires, **({} if checked is None else {"spans": checked}))
+    rows = len(keys) if checked is None else len(checked)
+    return int(lease_id), np.asarray(regions, dtype="<i8").reshape(rows, 2)
 
 
 def _held(result) -> bool:
@@ -164,7 +169,8 @@ def _generic_call(handler: ArenaHandler, method: str, args: dict):
         keys = _list_of(args.get("keys"), str, "keys")
         # A one-sided reader may die mid-read: its lease must end without it.
         lease_id, regions = lease_array(handler, keys, _generations(args.get("generations"), len(keys)),
-                                        _incarnation(args.get("incarnation")), expires=True)
+                                        _incarnation(args.get("incarnation")), expires=True,
+                                        spans=args.get("spans"))
         reply = {"lease_id": lease_id, "regions": regions.tobytes()}
         lifetime = handler.lease_timeout_s
         if lifetime is not None:
@@ -248,7 +254,8 @@ def _serve_read(writer, handler, body, max_frame_bytes: int) -> None:
         # expires=False: the server ends it in `finally`, so the handler's lease timeout
         # cannot cut a slow send short and free the region under it.
         lease_id, regions = lease_array(handler, keys, _generations(body.get("generations"), len(keys)),
-                                        _incarnation(body.get("incarnation")), expires=False)
+                                        _incarnation(body.get("incarnation")), expires=False,
+                                        spans=body.get("spans"))
     except Exception as exc:
         _reply_error(writer, _typed(exc, handler))
         return

@@ -35,9 +35,11 @@ import numpy as np
 
 from gputq.client.clients import UnitClients
 from gputq.client.lifecycle import release
+from gputq.client.stream import MicroBatchStream, plan_stream
 from gputq.config import GputqConfig
 from gputq.data.fields import sample_key_of
 from gputq.data.refs import FieldRef, Layout, uses_by_unit
+from gputq.data.slices import ParallelSlice, layer_major
 from gputq.errors import ClosedError, HintMissedError, InvalidInputError, LayoutError, StaleReadError, TransferError
 from gputq.kernels import MappedSource, cuda_available, widen_scatter
 from gputq.transport import arena_copies, get_transport
@@ -179,25 +181,33 @@ def build_plan(stage: _FieldStage, layouts: Sequence[Layout]) -> tuple[np.ndarra
 
     Returns the ``[n, 3]`` int64 plan (source row, target row, rows; source
     -1 marks fill rows), each sample's first target row, and the total rows.
+    For a layer-major field (see :mod:`gputq.data.slices`) plan rows are one
+    layer of one token (``row_shape[1:]``) and the target is layer-major
+    too, ``[L, total, ...]``: one plan row per fragment and layer.
     """
-    plan: list[tuple[int, int, int]] = []
     offsets: list[int] = []
     base = 0
     for layout in layouts:
         offsets.append(base)
+        base += layout.rows
+    layers = stage.row_shape[0] if layer_major(stage.row_shape) else 1
+    plan: list[tuple[int, int, int]] = []
+    for layout, first in zip(layouts, offsets):
         covered = []
         for frag in layout.fragments:
-            src = stage.ref_row[(frag.ref.unit, frag.ref.key)] + frag.src_row
-            plan.append((src, base + frag.dst_row, frag.rows))
+            blob = stage.ref_row[(frag.ref.unit, frag.ref.key)] * layers  # in plan rows
+            for layer in range(layers):
+                plan.append((blob + layer * frag.ref.rows + frag.src_row, layer * base + first + frag.dst_row,
+                             frag.rows))
             covered.append((frag.dst_row, frag.rows))
-        cursor = 0
+        gaps, cursor = [], 0
         for start, rows in sorted(covered):
             if start > cursor:
-                plan.append((-1, base + cursor, start - cursor))
+                gaps.append((cursor, start - cursor))
             cursor = start + rows
         if cursor < layout.rows:
-            plan.append((-1, base + cursor, layout.rows - cursor))
-        base += layout.rows
+            gaps.append((cursor, layout.rows - cursor))
+        plan.extend((-1, layer * base + first + start, rows) for layer in range(layers) for start, rows in gaps)
     array = np.asarray(plan, dtype=np.int64).reshape(-1, 3)
     return array, offsets, base
 
@@ -240,6 +250,8 @@ class Reader(Closeable):
         self._lock = threading.Lock()
         # Staging is reused across fetches: fresh pages would fault in during the receive.
         self._staging = None
+        self._spare: list = []  # buffers of closed streams, for the next ones
+        self._spare_lock = threading.Lock()
         self._closed = False
         self.last_stats = FetchStats()
 
@@ -257,6 +269,35 @@ class Reader(Closeable):
             grown = int(1.5 * self._staging.nbytes) if self._staging is not None else 0
             self._staging = self._empty(max(nbytes, grown))
         return self._staging[:nbytes]
+
+    def _stream_staging(self, nbytes: int, plans, lent: contextlib.ExitStack):
+        """A compact buffer of a stream: registered memory when every unit it reads is over rdma."""
+        units = sorted({r.unit for plan in plans for r in plan.requests})
+        if self._device == "cpu" and units and {self._clients.transport_of(u)[0] for u in units} == {"rdma"}:
+            return lent.enter_context(get_transport("rdma").destination(nbytes))
+        return self._lend(nbytes, lent)
+
+    def _lend(self, nbytes: int, lent: contextlib.ExitStack):
+        """A buffer of at least ``nbytes`` for a stream, given back when ``lent`` closes.
+
+        Streams of later steps reuse the buffers of earlier ones: fresh pages
+        would fault in during the first micro-batches (about 0.5 GB/s here).
+        """
+        with self._spare_lock:
+            fits = [i for i, b in enumerate(self._spare) if b.nbytes >= nbytes]
+            buffer = self._spare.pop(min(fits, key=lambda i: self._spare[i].nbytes)) if fits else None
+        if buffer is None:
+            buffer = self._empty(nbytes)
+        lent.callback(self._give_back, buffer)
+        return buffer[:nbytes]
+
+    def _give_back(self, buffer) -> None:
+        with self._spare_lock:
+            if not self._closed:
+                self._spare.append(buffer)
+
+    def _synchronize(self) -> None:
+        _cupy().cuda.get_current_stream().synchronize()
 
     def _to_output(self, array):
         if self._device == "cpu":
@@ -357,7 +398,10 @@ class Reader(Closeable):
             out = self._empty(total * stage.width * restored.itemsize).view(restored)
             rows = staging.nbytes // stage.row_bytes  # a view of whole rows from byte 0
             compact = staging[:rows * stage.row_bytes].view(stage.dtype)
-            widen_scatter(compact, plan, stage.width, out, fill=fills.pop() if fills else 0)
+            if layer_major(stage.row_shape):
+                out = self._token_major(compact, plan, stage, out, fills.pop() if fills else 0, total)
+            else:
+                widen_scatter(compact, plan, stage.width, out, fill=fills.pop() if fills else 0)
             out_name = sample_key_of(name)
             for i, (layout, offset) in enumerate(zip(layouts, offsets)):
                 view = out[offset * stage.width:(offset + layout.rows) * stage.width]
@@ -366,6 +410,29 @@ class Reader(Closeable):
             _cupy().cuda.get_current_stream().synchronize()
         return results
 
+    def _token_major(self, compact, plan, stage: _FieldStage, out, fill, total: int):
+        """Widen a layer-major field into ``[L, total, ...]``, then lay it out token-major in ``out``.
+
+        The whole-shard path pays this second pass (and a second buffer) for
+        the ``[T-1, L, K]`` tensors slime's samples hold; streamed
+        micro-batches are consumed layer-major and skip it.
+        """
+        inner = stage.width // stage.row_shape[0]
+        by_layer = self._empty(out.nbytes).view(out.dtype)
+        widen_scatter(compact, plan, inner, by_layer, fill=fill)
+        shape = (stage.row_shape[0], total, inner)
+        if self._device == "cpu":
+            np.copyto(out.reshape(total, shape[0], inner), by_layer.reshape(shape).transpose(1, 0, 2))
+            return out
+        _cupy().cuda.get_current_stream().synchronize()  # torch's stream runs the transpose
+        import torch
+
+        source, target = torch.from_dlpack(by_layer), torch.from_dlpack(out)
+        target.view(total, shape[0], inner).copy_(source.view(shape).permute(1, 0, 2))
+        if target.is_cuda:
+            torch.cuda.current_stream(target.device).synchronize()
+        return out
+
     def _read(self, request: _Request, dest) -> None:
         channel = self._clients.channel(request.unit)
         lengths = channel.read(request.keys, dest, timeout=self._config.read_timeout_s,
@@ -373,6 +440,64 @@ class Reader(Closeable):
         if sum(lengths) != dest.nbytes:
             raise TransferError(f"unit {request.unit} returned {sum(lengths)} bytes for {len(request.keys)} "
                                 f"keys, expected {dest.nbytes}", unit=request.unit, keys=request.keys)
+
+    def stream(self, shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[Sequence[int]],
+               rank: ParallelSlice | None = None, *, prefetch: int = 2, release: str | None = None,
+               total_lengths: Sequence[int] | None = None, token_ranges=None,
+               fields: Sequence[str] | None = None) -> MicroBatchStream:
+        """Stream ``shard`` to this rank one micro-batch at a time: only its slice, prefetched.
+
+        Parameters
+        ----------
+        shard:
+            Per sample, field name to :class:`Layout` (as for :meth:`fetch`).
+        micro_batches:
+            The trainer's split: lists of shard positions that together hold
+            every sample exactly once.
+        rank:
+            This rank's layers and CP/TP position (default: everything).
+        prefetch:
+            Micro-batches fetched ahead of the one being consumed (>= 1).
+        release:
+            A partition: drop each micro-batch's references once the
+            consumer moves past it (one rank per data-parallel group
+            releases, as with :meth:`release`). ``None``: release nothing.
+        total_lengths:
+            Each sample's ``len(tokens)``; checked against R3's rows
+            (``T - 1``), and needed to cut logprobs for CP without R3.
+        token_ranges:
+            Per sample, explicit R3 row ranges to read instead of the CP
+            rule (no padding).
+        fields:
+            The fields to read (default: all the samples have); a pipeline
+            stage before the last, say, replays R3 but computes no loss.
+
+        Returns
+        -------
+        MicroBatchStream
+            An iterator of :class:`~gputq.client.stream.MicroBatch`; close
+            it (or use it as a context manager) to stop prefetching early.
+
+        Raises
+        ------
+        InvalidInputError
+            Before anything is read: micro-batches that do not partition the
+            shard, a prefetch depth below 1, layers outside the stored ones,
+            a token range outside its sample, R3 rows that are not
+            ``len(tokens) - 1``; each names the sample or micro-batch.
+        """
+        if self._closed:
+            raise ClosedError("Reader is closed")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise InvalidInputError(f"prefetch must be an int >= 1, got {prefetch!r}")
+        if release is not None and (not isinstance(release, str) or not release):
+            raise InvalidInputError(f"release must be a partition name or None, got {release!r}")
+        rank = ParallelSlice() if rank is None else rank
+        if fields is not None and (isinstance(fields, str) or not all(isinstance(f, str) for f in fields)):
+            raise InvalidInputError(f"fields must be a list of field names, got {fields!r}")
+        plans = plan_stream(shard, micro_batches, rank, total_lengths=total_lengths, token_ranges=token_ranges,
+                            fields=fields, max_bytes=self._config.max_frame_bytes)
+        return MicroBatchStream(self, plans, prefetch, release, rank)
 
     def release(self, shard: Sequence[Mapping[str, Layout]], partition: str, *,
                 release_id: str | None = None) -> dict:
@@ -430,6 +555,8 @@ class Reader(Closeable):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
+            with self._spare_lock:
+                self._spare.clear()
 
 
 # -- zero-copy restore from same-host arenas (the shm backend) ---------------------------

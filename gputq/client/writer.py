@@ -36,6 +36,7 @@ from gputq.client.fanout import fan_out, tally
 from gputq.client.placement import rendezvous_unit
 from gputq.config import GputqConfig
 from gputq.data.fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
+from gputq.data.slices import layer_major
 from gputq.data.refs import FieldRef, uses_by_unit
 from gputq.errors import ClosedError, DuplicateKeyError, GputqTimeoutError, InvalidInputError, TransferError
 from gputq.transport.base import Closeable, byte_view
@@ -119,8 +120,10 @@ class Writer(Closeable):
                 # The one pass: checked and compacted straight into a buffer the writer owns.
                 buffer = self._buffers.take(arr.shape[0] * row_nbytes(spec) if arr.ndim else 0)
                 taken.append(buffer)
-                compact = canonicalize(key, spec, arr, out=buffer)
-                ref = FieldRef(stored_key(key, field), field, unit, compact.shape[0], spec.dtype,
+                # Rows of two or more dimensions go layer-major: a pipeline stage's layers are then
+                # one contiguous run each, whatever tokens its rank reads.
+                compact = canonicalize(key, spec, arr, out=buffer, layer_major=layer_major(spec.row_shape))
+                ref = FieldRef(stored_key(key, field), field, unit, arr.shape[0], spec.dtype,
                                spec.row_shape, partition, incarnation, secrets.randbits(63) or 1)
                 prepared.append((ref, compact, buffer))
             self._submit(prepared)

@@ -207,11 +207,14 @@ class FieldRegistry:
         return len(self._specs)
 
 
-def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | None = None) -> np.ndarray:
+def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | None = None,
+                 layer_major: bool = False) -> np.ndarray:
     """Check ``array`` against ``spec`` and return it in the stored dtype.
 
     Returns a C-contiguous array of ``spec.dtype`` with shape
-    ``[rows, *spec.row_shape]``. Raises
+    ``[rows, *spec.row_shape]``, or with ``layer_major`` (rows of two or
+    more dimensions only) ``[row_shape[0], rows, *row_shape[1:]]``: the
+    order such blobs are stored in (see :mod:`gputq.data.slices`). Raises
     :class:`~gputq.errors.FieldValueError` naming ``key`` and the field for
     a wrong shape, a float array for an integer field, a NaN (first index)
     or an ID the stored dtype cannot hold (value and first index). Values
@@ -253,6 +256,8 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
             raise InvalidInputError(f"{where}: out must be a writable contiguous uint8 array of at least "
                                     f"{nbytes} bytes")
         result = out[:nbytes].view(stored).reshape(arr.shape)
+    elif layer_major:
+        result = np.empty(arr.shape, stored)
     elif arr.dtype == stored and arr.flags.c_contiguous:
         if check is not None:
             check(where, arr, arr, 0)
@@ -262,6 +267,8 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
     narrowing_floats = check is _check_nan and arr.dtype.itemsize > stored.itemsize
     # A float64 beyond float32's range becomes inf, as with astype, without a warning.
     with np.errstate(over="ignore") if narrowing_floats else contextlib.nullcontext():
+        if layer_major:
+            return _to_layer_major(where, arr, result, check)
         if check is None or not arr.size:
             np.copyto(result, arr, casting="unsafe")  # nothing to check: a widening cast, or no rows
             return result
@@ -269,6 +276,22 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
         for start in range(0, arr.shape[0], step):
             src, dst = arr[start:start + step], result[start:start + step]
             np.copyto(dst, src, casting="unsafe")
+            check(where, src, dst, start)
+    return result
+
+
+def _to_layer_major(where: str, arr: np.ndarray, result: np.ndarray, check) -> np.ndarray:
+    """``arr`` ``[rows, L, ...]`` converted (and checked) into ``result``'s memory as ``[L, rows, ...]``."""
+    if arr.ndim < 3:
+        raise InvalidInputError(f"{where}: layer-major storage needs rows of two or more dimensions, "
+                                f"got shape {arr.shape}")
+    result = result.reshape(-1).reshape((arr.shape[1], arr.shape[0], *arr.shape[2:]))
+    # Token chunks transposed into every layer's run: each chunk is read from memory once.
+    step = max(1, _CHUNK_BYTES // max(1, arr[:1].nbytes))
+    for start in range(0, arr.shape[0], step):
+        src, dst = arr[start:start + step], result[:, start:start + step].swapaxes(0, 1)
+        np.copyto(dst, src, casting="unsafe")
+        if check is not None:
             check(where, src, dst, start)
     return result
 

@@ -35,6 +35,7 @@ from gputq.errors import (
 )
 from gputq.transport.base import ArenaHandler, Closeable, Lease, Region
 from gputq.transport.directory import KeyDirectory, directory_nbytes, directory_slots
+from gputq.transport.spans import span_regions
 from gputq.unit.allocator import FreeListAllocator
 from gputq.unit.arena import Arena
 from gputq.unit.keytable import (
@@ -368,25 +369,26 @@ class StorageUnit(ArenaHandler, Closeable):
         UnknownKeyError
             Names the first key that is unknown or not yet committed.
         """
-        lease_id, entries = self._pin(keys, generations, incarnation, expires)
+        lease_id, entries, _ = self._pin(keys, generations, incarnation, expires)
         return Lease(lease_id, tuple(Region(e.offset, e.nbytes) for e in entries),
                      tuple(e.generation for e in entries))
 
     def lease_regions(self, keys: Sequence[str], generations: Sequence[int] | None = None,
-                      incarnation: str | None = None, *, expires: bool = True) -> tuple[int, np.ndarray]:
+                      incarnation: str | None = None, *, expires: bool = True,
+                      spans: np.ndarray | None = None) -> tuple[int, np.ndarray]:
         """:meth:`lease` as ``(lease_id, int64 [n, 2] of (offset, nbytes))``.
 
-        The NIXL server's fast path: a 1024-key lease without building
-        1024 ``Region`` objects.
+        The servers' fast path: a 1024-key lease without building 1024
+        ``Region`` objects. With ``spans`` (checked int64 ``[m, 3]`` of (key
+        index, offset, nbytes)) the rows are the spans' regions, and only
+        their bytes count as read (``bytes_read``); a span outside its key's
+        blob raises ``InvalidInputError`` and nothing is leased.
         """
-        lease_id, entries = self._pin(keys, generations, incarnation, expires)
-        regions = np.empty((len(entries), 2), dtype=np.int64)
-        regions[:, 0] = np.fromiter((e.offset for e in entries), np.int64, len(entries))
-        regions[:, 1] = np.fromiter((e.nbytes for e in entries), np.int64, len(entries))
+        lease_id, _, regions = self._pin(keys, generations, incarnation, expires, spans)
         return lease_id, regions
 
     def _pin(self, keys: Sequence[str], generations=None, incarnation=None,
-             expires: bool = True) -> tuple[int, list[Entry]]:
+             expires: bool = True, spans: np.ndarray | None = None) -> tuple[int, list[Entry], np.ndarray]:
         if not isinstance(keys, (list, tuple)):
             raise InvalidInputError(f"unit {self.name}: keys must be a list of str, got {type(keys).__name__}")
         if incarnation is not None:
@@ -407,12 +409,16 @@ class StorageUnit(ArenaHandler, Closeable):
                 raise
             if generations is not None:
                 check_generations(self.name, entries, generations)
+            regions = np.empty((len(entries), 2), dtype=np.int64)
+            regions[:, 0] = np.fromiter((e.offset for e in entries), np.int64, len(entries))
+            regions[:, 1] = np.fromiter((e.nbytes for e in entries), np.int64, len(entries))
+            regions = span_regions(regions, spans, keys, self.name)  # before pinning: a bad span leases nothing
             lease_id, deadline = self._book.pin(entries, expires, time.monotonic())
             if deadline is not None:
                 self._timer.poke(deadline)
             self._counters["reads"] += 1
-            self._counters["bytes_read"] += sum(e.nbytes for e in entries)
-        return lease_id, entries
+            self._counters["bytes_read"] += int(regions[:, 1].sum())
+        return lease_id, entries, regions
 
     def end_lease(self, lease_id: int) -> bool:
         """Unpin a lease; regions released meanwhile are freed now. Idempotent.

@@ -1,0 +1,305 @@
+"""The trainer side at scale: each rank streams its slice, micro-batch by micro-batch, overlapped with compute.
+
+``python -m bench.trainer [--dp 2 --pp 4 --cp 2] [--transport tcp|shm|rdma|auto] [--scales 1,2,4] [--json]``
+
+A synthetic rollout of ``--samples`` segments per data-parallel rank (at
+scale 1) of ``--tokens`` tokens each, R3 ``[T-1, L, K]`` stored as
+``--dtype`` plus response logprobs, is written to StorageUnits in child
+processes (tcp over loopback, or shm/rdma). Every rank of a DP x PP x CP
+layout streams its DP shard with ``Reader.stream``: its stage's
+``L / PP`` layers, its two zigzag CP chunks, micro-batches of
+``--mb-samples`` segments, ``--prefetch`` ahead; only the last stage reads
+logprobs (it computes the loss). Three figures, each against its goal:
+
+- **bytes**: what each rank moved, by the units' own ``bytes_read``
+  counters, against today's whole-shard ``Reader.fetch`` of the same DP
+  shard (every rank of the group fetched all of it). The group's ranks
+  together move the shard once: ``bytes_ratio_vs_whole_shard`` is their
+  mean share, goal ``1 / (PP x CP)`` within 1%; each rank's bytes must
+  equal the slice its spans name, exactly.
+- **memory**: peak RSS above its start of a fresh reader process (rank
+  dp0/pp0/cp0) at shard scales 1x, 2x and 4x, streamed and whole-shard;
+  ``peak_growth_4x`` is the streamed peak at 4x over 1x, goal <= 1.10.
+  The shard at 1x is at least 4x the stream's buffers (checked).
+- **overlap**: the streamed loop with a compute stand-in per micro-batch
+  (the host idles, as it does while the GPU computes) of twice the
+  micro-batch's fetch+restore time, against that compute alone:
+  ``overlap_ratio``, goal <= 1.05.
+
+The streamed loop without compute also gives fetch+restore throughput of
+the rank's slice, paired with the strongest honest baseline of its
+transport, timed just before each pass over the same bytes: a plain socket
+from a child process (tcp, rdma), a memcpy on as many threads as the stream
+uses (shm: its fetch and restore threads). Goals: >= 0.9x the socket over
+tcp, >= 0.8x the memcpy over shm, for shards (rank slices) >= 16 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, remote_units
+from bench.plots import trainer_memory_figure, write_figures
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.config import GputqConfig
+from gputq.data.refs import Layout
+from gputq.data.slices import ParallelSlice
+
+_MIB = 1 << 20
+_EXPERTS = 128
+
+
+def _rollout(writer: Writer, samples: int, tokens: int, layers: int, topk: int) -> list[dict]:
+    """``samples`` one-step segments; IDs from a cheap pattern (random numbers would dominate the setup)."""
+    base = (np.arange((tokens - 1) * layers * topk, dtype=np.int32) * 7).reshape(tokens - 1, layers, topk)
+    log_probs = -np.linspace(0.01, 5.0, tokens // 2, dtype=np.float32)
+    shard = []
+    for i in range(samples):
+        experts = (base + i) % _EXPERTS
+        refs = writer.put(f"trainer/{i}", "bench", {"routed_experts": experts, "logprobs": log_probs})
+        shard.append({name: Layout.from_ref(ref) for name, ref in refs.items()})
+    writer.flush()
+    return shard
+
+
+def _rank_slice(args, pp: int, cp: int) -> ParallelSlice:
+    per_stage = args.layers // args.pp
+    return ParallelSlice(layers=range(pp * per_stage, (pp + 1) * per_stage), cp_rank=cp, cp_size=args.cp,
+                         num_experts=_EXPERTS)
+
+
+def _fields(args, pp: int) -> tuple[str, ...]:
+    return ("routed_experts", "logprobs") if pp == args.pp - 1 else ("routed_experts",)
+
+
+def _micro_batches(n: int, per: int) -> list[list[int]]:
+    return [list(range(i, min(n, i + per))) for i in range(0, n, per)]
+
+
+def _bytes_read(clients) -> int:
+    return sum(clients.channel(u).call("stats")["bytes_read"] for u in clients.units)
+
+
+def _planned_bytes(stream) -> int:
+    return sum(r.stop - r.start for plan in stream._plans for r in plan.requests)
+
+
+def _stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0) -> tuple[float, int, list]:
+    """One pass of a rank's stream; returns (seconds, bytes planned, per-micro-batch compute seconds)."""
+    computed = []
+    started = time.perf_counter()
+    with reader.stream(shard, _micro_batches(len(shard), args.mb_samples), _rank_slice(args, pp, cp),
+                       prefetch=args.prefetch, fields=_fields(args, pp)) as stream:
+        planned = _planned_bytes(stream)
+        for _ in stream:
+            if compute_s:
+                began = time.perf_counter()
+                time.sleep(compute_s)
+                computed.append(time.perf_counter() - began)
+    return time.perf_counter() - started, planned, computed
+
+
+# -- memory: one reader in a fresh process per (path, scale) ----------------------------
+
+def _rss_child(conn, membership, config, shard, args, path: str) -> None:
+    from gputq.client.clients import UnitClients
+
+    with UnitClients(membership, config) as clients, Reader(clients, config) as reader:
+        start = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak (VmHWM) to the current RSS: the peak from here on
+        if path == "stream":
+            _stream_pass(reader, shard, args, 0, 0)
+        else:
+            reader.fetch(shard)
+        peak = _status_kib("VmHWM")
+    conn.send((peak - start) * 1024)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _peak_rss(clients, config, shard, args, path: str) -> int:
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    membership = {u: clients.membership[u] for u in clients.units}
+    proc = ctx.Process(target=_rss_child, args=(child, membership, config, shard, args, path), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(600):
+            raise RuntimeError(f"the {path} reader process did not finish within 600 s")
+        return parent.recv()
+    finally:
+        proc.join(30)
+
+
+# -- baselines -------------------------------------------------------------------------
+
+def _threaded_memcpy(dst: np.ndarray, src: np.ndarray, threads: int) -> float:
+    parts = np.array_split(np.arange(src.size), threads)
+    bounds = [(p[0], p[-1] + 1) for p in parts if len(p)]
+    workers = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b])) for a, b in bounds[1:]]
+    started = time.perf_counter()
+    for w in workers:
+        w.start()
+    np.copyto(dst[bounds[0][0]:bounds[0][1]], src[bounds[0][0]:bounds[0][1]])
+    for w in workers:
+        w.join()
+    return time.perf_counter() - started
+
+
+def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
+    """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes."""
+    _, nbytes, _ = _stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
+    per_mb = -(-nbytes // len(_micro_batches(len(shard), args.mb_samples)))
+    loops, base = [], []
+    if transport == "shm":
+        src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+        for _ in range(repeats):
+            base.append(_threaded_memcpy(dst, src, 2))
+            loops.append(_stream_pass(reader, shard, args, 0, 0)[0])
+        baseline = "memcpy x2 threads"
+    else:
+        with SocketBaseline(per_mb) as socket:
+            socket.read(per_mb)
+            for _ in range(repeats):
+                base.append(sum(socket.read(min(per_mb, nbytes - off)) for off in range(0, nbytes, per_mb)))
+                loops.append(_stream_pass(reader, shard, args, 0, 0)[0])
+        baseline = "plain socket"
+    ratio = statistics.median(b / t for b, t in zip(base, loops))
+    return {"slice_MiB": round(nbytes / _MIB, 1), "baseline": baseline,
+            "baseline_GBps": round(gbps(nbytes, statistics.median(base)), 2),
+            "stream_GBps": round(gbps(nbytes, statistics.median(loops)), 2), "ratio": round(ratio, 3),
+            "loop_s": statistics.median(loops)}
+
+
+def run(args) -> dict:
+    scales = [int(s) for s in args.scales.split(",")]
+    samples_total = args.dp * args.samples * max(scales)
+    sample_bytes = (args.tokens - 1) * args.layers * args.topk * np.dtype(args.dtype).itemsize + args.tokens * 2
+    config = GputqConfig(transport=args.transport, num_units=args.units, routed_experts_dtype=args.dtype,
+                         unit_capacity_bytes=int(samples_total * sample_bytes * 1.2 / args.units) + 64 * _MIB,
+                         host="127.0.0.1")
+    result: dict = {"dp": args.dp, "pp": args.pp, "cp": args.cp, "tokens": args.tokens, "layers": args.layers,
+                    "topk": args.topk, "dtype": args.dtype, "samples_per_dp_rank": args.samples,
+                    "mb_samples": args.mb_samples, "prefetch": args.prefetch}
+    with remote_units(config) as (config, clients), Writer(clients, config) as writer:
+        rollout = _rollout(writer, samples_total, args.tokens, args.layers, args.topk)
+        transport = "+".join(sorted({clients.transport_of(u)[0] for u in clients.units}))
+        result["transport"] = transport
+        shards = {s: [[rollout[i] for i in range(d, args.dp * args.samples * s, args.dp)] for d in range(args.dp)]
+                  for s in scales}
+        # Bytes, scale 1: every rank of every DP group against the group's whole-shard fetch.
+        rows, shares = [], []
+        with Reader(clients, config) as reader:
+            for dp, shard in enumerate(shards[scales[0]]):
+                before = _bytes_read(clients)
+                reader.fetch(shard)
+                whole = _bytes_read(clients) - before
+                group = 0
+                for pp in range(args.pp):
+                    for cp in range(args.cp):
+                        before = _bytes_read(clients)
+                        _, planned, _ = _stream_pass(reader, shard, args, pp, cp)
+                        moved = _bytes_read(clients) - before
+                        group += moved
+                        rows.append({"rank": f"dp{dp}/pp{pp}/cp{cp}", "moved_MiB": round(moved / _MIB, 2),
+                                     "whole_shard_MiB": round(whole / _MIB, 2), "share": round(moved / whole, 4),
+                                     "exactly_the_slice": moved == planned})
+                shares.append(group / (args.pp * args.cp) / whole)
+            result["bytes_rows"] = rows
+            result["bytes_ratio_vs_whole_shard"] = round(max(shares, key=lambda r: abs(r * args.pp * args.cp - 1)), 5)
+            result["bytes_goal"] = round(1 / (args.pp * args.cp), 5)
+            result["every_rank_exactly_its_slice"] = all(r["exactly_the_slice"] for r in rows)
+            # Throughput and overlap: rank dp0/pp0/cp0 over each scale's shard.
+            speed = []
+            for s in scales:
+                row = _throughput(reader, shards[s][0], args, transport, args.repeats)
+                speed.append({"scale": s, **{k: v for k, v in row.items() if k != "loop_s"}})
+                if s == scales[0]:
+                    mbs = len(_micro_batches(len(shards[s][0]), args.mb_samples))
+                    compute_s = 2 * row["loop_s"] / mbs
+                    loop, _, computed = _stream_pass(reader, shards[s][0], args, 0, 0, compute_s)
+                    result["overlap"] = {"micro_batches": mbs, "compute_ms": round(compute_s * 1e3, 2),
+                                         "fetch_restore_ms": round(row["loop_s"] / mbs * 1e3, 2),
+                                         "step_s": round(loop, 4), "compute_alone_s": round(sum(computed), 4)}
+                    result["overlap_ratio"] = round(loop / sum(computed), 4)
+            result["throughput_rows"] = speed
+            big = [r["ratio"] for r in speed if r["slice_MiB"] >= 16]
+            result["throughput_ratio"] = min(big) if big else None
+            with reader.stream(shards[scales[0]][0], _micro_batches(args.samples, args.mb_samples),
+                               _rank_slice(args, 0, 0), prefetch=args.prefetch) as stream:
+                result["stream_buffers_MiB"] = round(stream.buffer_bytes / _MIB, 2)
+            whole_widened = sum(layout.nbytes for sample in shards[scales[0]][0] for layout in sample.values())
+            result["shard_vs_stream_buffers"] = round(whole_widened / stream.buffer_bytes, 1)
+        # Memory: fresh reader processes, streamed and whole-shard, at each scale.
+        memory = []
+        for s in scales:
+            for path in ("stream", "whole"):
+                peak = _peak_rss(clients, config, shards[s][0], args, path)
+                memory.append({"scale": s, "path": path, "peak_rss_MiB": round(peak / _MIB, 1)})
+        result["memory_rows"] = memory
+        stream_peaks = {r["scale"]: r["peak_rss_MiB"] for r in memory if r["path"] == "stream"}
+        result["peak_growth_4x"] = round(stream_peaks[max(scales)] / stream_peaks[scales[0]], 3)
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--transport", choices=("tcp", "shm", "rdma", "auto"), default="tcp")
+    parser.add_argument("--units", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--dtype", choices=("uint8", "uint16", "int32"), default="uint16")
+    parser.add_argument("--samples", type=int, default=8, help="segments per DP rank at scale 1")
+    parser.add_argument("--mb-samples", type=int, default=2, help="segments per micro-batch")
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--scales", default="1,2,4")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--figures", default="docs/figures", help="where the memory plot goes ('' for none)")
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
+    if args.layers % args.pp:
+        parser.error(f"--layers {args.layers} does not split into --pp {args.pp} stages")
+    print_header("gputq trainer side: streamed slices per rank", layout=f"DP {args.dp} x PP {args.pp} x CP {args.cp}",
+                 segment=f"{args.tokens} tokens, R3 [T-1, {args.layers}, {args.topk}] {args.dtype} + logprobs",
+                 samples_per_dp_rank=args.samples, mb_samples=args.mb_samples, prefetch=args.prefetch,
+                 transport=args.transport, units=args.units, scales=args.scales, device="cpu")
+    result = run(args)
+    print_table(result["bytes_rows"], list(result["bytes_rows"][0]))
+    print(f"bytes_ratio_vs_whole_shard (DP group mean share): {result['bytes_ratio_vs_whole_shard']}  "
+          f"(goal {result['bytes_goal']} +-1%); every rank moved exactly its slice: "
+          f"{result['every_rank_exactly_its_slice']}")
+    print_table(result["memory_rows"], list(result["memory_rows"][0]))
+    print(f"peak_growth_4x (streamed): {result['peak_growth_4x']}  (goal <= 1.10); shard at 1x is "
+          f"{result['shard_vs_stream_buffers']}x the stream's buffers ({result['stream_buffers_MiB']} MiB)")
+    print_table(result["throughput_rows"], list(result["throughput_rows"][0]))
+    goal = 0.8 if result["transport"] == "shm" else 0.9
+    print(f"min stream vs baseline (slices >= 16 MiB): {result['throughput_ratio']}  (goal >= {goal})")
+    print(f"overlap: {result['overlap']}")
+    print(f"overlap_ratio: {result['overlap_ratio']}  (goal <= 1.05)")
+    if args.figures:
+        for path in write_figures(trainer_memory_figure, result, args.figures):
+            print(f"figure: {path}")
+    if args.json:
+        emit_json(result)
+
+
+if __name__ == "__main__":
+    main()

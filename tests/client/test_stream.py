@@ -1,0 +1,231 @@
+"""Streamed micro-batches: exactly a rank's slice on the wire, slime's layout out, memory bounded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.data.refs import Layout
+from gputq.data.slices import ParallelSlice
+from gputq.errors import GputqError, InvalidInputError, LayoutError, UnknownKeyError
+from tests.conftest import local_units
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYERS, TOPK, EXPERTS = 6, 4, 16
+
+
+def _pad(experts: torch.Tensor, pad: int) -> torch.Tensor:
+    """slime's pad block: arange(pad * L * K) % num_experts, after the rows."""
+    if pad == 0:
+        return experts
+    block = torch.arange(pad * LAYERS * TOPK, dtype=experts.dtype).reshape(pad, LAYERS, TOPK) % EXPERTS
+    return torch.cat([experts, block])
+
+
+def slime_replay_rows(samples: list[torch.Tensor], rank: ParallelSlice) -> torch.Tensor:
+    """What slime hands Megatron for one micro-batch (thd, no allgather CP): ``[tokens, L, K]``.
+
+    Written from slime's documented steps on whole tensors: one pad row per
+    sample, zigzag CP chunks of the padded sample, the batch padded to
+    ``tp_size * pad_multiple``, the sequence-parallel share.
+    """
+    parts = []
+    for experts in samples:
+        experts = _pad(experts, 1)
+        if rank.cp_size > 1:
+            n = len(experts)
+            chunk = (n + 2 * rank.cp_size - 1) // (2 * rank.cp_size)
+            experts = _pad(experts, 2 * rank.cp_size * chunk - n)
+            r = rank.cp_rank
+            experts = torch.cat([experts[r * chunk:(r + 1) * chunk],
+                                 experts[(2 * rank.cp_size - r - 1) * chunk:(2 * rank.cp_size - r) * chunk]])
+        parts.append(experts)
+    rows = torch.cat(parts)
+    size = rank.tp_size * rank.pad_multiple
+    rows = _pad(rows, (size - len(rows) % size) % size)
+    if rank.sequence_parallel:
+        share = len(rows) // rank.tp_size
+        rows = rows[share * rank.tp_rank:share * (rank.tp_rank + 1)]
+    return rows
+
+
+def slime_log_probs(log_probs: torch.Tensor, total: int, rank: ParallelSlice) -> torch.Tensor:
+    """slime's CP cut of response logprobs, by the logits offsets of the two chunks."""
+    if rank.cp_size == 1:
+        return log_probs
+    chunk = (total + 2 * rank.cp_size - 1) // (2 * rank.cp_size)
+    prompt = total - len(log_probs)
+    out = []
+    for start, stop in ((rank.cp_rank * chunk, (rank.cp_rank + 1) * chunk),
+                        ((2 * rank.cp_size - rank.cp_rank - 1) * chunk, (2 * rank.cp_size - rank.cp_rank) * chunk)):
+        lo, hi = max(start, prompt - 1), min(stop, total - 1)
+        if lo < hi:
+            out.append(log_probs[lo - (prompt - 1):hi - (prompt - 1)])
+    return torch.cat(out) if out else log_probs[:0]
+
+
+def _rollout(writer, rng, lengths, dtype=np.uint16):
+    """Samples of one step each (R3 rows T-1, logprobs over the response's last half)."""
+    shard, data = [], []
+    for i, total in enumerate(lengths):
+        experts = rng.integers(0, EXPERTS, (total - 1, LAYERS, TOPK)).astype(np.int32)
+        log_probs = rng.standard_normal(total // 2).astype(np.float32)
+        refs = writer.put(f"s{i}/0", "p", {"routed_experts": experts, "logprobs": log_probs})
+        shard.append({name: Layout.from_ref(ref) for name, ref in refs.items()})
+        data.append((experts, log_probs, total))
+    writer.flush()
+    return shard, data
+
+
+def _bytes_read(units) -> int:
+    return sum(unit.stats()["bytes_read"] for unit in units)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", pytest.param("rdma", marks=pytest.mark.rdma)])
+def test_stream_matches_slime_and_moves_exactly_the_slice(transport):
+    if transport == "rdma":
+        from tests.conftest import nixl_usable
+
+        if nixl_usable():
+            pytest.skip(nixl_usable())
+    rng = np.random.default_rng(7)
+    lengths = [37, 50, 64, 23, 41, 58]
+    with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, lengths)
+        batches = [[0, 1], [2], [3, 4, 5]]
+        for stage in (range(0, 3), range(3, 6)):
+            for cp_rank in range(2):
+                rank = ParallelSlice(layers=stage, cp_rank=cp_rank, cp_size=2, num_experts=EXPERTS, tp_size=2,
+                                     pad_multiple=4)
+                before = _bytes_read(units)
+                expected_bytes = 0
+                with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
+                    consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, stage, rank)]
+                moved = _bytes_read(units) - before
+                assert consumed == [0, 1, 2]
+                for batch in batches:
+                    for i in batch:  # the slice: stored rows the CP chunks hold, of this stage's layers
+                        rows = data[i][2] - 1
+                        chunk = -(-(rows + 1) // 4)
+                        kept = sum(max(0, min(b, rows) - a) for a, b in
+                                   ((cp_rank * chunk, (cp_rank + 1) * chunk), ((3 - cp_rank) * chunk, (4 - cp_rank) * chunk)))
+                        expected_bytes += kept * len(stage) * TOPK * 2
+                        expected_bytes += 4 * len(slime_log_probs(torch.from_numpy(data[i][1]), data[i][2], rank))
+                assert moved == expected_bytes
+
+
+def _check(mb, batch, data, stage, rank) -> bool:
+    """The micro-batch as slime would build it from the whole samples (its tensors live until the next)."""
+    want = slime_replay_rows([torch.from_numpy(data[i][0]) for i in batch], rank)
+    assert mb.samples == tuple(batch) and mb.layers == tuple(stage) and len(mb.routed_experts) == len(stage)
+    for j, layer in enumerate(stage):
+        got = torch.as_tensor(mb.routed_experts[j])
+        assert got.dtype == torch.int32
+        assert torch.equal(got, want[:, layer])
+    for i, lp in zip(batch, mb.log_probs):
+        assert torch.equal(torch.as_tensor(lp), slime_log_probs(torch.from_numpy(data[i][1]), data[i][2], rank))
+    return True
+
+
+def test_stream_validates_before_reading():
+    rng = np.random.default_rng(1)
+    with local_units("tcp", units=1) as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, _ = _rollout(writer, rng, [20, 30])
+        with Reader(clients, config) as reader:
+            before = _bytes_read(units)
+            with pytest.raises(InvalidInputError, match="outside the 6 stored layers"):
+                reader.stream(shard, [[0], [1]], ParallelSlice(layers=range(4, 8), num_experts=EXPERTS))
+            with pytest.raises(InvalidInputError, match="partition"):
+                reader.stream(shard, [[0], [0, 1]])
+            with pytest.raises(InvalidInputError, match="no micro-batch"):
+                reader.stream(shard, [[1]])
+            with pytest.raises(InvalidInputError, match="prefetch"):
+                reader.stream(shard, [[0], [1]], prefetch=0)
+            with pytest.raises(InvalidInputError, match=r"sample 1: token range \[25, 31\) is outside its 29 rows"):
+                reader.stream(shard, [[0], [1]], token_ranges=[[(0, 4)], [(25, 31)]])
+            with pytest.raises(InvalidInputError, match="sample 0: R3 has 19 rows"):
+                reader.stream(shard, [[0], [1]], total_lengths=[21, 30])
+            assert _bytes_read(units) == before  # nothing was read
+
+
+def test_a_lost_key_raises_at_its_micro_batch_not_before():
+    rng = np.random.default_rng(2)
+    with local_units("tcp", units=1) as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, [20, 30, 40])
+        clients.channel(units[0].name).call("delete", keys=[shard[2]["routed_experts"].fragments[0].ref.key])
+        with Reader(clients, config) as reader, reader.stream(shard, [[0], [1], [2]],
+                                                              ParallelSlice(num_experts=EXPERTS)) as stream:
+            first = next(stream)
+            np.testing.assert_array_equal(first.routed_experts[0][:19], data[0][0][:, 0])
+            next(stream)
+            with pytest.raises(UnknownKeyError):
+                next(stream)
+
+
+def test_release_per_micro_batch_frees_consumed_steps_only():
+    rng = np.random.default_rng(3)
+    with local_units("tcp", units=1) as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, _ = _rollout(writer, rng, [20, 30, 40])
+            writer.finalize(shard, "p")
+        with Reader(clients, config) as reader:
+            stream = reader.stream(shard, [[0], [1], [2]], ParallelSlice(num_experts=EXPERTS), release="p")
+            next(stream)
+            next(stream)  # moving on consumed micro-batch 0
+            assert units[0].stats()["keys"] == 4
+            stream.close()  # micro-batch 1 was handed out, never moved past: kept
+            assert units[0].stats()["keys"] == 4
+            assert stream.released == [0]
+
+
+def test_memory_is_bounded_by_the_prefetch_depth_not_the_shard():
+    """Traced peak while streaming shards of 4 and 12 micro-batches: the same, under (prefetch + 1) slices."""
+    import tracemalloc
+
+    rng = np.random.default_rng(4)
+    tokens = 12_000
+    peaks = {}
+    with local_units("tcp", units=2, capacity=256 << 20) as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, _ = _rollout(writer, rng, [tokens] * 12)
+        rank = ParallelSlice(layers=range(0, 3), cp_rank=0, cp_size=2, num_experts=EXPERTS)
+        # One micro-batch's slice, widened: half the tokens (plus pads) of 3 layers, int32, and its logprobs.
+        slice_bytes = tokens // 2 * 3 * TOPK * 4 + tokens // 2 * 4
+        for samples in (4, 12):
+            part = shard[:samples]
+            with Reader(clients, config) as reader:  # a new one: its buffers are made, not reused
+                tracemalloc.start()
+                try:
+                    with reader.stream(part, [[i] for i in range(samples)], rank, prefetch=2) as stream:
+                        for mb in stream:
+                            assert mb.routed_experts[0].shape == (tokens // 2, TOPK)  # 2 of 4 CP chunks
+                    peaks[samples] = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+    fixed = 1 << 20
+    assert 2 * slice_bytes <= peaks[12] <= 3 * slice_bytes + fixed, (peaks, slice_bytes)
+    assert peaks[12] <= peaks[4] * 1.1 + (64 << 10), peaks  # flat in the shard size
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_stream_into_device_memory_under_the_cuda_stand_in(host_cuda, transport):
+    """device="cuda": compact staging and the widened layers live in device memory; the kernel runs there."""
+    from tests.host_cuda import DEVICE
+
+    rng = np.random.default_rng(5)
+    with local_units(transport, units=2, routed_experts_dtype="uint8") as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, [33, 47, 21])
+        rank = ParallelSlice(layers=range(2, 5), cp_rank=1, cp_size=2, num_experts=EXPERTS)
+        with Reader(clients, config, device="cuda") as reader, reader.stream(shard, [[0, 2], [1]], rank) as stream:
+            consumed = [mb.index for mb in stream if _check(mb, [[0, 2], [1]][mb.index], data, range(2, 5), rank)]
+        assert consumed == [0, 1]
+    launches = [entry for entry in host_cuda.log if entry[0] == "launch"]
+    assert launches and {launch[5] for launch in launches} == {DEVICE}
