@@ -252,6 +252,7 @@ class Reader(Closeable):
         self._staging = None
         self._spare: list = []  # buffers of closed streams, for the next ones
         self._spare_lock = threading.Lock()
+        self._stream_workers: tuple | None = None
         self._closed = False
         self.last_stats = FetchStats()
 
@@ -295,6 +296,14 @@ class Reader(Closeable):
         with self._spare_lock:
             if not self._closed:
                 self._spare.append(buffer)
+
+    def _stream_threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The fetch and restore threads of this reader's streams, started once."""
+        with self._spare_lock:
+            if self._stream_workers is None:
+                self._stream_workers = (ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch"),
+                                        ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"))
+            return self._stream_workers
 
     def _synchronize(self) -> None:
         _cupy().cuda.get_current_stream().synchronize()
@@ -557,6 +566,9 @@ class Reader(Closeable):
             self._pool.shutdown(wait=True)
             with self._spare_lock:
                 self._spare.clear()
+                workers, self._stream_workers = self._stream_workers, None
+            for worker in workers or ():
+                worker.shutdown(wait=True)
 
 
 # -- zero-copy restore from same-host arenas (the shm backend) ---------------------------

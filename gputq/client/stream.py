@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
@@ -92,17 +92,23 @@ class _MicroPlan:
     layouts: list  # the samples' layouts, for release
 
 
-def _gaps(layout: Layout, start: int, stop: int) -> tuple[list, list]:
-    """Fragments of target rows ``[start, stop)`` of ``layout`` (relative rows) and its fill gaps."""
-    part = layout.slice(start, stop)
-    gaps, cursor = [], 0
-    for frag in part.fragments:
-        if frag.dst_row > cursor:
-            gaps.append((cursor, frag.dst_row - cursor))
-        cursor = frag.dst_end
-    if cursor < part.rows:
-        gaps.append((cursor, part.rows - cursor))
-    return list(part.fragments), gaps
+def _cut_layout(layout: Layout, start: int, stop: int) -> tuple[list, list]:
+    """Target rows ``[start, stop)`` of ``layout``: its pieces ``(ref, source row, row, rows)`` and fill gaps,
+    rows counted from ``start``. (``Layout.slice`` without building a checked layout: plans cut thousands.)"""
+    pieces, gaps, cursor = [], [], start
+    for f in layout.fragments:  # sorted by target row, never overlapping
+        lo, hi = max(f.dst_row, start), min(f.dst_row + f.rows, stop)
+        if lo >= hi:
+            if f.dst_row >= stop:
+                break
+            continue
+        if lo > cursor:
+            gaps.append((cursor - start, lo - cursor))
+        pieces.append((f.ref, f.src_row + lo - f.dst_row, lo - start, hi - lo))
+        cursor = hi
+    if cursor < stop:
+        gaps.append((cursor - start, stop - cursor))
+    return pieces, gaps
 
 
 class _Needs:
@@ -223,10 +229,10 @@ def _expert_field(name: str, layouts: list, positions: list, rank: ParallelSlice
         if sample < 0:
             fp.pads.append((offset, a, b))
         else:
-            fragments, holes = _gaps(layouts[sample], a, b)
-            for f in fragments:
-                needs.add(f.ref, f.src_row, f.src_row + f.rows)
-                frags.append((f, offset + f.dst_row))
+            pieces, holes = _cut_layout(layouts[sample], a, b)
+            for ref, src, dst, rows in pieces:
+                needs.add(ref, src, src + rows)
+                frags.append((ref, src, offset + dst, rows))
             gaps.extend((offset + g, n) for g, n in holes)
             fp.data.append((offset, b - a))
         offset += b - a
@@ -252,10 +258,10 @@ def _token_field(name: str, layouts: list, positions: list, rank: ParallelSlice,
             ranges = [(0, layout.rows)]
         first = offset
         for a, b in ranges:
-            fragments, holes = _gaps(layout, a, b)
-            for f in fragments:
-                needs.add(f.ref, f.src_row, f.src_row + f.rows)
-                frags.append((f, offset + f.dst_row))
+            pieces, holes = _cut_layout(layout, a, b)
+            for ref, src, dst, rows in pieces:
+                needs.add(ref, src, src + rows)
+                frags.append((ref, src, offset + dst, rows))
             gaps.extend((offset + g, n) for g, n in holes)
             offset += b - a
         fp.sample_rows.append((first, offset - first))
@@ -346,8 +352,8 @@ def _kernel_plan(fp: _FieldPlan, frags: list, gaps: list, placed: dict) -> np.nd
     layer_list = list(enumerate(fp.layers)) if fp.layers else [(0, None)]
     for j, layer in layer_list:
         base = j * fp.tokens
-        for f, dst in frags:
-            rows.append((_source_row(placed, f.ref, f.src_row, layer), base + dst, f.rows))
+        for ref, src, dst, n in frags:
+            rows.append((_source_row(placed, ref, src, layer), base + dst, n))
         rows.extend((-1, base + g, n) for g, n in gaps)
     return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
@@ -425,8 +431,7 @@ class MicroBatchStream:
         self._outputs: queue.Queue = queue.Queue()
         self._fetches: dict[int, Future] = {}
         self._restores: dict[int, Future] = {}
-        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch")
-        self._restorer = ThreadPoolExecutor(1, thread_name_prefix="gputq-restore") if self._ahead else None
+        self._fetcher, self._restorer = reader._stream_threads()
         self._current_output = None
         self._next = 0
         self._submitted = 0
@@ -606,11 +611,10 @@ class MicroBatchStream:
         if self._closed:
             return
         self._closed = True
-        for future in (*self._restores.values(), *self._fetches.values()):
+        pending = [*self._restores.values(), *self._fetches.values()]
+        for future in pending:
             future.cancel()
-        if self._restorer is not None:
-            self._restorer.shutdown(wait=True)
-        self._fetcher.shutdown(wait=True)
+        wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)
         self._fetches.clear()
         self._restores.clear()
         self._lent.close()

@@ -215,11 +215,11 @@ class Writer(Closeable):
                 raise GputqTimeoutError(f"writes of {sorted(keys & set(self._pending))[:8]} still "
                                         f"pending after {timeout}s")
 
-    def finalize(self, samples, partition: str) -> None:
+    def finalize(self, samples, partition: str, *, readers: int = 1) -> None:
         """Hand the stored steps' lifetime over to the segments built from them.
 
-        Each key gets one reference of ``partition`` per sample (segment)
-        that uses it, and loses the reference its write held. From then on
+        Each key gets ``readers`` references of ``partition`` per sample
+        (segment) that uses it, and loses the reference its write held. From then on
         a key lives exactly as long as some segment needs it: releasing a
         filtered-out sample (:meth:`Reader.release`) frees what only it
         used, at once; a step shared by several segments is freed when the
@@ -236,9 +236,16 @@ class Writer(Closeable):
             Per segment, its mapping of field name to :class:`Layout`.
         partition:
             The rollout that wrote the keys.
+        readers:
+            Ranks that each consume (and release) every sample: with
+            streamed micro-batches every rank of a data-parallel group
+            (PP x CP x TP of them) releases what it consumed, and a step is
+            freed once the last of them is past it.
 
         Raises
         ------
+        InvalidInputError
+            ``readers`` is not an int >= 1.
         TransferError
             A write of one of these keys failed; nothing was finalized.
         PartialFailureError
@@ -252,7 +259,9 @@ class Writer(Closeable):
             rollout released meanwhile), raised after the other units
             finalized theirs.
         """
-        uses = uses_by_unit(samples)
+        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
+            raise InvalidInputError(f"readers must be an int >= 1, got {readers!r}")
+        uses = {unit: keys * readers for unit, keys in uses_by_unit(samples).items()}
         self.wait([key for keys in uses.values() for key in keys])
         with self._cond:
             failed = sorted({key for keys in uses.values() for key in keys} & set(self._failures))

@@ -13,6 +13,9 @@ layouts are replaced in place by the restored tensors (numpy on CPU, torch
 on CUDA), every sample is checked the way slime checks it, and the shard's
 references are released. Inline fields are left untouched, so a run with
 offload off, or with a field not offloaded, gives the trainer the same tensors.
+That is for small jobs: at scale each rank calls :func:`stream` instead and
+gets one micro-batch at a time of only its pipeline stage's layers and its
+context-parallel tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from gputq.data.trajectory import Segment, inline_fields
 from gputq.errors import InvalidInputError, LayoutError
 
 __all__ = ["TOKENS", "RESPONSE_LENGTH", "LOSS_MASK", "LOG_PROBS", "ROUTED_EXPERTS_KEY", "SAMPLE_FIELDS",
-           "to_slime_sample", "hydrate", "check_sample", "loss_mask"]
+           "to_slime_sample", "hydrate", "stream", "check_sample", "loss_mask"]
 
 TOKENS = "tokens"
 RESPONSE_LENGTH = "response_length"
@@ -113,6 +116,43 @@ def hydrate(samples: Sequence[MutableMapping[str, Any]], reader, partition: str,
         if shard:
             reader.release(shard, partition)
     return samples
+
+
+def stream(samples: Sequence[Mapping[str, Any]], reader, micro_batches: Sequence[Sequence[int]], rank, *,
+           prefetch: int = 2, release: str | None = None, fields: Sequence[str] | None = None):
+    """Stream one rank's offloaded samples micro-batch by micro-batch: only its slice, in slime's layout.
+
+    The large-job path (:func:`hydrate` restores whole samples, for small
+    ones). ``samples`` are the rank's slime samples after the data-parallel
+    split, every one offloaded; ``micro_batches`` the trainer's split of
+    them; ``rank`` the :class:`~gputq.data.slices.ParallelSlice` of this
+    rank. R3 rows are checked against ``len(tokens) - 1`` before anything
+    is read. With ``release`` (the partition), each micro-batch's
+    references go once the rank moves past it; finalize the rollout with
+    ``readers`` set to the ranks of a data-parallel group, each of which
+    streams and releases.
+
+    Returns
+    -------
+    MicroBatchStream
+        See :meth:`Reader.stream <gputq.client.reader.Reader.stream>`; each
+        micro-batch's ``routed_experts`` is the list
+        ``RouterReplay.set_replay_data`` takes, ``layer_refs()`` the lazy
+        handles slime's ``RoutingReplay.record`` takes, ``log_probs`` the
+        CP-cut ``rollout_log_probs``.
+    """
+    shard = []
+    for i, sample in enumerate(samples):
+        layouts = _layouts_of(sample, i)
+        if not layouts:
+            raise InvalidInputError(f"sample {i} has no offloaded field to stream")
+        log_probs = layouts.get(LOGPROBS)
+        if log_probs is not None and log_probs.rows != sample.get(RESPONSE_LENGTH):
+            raise InvalidInputError(f"sample {i}: {LOG_PROBS} has {log_probs.rows} rows, response_length is "
+                                    f"{sample.get(RESPONSE_LENGTH)}")
+        shard.append(layouts)
+    return reader.stream(shard, micro_batches, rank, prefetch=prefetch, release=release, fields=fields,
+                         total_lengths=[len(sample[TOKENS]) for sample in samples])
 
 
 def _shape_dtype(value: Any) -> tuple[tuple[int, ...], str]:

@@ -18,15 +18,16 @@ pytestmark = pytest.mark.timeout(120)
 LAYERS, TOPK, EXPERTS = 6, 4, 16
 
 
-def _pad(experts: torch.Tensor, pad: int) -> torch.Tensor:
+def _pad(experts: torch.Tensor, pad: int, experts_count: int) -> torch.Tensor:
     """slime's pad block: arange(pad * L * K) % num_experts, after the rows."""
     if pad == 0:
         return experts
-    block = torch.arange(pad * LAYERS * TOPK, dtype=experts.dtype).reshape(pad, LAYERS, TOPK) % EXPERTS
+    _, layers, topk = experts.shape
+    block = torch.arange(pad * layers * topk, dtype=experts.dtype).reshape(pad, layers, topk) % experts_count
     return torch.cat([experts, block])
 
 
-def slime_replay_rows(samples: list[torch.Tensor], rank: ParallelSlice) -> torch.Tensor:
+def slime_replay_rows(samples: list[torch.Tensor], rank: ParallelSlice, *, experts: int = EXPERTS) -> torch.Tensor:
     """What slime hands Megatron for one micro-batch (thd, no allgather CP): ``[tokens, L, K]``.
 
     Written from slime's documented steps on whole tensors: one pad row per
@@ -34,19 +35,19 @@ def slime_replay_rows(samples: list[torch.Tensor], rank: ParallelSlice) -> torch
     ``tp_size * pad_multiple``, the sequence-parallel share.
     """
     parts = []
-    for experts in samples:
-        experts = _pad(experts, 1)
+    for routes in samples:
+        routes = _pad(routes, 1, experts)
         if rank.cp_size > 1:
-            n = len(experts)
+            n = len(routes)
             chunk = (n + 2 * rank.cp_size - 1) // (2 * rank.cp_size)
-            experts = _pad(experts, 2 * rank.cp_size * chunk - n)
+            routes = _pad(routes, 2 * rank.cp_size * chunk - n, experts)
             r = rank.cp_rank
-            experts = torch.cat([experts[r * chunk:(r + 1) * chunk],
-                                 experts[(2 * rank.cp_size - r - 1) * chunk:(2 * rank.cp_size - r) * chunk]])
-        parts.append(experts)
+            routes = torch.cat([routes[r * chunk:(r + 1) * chunk],
+                                routes[(2 * rank.cp_size - r - 1) * chunk:(2 * rank.cp_size - r) * chunk]])
+        parts.append(routes)
     rows = torch.cat(parts)
     size = rank.tp_size * rank.pad_multiple
-    rows = _pad(rows, (size - len(rows) % size) % size)
+    rows = _pad(rows, (size - len(rows) % size) % size, experts)
     if rank.sequence_parallel:
         share = len(rows) // rank.tp_size
         rows = rows[share * rank.tp_rank:share * (rank.tp_rank + 1)]

@@ -133,3 +133,39 @@ def test_hydrate_on_cuda():
     if not cuda_available():
         pytest.skip("no usable CUDA device")
     hydrate_and_compare()
+
+
+@pytest.mark.parametrize("view", [lineage_segments, timeline_segments])
+def test_every_rank_of_a_dp_group_streams_its_slice_as_slime_prepares_it(view):
+    """Segments of several shared steps, PP 3 x CP 2 ranks streaming and releasing: slime's tensors, keys freed."""
+    import torch
+
+    from gputq.data.slices import ParallelSlice
+    from gputq.integrations.slime import stream
+    from tests.client.test_stream import slime_log_probs, slime_replay_rows
+
+    stages = (range(0, 1), range(1, 2), range(2, 3))
+    with local_units("tcp", units=2, routed_experts_dtype="uint8") as (config, services, clients):
+        with Writer(clients, config) as writer:
+            ingest = RolloutIngest(config, num_layers=SYNTH.layers, topk=SYNTH.topk, partition=PARTITION,
+                                   writer=writer)
+            segments = [seg for s in ingest_synthetic(SYNTH, ingest) for seg in view(s)]
+            writer.finalize([seg.layouts for seg in segments], PARTITION, readers=len(stages) * 2)
+        samples = pickle.loads(pickle.dumps([to_slime_sample(seg) for seg in segments]))
+        inline = _inline_reference(view)
+        batches = [list(range(i, min(len(samples), i + 2))) for i in range(0, len(samples), 2)]
+        for stage in stages:
+            for cp_rank in range(2):
+                rank = ParallelSlice(layers=stage, cp_rank=cp_rank, cp_size=2, num_experts=SYNTH.num_experts)
+                with Reader(clients, config) as reader, \
+                        stream(samples, reader, batches, rank, release=PARTITION) as mbs:
+                    for mb in mbs:
+                        want = slime_replay_rows(
+                            [torch.from_numpy(np.asarray(inline[i][ROUTED_EXPERTS_KEY])) for i in mb.samples],
+                            rank, experts=SYNTH.num_experts)
+                        assert np.array_equal(mb.routed_experts[0], want[:, stage[0]].numpy())
+                        for i, lp in zip(mb.samples, mb.log_probs):
+                            cut = slime_log_probs(torch.from_numpy(np.asarray(inline[i][LOG_PROBS])),
+                                                  len(inline[i]["tokens"]), rank)
+                            assert np.array_equal(lp, cut.numpy())
+        assert sum(s.stats()["keys"] for s in services) == 0  # the last rank past each step freed it
