@@ -49,7 +49,8 @@ timing, real concurrency inside a kernel (threads of a launch run one after
 the other), and alignment faults (the CPU loads misaligned vectors).
 
 :attr:`HostCupy.log` lists the calls, in order: copies and launches (with
-the memory type of what they read), registrations, stream and event calls.
+the memory type of what they read; a launch with its device), registrations,
+stream and event calls.
 :meth:`HostCupy.memory_type` answers what ``cudaPointerGetAttributes``
 would (:data:`HOST` page-locked, :data:`DEVICE`).
 """
@@ -539,7 +540,7 @@ class _HostModule:
         if stream.device != device:
             raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: a launch on device {device} "
                                    f"into a stream of device {stream.device}")
-        cupy.log.append(("launch", table.data.ptr, stream.ptr, int(src), int(dst), cupy.memory_type(int(src))))
+        cupy.log.append(("launch", table.data.ptr, stream.ptr, int(src), int(dst), cupy.memory_type(int(src)), device))
         cupy._enqueue(stream, lambda: self._execute(kind, int(grid[0]), int(src), int(dst), table, int(nfrag),
                                                     fill, device))
 

@@ -81,3 +81,11 @@ def test_slime_samples_hydrate_through_the_device_path(host_cuda):
     hydrate_and_compare()
     assert {launch[5] for launch in _entries(host_cuda.log, "launch")} == {DEVICE}
 
+
+
+@pytest.mark.parametrize("transport, zero_copy_max_bytes", [("tcp", 0), ("shm", float("inf")), ("shm", 0)],
+                         ids=["tcp", "shm-in-place", "shm-copied"])
+def test_a_reader_on_the_second_device_restores_there(host_cuda, transport, zero_copy_max_bytes):
+    assert restore_and_compare(transport, "uint16", device="cuda:1", zero_copy_max_bytes=zero_copy_max_bytes) > 0
+    launches = _entries(host_cuda.log, "launch")
+    assert launches and {launch[6] for launch in launches} == {1}
