@@ -42,7 +42,9 @@ def test_a_restore_over_tcp_stages_into_device_memory_and_launches_on_it(host_cu
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "copied"])
-def test_a_restore_over_shm_reads_the_registered_mapping_in_place_or_copies_from_it(host_cuda, zero_copy, dtype):
+def test_a_restore_over_shm_reads_the_registered_mapping_in_place_or_copies_from_it(shm_leases_checked, zero_copy,
+                                                                                    dtype):
+    host_cuda = shm_leases_checked  # the mappings' bytes are read only while their leases hold
     assert restore_and_compare("shm", dtype, zero_copy_max_bytes=float("inf") if zero_copy else 0) > 0
     log = host_cuda.log
     # Each unit's arena mapping is page-locked read-only and mapped once, however many fetches read it.
@@ -85,7 +87,8 @@ def test_slime_samples_hydrate_through_the_device_path(host_cuda):
 
 @pytest.mark.parametrize("transport, zero_copy_max_bytes", [("tcp", 0), ("shm", float("inf")), ("shm", 0)],
                          ids=["tcp", "shm-in-place", "shm-copied"])
-def test_a_reader_on_the_second_device_restores_there(host_cuda, transport, zero_copy_max_bytes):
+def test_a_reader_on_the_second_device_restores_there(shm_leases_checked, transport, zero_copy_max_bytes):
+    host_cuda = shm_leases_checked
     assert restore_and_compare(transport, "uint16", device="cuda:1", zero_copy_max_bytes=zero_copy_max_bytes) > 0
     launches = _entries(host_cuda.log, "launch")
     assert launches and {launch[6] for launch in launches} == {1}
