@@ -38,7 +38,7 @@ def transport_name(request):
 
 @pytest.fixture
 def host_cuda(monkeypatch, tmp_path_factory):
-    """A CuPy stand-in whose device memory is host memory, installed as ``cupy`` (see tests/host_cuda.py)."""
+    """A CuPy stand-in that behaves like a GPU where bugs show, installed as ``cupy`` (see tests/host_cuda.py)."""
     from tests.host_cuda import installed
 
     with installed(monkeypatch, tmp_path_factory) as fake:

@@ -105,10 +105,11 @@ class _Allocation:
 class _Registration:
     """A page-locked host range: registered (``cudaHostRegister``) or allocated pinned."""
 
-    __slots__ = ("start", "stop", "flags", "device", "pinned")
+    __slots__ = ("start", "stop", "flags", "device", "pinned", "freed")
 
     def __init__(self, start: int, stop: int, flags: int, device: int, pinned: bool):
         self.start, self.stop, self.flags, self.device, self.pinned = start, stop, flags, device, pinned
+        self.freed = False  # pinned memory whose last view went (a finalizer may run in any thread)
 
 
 class DeviceArray:
@@ -248,7 +249,8 @@ class HostCupy:
             pointerGetAttributes=self._pointer_attributes)
         self.cuda = types.SimpleNamespace(
             runtime=runtime, Device=lambda device=None: _Device(self, device),
-            get_current_stream=self._current_stream, Stream=self._stream, alloc_pinned_memory=self._alloc_pinned,
+            get_current_stream=self._current_stream,
+            Stream=lambda non_blocking=False: self._new_stream(), alloc_pinned_memory=self._alloc_pinned,
             Event=lambda block=False, disable_timing=False: _Event(self))
         self.RawModule = lambda code, options: _HostModule(self, compiled, code, options)
 
@@ -264,9 +266,6 @@ class HostCupy:
             self._streams.append(stream)
             self._by_handle[stream.ptr] = stream
         return stream
-
-    def _stream(self, non_blocking: bool = False) -> _Stream:
-        return self._new_stream()
 
     def _current_stream(self) -> _Stream:
         key = (threading.get_ident(), self.current_device())
@@ -348,7 +347,7 @@ class HostCupy:
         registration = _Registration(memory.ptr, memory.ptr + nbytes, 0, self.current_device(), True)
         with self.lock:
             self._registrations[registration.start] = registration
-        weakref.finalize(memory, self._registrations.pop, registration.start, None)
+        weakref.finalize(memory, setattr, registration, "freed", True)
         return memory
 
     def _allocation_at(self, ptr: int) -> _Allocation | None:
@@ -358,7 +357,8 @@ class HostCupy:
         return None
 
     def _registration_at(self, ptr: int, nbytes: int) -> _Registration | None:
-        return next((r for r in self._registrations.values() if r.start <= ptr and ptr + nbytes <= r.stop), None)
+        return next((r for r in self._registrations.values()
+                     if not r.freed and r.start <= ptr and ptr + nbytes <= r.stop), None)
 
     def memory_type(self, ptr: int, nbytes: int = 1) -> int:
         """What ``[ptr, ptr + nbytes)`` lies in, whole: :data:`DEVICE` memory, page-locked
@@ -411,7 +411,7 @@ class HostCupy:
             self.log.append(("refused", ptr, nbytes, flags))
             raise CUDARuntimeError("cudaErrorMemoryAllocation: out of page-lockable memory")
         with self.lock:
-            if any(r.start < ptr + nbytes and ptr < r.stop for r in self._registrations.values()):
+            if any(not r.freed and r.start < ptr + nbytes and ptr < r.stop for r in self._registrations.values()):
                 raise CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
             self._registrations[ptr] = _Registration(ptr, ptr + nbytes, flags, self.current_device(), False)
         self.log.append(("register", ptr, nbytes, flags))
@@ -419,7 +419,7 @@ class HostCupy:
     def _host_unregister(self, ptr: int) -> None:
         with self.lock:
             registration = self._registrations.get(ptr)
-            if registration is None or registration.pinned:
+            if registration is None or registration.pinned or registration.freed:
                 raise CUDARuntimeError("cudaErrorHostMemoryNotRegistered")
             del self._registrations[ptr]
         self.log.append(("unregister", ptr))

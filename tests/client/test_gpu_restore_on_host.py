@@ -1,11 +1,14 @@
 """The reader's GPU restore, run on a CPU box under a CuPy stand-in (:mod:`tests.host_cuda`).
 
 Real StorageUnits, real sockets and arena mappings; only CuPy is replaced,
-by one whose device memory is host memory and whose kernel launches run
-the CPU build of ``widen_scatter.cu``. So ``Reader(device="cuda")`` takes
+by one that queues work on streams until forced, keeps device memory in an
+address space of its own and runs kernel launches through the CPU build of
+``widen_scatter.cu``; the shm tests also tell it of every lease, so a
+mapping read after its lease ended faults. So ``Reader(device="cuda")`` takes
 every branch it takes on a GPU (device staging over tcp, the arena mapping
 registered and read in place or copied over shm) and is checked bit for
-bit against the inline path, as ``test_gpu_restore`` checks it on a GPU.
+bit against the inline path, as ``test_gpu_restore`` checks it on a GPU,
+on device 0 and on device 1.
 """
 
 from __future__ import annotations

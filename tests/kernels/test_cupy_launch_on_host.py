@@ -1,16 +1,18 @@
 """The CuPy backend's launches replayed on the host, through the kernel source compiled for the CPU.
 
-A stand-in for CuPy (``tests/host_cuda.py``) keeps "device" memory in host
-memory, copies with ``memmove`` and runs each launch of its ``RawModule``
-through the harness of ``test_kernel_on_host`` (``widen_scatter.cu`` built with a host C++
-compiler, every block and thread in turn). Everything the backend does on
-the host then runs as on a GPU: the fragment table built into a pinned
-upload slot and copied to the device before the launch, the slots rotating
-with their events, the grid, and the arguments in the kernel's order and
-C types (a Python int passed for an ``int`` parameter would be read as 8
-bytes on a GPU). The zero-copy restore goes through
-:func:`gputq.kernels.cupy_backend.widen_scatter_from_pointer` on blobs scattered
-in memory, as it reads an arena mapping.
+A stand-in for CuPy (``tests/host_cuda.py``) queues copies and launches on
+their streams until something forces them, and runs each launch of its
+``RawModule`` through the harness of ``test_kernel_on_host``
+(``widen_scatter.cu`` built with a host C++ compiler, every block and thread
+in turn). Everything the backend does on the host then runs as on a GPU:
+the fragment table built into a pinned upload slot and copied to the
+device before the launch, the slots rotating with their events while
+earlier launches still wait to run, the grid, and the arguments in the
+kernel's order and C types (a Python int passed for an ``int`` parameter
+would be read as 8 bytes on a GPU). The zero-copy restore goes through
+:func:`gputq.kernels.cupy_backend.widen_scatter_from_pointer` on blobs
+scattered in mapped host memory, read through their device addresses, as
+it reads an arena mapping.
 """
 
 from __future__ import annotations
