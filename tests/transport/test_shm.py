@@ -624,6 +624,33 @@ def test_a_restore_on_a_wrong_directory_entry_is_made_again_after_the_leases(mon
         wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
 
 
+@pytest.mark.timeout(60)
+def test_a_restore_held_past_its_leases_is_a_stale_read_that_returns_nothing(monkeypatch):
+    # Real units expire the leases of an in-place restore whose trainer stalls past them (their
+    # lease timeout is twice the read timeout): the fetch fails, and a fetch after it is whole.
+    from gputq.client.reader import Reader
+    from gputq.kernels import MappedSource
+    from tests.conftest import local_units
+
+    real_widen = MappedSource.widen_scatter
+
+    def held(source, *args, **kwargs):
+        wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 10, "the units to expire the leases")
+        return real_widen(source, *args, **kwargs)
+
+    with local_units("shm", routed_experts_dtype="uint8", zero_copy_max_bytes=float("inf"), read_timeout_s=1.0) as \
+            (config, services, clients):
+        segments = _written_segments(clients, config, "uint8", seed=6)
+        with Reader(clients, config) as reader:
+            monkeypatch.setattr(MappedSource, "widen_scatter", held)
+            restored = None
+            with pytest.raises(StaleReadError, match="expired before the copy finished"):
+                restored = reader.fetch([seg.layouts for seg in segments])
+            assert restored is None
+            monkeypatch.setattr(MappedSource, "widen_scatter", real_widen)
+            _check_restored(segments, reader.fetch([seg.layouts for seg in segments]))
+
+
 def _written_segments(clients, config, dtype: str, seed: int) -> list:
     """A small synthetic rollout (branches, rewrites) written to the units; its lineage segments."""
     from gputq.client.writer import Writer
