@@ -38,8 +38,39 @@ def transport_name(request):
 
 @pytest.fixture
 def host_cuda(monkeypatch, tmp_path_factory):
-    """A CuPy stand-in whose device memory is host memory, installed as ``cupy`` (see tests/host_cuda.py)."""
+    """A CuPy stand-in that behaves like a GPU where bugs show, installed as ``cupy`` (see tests/host_cuda.py)."""
     from tests.host_cuda import installed
 
     with installed(monkeypatch, tmp_path_factory) as fake:
         yield fake
+
+
+@pytest.fixture
+def shm_leases_checked(host_cuda, monkeypatch):
+    """``host_cuda`` told of every shm lease: queued work that reads a mapping after its lease ended faults.
+
+    A unit may reuse a region once its lease ended; the stand-in cannot race a real reuse, so it
+    refuses any read of the region from then on instead.
+    """
+    import contextlib
+
+    from gputq.transport.shm import ShmChannel
+
+    leased = ShmChannel._leased
+
+    @contextlib.contextmanager
+    def declared(channel, *args, **kwargs):
+        held = []
+        try:
+            with leased(channel, *args, **kwargs) as regions:
+                for offset, length in regions.tolist():
+                    if length:
+                        host_cuda.lease_started(channel.mapping.address + offset, length)
+                        held.append((channel.mapping.address + offset, length))
+                yield regions
+        finally:  # after the lease was confirmed (or failed): ended either way
+            for address, length in held:
+                host_cuda.lease_ended(address, length)
+
+    monkeypatch.setattr(ShmChannel, "_leased", declared)
+    return host_cuda

@@ -416,7 +416,9 @@ class Reader(Closeable):
                 view = out[offset * stage.width:(offset + layout.rows) * stage.width]
                 results[i][out_name] = self._to_output(view.reshape((layout.rows, *layout.row_shape)))
         if self._device != "cpu":
-            _cupy().cuda.get_current_stream().synchronize()
+            cp = _cupy()
+            with cp.cuda.Device(_device_index(self._device)):  # the kernels ran on that device's stream
+                cp.cuda.get_current_stream().synchronize()
         return results
 
     def _token_major(self, compact, plan, stage: _FieldStage, out, fill, total: int):

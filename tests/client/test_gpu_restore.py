@@ -22,13 +22,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.cuda_available(), reason="no CUDA device")]
 
 
-def restore_and_compare(transport_name, dtype, *, on_gpu: bool = True, **overrides) -> int:
-    """Restore every segment of synthetic sessions into GPU memory; check each against the inline path.
+def restore_and_compare(transport_name, dtype, *, device: str = "cuda", **overrides) -> int:
+    """Restore every segment of synthetic sessions into GPU memory (``device``); check each against
+    the inline path and that every tensor is on ``device``.
 
-    Returns the number of segments compared. ``on_gpu=False`` under a CuPy
-    stand-in whose device memory is host memory: its tensors are CPU ones.
+    Returns the number of segments compared.
     """
     torch = pytest.importorskip("torch")
+    on_device = torch.device(device if ":" in device else "cuda:0")  # a plain "cuda" reader uses device 0
     compared = 0
     synth = SyntheticConfig(sessions=4, steps_per_session=3, layers=6, topk=8, num_experts=250,
                             prompt_tokens=300, tokens_per_step=400, tool_tokens=17, branch_prob=0.5,
@@ -38,7 +39,7 @@ def restore_and_compare(transport_name, dtype, *, on_gpu: bool = True, **overrid
         with Writer(clients, config) as writer:
             sessions = build_sessions(synth, fields=fields, writer=writer)
             writer.flush()
-        with Reader(clients, config, device="cuda") as reader:
+        with Reader(clients, config, device=device) as reader:
             for view in (timeline_segments, lineage_segments):
                 segments = [seg for s in sessions for seg in view(s)]
                 restored = reader.fetch([seg.layouts for seg in segments])
@@ -48,7 +49,8 @@ def restore_and_compare(transport_name, dtype, *, on_gpu: bool = True, **overrid
                     assert set(got) == set(expected)
                     for name, want in expected.items():
                         tensor = got[name]
-                        assert tensor.is_cuda == on_gpu and tuple(tensor.shape) == want.shape
+                        assert tensor.is_cuda and tensor.device == on_device
+                        assert tuple(tensor.shape) == want.shape
                         assert tensor.dtype == {np.int32: torch.int32, np.float32: torch.float32}[want.dtype.type]
                         assert np.array_equal(tensor.cpu().numpy(), want), (seg.segment_id, name)
                     compared += 1

@@ -1,11 +1,14 @@
 """The reader's GPU restore, run on a CPU box under a CuPy stand-in (:mod:`tests.host_cuda`).
 
 Real StorageUnits, real sockets and arena mappings; only CuPy is replaced,
-by one whose device memory is host memory and whose kernel launches run
-the CPU build of ``widen_scatter.cu``. So ``Reader(device="cuda")`` takes
+by one that queues work on streams until forced, keeps device memory in an
+address space of its own and runs kernel launches through the CPU build of
+``widen_scatter.cu``; the shm tests also tell it of every lease, so a
+mapping read after its lease ended faults. So ``Reader(device="cuda")`` takes
 every branch it takes on a GPU (device staging over tcp, the arena mapping
 registered and read in place or copied over shm) and is checked bit for
-bit against the inline path, as ``test_gpu_restore`` checks it on a GPU.
+bit against the inline path, as ``test_gpu_restore`` checks it on a GPU,
+on device 0 and on device 1.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def _in_mapping(address: int, mappings: list) -> bool:
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
 def test_a_restore_over_tcp_stages_into_device_memory_and_launches_on_it(host_cuda, dtype):
-    assert restore_and_compare("tcp", dtype, on_gpu=False) > 0
+    assert restore_and_compare("tcp", dtype) > 0
     launches = _entries(host_cuda.log, "launch")
     assert launches and {launch[5] for launch in launches} == {DEVICE}
     # the staging ring's pinned slots (and the fragment tables) are copied into device memory
@@ -42,8 +45,10 @@ def test_a_restore_over_tcp_stages_into_device_memory_and_launches_on_it(host_cu
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["in-place", "copied"])
-def test_a_restore_over_shm_reads_the_registered_mapping_in_place_or_copies_from_it(host_cuda, zero_copy, dtype):
-    assert restore_and_compare("shm", dtype, on_gpu=False, zero_copy_max_bytes=float("inf") if zero_copy else 0) > 0
+def test_a_restore_over_shm_reads_the_registered_mapping_in_place_or_copies_from_it(shm_leases_checked, zero_copy,
+                                                                                    dtype):
+    host_cuda = shm_leases_checked  # the mappings' bytes are read only while their leases hold
+    assert restore_and_compare("shm", dtype, zero_copy_max_bytes=float("inf") if zero_copy else 0) > 0
     log = host_cuda.log
     # Each unit's arena mapping is page-locked read-only and mapped once, however many fetches read it.
     mappings = [entry for entry in _entries(log, "register") if entry[3] == _MAPPING_FLAGS]
@@ -53,7 +58,9 @@ def test_a_restore_over_shm_reads_the_registered_mapping_in_place_or_copies_from
     from_mappings = [copy for copy in copies if _in_mapping(copy[2], mappings)]
     if zero_copy:
         # the kernel reads the compact bytes where they lie; only fragment tables are copied
-        assert all(launch[5] == HOST and _in_mapping(launch[3], mappings) for launch in launches)
+        # (through the mappings' device addresses, which are not their host ones)
+        assert all(launch[5] == HOST and _in_mapping(launch[3] - host_cuda.mapped_offset, mappings)
+                   for launch in launches)
         assert not from_mappings
     else:
         # spans of the mappings are copied into device memory, and the kernel reads them there
@@ -67,7 +74,7 @@ def test_a_restore_over_shm_reads_the_registered_mapping_in_place_or_copies_from
 def test_without_read_only_registration_the_restore_copies_from_pageable_memory(host_cuda):
     # A driver that cannot page-lock a read-only mapping: no zero-copy, the reads copy into device memory.
     host_cuda.read_only_register_supported = False
-    assert restore_and_compare("shm", "uint16", on_gpu=False) > 0
+    assert restore_and_compare("shm", "uint16") > 0
     assert not [entry for entry in _entries(host_cuda.log, "register") if entry[3] == _MAPPING_FLAGS]
     assert {launch[5] for launch in _entries(host_cuda.log, "launch")} == {DEVICE}
     assert UNREGISTERED in {copy[5] for copy in _entries(host_cuda.log, "copy")}
@@ -76,6 +83,15 @@ def test_without_read_only_registration_the_restore_copies_from_pageable_memory(
 def test_slime_samples_hydrate_through_the_device_path(host_cuda):
     from tests.integrations.test_slime import hydrate_and_compare
 
-    hydrate_and_compare(on_gpu=False)
+    hydrate_and_compare()
     assert {launch[5] for launch in _entries(host_cuda.log, "launch")} == {DEVICE}
 
+
+
+@pytest.mark.parametrize("transport, zero_copy_max_bytes", [("tcp", 0), ("shm", float("inf")), ("shm", 0)],
+                         ids=["tcp", "shm-in-place", "shm-copied"])
+def test_a_reader_on_the_second_device_restores_there(shm_leases_checked, transport, zero_copy_max_bytes):
+    host_cuda = shm_leases_checked
+    assert restore_and_compare(transport, "uint16", device="cuda:1", zero_copy_max_bytes=zero_copy_max_bytes) > 0
+    launches = _entries(host_cuda.log, "launch")
+    assert launches and {launch[6] for launch in launches} == {1}

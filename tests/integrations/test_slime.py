@@ -110,18 +110,15 @@ def test_check_sample_refuses_what_slime_refuses(key, value, message):
         check_sample(sample)
 
 
-def hydrate_and_compare(*, on_gpu: bool = True) -> None:
-    """Hydrate slime samples with a ``device="cuda"`` reader; check them against the inline path.
-
-    ``on_gpu=False`` under a CuPy stand-in whose device memory is host memory: its tensors are CPU ones.
-    """
+def hydrate_and_compare() -> None:
+    """Hydrate slime samples with a ``device="cuda"`` reader; check them against the inline path."""
     with local_units("tcp", units=1, routed_experts_dtype="uint16") as (config, _, clients):
         with Writer(clients, config) as writer:
             samples = _samples(config, writer)
         with Reader(clients, config, device="cuda") as reader:
             hydrate(samples, reader, PARTITION)
         for got, want in zip(samples, _inline_reference(lineage_segments)):
-            assert got[ROUTED_EXPERTS_KEY].is_cuda == on_gpu
+            assert got[ROUTED_EXPERTS_KEY].is_cuda and got[LOG_PROBS].is_cuda
             assert np.array_equal(got[ROUTED_EXPERTS_KEY].cpu().numpy(), want[ROUTED_EXPERTS_KEY])
             assert np.array_equal(got[LOG_PROBS].cpu().numpy(), want[LOG_PROBS])
 

@@ -81,17 +81,34 @@ def test_read_errors_are_typed_and_end_the_lease(served):
         channel.read(["b"], b"x" * 24)
 
 
-def test_an_expired_lease_is_a_stale_read(served, monkeypatch):
-    unit, blobs, channel, _ = served
-    # a lifetime too short to prove the lease held: the read must ask the unit, which says it expired
-    monkeypatch.setattr(unit, "_lease_timeout_s", 0.01)  # what unit.lease_timeout_s states
-    real_end = unit.end_lease
-    monkeypatch.setattr(unit, "end_lease", lambda lease_id: real_end(lease_id) and False)  # expired meanwhile
-    with pytest.raises(StaleReadError, match="expired"):
-        channel.read(["a"], np.empty(1000, np.uint8), timeout=5)
-    monkeypatch.setattr(unit, "end_lease", real_end)
-    dest = np.empty(1000, np.uint8)
-    assert channel.read(["a"], dest, timeout=5) == [1000] and np.array_equal(dest, blobs["a"])
+@pytest.mark.timeout(30)
+def test_a_lease_the_unit_expired_during_the_copy_is_a_stale_read(tmp_path, monkeypatch):
+    # A real unit with a short lease timeout, and a reader held past it: the unit's own timer ends
+    # the lease, end_lease answers it was not held, and the read returns nothing.
+    unit = StorageUnit("su-expiry", 1 << 20, shm_dir=str(tmp_path), lease_timeout_s=0.2)
+    blob = np.arange(1000, dtype=np.uint16).view(np.uint8)
+    unit.put("a", blob, {"partition": "p"})
+    server = get_transport("tcp").serve(unit, host="127.0.0.1", port=0, token=TOKEN)
+    channel = get_transport("shm").connect(server.address, token=TOKEN, max_frame_bytes=1 << 20, timeout=10)
+    copy_runs = arena_copies.copy_runs
+
+    def held(out, src, runs):
+        wait_until(lambda: unit.stats()["leases"] == 0, 10, "the unit to expire the read's lease")
+        copy_runs(out, src, runs)
+
+    try:
+        monkeypatch.setattr(arena_copies, "copy_runs", held)
+        dest = np.zeros(blob.size, np.uint8)
+        result = None
+        with pytest.raises(StaleReadError, match="expired before the copy finished"):
+            result = channel.read(["a"], dest, timeout=5)
+        assert result is None and unit.stats()["leases"] == 0
+        monkeypatch.setattr(arena_copies, "copy_runs", copy_runs)
+        assert channel.read(["a"], dest, timeout=5) == [blob.size] and np.array_equal(dest, blob)
+    finally:
+        channel.close()
+        server.close()
+        unit.close()
 
 
 def _generations(unit: StorageUnit, keys: list[str]) -> list[int]:
@@ -504,9 +521,10 @@ def test_device_copies_land_each_run_at_its_offset_and_wait(host_cuda):
         [("copy", out.data.ptr + off, src.ctypes.data + at, n) for at, off, n in runs] + [("sync",)]
 
 
-def test_a_read_into_gpu_memory_copies_each_run_from_the_mapping(host_cuda, served):
+def test_a_read_into_gpu_memory_copies_each_run_from_the_mapping(shm_leases_checked, served):
     # channel.read into CUDA memory: one cudaMemcpyAsync per run of the arena, from the mapping's
     # own (page-locked) addresses, and one wait before the lease is confirmed.
+    host_cuda = shm_leases_checked  # the copies run before the lease is confirmed
     unit, blobs, channel, _ = served
     keys = ["c", "a", "b"]  # padded to 256 bytes apart in the arena: a run each
     want = np.concatenate([blobs[k] for k in keys])
@@ -604,6 +622,33 @@ def test_a_restore_on_a_wrong_directory_entry_is_made_again_after_the_leases(mon
         _check_restored(segments, restored)
         assert clients.channel(services[0].name).hint_misses == 1
         wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 5, "every lease to end")
+
+
+@pytest.mark.timeout(60)
+def test_a_restore_held_past_its_leases_is_a_stale_read_that_returns_nothing(monkeypatch):
+    # Real units expire the leases of an in-place restore whose trainer stalls past them (their
+    # lease timeout is twice the read timeout): the fetch fails, and a fetch after it is whole.
+    from gputq.client.reader import Reader
+    from gputq.kernels import MappedSource
+    from tests.conftest import local_units
+
+    real_widen = MappedSource.widen_scatter
+
+    def held(source, *args, **kwargs):
+        wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 10, "the units to expire the leases")
+        return real_widen(source, *args, **kwargs)
+
+    with local_units("shm", routed_experts_dtype="uint8", zero_copy_max_bytes=float("inf"), read_timeout_s=1.0) as \
+            (config, services, clients):
+        segments = _written_segments(clients, config, "uint8", seed=6)
+        with Reader(clients, config) as reader:
+            monkeypatch.setattr(MappedSource, "widen_scatter", held)
+            restored = None
+            with pytest.raises(StaleReadError, match="expired before the copy finished"):
+                restored = reader.fetch([seg.layouts for seg in segments])
+            assert restored is None
+            monkeypatch.setattr(MappedSource, "widen_scatter", real_widen)
+            _check_restored(segments, reader.fetch([seg.layouts for seg in segments]))
 
 
 def _written_segments(clients, config, dtype: str, seed: int) -> list:
