@@ -306,7 +306,10 @@ class Reader(Closeable):
             return self._stream_workers
 
     def _synchronize(self) -> None:
-        _cupy().cuda.get_current_stream().synchronize()
+        """Wait for the restore's device work: before tensors are returned and leases end."""
+        cp = _cupy()
+        with cp.cuda.Device(_device_index(self._device)):  # the kernels ran on that device's stream
+            cp.cuda.get_current_stream().synchronize()
 
     def _to_output(self, array):
         if self._device == "cpu":
@@ -416,9 +419,7 @@ class Reader(Closeable):
                 view = out[offset * stage.width:(offset + layout.rows) * stage.width]
                 results[i][out_name] = self._to_output(view.reshape((layout.rows, *layout.row_shape)))
         if self._device != "cpu":
-            cp = _cupy()
-            with cp.cuda.Device(_device_index(self._device)):  # the kernels ran on that device's stream
-                cp.cuda.get_current_stream().synchronize()
+            self._synchronize()
         return results
 
     def _token_major(self, compact, plan, stage: _FieldStage, out, fill, total: int):
@@ -435,12 +436,12 @@ class Reader(Closeable):
         if self._device == "cpu":
             np.copyto(out.reshape(total, shape[0], inner), by_layer.reshape(shape).transpose(1, 0, 2))
             return out
-        _cupy().cuda.get_current_stream().synchronize()  # torch's stream runs the transpose
+        self._synchronize()  # torch's stream runs the transpose
         import torch
 
         source, target = torch.from_dlpack(by_layer), torch.from_dlpack(out)
         target.view(total, shape[0], inner).copy_(source.view(shape).permute(1, 0, 2))
-        if target.is_cuda:
+        if target.is_cuda and torch.cuda.is_available():  # (a CUDA stand-in's tensors copy synchronously)
             torch.cuda.current_stream(target.device).synchronize()
         return out
 
@@ -455,7 +456,7 @@ class Reader(Closeable):
     def stream(self, shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[Sequence[int]],
                rank: ParallelSlice | None = None, *, prefetch: int = 2, release: str | None = None,
                total_lengths: Sequence[int] | None = None, token_ranges=None,
-               fields: Sequence[str] | None = None) -> MicroBatchStream:
+               fields: Sequence[str] | None = None, hold: bool = False) -> MicroBatchStream:
         """Stream ``shard`` to this rank one micro-batch at a time: only its slice, prefetched.
 
         Parameters
@@ -482,6 +483,11 @@ class Reader(Closeable):
         fields:
             The fields to read (default: all the samples have); a pipeline
             stage before the last, say, replays R3 but computes no loss.
+        hold:
+            Keep every yielded micro-batch until its ``release()`` (a
+            pipeline schedule that runs several forwards before their
+            backwards); by default each is released when the next is asked
+            for, and its tensors are then invalid.
 
         Returns
         -------
@@ -508,7 +514,9 @@ class Reader(Closeable):
             raise InvalidInputError(f"fields must be a list of field names, got {fields!r}")
         plans = plan_stream(shard, micro_batches, rank, total_lengths=total_lengths, token_ranges=token_ranges,
                             fields=fields, max_bytes=self._config.max_frame_bytes)
-        return MicroBatchStream(self, plans, prefetch, release, rank)
+        if not isinstance(hold, bool):
+            raise InvalidInputError(f"hold must be a bool, got {hold!r}")
+        return MicroBatchStream(self, plans, prefetch, release, rank, hold=hold)
 
     def release(self, shard: Sequence[Mapping[str, Layout]], partition: str, *,
                 release_id: str | None = None) -> dict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
+import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
@@ -359,16 +360,22 @@ def _kernel_plan(fp: _FieldPlan, frags: list, gaps: list, placed: dict) -> np.nd
 
 
 class LayerRef:
-    """One layer of a micro-batch for slime's ``RoutingReplay.record``: materialised when replayed."""
+    """One layer of one micro-batch for slime's ``RoutingReplay.record``, restored when first replayed.
 
-    def __init__(self, batch: "MicroBatch", position: int):
-        self._batch, self._position = batch, position
+    From :meth:`MicroBatchStream.replay_handles`. Materialising the first
+    layer of a micro-batch widens the whole micro-batch (its compact bytes
+    were prefetched in order); once every layer was materialised for the
+    stream's ``release_after`` direction, the micro-batch is released.
+    """
+
+    def __init__(self, stream: "MicroBatchStream", index: int, position: int):
+        self._stream, self.index, self.position = stream, index, position
 
     def materialize_for_routing_replay(self, direction: str):
         """The layer's int32 ``[tokens, topk]`` tensor for the ``"forward"`` or ``"backward"`` replay."""
         if direction not in ("forward", "backward"):
             raise InvalidInputError(f"direction must be 'forward' or 'backward', got {direction!r}")
-        return self._batch.routed_experts[self._position]
+        return self._stream._materialize(self.index, self.position, direction)
 
 
 @dataclass
@@ -399,62 +406,87 @@ class MicroBatch:
     layers: tuple
     routed_experts: list
     fields: dict
+    _stream: "MicroBatchStream | None" = field(default=None, repr=False, compare=False)
 
     @property
     def log_probs(self) -> list:
         """``rollout_log_probs`` per sample, cut for the rank's CP chunks (empty if not offloaded)."""
         return self.fields.get(sample_key_of("logprobs"), [])
 
-    def layer_refs(self) -> list[LayerRef]:
-        """Lazy handles for slime's ``RoutingReplay.record``, one per layer of :attr:`layers`."""
-        return [LayerRef(self, j) for j in range(len(self.routed_experts))]
+    def release(self) -> None:
+        """Hand the micro-batch's buffers back to the stream (its tensors are then invalid) and, with
+        the stream's ``release`` partition, drop its references. Idempotent.
+
+        A stream made with ``hold=True`` releases nothing itself: call this
+        once the micro-batch's last use (its backward) is done.
+        """
+        if self._stream is not None:
+            self._stream._finish(self)
 
 
 class MicroBatchStream:
     """The iterator :meth:`Reader.stream` returns; also a context manager (``close`` stops prefetching).
 
-    Two background stages: a fetch thread reads micro-batches ahead into
-    compact buffers; on the host (``device="cpu"``, prefetch >= 2) a restore
-    thread also widens the next micro-batch while the current one trains,
-    into the second of two output buffers, since there the widen is CPU work
-    that would otherwise add to every step. Then ``prefetch - 1`` compact
-    buffers and 2 output buffers are held, else ``prefetch`` and 1 (a GPU
-    widen is a kernel launch queued as the micro-batch is consumed): at most
-    ``prefetch + 1`` micro-batch slices either way.
+    A fetch thread reads micro-batches ahead, in order, into ``prefetch``
+    compact buffers. Iterating yields them restored; by default each is
+    released when the next is asked for, so one output buffer is reused.
+    On the host (``device="cpu"``, prefetch >= 2) a restore thread also
+    widens the next micro-batch while the current one trains, into a second
+    output buffer, since there the widen is CPU work that would otherwise
+    add to every step; it then keeps ``prefetch - 1`` compact buffers.
+    Either way the stream holds at most ``prefetch + 1`` micro-batch slices.
+
+    With ``hold=True`` the consumer releases each micro-batch itself
+    (:meth:`MicroBatch.release`, after its backward in a pipeline schedule
+    that runs several forwards first): live micro-batches then each hold an
+    output buffer. :meth:`replay_handles` gives slime's lazy handles instead
+    of iteration.
     """
 
-    def __init__(self, reader, plans: list, prefetch: int, release: str | None, rank: ParallelSlice):
+    def __init__(self, reader, plans: list, prefetch: int, release: str | None, rank: ParallelSlice, *,
+                 hold: bool = False):
         self._reader, self._plans, self._depth, self._release = reader, plans, prefetch, release
-        self._rank = rank
-        self._ahead = reader._device == "cpu" and prefetch >= 2
+        self._rank, self._hold = rank, hold
+        self._ahead = reader._device == "cpu" and prefetch >= 2 and not hold
         self._compact: queue.Queue = queue.Queue()
         self._outputs: queue.Queue = queue.Queue()
         self._fetches: dict[int, Future] = {}
         self._restores: dict[int, Future] = {}
         self._fetcher, self._restorer = reader._stream_threads()
-        self._current_output = None
+        self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
+        self._uses: dict[int, int] = {}
+        self._lazy: str | None = None
+        self._lock = threading.RLock()
         self._next = 0
         self._submitted = 0
         self._closed = False
         self.released: list[int] = []
-        largest: dict[str, tuple[int, np.dtype]] = {}
+        self._largest: dict[str, tuple[int, np.dtype]] = {}
         for p in plans:
             for fp in p.fields.values():
-                known = largest.get(fp.name, (0, fp.restored))[0]
-                largest[fp.name] = (max(known, fp.out_elements), fp.restored)
+                known = self._largest.get(fp.name, (0, fp.restored))[0]
+                self._largest[fp.name] = (max(known, fp.out_elements), fp.restored)
         staging = max((p.nbytes for p in plans), default=0)
         self._lent = contextlib.ExitStack()
         compact = min(prefetch - 1 if self._ahead else prefetch, len(plans))
         outputs = 2 if self._ahead else 1
         for _ in range(compact):
             self._compact.put(reader._stream_staging(staging, plans, self._lent))
-        for _ in range(outputs):  # sized once for the largest micro-batch, reused
-            self._outputs.put({name: reader._lend(n * dtype.itemsize, self._lent).view(dtype)
-                               for name, (n, dtype) in largest.items()})
-        #: Bytes of the buffers the stream holds: its memory, whatever the shard size.
-        self.buffer_bytes = compact * staging + outputs * sum(n * d.itemsize for n, d in largest.values())
+        for _ in range(outputs):
+            self._outputs.put(self._new_outputs())
+        #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
+        self.buffer_bytes = compact * staging + outputs * self._output_bytes
         while self._submitted < min(prefetch, len(plans)):
             self._submit()
+
+    @property
+    def _output_bytes(self) -> int:
+        return sum(n * dtype.itemsize for n, dtype in self._largest.values())
+
+    def _new_outputs(self) -> dict:
+        """Output buffers sized once for the largest micro-batch, reused after."""
+        return {name: self._reader._lend(n * dtype.itemsize, self._lent).view(dtype)
+                for name, (n, dtype) in self._largest.items()}
 
     # -- background stages -------------------------------------------------------------
     def _submit(self) -> None:
@@ -523,36 +555,102 @@ class MicroBatchStream:
         return self
 
     def __next__(self) -> MicroBatch:
-        if self._closed:
-            raise StopIteration
-        if self._next > 0:  # the consumer moved past the last one: its output and references go
-            if self._current_output is not None:
-                self._outputs.put(self._current_output)
-                self._current_output = None
-            if self._release is not None:
-                self._release_batch(self._plans[self._next - 1])
-        if self._next >= len(self._plans):
-            self.close()
-            raise StopIteration
+        if self._lazy is not None:
+            raise InvalidInputError("a stream whose replay_handles were taken is not iterated")
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            if self._next > 0 and not self._hold:  # the consumer moved past the last one
+                last = self._live.get(self._next - 1)
+                if last is not None:
+                    self._finish(last[0])
+            if self._next >= len(self._plans):
+                self.close()
+                raise StopIteration
+            return self._advance()
+
+    def _advance(self) -> MicroBatch:
+        """Restore the next micro-batch (or take the one restored ahead); it is live until released."""
         plan = self._plans[self._next]
         try:
             if self._ahead:
-                batch, self._current_output = self._restores.pop(plan.index).result()
+                batch, outputs = self._restores.pop(plan.index).result()
                 self._fetches.pop(plan.index)
             else:
                 buffer = self._fetches.pop(plan.index).result()
                 try:
-                    self._current_output = self._take(self._outputs)
-                    batch = self._restore(plan, buffer[:plan.nbytes], self._current_output)
+                    outputs = self._outputs.get_nowait() if not self._outputs.empty() else self._new_outputs()
+                    try:
+                        batch = self._restore(plan, buffer[:plan.nbytes], outputs)
+                    except BaseException:
+                        self._outputs.put(outputs)
+                        raise
                 finally:
                     self._compact.put(buffer)
         except BaseException:
             self.close()
             raise
+        self._live[plan.index] = (batch, outputs)
         self._next += 1
         if self._submitted < len(self._plans):
             self._submit()
         return batch
+
+    def _finish(self, batch: MicroBatch) -> None:
+        with self._lock:
+            live = self._live.pop(batch.index, None)
+            if live is None:
+                return
+            self._outputs.put(live[1])
+            if self._release is not None:
+                self._release_references(self._plans[batch.index])
+
+    def replay_handles(self, release_after: str = "backward") -> list[list[LayerRef]]:
+        """Per micro-batch, one lazy handle per layer, for slime's ``RoutingReplay.record``.
+
+        Record them all up front (as slime's ``fill_routing_replay`` does);
+        training then materialises each layer as its router replays it. A
+        micro-batch is restored when its first layer is materialised (in
+        micro-batch order; prefetch keeps the next ones coming) and released
+        once every layer was materialised for ``release_after``:
+        ``"backward"`` for a training pass, ``"forward"`` for a forward-only
+        one (log probs). Live micro-batches are those between their first
+        forward and last backward: a pipeline schedule's in-flight ones.
+        """
+        if release_after not in ("forward", "backward"):
+            raise InvalidInputError(f"release_after must be 'forward' or 'backward', got {release_after!r}")
+        with self._lock:
+            if self._next or self._lazy is not None:
+                raise InvalidInputError("replay_handles are taken once, before any micro-batch is consumed")
+            self._lazy = release_after
+        return [[LayerRef(self, plan.index, j) for j in range(len(self._layers_of(plan)))] for plan in self._plans]
+
+    @staticmethod
+    def _layers_of(plan: _MicroPlan) -> tuple:
+        return next((fp.layers for fp in plan.fields.values() if fp.layers), ())
+
+    def _materialize(self, index: int, position: int, direction: str):
+        with self._lock:
+            live = self._live.get(index)
+            if live is None:
+                if self._closed:
+                    raise ClosedError("the stream was closed")
+                if index != self._next:
+                    state = "was released" if index < self._next else f"comes after micro-batch {self._next}"
+                    raise InvalidInputError(f"micro-batch {index} {state}: micro-batches are replayed in order")
+                batch = self._advance()
+                self._uses[index] = 0
+            else:
+                batch = live[0]
+            tensor = batch.routed_experts[position]
+            if direction == self._lazy:
+                self._uses[index] += 1
+                if self._uses.get(index) == len(batch.routed_experts):
+                    del self._uses[index]
+                    self._finish(batch)
+                    if self._next >= len(self._plans) and not self._live:
+                        self.close()
+            return tensor
 
     def _restore(self, plan: _MicroPlan, staging, outputs: dict) -> MicroBatch:
         fields, experts, layers = {}, [], ()
@@ -572,7 +670,8 @@ class MicroBatchStream:
                 fields[name] = [to_output(out[a * fp.width:(a + n) * fp.width]) for a, n in fp.sample_rows]
         if self._reader._device != "cpu":
             self._reader._synchronize()
-        return MicroBatch(plan.index, plan.samples, layers, experts, {sample_key_of(n): v for n, v in fields.items()})
+        return MicroBatch(plan.index, plan.samples, layers, experts, {sample_key_of(n): v for n, v in fields.items()},
+                          self)
 
     def _pad(self, fp: _FieldPlan, shaped) -> None:
         for offset, start, stop in fp.pads:
@@ -598,7 +697,7 @@ class MicroBatchStream:
                 raise LayoutError(f"micro-batch {plan.index} (samples {list(plan.samples)}): R3 of layer {layer} is "
                                   f"all zero for every stored token; refusing to replay expert 0 everywhere")
 
-    def _release_batch(self, plan: _MicroPlan) -> None:
+    def _release_references(self, plan: _MicroPlan) -> None:
         if plan.index in self.released:
             return
         self.released.append(plan.index)

@@ -119,7 +119,8 @@ def hydrate(samples: Sequence[MutableMapping[str, Any]], reader, partition: str,
 
 
 def stream(samples: Sequence[Mapping[str, Any]], reader, micro_batches: Sequence[Sequence[int]], rank, *,
-           prefetch: int = 2, release: str | None = None, fields: Sequence[str] | None = None):
+           prefetch: int = 2, release: str | None = None, fields: Sequence[str] | None = None,
+           hold: bool = False):
     """Stream one rank's offloaded samples micro-batch by micro-batch: only its slice, in slime's layout.
 
     The large-job path (:func:`hydrate` restores whole samples, for small
@@ -137,9 +138,9 @@ def stream(samples: Sequence[Mapping[str, Any]], reader, micro_batches: Sequence
     MicroBatchStream
         See :meth:`Reader.stream <gputq.client.reader.Reader.stream>`; each
         micro-batch's ``routed_experts`` is the list
-        ``RouterReplay.set_replay_data`` takes, ``layer_refs()`` the lazy
-        handles slime's ``RoutingReplay.record`` takes, ``log_probs`` the
-        CP-cut ``rollout_log_probs``.
+        ``RouterReplay.set_replay_data`` takes and ``log_probs`` the CP-cut
+        ``rollout_log_probs``; its ``replay_handles()`` are the lazy
+        handles slime's ``RoutingReplay.record`` takes.
     """
     shard = []
     for i, sample in enumerate(samples):
@@ -152,7 +153,7 @@ def stream(samples: Sequence[Mapping[str, Any]], reader, micro_batches: Sequence
                                     f"{sample.get(RESPONSE_LENGTH)}")
         shard.append(layouts)
     return reader.stream(shard, micro_batches, rank, prefetch=prefetch, release=release, fields=fields,
-                         total_lengths=[len(sample[TOKENS]) for sample in samples])
+                         hold=hold, total_lengths=[len(sample[TOKENS]) for sample in samples])
 
 
 def _shape_dtype(value: Any) -> tuple[tuple[int, ...], str]:

@@ -230,3 +230,27 @@ def test_stream_into_device_memory_under_the_cuda_stand_in(host_cuda, transport)
         assert consumed == [0, 1]
     launches = [entry for entry in host_cuda.log if entry[0] == "launch"]
     assert launches and {launch[5] for launch in launches} == {DEVICE}
+
+
+def test_held_micro_batches_stay_valid_until_released():
+    rng = np.random.default_rng(6)
+    with local_units("tcp", units=1) as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, [20, 30, 40])
+            writer.finalize(shard, "p")
+        rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
+        with Reader(clients, config) as reader, reader.stream(shard, [[0], [1], [2]], rank, hold=True,
+                                                              release="p") as stream:
+            first, second = next(stream), next(stream)  # two forwards before the first backward
+            assert _check(first, [0], data, range(0, 2), rank) and _check(second, [1], data, range(0, 2), rank)
+            assert stream.released == []
+            first.release()
+            first.release()  # idempotent
+            third = next(stream)  # restored into the buffers micro-batch 0 gave back
+            assert _check(second, [1], data, range(0, 2), rank) and _check(third, [2], data, range(0, 2), rank)
+            second.release()
+            third.release()
+            assert stream.released == [0, 1, 2]
+            with pytest.raises(StopIteration):
+                next(stream)
+        assert clients.channel("su-0").call("stats")["keys"] == 0

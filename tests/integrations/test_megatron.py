@@ -82,23 +82,29 @@ def test_router_replay_selects_exactly_the_stored_experts(transport):
         assert checked == len(STAGES) * 2 * len(BATCHES) * 2 * len(STAGES[0])
 
 
-def test_lazy_layer_handles_materialise_the_same_tensors():
+def test_slime_records_lazy_handles_up_front_and_a_1f1b_schedule_replays_them():
+    """slime's flow: every micro-batch's handles recorded first, then forwards and backwards interleaved."""
     rng = np.random.default_rng(12)
-    inline = [rng.integers(0, EXPERTS, (n - 1, LAYERS, TOPK)).astype(np.int32) for n in (30, 45)]
+    inline = [rng.integers(0, EXPERTS, (n - 1, LAYERS, TOPK)).astype(np.int32) for n in (30, 45, 26, 38)]
     with local_units("tcp", units=1) as (config, _, clients):
         with Writer(clients, config) as writer:
             refs = [writer.put(f"s{i}/0", "p", {"routed_experts": e}) for i, e in enumerate(inline)]
             writer.flush()
         shard = [{name: Layout.from_ref(ref) for name, ref in r.items()} for r in refs]
         rank = ParallelSlice(layers=(1, 4, 5), num_experts=EXPERTS, tp_size=2, sequence_parallel=True, tp_rank=1)
-        with Reader(clients, config) as reader, reader.stream(shard, [[0, 1]], rank) as stream:
-            mb = next(stream)
-            want = slime_replay_rows([torch.from_numpy(e) for e in inline], rank)
-            handles = mb.layer_refs()
-            assert len(handles) == 3
-            for handle, layer in zip(handles, (1, 4, 5)):
-                for direction in ("forward", "backward"):
-                    got = torch.as_tensor(handle.materialize_for_routing_replay(direction))
-                    assert got.dtype == torch.int32 and torch.equal(got, want[:, layer])
+        batches = [[0], [1, 2], [3]]
+        with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
+            handles = stream.replay_handles()
+            recorded = [[h for h in mb] for mb in zip(*handles)]  # per layer, as RoutingReplay.record keeps them
+            assert [len(per_layer) for per_layer in recorded] == [3, 3, 3]
+            schedule = [("forward", 0), ("forward", 1), ("backward", 0), ("forward", 2), ("backward", 1),
+                        ("backward", 2)]
+            for direction, index in schedule:
+                want = slime_replay_rows([torch.from_numpy(inline[i]) for i in batches[index]], rank)
+                for j, layer in enumerate((1, 4, 5)):
+                    got = torch.as_tensor(recorded[j][index].materialize_for_routing_replay(direction))
+                    assert got.dtype == torch.int32 and torch.equal(got, want[:, layer]), (direction, index, layer)
+                assert len(stream._live) <= 2  # the schedule's in-flight micro-batches, no more
+            assert stream.released == [] and not stream._live  # nothing to release: no partition given
             with pytest.raises(ValueError, match="direction"):
-                handles[0].materialize_for_routing_replay("sideways")
+                handles[0][0].materialize_for_routing_replay("sideways")
