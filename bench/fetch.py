@@ -32,6 +32,7 @@ import numpy as np
 
 from bench.common import (
     SocketBaseline,
+    threaded_memcpy,
     add_json_flag,
     emit_json,
     gbps,
@@ -44,6 +45,7 @@ from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
 from gputq.data.refs import Layout
+from gputq.data.slices import ParallelSlice
 
 _MIB = 1 << 20
 
@@ -61,20 +63,32 @@ def _shard(writer: Writer, size: int, rows_per_step: int, layers: int, topk: int
     return shard
 
 
-def _time_fetches(reader: Reader, shard, nbytes: int, baseline: SocketBaseline, repeats: int, label: str):
-    """``repeats`` fetches, each paired with a socket read and a memcpy of ``nbytes`` just before it."""
+def _stream_pass(reader: Reader, shard, mb_samples: int) -> None:
+    """Every sample of ``shard``, whole, streamed in micro-batches of ``mb_samples``."""
+    batches = [list(range(i, min(len(shard), i + mb_samples))) for i in range(0, len(shard), mb_samples)]
+    with reader.stream(shard, batches, ParallelSlice(num_experts=128)) as stream:
+        for _ in stream:
+            pass
+
+
+def _time_fetches(reader: Reader, shard, nbytes: int, baseline: SocketBaseline, repeats: int, label: str,
+                  mb_samples: int | None = None):
+    """``repeats`` fetches, each paired with a socket read and a memcpy of ``nbytes`` just before it.
+
+    With ``mb_samples`` each fetch is a stream of the shard in micro-batches, and the memcpy runs
+    on as many threads as the stream does (its fetch and restore threads).
+    """
     copy_src, copy_dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
     times: dict[str, list[float]] = {"fetch": [], "total": [], "socket": [], "memcpy": []}
-    reader.fetch(shard)  # warm-up: connections, buffers, this path's first touch
+    run = reader.fetch if mb_samples is None else (lambda s: _stream_pass(reader, s, mb_samples))
+    run(shard)  # warm-up: connections, buffers, this path's first touch
     for _ in progress_range(label, repeats):
         times["socket"].append(baseline.read(nbytes))
+        times["memcpy"].append(threaded_memcpy(copy_dst, copy_src, 1 if mb_samples is None else 2))
         started = time.perf_counter()
-        np.copyto(copy_dst, copy_src)
-        times["memcpy"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        reader.fetch(shard)
+        run(shard)
         times["total"].append(time.perf_counter() - started)
-        times["fetch"].append(reader.last_stats.fetch_seconds)
+        times["fetch"].append(reader.last_stats.fetch_seconds if mb_samples is None else times["total"][-1])
     return times
 
 
@@ -116,10 +130,17 @@ def run(args) -> dict:
                         times = _time_fetches(reader, shard, nbytes, baseline, args.repeats,
                                               f"fetch {size // _MIB} MiB {path}")
                     rows.append(_row(path, transports, len(shard), nbytes, times, path == "in place"))
+                with Reader(clients, config, device=args.device) as reader:
+                    times = _time_fetches(reader, shard, nbytes, baseline, args.repeats,
+                                          f"stream {size // _MIB} MiB", mb_samples=args.mb_samples)
+                rows.append(_row("stream", transports, len(shard), nbytes, times, False))
     big = [r["ratio_vs_socket"] for r in rows if r["shard_MiB"] >= 16]
     copies = [r["fetch_vs_memcpy"] for r in rows if r["fetch_vs_memcpy"] is not None and r["shard_MiB"] >= 16]
+    streamed = [r for r in rows if r["path"] == "stream" and r["shard_MiB"] >= 16]
     return {"rows": rows, "ratio_vs_socket": min(big) if big else None,
             "fetch_vs_memcpy": min(copies) if copies else None,
+            "stream_vs_socket": min(r["ratio_vs_socket"] for r in streamed) if streamed else None,
+            "stream_vs_memcpy": min(r["total_vs_memcpy"] for r in streamed) if streamed else None,
             "dtype": args.dtype, "layers": args.layers, "topk": args.topk, "units": args.units,
             "repeats": args.repeats, "device": args.device}
 
@@ -135,6 +156,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rows-per-step", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu", help="restore into cpu or cuda memory")
+    parser.add_argument("--mb-samples", type=int, default=1, help="steps per micro-batch of the stream row")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     print_header("gputq shard fetch vs plain socket", sizes_MiB=args.sizes, transport=args.transport,
@@ -145,6 +167,8 @@ def main(argv=None) -> None:
     print(f"min fetch+restore vs plain socket (shards >= 16 MiB): {result['ratio_vs_socket']}")
     if result["fetch_vs_memcpy"] is not None:
         print(f"min fetch vs memcpy of the same bytes (shards >= 16 MiB): {result['fetch_vs_memcpy']}")
+    print(f"min streamed fetch+restore vs plain socket (shards >= 16 MiB): {result['stream_vs_socket']}  "
+          f"(tcp goal >= 0.9); vs memcpy on as many threads: {result['stream_vs_memcpy']}  (shm goal >= 0.8)")
     if args.json:
         emit_json(result)
 

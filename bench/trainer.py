@@ -39,12 +39,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
-import threading
 import time
 
 import numpy as np
 
-from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, remote_units
+from bench.common import (SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, remote_units,
+                          threaded_memcpy)
 from bench.plots import trainer_memory_figure, write_figures
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
@@ -147,19 +147,6 @@ def _peak_rss(clients, config, shard, args, path: str) -> int:
 
 # -- baselines -------------------------------------------------------------------------
 
-def _threaded_memcpy(dst: np.ndarray, src: np.ndarray, threads: int) -> float:
-    parts = np.array_split(np.arange(src.size), threads)
-    bounds = [(p[0], p[-1] + 1) for p in parts if len(p)]
-    workers = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b])) for a, b in bounds[1:]]
-    started = time.perf_counter()
-    for w in workers:
-        w.start()
-    np.copyto(dst[bounds[0][0]:bounds[0][1]], src[bounds[0][0]:bounds[0][1]])
-    for w in workers:
-        w.join()
-    return time.perf_counter() - started
-
-
 def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes."""
     _, nbytes, _ = _stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
@@ -168,7 +155,7 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     if transport == "shm":
         src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
         for _ in range(repeats):
-            base.append(_threaded_memcpy(dst, src, 2))
+            base.append(threaded_memcpy(dst, src, 2))
             loops.append(_stream_pass(reader, shard, args, 0, 0)[0])
         baseline = "memcpy x2 threads"
     else:

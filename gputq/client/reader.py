@@ -411,7 +411,11 @@ class Reader(Closeable):
             rows = staging.nbytes // stage.row_bytes  # a view of whole rows from byte 0
             compact = staging[:rows * stage.row_bytes].view(stage.dtype)
             if layer_major(stage.row_shape):
-                out = self._token_major(compact, plan, stage, out, fills.pop() if fills else 0, total)
+                fill = fills.pop() if fills else 0
+                if isinstance(compact, np.ndarray):
+                    _token_major_on_host(compact, stage, layouts, offsets, out, fill)
+                else:
+                    out = self._token_major(compact, plan, stage, out, fill, total)
             else:
                 widen_scatter(compact, plan, stage.width, out, fill=fills.pop() if fills else 0)
             out_name = sample_key_of(name)
@@ -425,9 +429,10 @@ class Reader(Closeable):
     def _token_major(self, compact, plan, stage: _FieldStage, out, fill, total: int):
         """Widen a layer-major field into ``[L, total, ...]``, then lay it out token-major in ``out``.
 
-        The whole-shard path pays this second pass (and a second buffer) for
-        the ``[T-1, L, K]`` tensors slime's samples hold; streamed
-        micro-batches are consumed layer-major and skip it.
+        For device memory and mapped sources: the whole-shard path pays this
+        second pass (and a second buffer) for the ``[T-1, L, K]`` tensors
+        slime's samples hold; streamed micro-batches are consumed
+        layer-major and skip it.
         """
         inner = stage.width // stage.row_shape[0]
         by_layer = self._empty(out.nbytes).view(out.dtype)
@@ -579,6 +584,33 @@ class Reader(Closeable):
                 workers, self._stream_workers = self._stream_workers, None
             for worker in workers or ():
                 worker.shutdown(wait=True)
+
+
+#: Tokens transposed at a time: every layer's run of a chunk is read while the chunk's rows stay in cache.
+_TRANSPOSE_ROWS = 512
+
+
+def _token_major_on_host(compact: np.ndarray, stage: _FieldStage, layouts, offsets, out: np.ndarray, fill) -> None:
+    """Widen a layer-major field's blobs straight into token-major ``out`` ``[total, L, ...]``, one pass."""
+    layers = stage.row_shape[0]
+    inner = stage.width // layers
+    flat = compact.reshape(-1)
+    target = out.reshape(-1, layers, inner)
+    for layout, first in zip(layouts, offsets):
+        cursor = 0
+        for frag in sorted(layout.fragments, key=lambda f: f.dst_row):
+            if frag.dst_row > cursor:
+                target[first + cursor:first + frag.dst_row] = fill
+            start = stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.width
+            blob = flat[start:start + layers * frag.ref.rows * inner].reshape(layers, frag.ref.rows, inner)
+            for done in range(0, frag.rows, _TRANSPOSE_ROWS):
+                n = min(_TRANSPOSE_ROWS, frag.rows - done)
+                dst = first + frag.dst_row + done
+                np.copyto(target[dst:dst + n], blob[:, frag.src_row + done:frag.src_row + done + n].swapaxes(0, 1),
+                          casting="unsafe")
+            cursor = frag.dst_row + frag.rows
+        if cursor < layout.rows:
+            target[first + cursor:first + layout.rows] = fill
 
 
 # -- zero-copy restore from same-host arenas (the shm backend) ---------------------------

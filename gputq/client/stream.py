@@ -456,6 +456,7 @@ class MicroBatchStream:
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._uses: dict[int, int] = {}
         self._lazy: str | None = None
+        self._retiring: MicroBatch | None = None  # consumed for good; its buffers go at the next call
         self._lock = threading.RLock()
         self._next = 0
         self._submitted = 0
@@ -631,6 +632,11 @@ class MicroBatchStream:
 
     def _materialize(self, index: int, position: int, direction: str):
         with self._lock:
+            retiring, self._retiring = self._retiring, None
+            if retiring is not None and retiring.index != index:
+                self._finish(retiring)  # the tensor handed out last is used by now
+            elif retiring is not None:
+                self._retiring = retiring
             live = self._live.get(index)
             if live is None:
                 if self._closed:
@@ -646,10 +652,10 @@ class MicroBatchStream:
             if direction == self._lazy:
                 self._uses[index] += 1
                 if self._uses.get(index) == len(batch.routed_experts):
+                    # Released at the next call: the restore thread must not refill a buffer whose
+                    # tensor the caller is still reading.
                     del self._uses[index]
-                    self._finish(batch)
-                    if self._next >= len(self._plans) and not self._live:
-                        self.close()
+                    self._retiring = batch
             return tensor
 
     def _restore(self, plan: _MicroPlan, staging, outputs: dict) -> MicroBatch:
@@ -709,6 +715,9 @@ class MicroBatchStream:
         """Stop prefetching and wait for the work in flight. Idempotent; the buffers go."""
         if self._closed:
             return
+        retiring, self._retiring = self._retiring, None
+        if retiring is not None:
+            self._finish(retiring)  # it was consumed: its references go
         self._closed = True
         pending = [*self._restores.values(), *self._fetches.values()]
         for future in pending:

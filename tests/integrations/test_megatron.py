@@ -105,6 +105,7 @@ def test_slime_records_lazy_handles_up_front_and_a_1f1b_schedule_replays_them():
                     got = torch.as_tensor(recorded[j][index].materialize_for_routing_replay(direction))
                     assert got.dtype == torch.int32 and torch.equal(got, want[:, layer]), (direction, index, layer)
                 assert len(stream._live) <= 2  # the schedule's in-flight micro-batches, no more
-            assert stream.released == [] and not stream._live  # nothing to release: no partition given
+            stream.close()
+            assert stream.released == [] and not stream._live  # all consumed; no partition: nothing released
             with pytest.raises(ValueError, match="direction"):
                 handles[0][0].materialize_for_routing_replay("sideways")
