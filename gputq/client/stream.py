@@ -138,33 +138,40 @@ class _Needs:
         return out
 
 
-def _place(needs: _Needs, layers, requests: list, cursor: int, max_bytes: int | None) -> tuple[dict, int]:
-    """Lay the merged rows of one field out in staging, as span requests per unit.
+def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, int]:
+    """Lay a micro-batch's merged rows out in staging, as span requests: one per unit when rows align.
 
-    Returns ``{(unit, key): [(start, stop, {layer: plan row of row start})]}``
-    and the new staging cursor. Requests start on whole rows of the field
-    (and 16 bytes), so plan rows index the field's compact view from byte 0.
+    ``fields`` holds each field's :class:`_Needs` and layers, widest rows
+    first. Unit by unit, the unit's fields back to back, so one request
+    per unit usually covers them all; a request starts anew where a field's
+    rows need padding to start whole (plan rows index each field's compact
+    view from byte 0), at a change of the unit's incarnation, and past
+    :data:`_REQUEST_KEYS`, :data:`MAX_SPANS` or ``max_bytes``.
+
+    Returns, per field, ``{(unit, key): [(start, stop, plan row of row start
+    in the first layer)]}`` (a run's layers follow each other, ``stop -
+    start`` rows apart: spans go layer after layer, merged or not), and
+    the staging size.
     """
-    placed: dict = {}
-    merged = needs.merged()
+    placed: list[dict] = [{} for _ in fields]
     by_unit: dict[tuple[str, str], list] = {}
-    for (unit, key), runs in sorted(merged.items()):
-        ref = needs.refs[(unit, key)]
-        by_unit.setdefault((unit, ref.incarnation), []).append((key, ref, runs))
+    for f, (needs, layers) in enumerate(fields):
+        for (unit, key), runs in sorted(needs.merged().items()):
+            ref = needs.refs[(unit, key)]
+            by_unit.setdefault((unit, ref.incarnation), []).append((f, key, ref, runs, layers))
+    cursor = 0
     for (unit, incarnation), entries in sorted(by_unit.items()):
         current = None
-        for key, ref, runs in entries:
+        for f, key, ref, runs, layers in entries:
             item = np.dtype(ref.dtype).itemsize
-            row_elems = math.prod(ref.row_shape[1:]) if layer_major(ref.row_shape) else max(1, math.prod(ref.row_shape))
-            row_bytes = row_elems * item
+            major = layer_major(ref.row_shape)
+            row_bytes = (math.prod(ref.row_shape[1:]) if major else max(1, math.prod(ref.row_shape))) * item
             align = row_bytes * 16 // math.gcd(row_bytes, 16)
-            spans_of_key = []
-            for start, stop in runs:
-                for offset, nbytes in blob_spans(ref.rows, ref.row_shape, item, start, stop,
-                                                 layers if layer_major(ref.row_shape) else None):
-                    spans_of_key.append((start, stop, offset, nbytes))
-            nbytes_key = sum(s[3] for s in spans_of_key)
-            if current is None or len(current.keys) >= _REQUEST_KEYS \
+            spans_of_key = [(start, stop, offset, nbytes) for start, stop in runs
+                            for offset, nbytes in blob_spans(ref.rows, ref.row_shape, item, start, stop,
+                                                             layers if major else None)]
+            nbytes_key = sum(span[3] for span in spans_of_key)
+            if current is None or cursor % row_bytes or len(current.keys) >= _REQUEST_KEYS \
                     or len(current.spans) + len(spans_of_key) > MAX_SPANS \
                     or (max_bytes is not None and current.keys and cursor + nbytes_key - current.start > max_bytes):
                 cursor = -(-cursor // align) * align
@@ -173,27 +180,21 @@ def _place(needs: _Needs, layers, requests: list, cursor: int, max_bytes: int | 
             index = len(current.keys)
             current.keys.append(key)
             current.generations.append(ref.generation)
-            rows_at: dict = {}
+            first_rows = {}
             for start, stop, offset, nbytes in spans_of_key:
                 current.spans.append((index, offset, nbytes))
-                if layer_major(ref.row_shape):
-                    # A merged span may hold several layers: each layer's run follows the last.
-                    first_layer = offset // (ref.rows * row_bytes)
-                    for i in range(nbytes // ((stop - start) * row_bytes)):
-                        rows_at[(start, first_layer + i)] = (cursor + i * (stop - start) * row_bytes) // row_bytes
-                else:
-                    rows_at[(start, None)] = cursor // row_bytes
+                first_rows.setdefault(start, cursor // row_bytes)
                 cursor += nbytes
             current.stop = cursor
-            placed[(unit, key)] = (runs, rows_at)
+            placed[f][(unit, key)] = [(start, stop, first_rows[start]) for start, stop in runs]
     return placed, cursor
 
 
-def _source_row(placed: dict, ref: FieldRef, row: int, layer) -> int:
-    runs, rows_at = placed[(ref.unit, ref.key)]
-    for start, stop in runs:
+def _source_row(placed: dict, ref: FieldRef, row: int) -> tuple[int, int]:
+    """The plan row of stored ``row`` of ``ref`` in the first layer read, and the rows between layers."""
+    for start, stop, first in placed[(ref.unit, ref.key)]:
         if start <= row < stop:
-            return rows_at[(start, layer)] + row - start
+            return first + row - start, stop - start
     raise AssertionError("a fragment outside the rows placed for it")  # _Needs holds every fragment's rows
 
 
@@ -302,8 +303,7 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
     for m, batch in enumerate(batches):
         names = sorted({name for i in batch for name in shard[i]} if fields is None else set(fields))
         requests: list[_Request] = []
-        cursor = 0
-        fields = {}
+        planned = {}
         work = []
         totals = [None] * len(batch)
         for name in names:
@@ -329,12 +329,12 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
                 fp, frags, gaps = _expert_field(name, layouts, batch, rank, ranges, needs)
             else:
                 fp, frags, gaps = _token_field(name, layouts, batch, rank, totals, needs)
-            placed, cursor = _place(needs, fp.layers, requests, cursor, max_bytes)
-            work.append((fp, frags, gaps, placed))
-            fields[name] = fp
-        for fp, frags, gaps, placed in work:
-            fp.plan = _kernel_plan(fp, frags, gaps, placed)
-        plans.append(_MicroPlan(m, tuple(batch), requests, -(-cursor // 16) * 16, fields, [shard[i] for i in batch]))
+            work.append((fp, frags, gaps, needs))
+            planned[name] = fp
+        placed, cursor = _place([(needs, fp.layers) for fp, _, _, needs in work], requests, max_bytes)
+        for (fp, frags, gaps, _), where in zip(work, placed):
+            fp.plan = _kernel_plan(fp, frags, gaps, where)
+        plans.append(_MicroPlan(m, tuple(batch), requests, -(-cursor // 16) * 16, planned, [shard[i] for i in batch]))
     return plans
 
 
@@ -349,14 +349,19 @@ def _checked_ranges(ranges, rows: int, sample: int) -> list:
 
 
 def _kernel_plan(fp: _FieldPlan, frags: list, gaps: list, placed: dict) -> np.ndarray:
-    rows: list = []
-    layer_list = list(enumerate(fp.layers)) if fp.layers else [(0, None)]
-    for j, layer in layer_list:
-        base = j * fp.tokens
-        for ref, src, dst, n in frags:
-            rows.append((_source_row(placed, ref, src, layer), base + dst, n))
-        rows.extend((-1, base + g, n) for g, n in gaps)
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    """The widen plan of a field: every fragment and gap once per layer read (layer-major output)."""
+    per_layer = np.empty((len(frags) + len(gaps), 4), dtype=np.int64)  # src, src step per layer, dst, rows
+    for i, (ref, src, dst, n) in enumerate(frags):
+        per_layer[i] = (*_source_row(placed, ref, src), dst, n)
+    for i, (g, n) in enumerate(gaps, len(frags)):
+        per_layer[i] = (-1, 0, g, n)
+    layers = np.arange(max(1, len(fp.layers)), dtype=np.int64)[:, None]
+    plan = np.empty((len(layers), len(per_layer), 3), dtype=np.int64)
+    fill = per_layer[:, 0] < 0
+    plan[:, :, 0] = np.where(fill, -1, per_layer[:, 0] + layers * per_layer[:, 1])
+    plan[:, :, 1] = per_layer[:, 2] + layers * fp.tokens
+    plan[:, :, 2] = per_layer[:, 3]
+    return plan.reshape(-1, 3)
 
 
 class LayerRef:

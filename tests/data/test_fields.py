@@ -129,3 +129,23 @@ def test_canonicalize_logprobs():
     bad = np.array([-1.0, -2.0, -3.0, np.nan, np.nan], np.float32)
     with pytest.raises(FieldValueError, match=r"'k'.*'logprobs'.*NaN at index \[3\]"):
         canonicalize("k", spec, bad)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_canonicalize_layer_major_stores_each_layer_contiguously(dtype):
+    spec = routed_experts_spec(5, 3, dtype)
+    src = np.random.default_rng(0).integers(0, 200, (3000, 5, 3)).astype(np.int32)  # several chunks
+    out = canonicalize("k", spec, src, out=np.empty(src.size * 4, np.uint8), layer_major=True)
+    assert out.shape == (5, 3000, 3) and out.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(out, src.transpose(1, 0, 2))
+    assert canonicalize("k", spec, src[:0], layer_major=True).shape == (5, 0, 3)
+
+
+def test_canonicalize_layer_major_names_the_token_major_index_of_a_bad_id():
+    spec = routed_experts_spec(4, 2, "uint8")
+    src = np.zeros((2500, 4, 2), np.int32)
+    src[2100, 3, 1] = 256
+    with pytest.raises(FieldValueError, match=r"value 256 at index \[2100, 3, 1\]"):
+        canonicalize("k", spec, src, layer_major=True)
+    with pytest.raises(InvalidInputError, match="two or more dimensions"):
+        canonicalize("k", logprobs_spec(), np.zeros(4, np.float32), layer_major=True)
