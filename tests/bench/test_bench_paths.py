@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import e2e, fetch
+from bench import e2e, fetch, trainer
 
 
 @pytest.mark.timeout(120)
@@ -14,10 +14,12 @@ def test_fetch_times_call_to_return_and_reports_the_socket_ratio(capsys):
     fetch.main(["--sizes", "1", "--repeats", "2", "--layers", "4", "--topk", "2", "--rows-per-step", "256",
                 "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    (row,) = out["rows"]
-    assert row["transport"] == "tcp" and row["ratio_vs_socket"] > 0
+    row, streamed = out["rows"]
+    assert (row["path"], streamed["path"]) == ("copy", "stream")
+    assert row["transport"] == streamed["transport"] == "tcp" and row["ratio_vs_socket"] > 0
     # The call-to-return figure includes the transfer, so it can never be the faster one.
     assert row["fetch+restore_GBps"] <= row["fetch_GBps"]
+    assert streamed["ratio_vs_socket"] > 0 and streamed["fetch_GBps"] == streamed["fetch+restore_GBps"]
 
 
 @pytest.mark.timeout(120)
@@ -25,13 +27,27 @@ def test_fetch_over_shm_reports_the_staged_and_the_in_place_restore_against_memc
     fetch.main(["--sizes", "1", "--repeats", "2", "--layers", "4", "--topk", "2", "--rows-per-step", "256",
                 "--transport", "shm", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    copy, in_place = out["rows"]
-    assert (copy["path"], in_place["path"]) == ("copy", "in place")
+    copy, in_place, streamed = out["rows"]
+    assert (copy["path"], in_place["path"], streamed["path"]) == ("copy", "in place", "stream")
+    assert streamed["total_vs_memcpy"] > 0
     assert copy["transport"] == in_place["transport"] == "shm"
     assert copy["fetch_vs_memcpy"] > 0 and copy["fetch_GBps"] >= copy["fetch+restore_GBps"]
     # in place there is no transfer apart from the restore's own reads
     assert in_place["fetch_GBps"] is None and in_place["fetch_vs_memcpy"] is None
     assert in_place["total_vs_memcpy"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
+    trainer.main(["--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "2048",
+                  "--samples", "4", "--scales", "1,2", "--repeats", "1", "--figures", str(tmp_path), "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["rank"] for r in out["bytes_rows"]] == ["dp0/pp0/cp0", "dp0/pp0/cp1", "dp0/pp1/cp0", "dp0/pp1/cp1"]
+    assert out["every_rank_exactly_its_slice"] and out["bytes_goal"] == 0.25
+    assert abs(out["bytes_ratio_vs_whole_shard"] / 0.25 - 1) < 0.01  # the group moves the shard once
+    paths = {(r["scale"], r["path"]) for r in out["memory_rows"]}
+    assert paths == {(1, "stream"), (1, "whole"), (2, "stream"), (2, "whole")}
+    assert out["overlap_ratio"] > 0 and out["peak_growth_4x"] > 0
 
 
 @pytest.mark.slow

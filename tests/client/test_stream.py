@@ -254,3 +254,61 @@ def test_held_micro_batches_stay_valid_until_released():
             with pytest.raises(StopIteration):
                 next(stream)
         assert clients.channel("su-0").call("stats")["keys"] == 0
+
+
+def test_a_step_shared_in_a_micro_batch_is_read_once_and_once_per_micro_batch():
+    rng = np.random.default_rng(8)
+    with local_units("tcp", units=1) as (config, units, clients):
+        with Writer(clients, config) as writer:
+            refs = writer.put("s/0", "p", {"routed_experts": rng.integers(0, EXPERTS, (100, LAYERS, TOPK))})
+            writer.flush()
+        step = Layout.from_ref(refs["routed_experts"])
+        shard = [{"routed_experts": step.slice(0, 80)}, {"routed_experts": step.slice(40, 100)}]
+        row = refs["routed_experts"].row_nbytes
+        with Reader(clients, config) as reader:
+            for batches, rows in (([[0, 1]], 100), ([[0], [1]], 80 + 60)):
+                before = _bytes_read(units)
+                with reader.stream(shard, batches, ParallelSlice(num_experts=EXPERTS)) as stream:
+                    for mb in stream:
+                        assert len(mb.routed_experts) == LAYERS
+                assert _bytes_read(units) - before == rows * row
+
+
+def test_an_all_zero_layer_is_refused_at_its_micro_batch():
+    experts = np.random.default_rng(9).integers(1, EXPERTS, (30, LAYERS, TOPK)).astype(np.int32)
+    experts[:, 2] = 0
+    with local_units("tcp", units=1) as (config, _, clients):
+        with Writer(clients, config) as writer:
+            refs = writer.put("s/0", "p", {"routed_experts": experts})
+            writer.flush()
+        shard = [{"routed_experts": Layout.from_ref(refs["routed_experts"])}]
+        with Reader(clients, config) as reader:
+            with reader.stream(shard, [[0]], ParallelSlice(layers=(0, 1), num_experts=EXPERTS)) as stream:
+                assert len(next(stream).routed_experts) == 2
+            with reader.stream(shard, [[0]], ParallelSlice(layers=(1, 2), num_experts=EXPERTS)) as stream:
+                with pytest.raises(LayoutError, match="layer 2 is all zero"):
+                    next(stream)
+
+
+def test_a_lost_unit_raises_at_the_micro_batch_that_needs_it_within_the_timeout():
+    import time
+
+    from gputq.errors import UnitLostError
+
+    rng = np.random.default_rng(10)
+    with local_units("tcp", units=2, read_timeout_s=5.0, control_timeout_s=5.0) as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, _ = _rollout(writer, rng, [30] * 8)
+        home = {i: sample["routed_experts"].fragments[0].ref.unit for i, sample in enumerate(shard)}
+        lost = home[7]
+        first = [i for i in range(8) if home[i] != lost][:1]
+        rest = [i for i in range(8) if i not in first]
+        next(service for service in units if service.name == lost).close()
+        with Reader(clients, config) as reader:
+            started = time.monotonic()
+            # Both micro-batches are fetched at once; the second's failure waits for its turn.
+            with reader.stream(shard, [first, rest], ParallelSlice(num_experts=EXPERTS), prefetch=2) as stream:
+                assert next(stream).samples == tuple(first)
+                with pytest.raises(UnitLostError, match=lost):
+                    next(stream)
+            assert time.monotonic() - started < 15
