@@ -61,7 +61,7 @@ def _fetch_rows(out: Path, name: str, pinned: float | None) -> list[tuple[str, s
         ratio = f", {total / pinned:.2f}x pinned" if pinned else ""
         # in place the bytes move in the restore itself: there is no transfer to time apart
         alone = "" if r["fetch_GBps"] is None else f" (fetch alone {r['fetch_GBps']} GB/s)"
-        path = f" {r['path']}" if name == "shm" else ""
+        path = f" {r['path']}"
         rows.append((f"fetch+restore->GPU {name}{path} {r['shard_MiB']} MiB",
                      f"{total} GB/s{ratio}{alone}"))
     if "error" in fetch:

@@ -43,8 +43,16 @@ import time
 
 import numpy as np
 
-from bench.common import (SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, remote_units,
-                          threaded_memcpy)
+from bench.common import (
+    SocketBaseline,
+    add_json_flag,
+    emit_json,
+    gbps,
+    print_header,
+    print_table,
+    remote_units,
+    threaded_memcpy,
+)
 from bench.plots import trainer_memory_figure, write_figures
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer

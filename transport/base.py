@@ -506,9 +506,9 @@ def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str, rows:
     """Decode and check the regions of a ``"lease"`` reply before reading them one-sided.
 
     ``raw`` is little-endian int64 ``[n, 2]`` of (offset, nbytes), one row
-    per key, or ``rows`` of them when the lease named that many spans. A one-sided reader trusts nothing it did not check: a region
-    outside the arena would read (or, mapped, fault on) memory that is not
-    the arena.
+    per key, or ``rows`` of them when the lease named that many spans. A
+    one-sided reader trusts nothing it did not check: a region outside the
+    arena would read (or, mapped, fault on) memory that is not the arena.
 
     Raises
     ------

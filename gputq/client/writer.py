@@ -36,8 +36,8 @@ from gputq.client.fanout import fan_out, tally
 from gputq.client.placement import rendezvous_unit
 from gputq.config import GputqConfig
 from gputq.data.fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
-from gputq.data.slices import layer_major
 from gputq.data.refs import FieldRef, uses_by_unit
+from gputq.data.slices import layer_major
 from gputq.errors import ClosedError, DuplicateKeyError, GputqTimeoutError, InvalidInputError, TransferError
 from gputq.transport.base import Closeable, byte_view
 

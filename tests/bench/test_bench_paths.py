@@ -12,6 +12,7 @@ from bench import e2e, fetch, trainer
 @pytest.mark.timeout(120)
 def test_fetch_times_call_to_return_and_reports_the_socket_ratio(capsys):
     fetch.main(["--sizes", "1", "--repeats", "2", "--layers", "4", "--topk", "2", "--rows-per-step", "256",
+                "--mb-samples", "64",
                 "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     row, streamed = out["rows"]
@@ -19,17 +20,18 @@ def test_fetch_times_call_to_return_and_reports_the_socket_ratio(capsys):
     assert row["transport"] == streamed["transport"] == "tcp" and row["ratio_vs_socket"] > 0
     # The call-to-return figure includes the transfer, so it can never be the faster one.
     assert row["fetch+restore_GBps"] <= row["fetch_GBps"]
-    assert streamed["ratio_vs_socket"] > 0 and streamed["fetch_GBps"] == streamed["fetch+restore_GBps"]
+    assert streamed["ratio_vs_socket"] > 0 and streamed["fetch_GBps"] is None  # transfers overlap restores
 
 
 @pytest.mark.timeout(120)
 def test_fetch_over_shm_reports_the_staged_and_the_in_place_restore_against_memcpy(capsys):
     fetch.main(["--sizes", "1", "--repeats", "2", "--layers", "4", "--topk", "2", "--rows-per-step", "256",
+                "--mb-samples", "64",
                 "--transport", "shm", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     copy, in_place, streamed = out["rows"]
     assert (copy["path"], in_place["path"], streamed["path"]) == ("copy", "in place", "stream")
-    assert streamed["total_vs_memcpy"] > 0
+    assert streamed["fetch+restore_GBps"] > 0 and streamed["fetch_vs_memcpy"] is None
     assert copy["transport"] == in_place["transport"] == "shm"
     assert copy["fetch_vs_memcpy"] > 0 and copy["fetch_GBps"] >= copy["fetch+restore_GBps"]
     # in place there is no transfer apart from the restore's own reads

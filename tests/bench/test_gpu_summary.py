@@ -48,7 +48,8 @@ def test_every_step_is_a_line_of_the_table_even_without_a_gpu(tmp_path, capsys, 
     assert any(check.startswith("kernel host side, ") for check in table)
     fetches = [check for check in table if check.startswith("fetch+restore->GPU ")]
     assert [check.rsplit(" ", 2)[0] for check in fetches] == [
-        "fetch+restore->GPU shm copy", "fetch+restore->GPU shm in place", "fetch+restore->GPU tcp"]
+        "fetch+restore->GPU shm copy", "fetch+restore->GPU shm in place", "fetch+restore->GPU shm stream",
+        "fetch+restore->GPU tcp copy", "fetch+restore->GPU tcp stream"]
     assert "fetch alone" in table[fetches[0]] and "fetch alone" not in table[fetches[1]]  # in place: no transfer
     assert table["fetch rdma"].startswith("fetch_rdma.log: FileNotFoundError")
     main([str(tmp_path)])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
-from gputq.errors import GputqError, InvalidInputError, LayoutError, UnknownKeyError
+from gputq.errors import InvalidInputError, LayoutError, UnknownKeyError
 from tests.conftest import local_units
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,6 +84,17 @@ def _rollout(writer, rng, lengths, dtype=np.uint16):
     return shard, data
 
 
+@contextlib.contextmanager
+def _stored(seed: int, lengths, *, finalize: bool = False, **overrides):
+    """One in-process unit over tcp holding a rollout of ``lengths``; yields (config, units, clients, shard, data)."""
+    with local_units("tcp", units=1, **overrides) as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(seed), lengths)
+            if finalize:
+                writer.finalize(shard, "p")
+        yield config, units, clients, shard, data
+
+
 def _bytes_read(units) -> int:
     return sum(unit.stats()["bytes_read"] for unit in units)
 
@@ -113,8 +126,8 @@ def test_stream_matches_slime_and_moves_exactly_the_slice(transport):
                     for i in batch:  # the slice: stored rows the CP chunks hold, of this stage's layers
                         rows = data[i][2] - 1
                         chunk = -(-(rows + 1) // 4)
-                        kept = sum(max(0, min(b, rows) - a) for a, b in
-                                   ((cp_rank * chunk, (cp_rank + 1) * chunk), ((3 - cp_rank) * chunk, (4 - cp_rank) * chunk)))
+                        chunks = ((cp_rank * chunk, (cp_rank + 1) * chunk), ((3 - cp_rank) * chunk, (4 - cp_rank) * chunk))
+                        kept = sum(max(0, min(b, rows) - a) for a, b in chunks)
                         expected_bytes += kept * len(stage) * TOPK * 2
                         expected_bytes += 4 * len(slime_log_probs(torch.from_numpy(data[i][1]), data[i][2], rank))
                 assert moved == expected_bytes
@@ -134,10 +147,7 @@ def _check(mb, batch, data, stage, rank) -> bool:
 
 
 def test_stream_validates_before_reading():
-    rng = np.random.default_rng(1)
-    with local_units("tcp", units=1) as (config, units, clients):
-        with Writer(clients, config) as writer:
-            shard, _ = _rollout(writer, rng, [20, 30])
+    with _stored(1, [20, 30]) as (config, units, clients, shard, _):
         with Reader(clients, config) as reader:
             before = _bytes_read(units)
             with pytest.raises(InvalidInputError, match="outside the 6 stored layers"):
@@ -156,10 +166,7 @@ def test_stream_validates_before_reading():
 
 
 def test_a_lost_key_raises_at_its_micro_batch_not_before():
-    rng = np.random.default_rng(2)
-    with local_units("tcp", units=1) as (config, units, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, rng, [20, 30, 40])
+    with _stored(2, [20, 30, 40]) as (config, units, clients, shard, data):
         clients.channel(units[0].name).call("delete", keys=[shard[2]["routed_experts"].fragments[0].ref.key])
         with Reader(clients, config) as reader, reader.stream(shard, [[0], [1], [2]],
                                                               ParallelSlice(num_experts=EXPERTS)) as stream:
@@ -171,11 +178,7 @@ def test_a_lost_key_raises_at_its_micro_batch_not_before():
 
 
 def test_release_per_micro_batch_frees_consumed_steps_only():
-    rng = np.random.default_rng(3)
-    with local_units("tcp", units=1) as (config, units, clients):
-        with Writer(clients, config) as writer:
-            shard, _ = _rollout(writer, rng, [20, 30, 40])
-            writer.finalize(shard, "p")
+    with _stored(3, [20, 30, 40], finalize=True) as (config, units, clients, shard, _):
         with Reader(clients, config) as reader:
             stream = reader.stream(shard, [[0], [1], [2]], ParallelSlice(num_experts=EXPERTS), release="p")
             next(stream)
@@ -233,11 +236,7 @@ def test_stream_into_device_memory_under_the_cuda_stand_in(host_cuda, transport)
 
 
 def test_held_micro_batches_stay_valid_until_released():
-    rng = np.random.default_rng(6)
-    with local_units("tcp", units=1) as (config, _, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, rng, [20, 30, 40])
-            writer.finalize(shard, "p")
+    with _stored(6, [20, 30, 40], finalize=True) as (config, _, clients, shard, data):
         rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
         with Reader(clients, config) as reader, reader.stream(shard, [[0], [1], [2]], rank, hold=True,
                                                               release="p") as stream:
