@@ -50,6 +50,7 @@ from bench.common import (
     gbps,
     print_header,
     print_table,
+    progress_range,
     remote_units,
     threaded_memcpy,
 )
@@ -95,17 +96,13 @@ def _bytes_read(clients) -> int:
     return sum(clients.channel(u).call("stats")["bytes_read"] for u in clients.units)
 
 
-def _planned_bytes(stream) -> int:
-    return sum(r.stop - r.start for plan in stream._plans for r in plan.requests)
-
-
 def _stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0) -> tuple[float, int, list]:
     """One pass of a rank's stream; returns (seconds, bytes planned, per-micro-batch compute seconds)."""
     computed = []
     started = time.perf_counter()
     with reader.stream(shard, _micro_batches(len(shard), args.mb_samples), _rank_slice(args, pp, cp),
                        prefetch=args.prefetch, fields=_fields(args, pp)) as stream:
-        planned = _planned_bytes(stream)
+        planned = stream.slice_bytes
         for _ in stream:
             if compute_s:
                 began = time.perf_counter()
@@ -204,15 +201,15 @@ def run(args) -> dict:
                 reader.fetch(shard)
                 whole = _bytes_read(clients) - before
                 group = 0
-                for pp in range(args.pp):
-                    for cp in range(args.cp):
-                        before = _bytes_read(clients)
-                        _, planned, _ = _stream_pass(reader, shard, args, pp, cp)
-                        moved = _bytes_read(clients) - before
-                        group += moved
-                        rows.append({"rank": f"dp{dp}/pp{pp}/cp{cp}", "moved_MiB": round(moved / _MIB, 2),
-                                     "whole_shard_MiB": round(whole / _MIB, 2), "share": round(moved / whole, 4),
-                                     "exactly_the_slice": moved == planned})
+                for rank in progress_range(f"bytes, DP rank {dp}", args.pp * args.cp):
+                    pp, cp = divmod(rank, args.cp)
+                    before = _bytes_read(clients)
+                    _, planned, _ = _stream_pass(reader, shard, args, pp, cp)
+                    moved = _bytes_read(clients) - before
+                    group += moved
+                    rows.append({"rank": f"dp{dp}/pp{pp}/cp{cp}", "moved_MiB": round(moved / _MIB, 2),
+                                 "whole_shard_MiB": round(whole / _MIB, 2), "share": round(moved / whole, 4),
+                                 "exactly_the_slice": moved == planned})
                 shares.append(group / (args.pp * args.cp) / whole)
             result["bytes_rows"] = rows
             result["bytes_ratio_vs_whole_shard"] = round(max(shares, key=lambda r: abs(r * args.pp * args.cp - 1)), 5)
@@ -241,10 +238,10 @@ def run(args) -> dict:
             result["shard_vs_stream_buffers"] = round(whole_widened / stream.buffer_bytes, 1)
         # Memory: fresh reader processes, streamed and whole-shard, at each scale.
         memory = []
-        for s in scales:
-            for path in ("stream", "whole"):
-                peak = _peak_rss(clients, config, shards[s][0], args, path)
-                memory.append({"scale": s, "path": path, "peak_rss_MiB": round(peak / _MIB, 1)})
+        for run in progress_range("memory, fresh readers", 2 * len(scales)):
+            s, path = scales[run // 2], ("stream", "whole")[run % 2]
+            peak = _peak_rss(clients, config, shards[s][0], args, path)
+            memory.append({"scale": s, "path": path, "peak_rss_MiB": round(peak / _MIB, 1)})
         result["memory_rows"] = memory
         stream_peaks = {r["scale"]: r["peak_rss_MiB"] for r in memory if r["path"] == "stream"}
         result["peak_growth_4x"] = round(stream_peaks[max(scales)] / stream_peaks[scales[0]], 3)

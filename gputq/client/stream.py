@@ -486,6 +486,11 @@ class MicroBatchStream:
             self._submit()
 
     @property
+    def slice_bytes(self) -> int:
+        """Bytes the stream's reads name: exactly what its micro-batches move out of the units."""
+        return sum(r.stop - r.start for plan in self._plans for r in plan.requests)
+
+    @property
     def _output_bytes(self) -> int:
         return sum(n * dtype.itemsize for n, dtype in self._largest.values())
 
