@@ -69,7 +69,7 @@ MUTATIONS = (
              "gputq/client/reader.py", "cp.cuda.get_current_stream().synchronize()", "None",
              (_TCP_RESTORE,)),
     Mutation("the reader ends an in-place restore's leases before the device read the mappings",
-             "gputq/client/reader.py", "leases = lent if in_place else copied", "leases = copied",
+             "gputq/client/in_place.py", "leases = lent if in_place else copied", "leases = copied",
              (_IN_PLACE,), fast=True),
     Mutation("a cuda:1 restore waits on device 0's stream",
              "gputq/client/reader.py", "cp.cuda.Device(_device_index(self._device)):  # the kernels ran",

@@ -34,15 +34,17 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from gputq.client.clients import UnitClients
+from gputq.client.in_place import mapped_staging
 from gputq.client.lifecycle import release
-from gputq.client.stream import MicroBatchStream, plan_stream
+from gputq.client.stream import MicroBatchStream
+from gputq.client.stream_plan import plan_stream
 from gputq.config import GputqConfig
 from gputq.data.fields import sample_key_of
 from gputq.data.refs import FieldRef, Layout, uses_by_unit
 from gputq.data.slices import ParallelSlice, layer_major
 from gputq.errors import ClosedError, HintMissedError, InvalidInputError, LayoutError, StaleReadError, TransferError
-from gputq.kernels import MappedSource, cuda_available, widen_scatter
-from gputq.transport import arena_copies, get_transport
+from gputq.kernels import cuda_available, widen_scatter
+from gputq.transport import get_transport
 from gputq.transport.base import Closeable
 from gputq.transport.cuda import require_cupy
 
@@ -354,7 +356,7 @@ class Reader(Closeable):
             started = time.perf_counter()
             requests, nbytes = _lay_out([stage for _, stage in per_field.values()], self._config.max_frame_bytes)
             # zero-copy over shm, else None
-            staging = _mapped_staging(self, requests, nbytes, stats, lent, ahead=ahead)
+            staging = mapped_staging(self, requests, nbytes, stats, lent, ahead=ahead)
             if staging is None:
                 staging = self._read_all(requests, nbytes, stats, lent)
             stats.fetch_seconds = time.perf_counter() - started
@@ -611,67 +613,6 @@ def _token_major_on_host(compact: np.ndarray, stage: _FieldStage, layouts, offse
             cursor = frag.dst_row + frag.rows
         if cursor < layout.rows:
             target[first + cursor:first + layout.rows] = fill
-
-
-# -- zero-copy restore from same-host arenas (the shm backend) ---------------------------
-
-def _mapped_staging(reader: Reader, requests: list[_Request], nbytes: int, stats: FetchStats,
-                    lent: contextlib.ExitStack, *, ahead: bool = True):
-    """The shard's compact bytes as they lie in the units' arenas, or copied out of them in spans.
-
-    Taken when every unit of the shard is read over shm with its arena
-    mapped here (and, for a GPU restore, registered as mapped memory).
-    A shard no larger than the config's ``zero_copy_max_bytes`` is
-    read in place: the restore reads each compact byte once, where it lies
-    (the kernel over PCIe, or the numpy widen straight out of the mapping),
-    and the leases, entered into ``lent``, are confirmed when it closes,
-    after the restore. A larger one is copied into this reader's staging
-    buffer in spans of the arenas (one copy for keys written in sequence,
-    whatever the fields; into GPU memory one ``cudaMemcpyAsync`` a span from
-    the page-locked mapping), its leases confirmed right after the copy.
-    With ``ahead``, both start on the regions the units' key directories
-    name while the leases are requested; a lease naming other ones raises
-    ``HintMissedError`` when confirmed. Returns ``None`` to stage as usual.
-    """
-    on_device = reader._device != "cpu"
-    channels = {r.unit: reader._clients.channel(r.unit) for r in requests}
-    if not channels or not all(_mapped_here(channel, on_device) for channel in channels.values()):
-        return None
-    in_place = nbytes <= reader._config.zero_copy_max_bytes
-    with contextlib.ExitStack() as copied:  # the leases of a copy end with it, before the restore
-        leases = lent if in_place else copied
-        # Plain lists: a shard has a few keys per unit, and numpy calls on arrays that small
-        # cost more than the loop, the more so in the caches a restore just swept.
-        starts, addresses, lengths = [], [], []
-        for r in requests:
-            regions = leases.enter_context(channels[r.unit].mapped_source(
-                r.keys, reader._config.read_timeout_s, generations=r.generations,
-                incarnation=r.incarnation or None, device=on_device and in_place, ahead=ahead)).tolist()
-            packed = r.start
-            for address, length in regions:
-                starts.append(packed)
-                addresses.append(address)
-                lengths.append(length)
-                packed += length
-            if packed != r.stop:
-                raise TransferError(f"unit {r.unit} leased {packed - r.start} bytes for {len(r.keys)} "
-                                    f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
-            stats.unique_keys += len(r.keys)
-            stats.unique_keys_per_unit[r.unit] = stats.unique_keys_per_unit.get(r.unit, 0) + len(r.keys)
-            stats.bytes_fetched += r.stop - r.start
-        source = MappedSource(starts, addresses, lengths, nbytes)
-        if in_place:
-            return source
-        return source.staged_in(reader._own_staging,
-                                arena_copies.device_copy_runs if on_device else arena_copies.copy_runs)
-
-
-def _mapped_here(channel, on_device: bool) -> bool:
-    """Whether ``channel`` (a :class:`~gputq.client.clients.UnitChannel`) lends its unit's arena
-    here: never for tcp or rdma, nor while the unit is lost (its reads then name their keys)."""
-    if on_device:
-        return channel.device_mappable()
-    return channel.mapping is not None
 
 
 def _cupy():

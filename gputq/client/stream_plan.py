@@ -1,0 +1,345 @@
+"""Planning a rank's stream: what each micro-batch reads and how it is widened.
+
+:func:`plan_stream` checks a stream's arguments against the shard (every
+error names the sample or micro-batch, before anything is read) and, per
+micro-batch, turns the rank's :class:`~gputq.data.slices.ParallelSlice`
+into
+
+- the stored rows each key must give, merged over the micro-batch's
+  samples (a step two samples share is read once for the micro-batch);
+- span requests, one per unit when the fields' rows align: only the
+  slice's bytes, layer after layer;
+- per field, the widen-and-scatter plan from those compact bytes into a
+  layer-major output (``[layers, tokens, ...]``), plus slime's pad rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from gputq.data.refs import FieldRef, Layout
+from gputq.data.slices import ParallelSlice, blob_spans, expert_pieces, layer_major, logprob_ranges
+from gputq.errors import InvalidInputError, LayoutError
+from gputq.transport.spans import MAX_SPANS
+
+__all__ = ["plan_stream", "MicroPlan", "FieldPlan", "SpanRequest"]
+
+#: Keys per span request (as whole-key reads).
+_REQUEST_KEYS = 4096
+
+
+@dataclass
+class SpanRequest:
+    """One read: ``spans`` of ``keys`` of ``unit`` land back to back in staging bytes [start, stop)."""
+
+    unit: str
+    incarnation: str
+    start: int
+    stop: int = 0
+    keys: list = field(default_factory=list)
+    generations: list = field(default_factory=list)
+    spans: list = field(default_factory=list)  # (key index, offset, nbytes)
+
+
+@dataclass
+class FieldPlan:
+    """How one field of one micro-batch is restored from its staging bytes."""
+
+    name: str
+    stored: np.dtype
+    restored: np.dtype
+    width: int  # elements per plan row
+    plan: np.ndarray
+    fill: float | int
+    out_elements: int
+    layers: tuple  # stored layers, layer-major fields only
+    stored_layers: int = 0
+    tokens: int = 0  # rows per layer (layer-major) or in all
+    pads: list = field(default_factory=list)  # (token offset, first pad row, stop)
+    data: list = field(default_factory=list)  # (token offset, rows): stored rows, for the empty-layer check
+    sample_rows: list = field(default_factory=list)  # per sample (offset, rows), token-major fields
+
+
+@dataclass
+class MicroPlan:
+    index: int
+    samples: tuple
+    requests: list
+    nbytes: int
+    fields: dict
+    layouts: list  # the samples' layouts, for release
+
+
+def _cut_layout(layout: Layout, start: int, stop: int) -> tuple[list, list]:
+    """Target rows ``[start, stop)`` of ``layout``: its pieces ``(ref, source row, row, rows)`` and fill gaps,
+    rows counted from ``start``. (``Layout.slice`` without building a checked layout: plans cut thousands.)"""
+    pieces, gaps, cursor = [], [], start
+    for f in layout.fragments:  # sorted by target row, never overlapping
+        lo, hi = max(f.dst_row, start), min(f.dst_row + f.rows, stop)
+        if lo >= hi:
+            if f.dst_row >= stop:
+                break
+            continue
+        if lo > cursor:
+            gaps.append((cursor - start, lo - cursor))
+        pieces.append((f.ref, f.src_row + lo - f.dst_row, lo - start, hi - lo))
+        cursor = hi
+    if cursor < stop:
+        gaps.append((cursor - start, stop - cursor))
+    return pieces, gaps
+
+
+class _Needs:
+    """The stored rows a micro-batch reads of each key of one field, merged, then placed in staging."""
+
+    def __init__(self):
+        self.rows: dict[tuple[str, str], list] = {}  # (unit, key) -> [[start, stop], ...]
+        self.refs: dict[tuple[str, str], FieldRef] = {}
+
+    def add(self, ref: FieldRef, start: int, stop: int) -> None:
+        key = (ref.unit, ref.key)
+        self.refs.setdefault(key, ref)
+        self.rows.setdefault(key, []).append([start, stop])
+
+    def merged(self) -> dict:
+        out = {}
+        for key, intervals in self.rows.items():
+            intervals.sort()
+            runs = [list(intervals[0])]
+            for a, b in intervals[1:]:
+                if a <= runs[-1][1]:
+                    runs[-1][1] = max(runs[-1][1], b)
+                else:
+                    runs.append([a, b])
+            out[key] = runs
+        return out
+
+
+def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, int]:
+    """Lay a micro-batch's merged rows out in staging, as span requests: one per unit when rows align.
+
+    ``fields`` holds each field's :class:`_Needs` and layers, widest rows
+    first. Unit by unit, the unit's fields back to back, so one request
+    per unit usually covers them all; a request starts anew where a field's
+    rows need padding to start whole (plan rows index each field's compact
+    view from byte 0), at a change of the unit's incarnation, and past
+    :data:`_REQUEST_KEYS`, :data:`MAX_SPANS` or ``max_bytes``.
+
+    Returns, per field, ``{(unit, key): [(start, stop, plan row of row start
+    in the first layer)]}`` (a run's layers follow each other, ``stop -
+    start`` rows apart: spans go layer after layer, merged or not), and
+    the staging size.
+    """
+    placed: list[dict] = [{} for _ in fields]
+    by_unit: dict[tuple[str, str], list] = {}
+    for f, (needs, layers) in enumerate(fields):
+        for (unit, key), runs in sorted(needs.merged().items()):
+            ref = needs.refs[(unit, key)]
+            by_unit.setdefault((unit, ref.incarnation), []).append((f, key, ref, runs, layers))
+    cursor = 0
+    for (unit, incarnation), entries in sorted(by_unit.items()):
+        current = None
+        for f, key, ref, runs, layers in entries:
+            item = np.dtype(ref.dtype).itemsize
+            major = layer_major(ref.row_shape)
+            row_bytes = (math.prod(ref.row_shape[1:]) if major else max(1, math.prod(ref.row_shape))) * item
+            align = row_bytes * 16 // math.gcd(row_bytes, 16)
+            spans_of_key = [(start, stop, offset, nbytes) for start, stop in runs
+                            for offset, nbytes in blob_spans(ref.rows, ref.row_shape, item, start, stop,
+                                                             layers if major else None)]
+            nbytes_key = sum(span[3] for span in spans_of_key)
+            if current is None or cursor % row_bytes or len(current.keys) >= _REQUEST_KEYS \
+                    or len(current.spans) + len(spans_of_key) > MAX_SPANS \
+                    or (max_bytes is not None and current.keys and cursor + nbytes_key - current.start > max_bytes):
+                cursor = -(-cursor // align) * align
+                current = SpanRequest(unit, incarnation, cursor, cursor)
+                requests.append(current)
+            index = len(current.keys)
+            current.keys.append(key)
+            current.generations.append(ref.generation)
+            first_rows = {}
+            for start, stop, offset, nbytes in spans_of_key:
+                current.spans.append((index, offset, nbytes))
+                first_rows.setdefault(start, cursor // row_bytes)
+                cursor += nbytes
+            current.stop = cursor
+            placed[f][(unit, key)] = [(start, stop, first_rows[start]) for start, stop in runs]
+    return placed, cursor
+
+
+def _source_row(placed: dict, ref: FieldRef, row: int) -> tuple[int, int]:
+    """The plan row of stored ``row`` of ``ref`` in the first layer read, and the rows between layers."""
+    for start, stop, first in placed[(ref.unit, ref.key)]:
+        if start <= row < stop:
+            return first + row - start, stop - start
+    raise AssertionError("a fragment outside the rows placed for it")  # _Needs holds every fragment's rows
+
+
+def _field_spec(name: str, layouts: Sequence[Layout]) -> tuple[np.dtype, tuple, np.dtype, float | int]:
+    specs = {(f.ref.dtype, f.ref.row_shape) for layout in layouts for f in layout.fragments}
+    if len(specs) > 1:
+        raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one micro-batch: {sorted(specs)}")
+    fills = {layout.fill for layout in layouts}
+    if len(fills) > 1:
+        raise LayoutError(f"field {name!r} has several fill values in one micro-batch: {fills}")
+    stored, row_shape = specs.pop() if specs else (layouts[0].dtype, layouts[0].row_shape)
+    return np.dtype(stored), tuple(row_shape), np.dtype(layouts[0].dtype), fills.pop()
+
+
+def _expert_field(name: str, layouts: list, positions: list, rank: ParallelSlice, ranges, needs: _Needs):
+    """The plan of a layer-major field: layer-major output ``[layers, tokens, ...]``, slime's pads."""
+    stored, row_shape, restored, fill = _field_spec(name, layouts)
+    where = f"field {name!r} of samples {positions[0]}..{positions[-1]}"
+    layers = rank.layer_indices(row_shape[0], where)
+    if ranges is None:
+        pieces = expert_pieces([layout.rows for layout in layouts], rank)
+    else:
+        pieces = [(i, a, b) for i, sample_ranges in enumerate(ranges) for a, b in sample_ranges]
+    pads = [p for p in pieces if p[0] < 0]
+    if pads and rank.num_experts is None:
+        raise InvalidInputError(f"{where}: slime's pad rows need ParallelSlice.num_experts")
+    tokens = sum(b - a for _, a, b in pieces)
+    width = math.prod(row_shape[1:])
+    fp = FieldPlan(name, stored, restored, width, np.zeros((0, 3), np.int64), fill, len(layers) * tokens * width,
+                    layers, row_shape[0], tokens)
+    frags, gaps = [], []
+    offset = 0
+    for sample, a, b in pieces:
+        if sample < 0:
+            fp.pads.append((offset, a, b))
+        else:
+            pieces, holes = _cut_layout(layouts[sample], a, b)
+            for ref, src, dst, rows in pieces:
+                needs.add(ref, src, src + rows)
+                frags.append((ref, src, offset + dst, rows))
+            gaps.extend((offset + g, n) for g, n in holes)
+            fp.data.append((offset, b - a))
+        offset += b - a
+    return fp, frags, gaps
+
+
+def _token_field(name: str, layouts: list, positions: list, rank: ParallelSlice, totals, needs: _Needs):
+    """The plan of a row-after-row field (logprobs): each sample's CP-kept rows, back to back."""
+    stored, row_shape, restored, fill = _field_spec(name, layouts)
+    width = max(1, math.prod(row_shape))
+    frags, gaps, offset = [], [], 0
+    fp = FieldPlan(name, stored, restored, width, np.zeros((0, 3), np.int64), fill, 0, (), 0)
+    for i, layout in enumerate(layouts):
+        if rank.cp_size > 1:
+            if totals is None or totals[i] is None:
+                raise InvalidInputError(f"sample {positions[i]}: cutting field {name!r} for CP needs the sample's "
+                                        f"total length (R3 rows + 1, or total_lengths)")
+            if not 0 <= layout.rows <= totals[i]:
+                raise InvalidInputError(f"sample {positions[i]}: field {name!r} has {layout.rows} rows, more than "
+                                        f"its {totals[i]} tokens")
+            ranges = logprob_ranges(totals[i], layout.rows, rank.cp_rank, rank.cp_size)
+        else:
+            ranges = [(0, layout.rows)]
+        first = offset
+        for a, b in ranges:
+            pieces, holes = _cut_layout(layout, a, b)
+            for ref, src, dst, rows in pieces:
+                needs.add(ref, src, src + rows)
+                frags.append((ref, src, offset + dst, rows))
+            gaps.extend((offset + g, n) for g, n in holes)
+            offset += b - a
+        fp.sample_rows.append((first, offset - first))
+    fp.tokens = offset
+    fp.out_elements = offset * width
+    return fp, frags, gaps
+
+
+def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[Sequence[int]], rank: ParallelSlice,
+                *, total_lengths: Sequence[int] | None = None, token_ranges=None, fields=None,
+                max_bytes: int | None = None) -> list[MicroPlan]:
+    """Check a stream's arguments and plan every micro-batch; raises ``InvalidInputError`` naming the sample."""
+    if not isinstance(rank, ParallelSlice):
+        raise InvalidInputError(f"rank must be a ParallelSlice, got {type(rank).__name__}")
+    seen: dict[int, int] = {}
+    batches = []
+    for m, batch in enumerate(micro_batches):
+        batch = list(batch)
+        if not batch:
+            raise InvalidInputError(f"micro-batch {m} is empty")
+        for i in batch:
+            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or not 0 <= i < len(shard):
+                raise InvalidInputError(f"micro-batch {m} names sample {i!r}; the shard has {len(shard)} samples")
+            if int(i) in seen:
+                raise InvalidInputError(f"sample {i} is in micro-batches {seen[int(i)]} and {m}: micro-batches must "
+                                        f"partition the shard")
+            seen[int(i)] = m
+        batches.append([int(i) for i in batch])
+    missing = sorted(set(range(len(shard))) - set(seen))
+    if missing:
+        raise InvalidInputError(f"samples {missing[:8]} are in no micro-batch: micro-batches must partition the shard")
+    if total_lengths is not None and len(total_lengths) != len(shard):
+        raise InvalidInputError(f"{len(total_lengths)} total lengths for {len(shard)} samples")
+    if token_ranges is not None and len(token_ranges) != len(shard):
+        raise InvalidInputError(f"{len(token_ranges)} token range lists for {len(shard)} samples")
+    plans = []
+    for m, batch in enumerate(batches):
+        names = sorted({name for i in batch for name in shard[i]} if fields is None else set(fields))
+        requests: list[SpanRequest] = []
+        planned = {}
+        work = []
+        totals = [None] * len(batch)
+        for name in names:
+            if any(name not in shard[i] for i in batch):
+                raise LayoutError(f"field {name!r} is missing from some samples of micro-batch {m}")
+        for j, i in enumerate(batch):
+            expert_rows = [shard[i][n].rows for n in names if layer_major(shard[i][n].row_shape)]
+            if total_lengths is not None:
+                totals[j] = int(total_lengths[i])
+                if expert_rows and expert_rows[0] != totals[j] - 1:
+                    raise InvalidInputError(f"sample {i}: R3 has {expert_rows[0]} rows, expected len(tokens) - 1 = "
+                                            f"{totals[j] - 1}")
+            elif expert_rows:
+                totals[j] = expert_rows[0] + 1
+        # Widest rows first: a narrower field's requests then rarely need padding to start aligned.
+        for name in sorted(names, key=lambda n: -len(shard[batch[0]][n].row_shape)):
+            layouts = [shard[i][name] for i in batch]
+            needs = _Needs()
+            if layer_major(layouts[0].row_shape):
+                ranges = None
+                if token_ranges is not None:
+                    ranges = [_checked_ranges(token_ranges[i], shard[i][name].rows, i) for i in batch]
+                fp, frags, gaps = _expert_field(name, layouts, batch, rank, ranges, needs)
+            else:
+                fp, frags, gaps = _token_field(name, layouts, batch, rank, totals, needs)
+            work.append((fp, frags, gaps, needs))
+            planned[name] = fp
+        placed, cursor = _place([(needs, fp.layers) for fp, _, _, needs in work], requests, max_bytes)
+        for (fp, frags, gaps, _), where in zip(work, placed):
+            fp.plan = _kernel_plan(fp, frags, gaps, where)
+        plans.append(MicroPlan(m, tuple(batch), requests, -(-cursor // 16) * 16, planned, [shard[i] for i in batch]))
+    return plans
+
+
+def _checked_ranges(ranges, rows: int, sample: int) -> list:
+    out = []
+    for r in ranges:
+        a, b = (int(v) for v in r)
+        if not 0 <= a < b <= rows:
+            raise InvalidInputError(f"sample {sample}: token range [{a}, {b}) is outside its {rows} rows")
+        out.append((a, b))
+    return out
+
+
+def _kernel_plan(fp: FieldPlan, frags: list, gaps: list, placed: dict) -> np.ndarray:
+    """The widen plan of a field: every fragment and gap once per layer read (layer-major output)."""
+    per_layer = np.empty((len(frags) + len(gaps), 4), dtype=np.int64)  # src, src step per layer, dst, rows
+    for i, (ref, src, dst, n) in enumerate(frags):
+        per_layer[i] = (*_source_row(placed, ref, src), dst, n)
+    for i, (g, n) in enumerate(gaps, len(frags)):
+        per_layer[i] = (-1, 0, g, n)
+    layers = np.arange(max(1, len(fp.layers)), dtype=np.int64)[:, None]
+    plan = np.empty((len(layers), len(per_layer), 3), dtype=np.int64)
+    fill = per_layer[:, 0] < 0
+    plan[:, :, 0] = np.where(fill, -1, per_layer[:, 0] + layers * per_layer[:, 1])
+    plan[:, :, 1] = per_layer[:, 2] + layers * fp.tokens
+    plan[:, :, 2] = per_layer[:, 3]
+    return plan.reshape(-1, 3)
