@@ -1,0 +1,167 @@
+"""What another host sees of a unit: run on a host of :class:`tests.cluster.netns.Hosts`.
+
+``python -m tests.cluster.probe SCENARIO JSON`` prints one JSON line.
+Scenarios (the JSON holds their arguments):
+
+- ``scan`` ``{"host"}``: every tcp port of ``host`` that accepts a connection.
+- ``exposure`` ``{"address", "token", "flood", "rounds"}``: as a token
+  holder, write a key; as a peer without the token, try to read, write and
+  get the NIXL metadata; then flood the unit with ``flood`` connections
+  that never authenticate while token holders connect and read the key
+  ``rounds`` times, each with fresh clients (a new connection each time).
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["open_ports", "exposure"]
+
+_BATCH = 2048
+_CONNECT_S = 2.0
+_KEY_BYTES = 256 << 10
+
+
+def open_ports(host: str, ports=range(1, 65536)) -> list[int]:
+    """The ports of ``host`` that accept a tcp connection (non-blocking connects, many at once)."""
+    found, ports = [], list(ports)
+    for start in range(0, len(ports), _BATCH):
+        selector, socks = selectors.DefaultSelector(), {}
+        for port in ports[start:start + _BATCH]:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.connect_ex((host, port))
+            selector.register(sock, selectors.EVENT_WRITE, port)
+            socks[port] = sock
+        deadline = time.monotonic() + _CONNECT_S
+        while socks and time.monotonic() < deadline:
+            for key, _ in selector.select(deadline - time.monotonic()):
+                sock = key.fileobj
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    found.append(key.data)
+                selector.unregister(sock)
+                sock.close()
+                socks.pop(key.data)
+        for sock in socks.values():  # no answer at all within the deadline: not open either
+            sock.close()
+        selector.close()
+    return sorted(found)
+
+
+def _raw_attempts(host: str, port: int) -> dict:
+    """Frames sent without a HELLO: what the unit answers each (its error class, then a close)."""
+    from gputq.transport.wire import FrameReader, FrameWriter, Op
+
+    attempts = {"read": (Op.READ, {"keys": ["secret"]}, ()),
+                "write": (Op.WRITE, {"key": "planted", "nbytes": 4, "meta": {}, "timeout": 1}, (b"evil",)),
+                "nixl_connect": (Op.CALL, {"method": "nixl_connect", "args": {}}, ())}
+    answers = {}
+    for what, (op, body, payload) in attempts.items():
+        with socket.create_connection((host, port), timeout=5) as sock:
+            FrameWriter(sock).send(op, body, payload)
+            header, reply = FrameReader(sock, 1 << 20).read_frame()
+            rest = sock.recv(1 << 16)
+            answers[what] = {"opcode": int(header.opcode), "error": reply.get("error"), "then": rest.hex()}
+    return answers
+
+
+def _flood(host: str, port: int, n: int, stop: threading.Event, counts: dict) -> None:
+    """Keep ``n`` silent connections open to the unit, opening a new one for each it closes."""
+    selector = selectors.DefaultSelector()
+
+    def one():
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex((host, port))
+        selector.register(sock, selectors.EVENT_READ)
+        counts["opened"] += 1
+
+    for _ in range(n):
+        one()
+    while not stop.is_set():
+        for key, _ in selector.select(0.05):
+            sock = key.fileobj
+            try:
+                closed = sock.recv(1 << 12) == b""
+            except OSError:
+                closed = True
+            if closed:
+                selector.unregister(sock)
+                sock.close()
+                counts["closed_by_unit"] += 1
+                one()
+    for key in list(selector.get_map().values()):
+        key.fileobj.close()
+    selector.close()
+
+
+def exposure(address: dict, token: str, flood: int, rounds: int) -> dict:
+    from gputq.client.clients import UnitClients
+    from gputq.config import GputqConfig
+    from gputq.errors import GputqError
+    from gputq.transport import get_transport
+
+    config = GputqConfig(transport="tcp", token=token, host="127.0.0.1")
+    control = address.get("control", address)
+    host, port, unit = control["host"], control["port"], address["unit"]
+    secret = np.random.default_rng(7).integers(0, 256, _KEY_BYTES, dtype=np.uint8)
+    result: dict = {}
+    with UnitClients({unit: address}, config) as clients:
+        clients.channel(unit).write("secret", secret, {"partition": "p"}, timeout=10)
+        before = clients.channel(unit).call("stats", timeout=10)
+    try:
+        get_transport("tcp").connect(control, token="x" * 32, max_frame_bytes=1 << 20, timeout=5)
+        result["wrong_token"] = "connected"
+    except GputqError as exc:
+        result["wrong_token"] = type(exc).__name__
+    result["without_hello"] = _raw_attempts(host, port)
+    with UnitClients({unit: address}, config) as clients:
+        after = clients.channel(unit).call("stats", timeout=10)
+    result["stats_unchanged"] = {k: (before[k], after[k]) for k in ("keys", "used", "reads", "bytes_read", "puts", "bytes_written")}
+
+    stop, counts = threading.Event(), {"opened": 0, "closed_by_unit": 0}
+    flooder = threading.Thread(target=_flood, args=(host, port, flood, stop, counts), daemon=True)
+    flooder.start()
+    reads = {"exact": 0, "errors": [], "lost": [], "seconds": []}
+    try:
+        while counts["opened"] < flood:  # the whole flood is in before the first legitimate client
+            time.sleep(0.01)
+        for _ in range(rounds):
+            with UnitClients({unit: address}, config) as clients:
+                dest = np.empty(_KEY_BYTES, np.uint8)
+                start = time.monotonic()
+                try:
+                    clients.channel(unit).read(["secret"], dest, timeout=5)
+                    reads["exact"] += int(np.array_equal(dest, secret))
+                except GputqError as exc:
+                    reads["errors"].append(f"{type(exc).__name__}: {exc}")
+                reads["seconds"].append(time.monotonic() - start)
+                reads["lost"] += sorted(clients.lost)
+    finally:
+        stop.set()
+        flooder.join(10)
+    result["flood"] = {**counts, **reads, "longest_s": max(reads["seconds"]), "rounds": rounds}
+    return result
+
+
+def main(argv: list[str]) -> int:
+    scenario, args = argv[0], json.loads(argv[1])
+    if scenario == "scan":
+        print(json.dumps({"open": open_ports(args["host"])}), flush=True)
+    elif scenario == "exposure":
+        print(json.dumps(exposure(args["address"], args["token"], args["flood"], args["rounds"])), flush=True)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
