@@ -1,10 +1,11 @@
 """Many hosts on one machine: network namespaces joined by veth pairs to a bridge.
 
 :class:`Hosts` builds ``n`` hosts. Each has its own network namespace with
-one interface ``eth0`` and its own address on a private /24, and every
-process started on it (:meth:`Hosts.popen`) also gets its own hostname (a
-UTS namespace) and its own ``/dev/shm`` (a tmpfs in a private mount
-namespace). The bridge sits in a namespace of its own, the *switch*, so
+one interface ``eth0`` and its own address on a private /24, its own
+hostname (a UTS namespace) and its own ``/dev/shm`` (a tmpfs in a private
+mount namespace). A small init process per host holds those namespaces;
+every process started on the host (:meth:`Hosts.popen`) enters all three,
+so processes of one host share its /dev/shm as on a real machine. The bridge sits in a namespace of its own, the *switch*, so
 nothing of the harness touches the machine's own network stack: traffic
 flows only between namespaces the harness made, and deleting them deletes
 every veth with them. Cutting a host's link (:meth:`Hosts.cut`) downs its
@@ -36,8 +37,9 @@ __all__ = ["Hosts", "unavailable", "netns_names"]
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
 _KILL_S = 10.0
 _PREFIX = "gqh"
-# A private hostname and /dev/shm, then the command itself (exec: its pid is the one Popen sees).
-_ENTER = 'hostname "$0" && mount -t tmpfs -o size=512m,mode=1777 gputq-shm /dev/shm && exec "$@"'
+# A host's init: set its hostname, mount its /dev/shm, say so, and hold the namespaces.
+_INIT = ('hostname "$0" && mount -t tmpfs -o size=512m,mode=1777 gputq-shm /dev/shm && echo ready '
+         '&& exec sleep 2147483647')
 
 
 def _effective_caps() -> int:
@@ -55,7 +57,7 @@ def unavailable() -> str | None:
         return "needs CAP_NET_ADMIN (run as root) to create network namespaces and veth pairs"
     if not caps >> _CAP_SYS_ADMIN & 1:
         return "needs CAP_SYS_ADMIN (run as root) for a private hostname and /dev/shm per host"
-    missing = [tool for tool in ("ip", "unshare", "tc") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "unshare", "nsenter", "tc") if shutil.which(tool) is None]
     if missing:
         return f"needs {', '.join(missing)} (iproute2, util-linux)"
     return None
@@ -103,6 +105,7 @@ class Hosts:
         self.switch = f"{self.tag}-sw"
         self.tmp = ""
         self._procs: list[subprocess.Popen] = []
+        self._inits: list[subprocess.Popen] = []
         self._closed = False
         self._signals: dict = {}
 
@@ -132,6 +135,12 @@ class Hosts:
             _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            init = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation",
+                                     "private", "sh", "-c", _INIT, self.hostnames[i]],
+                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+            self._inits.append(init)
+            if init.stdout.readline() != b"ready\n":
+                raise RuntimeError(f"host {i} did not start (exit code {init.wait(_KILL_S)})")
 
     def _catch_signals(self) -> None:
         # SIGTERM would end the process without unwinding: turn it into an exception that does.
@@ -166,8 +175,10 @@ class Hosts:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"processes {pids} in {self.tag}'s namespaces survived SIGKILL")
             time.sleep(0.05)
-        for proc in self._procs:
+        for proc in [*self._procs, *self._inits]:
             proc.wait(_KILL_S)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
     def close(self) -> None:
         """Kill every process on the hosts, delete the namespaces and the temp folder. Idempotent."""
@@ -192,22 +203,26 @@ class Hosts:
         names = netns_names()
         return {
             "namespaces": sorted(n for n in names if n.startswith(self.tag)),
-            "processes": [p.pid for p in self._procs if p.poll() is None],
+            "processes": [p.pid for p in [*self._procs, *self._inits] if p.poll() is None],
             "tmp": [self.tmp] if self.tmp and os.path.exists(self.tmp) else [],
         }
 
     # -- running things on a host --
 
-    def command(self, host: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` as it runs on ``host``: its network namespace, hostname and /dev/shm."""
-        return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--mount",
-                "--propagation", "private", "sh", "-c", _ENTER, self.hostnames[host], *argv]
+    def command(self, host: int, argv: Sequence[str], cwd: str | None = None) -> list[str]:
+        """``argv`` as it runs on ``host``: in its network, UTS and mount namespaces (nsenter execs it).
 
-    def popen(self, host: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
-        """Start ``argv`` on ``host`` (``subprocess.Popen`` keyword arguments pass through)."""
+        It runs in ``cwd`` (default: this process's working directory): entering
+        a mount namespace would otherwise start it in the init's, ``/``.
+        """
+        return ["nsenter", "-t", str(self._inits[host].pid), "--net", "--uts", "--mount",
+                f"--wd={cwd or os.getcwd()}", "--", *argv]
+
+    def popen(self, host: int, argv: Sequence[str], cwd: str | None = None, **kwargs) -> subprocess.Popen:
+        """Start ``argv`` on ``host`` in ``cwd`` (other ``subprocess.Popen`` keyword arguments pass through)."""
         if self._closed:
             raise RuntimeError("hosts are torn down")
-        proc = subprocess.Popen(self.command(host, argv), **kwargs)
+        proc = subprocess.Popen(self.command(host, argv, cwd), **kwargs)
         self._procs.append(proc)
         return proc
 

@@ -3,7 +3,12 @@
 ``python -m tests.cluster.probe SCENARIO JSON`` prints one JSON line.
 Scenarios (the JSON holds their arguments):
 
-- ``scan`` ``{"host"}``: every tcp port of ``host`` that accepts a connection.
+- ``scan`` ``{"host", "last"}``: every tcp port of ``host`` up to ``last``
+  (default 65535) that accepts a connection, and how many answered at all.
+- ``path`` ``{"addresses", "token", "writer", "keys"}``: with ``auto``,
+  the transport chosen for each unit and whether reads of every key come
+  back bit-exact; the ``writer`` host first writes ``keys`` keys to each
+  unit, and releases them at the end (``keys_left`` then).
 - ``exposure`` ``{"address", "token", "flood", "rounds"}``: as a token
   holder, write a key; as a peer without the token, try to read, write and
   get the NIXL metadata; then flood the unit with ``flood`` connections
@@ -13,7 +18,9 @@ Scenarios (the JSON holds their arguments):
 
 from __future__ import annotations
 
+import errno
 import json
+import resource
 import selectors
 import socket
 import sys
@@ -22,16 +29,21 @@ import time
 
 import numpy as np
 
-__all__ = ["open_ports", "exposure"]
+__all__ = ["open_ports", "path", "exposure"]
 
-_BATCH = 2048
+# Connects in flight at once: well under the open-file limit (a scan of 65535 ports takes ~5 s).
+_BATCH = max(64, min(8192, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256))
 _CONNECT_S = 2.0
 _KEY_BYTES = 256 << 10
 
 
-def open_ports(host: str, ports=range(1, 65536)) -> list[int]:
-    """The ports of ``host`` that accept a tcp connection (non-blocking connects, many at once)."""
-    found, ports = [], list(ports)
+def open_ports(host: str, ports=range(1, 65536)) -> tuple[list[int], int]:
+    """The ports of ``host`` that accept a tcp connection, and how many ports answered (accept or refuse).
+
+    Non-blocking connects, many at once; a port that does not answer within
+    a short deadline counts as neither.
+    """
+    found, answered, ports = [], 0, list(ports)
     for start in range(0, len(ports), _BATCH):
         selector, socks = selectors.DefaultSelector(), {}
         for port in ports[start:start + _BATCH]:
@@ -45,15 +57,17 @@ def open_ports(host: str, ports=range(1, 65536)) -> list[int]:
         while socks and time.monotonic() < deadline:
             for key, _ in selector.select(deadline - time.monotonic()):
                 sock = key.fileobj
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error == 0:
                     found.append(key.data)
+                answered += error in (0, errno.ECONNREFUSED)
                 selector.unregister(sock)
                 sock.close()
                 socks.pop(key.data)
         for sock in socks.values():  # no answer at all within the deadline: not open either
             sock.close()
         selector.close()
-    return sorted(found)
+    return sorted(found), answered
 
 
 def _raw_attempts(host: str, port: int) -> dict:
@@ -101,6 +115,37 @@ def _flood(host: str, port: int, n: int, stop: threading.Event, counts: dict) ->
     for key in list(selector.get_map().values()):
         key.fileobj.close()
     selector.close()
+
+
+def _blob(unit: str, i: int) -> np.ndarray:
+    seed = int.from_bytes(f"{unit}/{i}".encode()[-8:], "little")
+    return np.random.default_rng(seed).integers(0, 256, _KEY_BYTES, dtype=np.uint8)
+
+
+def path(addresses: dict, token: str, write: bool, keys: int, release: bool) -> dict:
+    """Write (``write``), read back and check, release (``release``): from the host this runs on."""
+    from gputq.client.clients import UnitClients
+    from gputq.config import GputqConfig
+
+    config = GputqConfig(transport="auto", token=token, host="127.0.0.1")
+    result: dict = {"hostname": socket.gethostname(), "choices": {}, "exact": 0, "read": 0}
+    with UnitClients(addresses, config) as clients:
+        for unit in sorted(addresses):
+            if write:
+                for i in range(keys):
+                    clients.channel(unit).write(f"{unit}/{i}", _blob(unit, i), {"partition": "p"}, timeout=10)
+            dest = np.empty(keys * _KEY_BYTES, np.uint8)
+            lengths = clients.channel(unit).read([f"{unit}/{i}" for i in range(keys)], dest, timeout=10)
+            result["read"] += len(lengths)
+            result["exact"] += sum(np.array_equal(dest[i * _KEY_BYTES:(i + 1) * _KEY_BYTES], _blob(unit, i))
+                                   for i in range(keys))
+            # an shm channel that could not map the arena reads over another lane and says why
+            result["choices"][unit] = [*clients.transport_of(unit), clients.channel(unit).fallback_reason]
+        if release:
+            for unit in sorted(addresses):
+                clients.channel(unit).call("release_partition", timeout=10, partition="p")
+            result["keys_left"] = {u: clients.channel(u).call("stats", timeout=10)["keys"] for u in addresses}
+    return result
 
 
 def exposure(address: dict, token: str, flood: int, rounds: int) -> dict:
@@ -155,7 +200,11 @@ def exposure(address: dict, token: str, flood: int, rounds: int) -> dict:
 def main(argv: list[str]) -> int:
     scenario, args = argv[0], json.loads(argv[1])
     if scenario == "scan":
-        print(json.dumps({"open": open_ports(args["host"])}), flush=True)
+        found, answered = open_ports(args["host"], range(1, args.get("last", 65535) + 1))
+        print(json.dumps({"open": found, "answered": answered}), flush=True)
+    elif scenario == "path":
+        print(json.dumps(path(args["addresses"], args["token"], args.get("write", False), args["keys"],
+                              args.get("release", False))), flush=True)
     elif scenario == "exposure":
         print(json.dumps(exposure(args["address"], args["token"], args["flood"], args["rounds"])), flush=True)
     else:

@@ -78,14 +78,17 @@ def test_hosts_leave_nothing_behind_on_exit_failure_and_signals(how):
 
 def test_each_host_has_its_own_address_hostname_and_dev_shm():
     with Hosts(2) as hosts:
-        seen = [hosts.run(i, ["sh", "-c", "hostname; ls -A /dev/shm | wc -l; touch /dev/shm/mine; "
+        hosts.run(0, ["touch", f"/dev/shm/{hosts.tag}-on-host0"], 10)  # one process of host 0 ...
+        seen = [hosts.run(i, ["sh", "-c", "hostname; ls -A /dev/shm; "  # ... another one sees it there only
                                           f"{sys.executable} -c 'import socket; s=socket.socket(); "
                                           f"s.bind((\"{hosts.addresses[i]}\", 0)); print(\"bound\")'"], 30)
                 for i in range(2)]
-        assert [r.stdout.split() for r in seen] == [[hosts.hostnames[i], "0", "bound"] for i in range(2)], seen
+        assert [r.stdout.split() for r in seen] == [[hosts.hostnames[0], f"{hosts.tag}-on-host0", "bound"],
+                                                   [hosts.hostnames[1], "bound"]], seen
         reach = hosts.run(0, [sys.executable, "-m", "tests.cluster.probe", "scan",
-                              json.dumps({"host": hosts.addresses[1]})], 60, cwd=ROOT)
-        assert json.loads(reach.stdout) == {"open": []}, reach.stderr  # reachable, and nothing listens
+                              json.dumps({"host": hosts.addresses[1], "last": 1024})], 60, cwd=ROOT)
+        # host 1 is reachable (every port answered: refused) and nothing listens there
+        assert json.loads(reach.stdout) == {"open": [], "answered": 1024}, reach.stderr
 
 
 def _unit_on(hosts: Hosts, host: int, name: str, transport: str, bind: str) -> UnitProcess:
@@ -110,7 +113,9 @@ def test_from_another_host_only_the_units_own_sockets_answer_and_a_flood_leaves_
             assert {host for host, _ in listening_sockets(private.pid)} == {"127.0.0.1"}
             scan = hosts.run(0, [sys.executable, "-m", "tests.cluster.probe", "scan",
                                  json.dumps({"host": hosts.addresses[1]})], 60, cwd=ROOT)
-            assert json.loads(scan.stdout)["open"] == sorted(port for _, port in listening), scan.stderr
+            # every port answered, and only the unit's own accept
+            assert json.loads(scan.stdout) == {"open": sorted(port for _, port in listening),
+                                               "answered": 65535}, scan.stderr
 
             probe = hosts.run(0, [sys.executable, "-m", "tests.cluster.probe", "exposure", json.dumps(
                 {"address": address, "token": "token-of-the-cross-host-exposure-test",
@@ -130,3 +135,40 @@ def test_from_another_host_only_the_units_own_sockets_answer_and_a_flood_leaves_
     assert flood["exact"] == flood["rounds"] and flood["errors"] == [] and flood["lost"] == [], flood
     assert flood["closed_by_unit"] > 0  # the flood did fill the unit: its oldest handshakes made way
     assert flood["longest_s"] < 5.0
+
+
+def _probe(hosts: Hosts, host: int, scenario: str, args: dict, timeout: float = 60) -> dict:
+    done = hosts.run(host, [sys.executable, "-m", "tests.cluster.probe", scenario, json.dumps(args)], timeout,
+                     cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_auto_picks_shm_on_the_units_host_and_tcp_across_hosts_and_every_read_is_bit_exact():
+    token = "token-of-the-cross-host-path-test"
+    with Hosts(3) as hosts:
+        units = {f"su-{i}": UnitProcess(f"su-{i}", GputqConfig(
+            enabled=True, transport="auto", host=hosts.addresses[i], unit_capacity_bytes=16 << 20, token=token),
+            wrap=lambda argv, i=i: hosts.command(i, argv)) for i in (1, 2)}
+        try:
+            addresses = {name: unit.address for name, unit in units.items()}
+            assert {a["hostname"] for a in addresses.values()} == {hosts.hostnames[1], hosts.hostnames[2]}
+            on_master = _probe(hosts, 0, "path", {"addresses": addresses, "token": token, "write": True,
+                                                  "keys": 8})
+            on_host1 = _probe(hosts, 1, "path", {"addresses": addresses, "token": token, "keys": 8,
+                                                 "release": True})
+            info = json.loads(hosts.run(1, [os.path.join(os.path.dirname(sys.executable), "gputq"), "info",
+                                            "--json"], 60, cwd=ROOT).stdout)
+        finally:
+            for unit in units.values():
+                unit.close()
+    assert on_master["hostname"] == hosts.hostnames[0] and on_host1["hostname"] == hosts.hostnames[1]
+    assert {u: c[0] for u, c in on_master["choices"].items()} == {"su-1": "tcp", "su-2": "tcp"}
+    assert {u: c[0] for u, c in on_host1["choices"].items()} == {"su-1": "shm", "su-2": "tcp"}
+    assert on_host1["choices"]["su-1"][2] is None  # mapped: no fallback to another lane
+    assert on_host1["choices"]["su-1"][1] == info["transport"]["same_host"]["reason"]
+    assert on_host1["choices"]["su-2"][1] == info["transport"]["remote"]["reason"]
+    assert info["hostname"] == hosts.hostnames[1]
+    for seen in (on_master, on_host1):
+        assert seen["exact"] == seen["read"] == 16
+    assert on_host1["keys_left"] == {"su-1": 0, "su-2": 0}
