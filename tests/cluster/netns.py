@@ -9,7 +9,8 @@ so processes of one host share its /dev/shm as on a real machine. The bridge sit
 nothing of the harness touches the machine's own network stack: traffic
 flows only between namespaces the harness made, and deleting them deletes
 every veth with them. Cutting a host's link (:meth:`Hosts.cut`) downs its
-port on the switch; :meth:`Hosts.shape` rate-limits it with ``tc``.
+port on the switch; :meth:`Hosts.partition` cuts two hosts apart only;
+:meth:`Hosts.shape` rate-limits what a host sends with ``tc``.
 
 Teardown (:meth:`Hosts.close`, the context manager, or SIGTERM/SIGINT
 while it is open) kills every process in the hosts' namespaces by id,
@@ -248,6 +249,15 @@ class Hosts:
         _ip("-n", self.switch, "link", "set", f"port{host}", "up")
 
     def shape(self, host: int, rate: str) -> None:
-        """Limit what the switch sends ``host`` to ``rate`` (``tc`` syntax: ``"100mbit"``)."""
-        subprocess.run(["tc", "-n", self.switch, "qdisc", "replace", "dev", f"port{host}", "root", "tbf",
+        """Limit what ``host`` sends to ``rate`` (``tc`` syntax: ``"100mbit"``), a token bucket on its eth0."""
+        subprocess.run(["tc", "-n", self.namespaces[host], "qdisc", "replace", "dev", "eth0", "root", "tbf",
                         "rate", rate, "burst", "64kb", "latency", "50ms"], check=True, capture_output=True)
+
+    def partition(self, a: int, b: int, *, heal: bool = False) -> None:
+        """Drop every packet between hosts ``a`` and ``b`` (blackhole routes on both); the others still reach both.
+
+        ``heal=True`` removes the routes again.
+        """
+        for here, there in ((a, b), (b, a)):
+            _ip("-n", self.namespaces[here], "route", "del" if heal else "add", "blackhole",
+                f"{self.addresses[there]}/32")

@@ -9,6 +9,10 @@ Scenarios (the JSON holds their arguments):
   the transport chosen for each unit and whether reads of every key come
   back bit-exact; the ``writer`` host first writes ``keys`` keys to each
   unit, and releases them at the end (``keys_left`` then).
+- ``faults`` ``{"addresses", "token", "lossy", "timeout"}``: a reader and a
+  controller (heartbeat on) on this host while the test breaks the link to
+  unit ``lossy``; it reports each step as a JSON line and waits for the
+  test's next line on stdin (see ``tests/cluster/test_host_faults.py``).
 - ``exposure`` ``{"address", "token", "flood", "rounds"}``: as a token
   holder, write a key; as a peer without the token, try to read, write and
   get the NIXL metadata; then flood the unit with ``flood`` connections
@@ -18,6 +22,7 @@ Scenarios (the JSON holds their arguments):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import resource
@@ -29,7 +34,7 @@ import time
 
 import numpy as np
 
-__all__ = ["open_ports", "path", "exposure"]
+__all__ = ["open_ports", "path", "faults", "exposure"]
 
 # Connects in flight at once: well under the open-file limit (a scan of 65535 ports takes ~5 s).
 _BATCH = max(64, min(8192, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256))
@@ -148,6 +153,92 @@ def path(addresses: dict, token: str, write: bool, keys: int, release: bool) -> 
     return result
 
 
+_BIG_BYTES = 8 << 20
+
+
+def _say(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def _exact(clients, unit: str, keys: int, timeout: float) -> int:
+    """Keys of ``unit`` read back bit-exact (``{unit}/{i}``, as :func:`path` writes them)."""
+    dest = np.empty(keys * _KEY_BYTES, np.uint8)
+    clients.channel(unit).read([f"{unit}/{i}" for i in range(keys)], dest, timeout=timeout)
+    return sum(np.array_equal(dest[i * _KEY_BYTES:(i + 1) * _KEY_BYTES], _blob(unit, i)) for i in range(keys))
+
+
+def _until(predicate, limit_s: float) -> float | None:
+    """When ``predicate`` first held (monotonic), polling every 10 ms; None if not within ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        time.sleep(0.01)
+    return None
+
+
+def faults(addresses: dict, token: str, lossy: str, timeout: float, keys: int = 8) -> None:
+    """The reader's and the controller's side of the link faults; one JSON line per step."""
+    from gputq.client.clients import UnitClients
+    from gputq.cluster.controller import Controller
+    from gputq.config import GputqConfig
+    from gputq.errors import GputqError
+
+    config = GputqConfig(transport="tcp", token=token, host="127.0.0.1", heartbeat_interval_s=0.25,
+                         control_timeout_s=1.0, read_timeout_s=timeout)
+    survivors = sorted(u for u in addresses if u != lossy)
+    big = np.random.default_rng(3).integers(0, 256, _BIG_BYTES, dtype=np.uint8)
+    with UnitClients(addresses, config) as clients, contextlib.closing(Controller(config)) as controller:
+        for unit in sorted(addresses):
+            controller.register_unit(unit, addresses[unit])
+            for i in range(keys):
+                clients.channel(unit).write(f"{unit}/{i}", _blob(unit, i), {"partition": "p"}, timeout=30)
+        clients.channel(lossy).write("big", big, {"partition": "p"}, timeout=30)
+
+        def survivors_exact() -> int:
+            return sum(_exact(clients, u, keys, timeout) for u in survivors)
+
+        # 1. the link is cut while reads of `big` stream: a typed error within the timeout
+        dest, said, started = np.empty(_BIG_BYTES, np.uint8), False, 0.0
+        while True:
+            started = time.monotonic()
+            try:
+                clients.channel(lossy).read(["big"], dest, timeout=timeout)
+            except GputqError as exc:
+                failed = time.monotonic()
+                _say(event="failed", started=started, at=failed, waited=failed - started,
+                     error=type(exc).__name__, lost=sorted(clients.lost), survivors_exact=survivors_exact(),
+                     survivors_keys=keys * len(survivors))
+                break
+            if not said:
+                _say(event="reading", exact=bool(np.array_equal(dest, big)))
+                said = True
+        # 2. the link is back: the prober re-admits the unit, which kept its keys
+        sys.stdin.readline()
+        back = _until(lambda: lossy in clients.live_units, 30)
+        back_controller = _until(lambda: lossy in controller.live_units(), 30)
+        _say(event="readmitted", at=back, controller_at=back_controller, exact=_exact(clients, lossy, keys, timeout),
+             keys=keys)
+        # 3. a partition between this host (the controller's) and the unit only
+        sys.stdin.readline()
+        lost = _until(lambda: lossy in controller.lost_units(), 30)
+        _say(event="partitioned", at=lost, reason=controller.lost_units().get(lossy))
+        sys.stdin.readline()
+        healed = _until(lambda: lossy in controller.live_units(), 30)
+        _say(event="healed", at=healed)
+        # 4. a slow link: a read that cannot finish in time fails in time; the others are whole
+        sys.stdin.readline()
+        clients.ping(lossy)
+        started = time.monotonic()
+        try:
+            clients.channel(lossy).read(["big"], dest, timeout=timeout)
+            error = None
+        except GputqError as exc:
+            error = type(exc).__name__
+        _say(event="slow", waited=time.monotonic() - started, error=error, survivors_exact=survivors_exact(),
+             survivors_keys=keys * len(survivors))
+
+
 def exposure(address: dict, token: str, flood: int, rounds: int) -> dict:
     from gputq.client.clients import UnitClients
     from gputq.config import GputqConfig
@@ -205,6 +296,8 @@ def main(argv: list[str]) -> int:
     elif scenario == "path":
         print(json.dumps(path(args["addresses"], args["token"], args.get("write", False), args["keys"],
                               args.get("release", False))), flush=True)
+    elif scenario == "faults":
+        faults(args["addresses"], args["token"], args["lossy"], args["timeout"])
     elif scenario == "exposure":
         print(json.dumps(exposure(args["address"], args["token"], args["flood"], args["rounds"])), flush=True)
     else:
