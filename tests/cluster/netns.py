@@ -161,6 +161,17 @@ class Hosts:
             pids += [int(p) for p in out.split()]
         return pids
 
+    def kill(self, host: int) -> list[int]:
+        """SIGKILL every process on ``host`` but its init (a crashed machine whose network stays); their pids."""
+        out = subprocess.run(["ip", "netns", "pids", self.namespaces[host]], capture_output=True, text=True).stdout
+        pids = [int(p) for p in out.split() if int(p) != self._inits[host].pid]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
     def _kill_all(self) -> None:
         # Only processes inside our namespaces: started by this harness (or by those it started).
         deadline = time.monotonic() + _KILL_S
