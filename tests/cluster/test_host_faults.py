@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailab
 
 TOKEN = "token-of-the-cross-host-fault-tests"
 TIMEOUT_S = 2.0
+KEY_BYTES = 256 << 10  # each key the probe writes (tests.cluster.probe)
 
 
 def _next(proc: subprocess.Popen, event: str, limit_s: float = 40.0) -> dict:
@@ -79,18 +80,23 @@ def test_link_faults_give_typed_errors_in_time_and_cost_the_survivors_nothing():
         finally:
             for unit in units.values():
                 unit.close()
+    # fault: (detected after, longest wait, keys checked bit-exact elsewhere, keys lost of those)
     rows = {
-        "link cut mid-read": (failed["at"] - cut_at, failed["waited"], failed["survivors_keys"]
-                              - failed["survivors_exact"]),
-        "link restored: re-admitted": (readmitted["at"] - restored_at, None, 0),
-        "controller-unit partition": (partitioned["at"] - parted_at, None, 16 - trainer["exact"]),
-        "partition healed": (healed["at"] - healed_at, None, 0),
-        "slow link (10 mbit/s)": (None, slow["waited"], slow["survivors_keys"] - slow["survivors_exact"]),
+        "link cut mid-read": (failed["at"] - cut_at, failed["waited"], failed["survivors_keys"],
+                              failed["survivors_keys"] - failed["survivors_exact"]),
+        "link restored: re-admitted (the cut unit's keys)": (readmitted["at"] - restored_at, None,
+                                                             readmitted["keys"],
+                                                             readmitted["keys"] - readmitted["exact"]),
+        "controller-unit partition (a trainer elsewhere reads)": (partitioned["at"] - parted_at, None,
+                                                                  trainer["read"], trainer["read"] - trainer["exact"]),
+        "partition healed": (healed["at"] - healed_at, None, 0, 0),
+        "slow link (10 mbit/s)": (None, slow["waited"], slow["survivors_keys"],
+                                  slow["survivors_keys"] - slow["survivors_exact"]),
     }
-    print("\nfault | detected after (s) | longest wait (s) | survivor keys lost")
-    for fault, (detected, waited, lost) in rows.items():
+    print("\nfault | detected after (s) | longest wait (s) | bytes checked | bytes lost")
+    for fault, (detected, waited, checked, lost) in rows.items():
         print(f"{fault} | {'-' if detected is None else f'{detected:.2f}'} | "
-              f"{'-' if waited is None else f'{waited:.2f}'} | {lost}")
+              f"{'-' if waited is None else f'{waited:.2f}'} | {checked * KEY_BYTES} | {lost * KEY_BYTES}")
     # the cut: inside a read, a typed error within the read's timeout, the unit marked lost
     assert failed["started"] < cut_at and failed["error"] == "UnitTimeoutError" and failed["lost"] == ["su-1"]
     assert failed["waited"] < TIMEOUT_S + 0.5 and failed["survivors_exact"] == failed["survivors_keys"] == 8
