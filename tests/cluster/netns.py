@@ -199,13 +199,15 @@ class Hosts:
         self._closed = True
         try:
             existing = netns_names()
-            if self.switch in existing or any(ns in existing for ns in self.namespaces):
-                self._kill_all()
-            for ns in [*self.namespaces, self.switch]:
-                if ns in existing:
-                    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            if self.tmp:
-                shutil.rmtree(self.tmp, ignore_errors=True)
+            try:
+                if self.switch in existing or any(ns in existing for ns in self.namespaces):
+                    self._kill_all()
+            finally:  # the namespaces and files go even if a process would not
+                for ns in [*self.namespaces, self.switch]:
+                    if ns in existing:
+                        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+                if self.tmp:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
         finally:
             for sig, previous in self._signals.items():
                 signal.signal(sig, previous)

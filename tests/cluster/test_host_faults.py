@@ -20,7 +20,7 @@ import pytest
 from bench.faults import UnitProcess
 from gputq.config import GputqConfig
 from tests.cluster.netns import Hosts, unavailable
-from tests.cluster.test_hosts import ROOT, _probe
+from tests.cluster.probe import ROOT, on_host
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
               pytest.mark.timeout(120)]
@@ -68,7 +68,7 @@ def test_link_faults_give_typed_errors_in_time_and_cost_the_survivors_nothing():
             hosts.partition(0, 1)
             _tell(probe)
             partitioned = _next(probe, "partitioned")
-            trainer = _probe(hosts, 2, "path", {"addresses": addresses, "token": TOKEN, "keys": 8})
+            trainer = on_host(hosts, 2, "path", {"addresses": addresses, "token": TOKEN, "keys": 8})
             healed_at = time.monotonic()
             hosts.partition(0, 1, heal=True)
             _tell(probe)

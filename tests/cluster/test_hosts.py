@@ -20,12 +20,12 @@ from bench.faults import UnitProcess
 from gputq.config import GputqConfig
 from gputq.transport.policy import nixl_import_error
 from tests.cluster.netns import Hosts, netns_names, unavailable
+from tests.cluster.probe import ROOT, on_host
 from tests.sockets import listening_sockets
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
               pytest.mark.timeout(90)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A child builds two hosts, starts a process on each that leaves a file in its /dev/shm,
 # says where everything is, and then ends as the parameter says.
@@ -85,10 +85,8 @@ def test_each_host_has_its_own_address_hostname_and_dev_shm():
                 for i in range(2)]
         assert [r.stdout.split() for r in seen] == [[hosts.hostnames[0], f"{hosts.tag}-on-host0", "bound"],
                                                    [hosts.hostnames[1], "bound"]], seen
-        reach = hosts.run(0, [sys.executable, "-m", "tests.cluster.probe", "scan",
-                              json.dumps({"host": hosts.addresses[1], "last": 1024})], 60, cwd=ROOT)
         # host 1 is reachable (every port answered: refused) and nothing listens there
-        assert json.loads(reach.stdout) == {"open": [], "answered": 1024}, reach.stderr
+        assert on_host(hosts, 0, "scan", {"host": hosts.addresses[1], "last": 1024}) == {"open": [], "answered": 1024}
 
 
 def _unit_on(hosts: Hosts, host: int, name: str, transport: str, bind: str) -> UnitProcess:
@@ -111,16 +109,11 @@ def test_from_another_host_only_the_units_own_sockets_answer_and_a_flood_leaves_
             assert {host for host, _ in listening} == {hosts.addresses[1]}, listening
             assert len(listening) == (2 if transport == "rdma" else 1), listening
             assert {host for host, _ in listening_sockets(private.pid)} == {"127.0.0.1"}
-            scan = hosts.run(0, [sys.executable, "-m", "tests.cluster.probe", "scan",
-                                 json.dumps({"host": hosts.addresses[1]})], 60, cwd=ROOT)
             # every port answered, and only the unit's own accept
-            assert json.loads(scan.stdout) == {"open": sorted(port for _, port in listening),
-                                               "answered": 65535}, scan.stderr
-
-            probe = hosts.run(0, [sys.executable, "-m", "tests.cluster.probe", "exposure", json.dumps(
-                {"address": address, "token": "token-of-the-cross-host-exposure-test",
-                 "flood": 64, "rounds": 10})], 80, cwd=ROOT)
-            seen = json.loads(probe.stdout)
+            assert on_host(hosts, 0, "scan", {"host": hosts.addresses[1]}) == {
+                "open": sorted(port for _, port in listening), "answered": 65535}
+            seen = on_host(hosts, 0, "exposure", {"address": address, "token": "token-of-the-cross-host-exposure-test",
+                                                  "flood": 64, "rounds": 10}, 80)
         finally:
             public.close()
             private.close()
@@ -137,13 +130,6 @@ def test_from_another_host_only_the_units_own_sockets_answer_and_a_flood_leaves_
     assert flood["longest_s"] < 5.0
 
 
-def _probe(hosts: Hosts, host: int, scenario: str, args: dict, timeout: float = 60) -> dict:
-    done = hosts.run(host, [sys.executable, "-m", "tests.cluster.probe", scenario, json.dumps(args)], timeout,
-                     cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
 def test_auto_picks_shm_on_the_units_host_and_tcp_across_hosts_and_every_read_is_bit_exact():
     token = "token-of-the-cross-host-path-test"
     with Hosts(3) as hosts:
@@ -153,9 +139,9 @@ def test_auto_picks_shm_on_the_units_host_and_tcp_across_hosts_and_every_read_is
         try:
             addresses = {name: unit.address for name, unit in units.items()}
             assert {a["hostname"] for a in addresses.values()} == {hosts.hostnames[1], hosts.hostnames[2]}
-            on_master = _probe(hosts, 0, "path", {"addresses": addresses, "token": token, "write": True,
+            on_master = on_host(hosts, 0, "path", {"addresses": addresses, "token": token, "write": True,
                                                   "keys": 8})
-            on_host1 = _probe(hosts, 1, "path", {"addresses": addresses, "token": token, "keys": 8,
+            on_host1 = on_host(hosts, 1, "path", {"addresses": addresses, "token": token, "keys": 8,
                                                  "release": True})
             info = json.loads(hosts.run(1, [os.path.join(os.path.dirname(sys.executable), "gputq"), "info",
                                             "--json"], 60, cwd=ROOT).stdout)

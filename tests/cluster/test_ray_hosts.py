@@ -21,7 +21,7 @@ pytest.importorskip("ray", reason="Ray not installed (pip install 'gputq[ray]')"
 from tests.cluster.netns import Hosts, unavailable  # noqa: E402
 from tests.cluster.ray_driver import MARK  # noqa: E402
 from tests.cluster.ray_hosts import GCS_PORT, start_ray  # noqa: E402
-from tests.cluster.test_hosts import ROOT  # noqa: E402
+from tests.cluster.probe import ROOT  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
               pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
