@@ -44,6 +44,19 @@ def _line(proc: subprocess.Popen, limit_s: float) -> dict:
             return json.loads(line[len(MARK):])
 
 
+def _processes_naming(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (every Ray process of a node names its temp dir)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if text.encode() in cmdline.read():
+                    found.append(int(pid))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 def test_cluster_mode_across_hosts_restores_bit_exact_and_survives_a_lost_host():
     default_pointer = "/tmp/ray/ray_current_cluster"
     pointer_before = os.path.exists(default_pointer) and os.stat(default_pointer).st_mtime_ns
@@ -68,8 +81,10 @@ def test_cluster_mode_across_hosts_restores_bit_exact_and_survives_a_lost_host()
         done = _line(driver, 90)
         driver.wait(30)
         tmp = hosts.tmp
+        assert _processes_naming(tmp)  # the check below can see the nodes' processes
         assert os.path.exists(os.path.join(tmp, "ray0", "ray_current_cluster"))  # the head's pointer went there
     assert not os.path.exists(tmp)  # and with it
+    assert not _processes_naming(tmp)  # no Ray process of the cluster outlived it
     assert (os.path.exists(default_pointer) and os.stat(default_pointer).st_mtime_ns) == pointer_before
 
     unit_host = ready["units"]  # unit -> hostname: one unit per host
