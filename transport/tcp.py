@@ -11,7 +11,10 @@ byte is copied in Python on either side. The serving side is
 A :class:`TcpChannel` keeps two pools of connections: one for writes, which
 may wait on the unit for arena space, and one for reads and control calls,
 which must never queue behind them. Every transport failure it raises (lost
-peer, timeout, broken frame) names the unit, and for reads the keys.
+peer, timeout, broken frame) names the unit, and for reads the keys. A unit
+at its connection cap refuses new connections at the door; the channel
+retries them with backoff within the caller's timeout and then raises
+:class:`~gputq.errors.UnitBusyError`, a timeout that says the unit is alive.
 """
 
 from __future__ import annotations
