@@ -72,6 +72,7 @@ _REPLY_GRACE_S = 5.0
 # in step) until the caller's timeout.
 _BUSY_FIRST_S = 0.005
 _BUSY_LAST_S = 0.5
+_BUSY_LAST_TRY_S = 0.01
 
 
 # ---------------------------------------------------------------- client side
@@ -269,12 +270,14 @@ class TcpChannel(Channel):
                 return _Connection(self._address, self.unit, self._token, self._max_frame_bytes, left)
             except UnitBusyError as exc:
                 refusals += 1
-                pause = random.uniform(delay / 2, delay)
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= pause:
+                # The last try keeps a few ms to connect in: one made with no time left would
+                # fail as a connect timeout, which takes the unit for lost.
+                if left is not None and left <= _BUSY_LAST_TRY_S:
                     raise UnitBusyError(f"unit {self.unit}: {refusals} connections refused in {timeout:g} s, "
                                         f"the last: {exc}") from None
-                time.sleep(pause)
+                pause = random.uniform(delay / 2, delay)
+                time.sleep(pause if left is None else min(pause, left - _BUSY_LAST_TRY_S))
                 delay = min(2 * delay, _BUSY_LAST_S)
 
     @contextlib.contextmanager

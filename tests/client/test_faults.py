@@ -343,12 +343,15 @@ def test_a_unit_at_its_connection_cap_is_busy_not_lost():
     from gputq.transport.tcp import TcpTransport
     from tests.conftest import local_units
 
-    with local_units("tcp", units=1, max_connections=2) as (config, services, clients):
+    # A request's connect is bounded by control_timeout_s (not by the request's own timeout).
+    with local_units("tcp", units=1, max_connections=2, control_timeout_s=1.0) as (config, services, clients):
         address = services[0].address()
         hogs = [TcpTransport().connect(address, token=config.token, max_frame_bytes=config.max_frame_bytes,
                                        timeout=5) for _ in range(2)]
+        started = time.monotonic()
         with pytest.raises(UnitBusyError, match="su-0"):
-            clients.channel("su-0").call("stats", timeout=0.3)
+            clients.channel("su-0").call("stats", timeout=1.0)
+        assert time.monotonic() - started < 2.0  # within the connect's timeout
         assert clients.lost == {} and clients.live_units == ["su-0"]
         answered = threading.Event()
         caller = threading.Thread(target=lambda: clients.channel("su-0").call("stats", timeout=5)

@@ -197,7 +197,7 @@ def test_a_unit_refusing_for_the_whole_timeout_raises_unit_busy_within_it():
         with pytest.raises(UnitBusyError, match=r"unit su-busy: \d+ connections refused in 0.5 s") as caught:
             TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=0.5)
         elapsed = time.monotonic() - start
-        assert 0.25 <= elapsed < 1.0, elapsed  # backed off until the timeout, not beyond it
+        assert 0.45 <= elapsed < 1.0, elapsed  # retried until the timeout, not beyond it
         assert isinstance(caught.value, TimeoutError) and not isinstance(caught.value, ConnectionError)
         assert 3 <= srv.refused < 40, srv.refused  # retried with backoff, not in a busy loop
 
