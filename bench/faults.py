@@ -59,13 +59,18 @@ class UnitProcess:
     config:
         A :class:`~gputq.config.GputqConfig` with a token; ``shm_dir``
         should be a private folder (a killed unit leaves its arena file).
+    wrap:
+        Turns the child's command line into the one to run (e.g. on another
+        host's namespace: ``tests.cluster.netns.Hosts.command``); the
+        command must exec the child, so that :attr:`pid` is the unit's.
     """
 
-    def __init__(self, name: str, config):
+    def __init__(self, name: str, config, wrap=None):
         settings = {k: v for k, v in config.to_dict().items() if k != "token"}
         env = dict(os.environ, **{_CONFIG_ENV: json.dumps(settings), _TOKEN_ENV: config.token})
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.faults", "--serve-unit", name],
+        argv = [sys.executable, "-m", "bench.faults", "--serve-unit", name]
+        self.proc = subprocess.Popen(argv if wrap is None else wrap(argv),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._address: dict | None = None
 

@@ -131,8 +131,9 @@ class GputqConfig:
         A unit's deadline for sending one reply, in seconds; a client that
         stops reading loses its connection. A unit server limit.
     max_connections:
-        Connections one unit accepts at once (authenticated or not); above
-        it, new connections are closed at once. A unit server limit.
+        Connections one unit holds at once (authenticated or not); at it,
+        the oldest unauthenticated one makes way, else the newcomer is
+        refused as busy and retries. A unit server limit.
     handshake_timeout_s:
         Seconds a client has from connecting to completing the token
         handshake. A unit server limit.

@@ -33,6 +33,7 @@ __all__ = [
     "RequestTooLargeError",
     "StaleReadError",
     "TransferError",
+    "UnitBusyError",
     "UnitLostError",
     "UnitTimeoutError",
     "UnknownKeyError",
@@ -113,6 +114,14 @@ class DuplicateKeyError(InvalidInputError):
 
 class CapacityError(GputqTimeoutError):
     """The arena stayed full for the whole put timeout (back-pressure expired)."""
+
+
+class UnitBusyError(GputqTimeoutError):
+    """A unit refused connections for the whole timeout: it held ``max_connections``, all authenticated.
+
+    The unit is alive and answering; a client retries a refused connection
+    with backoff within its timeout, and this error does not mark the unit lost.
+    """
 
 
 class FieldValueError(InvalidInputError):

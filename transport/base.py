@@ -101,7 +101,9 @@ class ServerLimits:
         receive of one write payload (see :func:`write_window`).
     max_connections : int
         Connections one server holds at once, handshaking or authenticated
-        (default 256); above it, new ones are closed at once.
+        (default 256). At the cap a new connection replaces the oldest one
+        still handshaking; when all are authenticated it is refused with
+        ``UnitBusyError``, which clients retry with backoff within their timeout.
     handshake_timeout_s : float
         Seconds a peer has from connecting to a complete, valid HELLO
         (default 5); then its connection is closed.

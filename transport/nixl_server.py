@@ -31,6 +31,7 @@ from gputq.transport.base import ArenaHandler, Lease, LogLimiter, Server, Server
 from gputq.transport.nixl_pool import agent_name, host_ptr, import_nixl
 from gputq.transport.policy import infiniband_devices, local_hostname
 from gputq.transport.tcp import TcpTransport
+from gputq.transport.ucx_devices import ucx_bound_to
 
 __all__ = ["NixlServer", "CONNECT", "BEGIN_WRITE", "COMMIT_WRITE", "ABORT_WRITE"]
 
@@ -158,8 +159,10 @@ class NixlServer(Server):
         # without pause and holds a full core even when idle (measured: 2.0 s
         # of CPU per 2 s idle), which a unit cannot afford next to its tcp
         # server; a thread progressing every millisecond costs ~5% of a core.
-        self._agent = nixl_agent(agent_name(f"unit-{handler.name}"), nixl_agent_config(
-            enable_prog_thread=False, backends=["UCX"], sync_mode=sync.NIXL_THREAD_SYNC_RW))
+        # UCX listens on every interface it may use: only the one holding `host` (and InfiniBand ports).
+        with ucx_bound_to(host):
+            self._agent = nixl_agent(agent_name(f"unit-{handler.name}"), nixl_agent_config(
+                enable_prog_thread=False, backends=["UCX"], sync_mode=sync.NIXL_THREAD_SYNC_RW))
         self._stop = threading.Event()
         self._progress = threading.Thread(target=self._progress_loop, name=f"gputq-nixl-{handler.name}",
                                           daemon=True)

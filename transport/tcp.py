@@ -11,12 +11,16 @@ byte is copied in Python on either side. The serving side is
 A :class:`TcpChannel` keeps two pools of connections: one for writes, which
 may wait on the unit for arena space, and one for reads and control calls,
 which must never queue behind them. Every transport failure it raises (lost
-peer, timeout, broken frame) names the unit, and for reads the keys.
+peer, timeout, broken frame) names the unit, and for reads the keys. A unit
+at its connection cap refuses new connections at the door; the channel
+retries them with backoff within the caller's timeout and then raises
+:class:`~gputq.errors.UnitBusyError`, a timeout that says the unit is alive.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -29,6 +33,7 @@ from gputq.errors import (
     PeerLostError,
     ProtocolError,
     RequestTooLargeError,
+    UnitBusyError,
 )
 from gputq.transport.base import (
     ArenaHandler,
@@ -63,6 +68,12 @@ CHANNEL_CONNECTIONS = 8
 # A write may wait `timeout` seconds for arena space on the server; its
 # reply (the unit's no-space error included) needs a little longer to come back.
 _REPLY_GRACE_S = 5.0
+# A unit at its connection cap refuses at the door; the retries back off
+# from the first to the last delay (jittered, so many clients do not retry
+# in step) until the caller's timeout.
+_BUSY_FIRST_S = 0.005
+_BUSY_LAST_S = 0.5
+_BUSY_LAST_TRY_S = 0.01
 
 
 # ---------------------------------------------------------------- client side
@@ -90,6 +101,12 @@ class _Connection:
             self.unit, self.incarnation = hello.get("unit"), hello.get("incarnation", "")
             if not isinstance(self.unit, str) or not isinstance(self.incarnation, str):
                 raise ProtocolError(f"malformed HELLO reply from {where}")
+        except PeerLostError as exc:
+            self.close()
+            # The unit's kernel accepted, then the unit closed before its HELLO reply: the unit is
+            # there and at its cap (the busy reply lost to the reset, or our handshake the oldest
+            # one closed for a newer). A unit that is gone refuses the next connect instead.
+            raise UnitBusyError(f"{where} closed the connection before its HELLO reply: {exc}") from None
         except BaseException:
             self.close()
             raise
@@ -239,7 +256,30 @@ class TcpChannel(Channel):
         self._staging = staging or StagingPool()
 
     def _open(self, timeout: float | None) -> _Connection:
-        return _Connection(self._address, self.unit, self._token, self._max_frame_bytes, timeout)
+        """A new authenticated connection; refusals of a busy unit are retried with backoff.
+
+        Raises
+        ------
+        UnitBusyError
+            Every attempt within ``timeout`` was refused (a timeout, not a lost unit).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay, refusals = _BUSY_FIRST_S, 0
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                return _Connection(self._address, self.unit, self._token, self._max_frame_bytes, left)
+            except UnitBusyError as exc:
+                refusals += 1
+                left = None if deadline is None else deadline - time.monotonic()
+                # The last try keeps a few ms to connect in: one made with no time left would
+                # fail as a connect timeout, which takes the unit for lost.
+                if left is not None and left <= _BUSY_LAST_TRY_S:
+                    raise UnitBusyError(f"unit {self.unit}: {refusals} connections refused in {timeout:g} s, "
+                                        f"the last: {exc}") from None
+                pause = random.uniform(delay / 2, delay)
+                time.sleep(pause if left is None else min(pause, left - _BUSY_LAST_TRY_S))
+                delay = min(2 * delay, _BUSY_LAST_S)
 
     @contextlib.contextmanager
     def _checkout(self, pool: _Pool, timeout: float | None, what: str, keys=()):

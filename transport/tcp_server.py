@@ -5,8 +5,13 @@ an unauthenticated peer holds a socket and at most a few KiB
 (:data:`~gputq.transport.wire.PRE_AUTH_BODY_BYTES`), never a thread, and must
 complete its HELLO within the :class:`~gputq.transport.base.ServerLimits`'
 ``handshake_timeout_s``. Each authenticated connection then gets a thread.
-``max_connections`` caps the connections of both kinds; above it, new ones
-are closed at once. Failed handshakes are logged at a limited rate.
+``max_connections`` caps the connections of both kinds. At the cap a new
+connection takes the place of the oldest one still handshaking, so a flood
+of peers that never authenticate cannot lock token holders out: a client
+sends its HELLO at once and is through long before the flood reaches it.
+Only when every slot is authenticated is the new connection refused, with a
+:class:`~gputq.errors.UnitBusyError` reply the client retries with backoff.
+Failed handshakes are logged at a limited rate.
 
 A read is sent under a lease the server holds itself (``expires=False``: it
 never expires while the server sends) and under ``send_timeout_s``: a client
@@ -44,6 +49,7 @@ from gputq.errors import (
     ProtocolError,
     RequestTooLargeError,
     TransferError,
+    UnitBusyError,
 )
 from gputq.transport.base import (
     ArenaHandler,
@@ -426,7 +432,10 @@ class TcpServer(Server):
     Attributes
     ----------
     refused : int
-        Connections closed at once because ``limits.max_connections`` were open.
+        Connections refused with :class:`~gputq.errors.UnitBusyError`:
+        ``limits.max_connections`` were open and all authenticated.
+    evicted : int
+        Handshaking connections closed to admit a newer one at the cap.
     failed_handshakes : int
         Connections that did not authenticate (wrong token, bad frame, deadline).
     """
@@ -444,6 +453,7 @@ class TcpServer(Server):
         self._threads: dict[socket.socket, threading.Thread] = {}
         self._pending: dict[socket.socket, Handshake] = {}
         self.refused = 0
+        self.evicted = 0
         self.failed_handshakes = 0
         self._limited_log = LogLimiter(log)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -519,18 +529,41 @@ class TcpServer(Server):
                 return
             with self._lock:
                 full = self._nconns >= self.limits.max_connections
-                if not full:
-                    self._nconns += 1
-            if full:
-                self.refused += 1
-                self._limited_log.warning("unit %s: %d connections open (max_connections); refusing %s",
-                                          self._handler.name, self.limits.max_connections, peer)
-                sock.close()
+            if full and not self._admit_at_cap(sock, peer):
                 continue
+            with self._lock:  # only this thread adds connections: the cap holds
+                self._nconns += 1
             sock.setblocking(False)
             hs = Handshake(sock, peer, time.monotonic() + self.limits.handshake_timeout_s)
             self._pending[sock] = hs
             self._selector.register(sock, selectors.EVENT_READ, hs)
+
+    def _admit_at_cap(self, sock: socket.socket, peer) -> bool:
+        """At the cap: close the oldest handshaking connection for ``sock``, or refuse ``sock``.
+
+        An unauthenticated connection is the cheapest to lose and the one a
+        flood is made of; an authenticated one is never closed for a newcomer.
+        """
+        oldest = min(self._pending.values(), key=lambda h: h.deadline, default=None)
+        if oldest is not None:
+            self.evicted += 1
+            self._limited_log.warning("unit %s: %d connections open (max_connections); closing the oldest "
+                                      "handshake (%s) for %s", self._handler.name, self.limits.max_connections,
+                                      oldest.peer, peer)
+            self._drop(oldest)
+            return True
+        self.refused += 1
+        self._limited_log.warning("unit %s: %d authenticated connections open (max_connections); refusing %s",
+                                  self._handler.name, self.limits.max_connections, peer)
+        # Best effort and non-blocking: the client takes a close before its HELLO reply the same way.
+        raw = pack_body(error_to_wire(UnitBusyError(
+            f"unit {self._handler.name} holds {self.limits.max_connections} connections (max_connections); "
+            f"retry later")))
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(encode_header(Op.ERROR, len(raw), 0) + raw)
+        sock.close()
+        return False
 
     def _advance(self, hs: Handshake) -> None:
         try:

@@ -10,8 +10,10 @@ channel is closed, which ends every request still in flight on it, and
 later requests fail at once with :class:`~gputq.errors.UnitLostError`
 naming the unit and the keys asked for. A hung unit therefore costs one
 timeout, not one per request. A unit answering "no space"
-(:class:`~gputq.errors.CapacityError`) or any other typed error of its own
-is alive and stays live.
+(:class:`~gputq.errors.CapacityError`), "busy"
+(:class:`~gputq.errors.UnitBusyError`: it refused connections at its cap
+for the whole timeout) or any other typed error of its own is alive and
+stays live.
 
 A lost unit is re-admitted as soon as a probe reaches it: :meth:`UnitClients.ping`
 opens a fresh channel and makes one cheap control call. A background thread
@@ -41,6 +43,7 @@ from gputq.errors import (
     InvalidInputError,
     MissingDependencyError,
     PeerLostError,
+    UnitBusyError,
     UnitLostError,
     UnitTimeoutError,
 )
@@ -60,7 +63,7 @@ _KEYS_SHOWN = 8
 def _is_loss(exc: BaseException) -> bool:
     """True when ``exc`` means the unit did not answer (not a typed answer from it)."""
     return (isinstance(exc, (PeerLostError, GputqTimeoutError))
-            and not isinstance(exc, (CapacityError, UnitLostError)))
+            and not isinstance(exc, (CapacityError, UnitBusyError, UnitLostError)))
 
 
 class UnitChannel(Channel):

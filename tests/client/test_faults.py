@@ -333,3 +333,33 @@ def test_a_mapped_source_of_a_closed_unit_raises_unit_lost_and_marks_it():
         with pytest.raises(UnitLostError, match="su-0 is lost"):
             with channel.mapped_source([ref.key], 5, device=False):
                 pass
+
+
+def test_a_unit_at_its_connection_cap_is_busy_not_lost():
+    """Slots held by other clients make a new client wait and retry; the unit stays live throughout."""
+    import threading
+
+    from gputq.errors import UnitBusyError
+    from gputq.transport.tcp import TcpTransport
+    from tests.conftest import local_units
+
+    # A request's connect is bounded by control_timeout_s (not by the request's own timeout).
+    with local_units("tcp", units=1, max_connections=2, control_timeout_s=1.0) as (config, services, clients):
+        address = services[0].address()
+        hogs = [TcpTransport().connect(address, token=config.token, max_frame_bytes=config.max_frame_bytes,
+                                       timeout=5) for _ in range(2)]
+        started = time.monotonic()
+        with pytest.raises(UnitBusyError, match="su-0"):
+            clients.channel("su-0").call("stats", timeout=1.0)
+        assert time.monotonic() - started < 2.0  # within the connect's timeout
+        assert clients.lost == {} and clients.live_units == ["su-0"]
+        answered = threading.Event()
+        caller = threading.Thread(target=lambda: clients.channel("su-0").call("stats", timeout=5)
+                                  and answered.set())
+        caller.start()
+        assert wait_until(lambda: services[0]._server.refused >= 4, what="the caller retrying")
+        hogs.pop().close()  # a slot frees: the waiting caller takes it within its timeout
+        assert answered.wait(5) and clients.lost == {}
+        caller.join(5)
+        for hog in hogs:
+            hog.close()

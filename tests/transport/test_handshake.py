@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from gputq.errors import AuthenticationError
+from gputq.errors import AuthenticationError, UnitBusyError
 from gputq.transport.base import ServerLimits
 from gputq.transport.tcp import TcpTransport
 from gputq.transport.wire import HEADER, MAGIC, VERSION, Op
@@ -144,26 +144,62 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
         assert wait_until(lambda: srv.connections == 0)
 
 
-def test_connections_above_the_cap_are_closed_at_once():
+def test_at_the_cap_a_new_connection_takes_the_place_of_the_oldest_handshake():
     with make_unit(1 << 20, name="su-cap") as unit, \
             TcpTransport().serve(unit, token=TOKEN, limits=ServerLimits(max_frame_bytes=MAX, max_connections=4)) as srv:
         address = (srv.address["host"], srv.address["port"])
-        idle = [socket.create_connection(address, timeout=5) for _ in range(4)]
-        assert wait_until(lambda: srv.connections == 4)
-        with socket.create_connection(address, timeout=5) as extra:
-            start = time.monotonic()
-            try:
-                assert extra.recv(16) == b""  # closed by the server without a word
-            except ConnectionResetError:
-                pass
-            assert time.monotonic() - start < 1.0
-        assert srv.refused == 1
-        idle.pop().close()
-        assert wait_until(lambda: srv.connections == 3)
+        idle = []
+        for _ in range(4):
+            idle.append(socket.create_connection(address, timeout=5))
+            assert wait_until(lambda: srv.connections == len(idle))  # accepted in this order
+        for sock in idle:
+            sock.setblocking(False)
+        start = time.monotonic()
         with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
             assert ch.call("stats")["name"] == "su-cap"
+            assert time.monotonic() - start < 1.0
+            assert (srv.evicted, srv.refused, srv.connections) == (1, 0, 4)
+            assert wait_until(lambda: closed_now(idle[0]))  # the oldest went
+            assert not any(closed_now(sock) for sock in idle[1:])
         for sock in idle:
             sock.close()
+
+
+def test_at_a_cap_of_authenticated_connections_a_client_waits_for_a_slot_and_gets_it():
+    limits = ServerLimits(max_frame_bytes=MAX, max_connections=2)
+    with make_unit(1 << 20, name="su-full") as unit, TcpTransport().serve(unit, token=TOKEN, limits=limits) as srv:
+        holders = [TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5)
+                   for _ in range(2)]
+        got: dict = {}
+
+        def late_client():
+            start = time.monotonic()
+            with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
+                got["name"], got["seconds"] = ch.call("stats")["name"], time.monotonic() - start
+
+        waiter = threading.Thread(target=late_client)
+        waiter.start()
+        assert wait_until(lambda: srv.refused >= 2, what="the late client refused and retrying")
+        assert waiter.is_alive() and not got
+        holders.pop().close()  # a slot frees: the retry gets it
+        waiter.join(5)
+        assert got["name"] == "su-full" and got["seconds"] < 5.0, got
+        assert srv.evicted == 0
+        for ch in holders:
+            ch.close()
+
+
+def test_a_unit_refusing_for_the_whole_timeout_raises_unit_busy_within_it():
+    limits = ServerLimits(max_frame_bytes=MAX, max_connections=1)
+    with make_unit(1 << 20, name="su-busy") as unit, TcpTransport().serve(unit, token=TOKEN, limits=limits) as srv, \
+            TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5):
+        start = time.monotonic()
+        with pytest.raises(UnitBusyError, match=r"unit su-busy: \d+ connections refused in 0.5 s") as caught:
+            TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=0.5)
+        elapsed = time.monotonic() - start
+        assert 0.45 <= elapsed < 1.0, elapsed  # retried until the timeout, not beyond it
+        assert isinstance(caught.value, TimeoutError) and not isinstance(caught.value, ConnectionError)
+        assert 3 <= srv.refused < 40, srv.refused  # retried with backoff, not in a busy loop
 
 
 def test_a_slow_but_steady_handshake_still_hits_the_whole_deadline():

@@ -12,7 +12,13 @@ import pytest
 
 from gputq.cluster.deploy import UnitService
 from gputq.config import GputqConfig
-from gputq.errors import ConfigError, GputqTimeoutError, InvalidInputError, RequestTooLargeError
+from gputq.errors import (
+    ConfigError,
+    GputqTimeoutError,
+    InvalidInputError,
+    RequestTooLargeError,
+    UnitBusyError,
+)
 from gputq.transport import get_transport
 from gputq.transport.base import ServerLimits
 from gputq.transport.shm import ShmTransport
@@ -134,17 +140,17 @@ def test_a_unit_service_closes_a_silent_peer_after_its_configs_handshake_deadlin
 def test_a_unit_service_refuses_connections_over_its_configs_cap(limited_unit):
     _, service = limited_unit
     address = service.address()
-    where = (address["host"], address["port"])
-    held = [socket.create_connection(where, timeout=10) for _ in range(2)]  # handshaking: they count
+    held = [get_transport("tcp").connect(address, token=TOKEN, max_frame_bytes=1 << 20, timeout=5)
+            for _ in range(2)]  # authenticated: never closed for a newcomer
     try:
-        with socket.create_connection(where, timeout=10) as third:
+        with socket.create_connection((address["host"], address["port"]), timeout=10) as third:
             start = time.monotonic()
-            try:
-                data = third.recv(1)
-            except ConnectionResetError:
-                data = b""
-            # closed at once, with no ERROR frame: not by the 1.5 s handshake deadline
-            assert data == b"" and time.monotonic() - start < 1.5
+            header, body = FrameReader(third, 1 << 20).read_frame()
+            # refused at once, with a reason: not by the 1.5 s handshake deadline
+            assert time.monotonic() - start < 1.5
+        assert header.opcode == Op.ERROR
+        error = error_from_wire(body)
+        assert isinstance(error, UnitBusyError) and "holds 2 connections (max_connections)" in str(error)
     finally:
-        for sock in held:
-            sock.close()
+        for ch in held:
+            ch.close()

@@ -1,0 +1,276 @@
+"""Many hosts on one machine: network namespaces joined by veth pairs to a bridge.
+
+:class:`Hosts` builds ``n`` hosts. Each has its own network namespace with
+one interface ``eth0`` and its own address on a private /24, its own
+hostname (a UTS namespace) and its own ``/dev/shm`` (a tmpfs in a private
+mount namespace). A small init process per host holds those namespaces;
+every process started on the host (:meth:`Hosts.popen`) enters all three,
+so processes of one host share its /dev/shm as on a real machine. The bridge sits in a namespace of its own, the *switch*, so
+nothing of the harness touches the machine's own network stack: traffic
+flows only between namespaces the harness made, and deleting them deletes
+every veth with them. Cutting a host's link (:meth:`Hosts.cut`) downs its
+port on the switch; :meth:`Hosts.partition` cuts two hosts apart only;
+:meth:`Hosts.shape` rate-limits what a host sends with ``tc``.
+
+Teardown (:meth:`Hosts.close`, the context manager, or SIGTERM/SIGINT
+while it is open) kills every process in the hosts' namespaces by id,
+deletes the namespaces and the harness's temporary folder (Ray's temp dir
+included, with any ``ray_current_cluster`` pointer), and
+:meth:`Hosts.leftovers` says what, if anything, survived.
+
+Names carry a random tag, so parallel runs do not clash. Building hosts
+needs CAP_NET_ADMIN and CAP_SYS_ADMIN; :func:`unavailable` says why not.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from typing import Sequence
+
+__all__ = ["Hosts", "unavailable", "netns_names"]
+
+_CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
+_KILL_S = 10.0
+_PREFIX = "gqh"
+# A host's init: set its hostname, mount its /dev/shm, say so, and hold the namespaces.
+_INIT = ('hostname "$0" && mount -t tmpfs -o size=512m,mode=1777 gputq-shm /dev/shm && echo ready '
+         '&& exec sleep 2147483647')
+
+
+def _effective_caps() -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def unavailable() -> str | None:
+    """Why hosts cannot be built here (for ``pytest.skip``), or ``None``."""
+    caps = _effective_caps()
+    if not caps >> _CAP_NET_ADMIN & 1:
+        return "needs CAP_NET_ADMIN (run as root) to create network namespaces and veth pairs"
+    if not caps >> _CAP_SYS_ADMIN & 1:
+        return "needs CAP_SYS_ADMIN (run as root) for a private hostname and /dev/shm per host"
+    missing = [tool for tool in ("ip", "unshare", "nsenter", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs {', '.join(missing)} (iproute2, util-linux)"
+    return None
+
+
+def netns_names() -> set[str]:
+    """The network namespaces that exist now (``ip netns list``)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Hosts:
+    """``n`` hosts with their own network stack, address, hostname and /dev/shm.
+
+    Parameters
+    ----------
+    n : int
+        How many hosts (``0 .. n-1``).
+
+    Attributes
+    ----------
+    tag : str
+        The random part of every name (namespaces ``<tag>-h0``, ..., ``<tag>-sw``).
+    addresses : list of str
+        Host ``i``'s IPv4 address.
+    hostnames : list of str
+        Host ``i``'s hostname, as its processes see it.
+    tmp : str
+        A private temporary folder, removed at teardown (give Ray its temp dir here).
+    """
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError("at least one host")
+        self.n = n
+        self.tag = f"{_PREFIX}{secrets.token_hex(3)}"
+        net = f"10.{secrets.randbelow(190) + 64}.{secrets.randbelow(256)}"
+        self.addresses = [f"{net}.{i + 1}" for i in range(n)]
+        self.hostnames = [f"{self.tag}-host{i}" for i in range(n)]
+        self.namespaces = [f"{self.tag}-h{i}" for i in range(n)]
+        self.switch = f"{self.tag}-sw"
+        self.tmp = ""
+        self._procs: list[subprocess.Popen] = []
+        self._inits: list[subprocess.Popen] = []
+        self._closed = False
+        self._signals: dict = {}
+
+    # -- building and tearing down --
+
+    def __enter__(self) -> "Hosts":
+        self._catch_signals()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix=f"{self.tag}-")
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.namespaces):
+            _ip("netns", "add", ns)
+            _ip("-n", self.switch, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            init = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation",
+                                     "private", "sh", "-c", _INIT, self.hostnames[i]],
+                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+            self._inits.append(init)
+            if init.stdout.readline() != b"ready\n":
+                raise RuntimeError(f"host {i} did not start (exit code {init.wait(_KILL_S)})")
+
+    def _catch_signals(self) -> None:
+        # SIGTERM would end the process without unwinding: turn it into an exception that does.
+        def interrupted(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        try:
+            self._signals = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        except ValueError:  # not the main thread: the caller's own handling applies
+            self._signals = {}
+
+    def pids(self) -> list[int]:
+        """Every process in the hosts' (and the switch's) network namespaces."""
+        pids = []
+        for ns in [*self.namespaces, self.switch]:
+            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+            pids += [int(p) for p in out.split()]
+        return pids
+
+    def kill(self, host: int) -> list[int]:
+        """SIGKILL every process on ``host`` but its init (a crashed machine whose network stays); their pids."""
+        out = subprocess.run(["ip", "netns", "pids", self.namespaces[host]], capture_output=True, text=True).stdout
+        pids = [int(p) for p in out.split() if int(p) != self._inits[host].pid]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def _kill_all(self) -> None:
+        # Only processes inside our namespaces: started by this harness (or by those it started).
+        deadline = time.monotonic() + _KILL_S
+        while True:
+            pids = self.pids()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {pids} in {self.tag}'s namespaces survived SIGKILL")
+            time.sleep(0.05)
+        for proc in [*self._procs, *self._inits]:
+            proc.wait(_KILL_S)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def close(self) -> None:
+        """Kill every process on the hosts, delete the namespaces and the temp folder. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            existing = netns_names()
+            try:
+                if self.switch in existing or any(ns in existing for ns in self.namespaces):
+                    self._kill_all()
+            finally:  # the namespaces and files go even if a process would not
+                for ns in [*self.namespaces, self.switch]:
+                    if ns in existing:
+                        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+                if self.tmp:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+        finally:
+            for sig, previous in self._signals.items():
+                signal.signal(sig, previous)
+
+    def leftovers(self) -> dict:
+        """What of this harness still exists: namespaces, processes, the temp folder (all empty after close)."""
+        names = netns_names()
+        return {
+            "namespaces": sorted(n for n in names if n.startswith(self.tag)),
+            "processes": [p.pid for p in [*self._procs, *self._inits] if p.poll() is None],
+            "tmp": [self.tmp] if self.tmp and os.path.exists(self.tmp) else [],
+        }
+
+    # -- running things on a host --
+
+    def command(self, host: int, argv: Sequence[str], cwd: str | None = None) -> list[str]:
+        """``argv`` as it runs on ``host``: in its network, UTS and mount namespaces (nsenter execs it).
+
+        It runs in ``cwd`` (default: this process's working directory): entering
+        a mount namespace would otherwise start it in the init's, ``/``.
+        """
+        return ["nsenter", "-t", str(self._inits[host].pid), "--net", "--uts", "--mount",
+                f"--wd={cwd or os.getcwd()}", "--", *argv]
+
+    def popen(self, host: int, argv: Sequence[str], cwd: str | None = None, **kwargs) -> subprocess.Popen:
+        """Start ``argv`` on ``host`` in ``cwd`` (other ``subprocess.Popen`` keyword arguments pass through)."""
+        if self._closed:
+            raise RuntimeError("hosts are torn down")
+        proc = subprocess.Popen(self.command(host, argv, cwd), **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, host: int, argv: Sequence[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+        """Run ``argv`` on ``host`` to its end (output captured as text)."""
+        proc = self.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise RuntimeError(f"{argv} on host {host} ran past {timeout} s; stderr: {err[-2000:]}") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    # -- links --
+
+    def cut(self, host: int) -> None:
+        """Take ``host``'s link down (its port on the switch): its packets go nowhere."""
+        _ip("-n", self.switch, "link", "set", f"port{host}", "down")
+
+    def restore(self, host: int) -> None:
+        """Bring ``host``'s link back up."""
+        _ip("-n", self.switch, "link", "set", f"port{host}", "up")
+
+    def shape(self, host: int, rate: str) -> None:
+        """Limit what ``host`` sends to ``rate`` (``tc`` syntax: ``"100mbit"``), a token bucket on its eth0."""
+        subprocess.run(["tc", "-n", self.namespaces[host], "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                        "rate", rate, "burst", "64kb", "latency", "50ms"], check=True, capture_output=True)
+
+    def partition(self, a: int, b: int, *, heal: bool = False) -> None:
+        """Drop every packet between hosts ``a`` and ``b`` (blackhole routes on both); the others still reach both.
+
+        ``heal=True`` removes the routes again.
+        """
+        for here, there in ((a, b), (b, a)):
+            _ip("-n", self.namespaces[here], "route", "del" if heal else "add", "blackhole",
+                f"{self.addresses[there]}/32")
