@@ -87,8 +87,18 @@ class KeyDirectory:
         self._table = _table(buffer, self.slots)
         self._mask = self.slots - 1
 
+    def close(self) -> None:
+        """Let go of the file's memory, so the unit can unmap it (and close its descriptor) now.
+
+        A closed directory publishes and withdraws nothing: leases that end
+        after their unit closed still free regions, with no one to tell.
+        """
+        self._table = None
+
     def publish(self, key: str, generation: int, offset: int, nbytes: int) -> None:
         """Name ``key``'s region: in a free slot of its probe, the slot of its hash, else its home slot."""
+        if self._table is None:
+            return
         h = key_hash(key)
         home = h & self._mask
         slot = home
@@ -104,6 +114,8 @@ class KeyDirectory:
 
     def withdraw(self, key: str, generation: int) -> None:
         """Drop ``key``'s entry of ``generation`` (no other), if it still has one."""
+        if self._table is None:
+            return
         h = key_hash(key)
         home = h & self._mask
         for step in range(PROBE):

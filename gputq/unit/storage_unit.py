@@ -623,6 +623,7 @@ class StorageUnit(ArenaHandler, Closeable):
             self._space.notify_all()
         self._timer.stop()
         self._arena.close()
+        self._directory.close()  # its view of the file would keep the mapping, and its descriptor, open
         self._directory_file.close()
 
     def __repr__(self) -> str:

@@ -496,3 +496,15 @@ def test_waiting_writer_gets_space_when_a_stale_lease_expires():
         unit.put("b", np.ones(4096, np.uint8), {"partition": "p"}, timeout=30)  # waits, then fits
         assert time.monotonic() - started >= 0.15  # not before the lease's deadline
         assert unit.stats()["leases_expired"] == 1
+
+
+def test_a_closed_unit_leaves_no_open_descriptor_behind():
+    """Its key directory's view used to keep the mapping, and a descriptor, until garbage collection."""
+    closed = []  # still referenced, as tests and services keep closed units
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(20):
+        unit = StorageUnit(f"fd-{i}", 1 << 16)
+        unit.put("a", np.zeros(16, np.uint8))
+        unit.close()
+        closed.append(unit)
+    assert len(os.listdir("/proc/self/fd")) == before
