@@ -21,10 +21,12 @@ logprobs (it computes the loss). Three figures, each against its goal:
   dp0/pp0/cp0) at shard scales 1x, 2x and 4x, streamed and whole-shard;
   ``peak_growth_4x`` is the streamed peak at 4x over 1x, goal <= 1.10.
   The shard at 1x is at least 4x the stream's buffers (checked).
-- **overlap**: the streamed loop with a compute stand-in per micro-batch
-  (the host idles, as it does while the GPU computes) of twice the
-  micro-batch's fetch+restore time, against that compute alone:
-  ``overlap_ratio``, goal <= 1.05.
+- **overlap**: the streamed loop over the largest shard with a compute
+  stand-in per micro-batch (the host idles, as it does while the GPU
+  computes) of twice the micro-batch's fetch+restore time, against that
+  compute alone: ``overlap_ratio``, goal <= 1.05. The first micro-batch's
+  fetch has nothing to hide behind; the more micro-batches a step has,
+  the less it weighs.
 
 The streamed loop without compute also gives fetch+restore throughput of
 the rank's slice, paired with the strongest honest baseline of its
@@ -97,18 +99,23 @@ def _bytes_read(clients) -> int:
 
 
 def _stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0) -> tuple[float, int, list]:
-    """One pass of a rank's stream; returns (seconds, bytes planned, per-micro-batch compute seconds)."""
-    computed = []
+    """One pass of a rank's stream; returns (seconds, bytes planned, per micro-batch (waited, computed) seconds).
+
+    ``waited`` is the time the loop spent getting the micro-batch (the first one's includes planning).
+    """
+    steps = []
     started = time.perf_counter()
     with reader.stream(shard, _micro_batches(len(shard), args.mb_samples), _rank_slice(args, pp, cp),
                        prefetch=args.prefetch, fields=_fields(args, pp)) as stream:
         planned = stream.slice_bytes
+        asked = started
         for _ in stream:
+            began = time.perf_counter()
             if compute_s:
-                began = time.perf_counter()
                 time.sleep(compute_s)
-                computed.append(time.perf_counter() - began)
-    return time.perf_counter() - started, planned, computed
+            steps.append((began - asked, time.perf_counter() - began))
+            asked = time.perf_counter()
+    return time.perf_counter() - started, planned, steps
 
 
 # -- memory: one reader in a fresh process per (path, scale) ----------------------------
@@ -220,14 +227,21 @@ def run(args) -> dict:
             for s in scales:
                 row = _throughput(reader, shards[s][0], args, transport, args.repeats)
                 speed.append({"scale": s, **{k: v for k, v in row.items() if k != "loop_s"}})
-                if s == scales[0]:
+                if s == max(scales):  # the most micro-batches: the first one's fetch, never hidden, weighs least
                     mbs = len(_micro_batches(len(shards[s][0]), args.mb_samples))
                     compute_s = 2 * row["loop_s"] / mbs
-                    loop, _, computed = _stream_pass(reader, shards[s][0], args, 0, 0, compute_s)
+                    loop, _, steps = _stream_pass(reader, shards[s][0], args, 0, 0, compute_s)
+                    computed = sum(c for _, c in steps)
+                    waits = [w for w, _ in steps]
                     result["overlap"] = {"micro_batches": mbs, "compute_ms": round(compute_s * 1e3, 2),
                                          "fetch_restore_ms": round(row["loop_s"] / mbs * 1e3, 2),
-                                         "step_s": round(loop, 4), "compute_alone_s": round(sum(computed), 4)}
-                    result["overlap_ratio"] = round(loop / sum(computed), 4)
+                                         "step_s": round(loop, 4), "compute_alone_s": round(computed, 4),
+                                         "first_wait_ms": round(waits[0] * 1e3, 2),
+                                         "later_waits_ms": round(sum(waits[1:]) * 1e3, 2)}
+                    result["overlap_ratio"] = round(loop / computed, 4)
+                    # Past the first micro-batch (planning and the one fetch nothing can hide):
+                    later = sum(c for _, c in steps[1:])
+                    result["overlap_ratio_after_first"] = round((later + sum(waits[1:])) / later, 4)
             result["throughput_rows"] = speed
             big = [r["ratio"] for r in speed if r["slice_MiB"] >= 16]
             result["throughput_ratio"] = min(big) if big else None
@@ -285,7 +299,8 @@ def main(argv=None) -> None:
     goal = 0.8 if result["transport"] == "shm" else 0.9
     print(f"min stream vs baseline (slices >= 16 MiB): {result['throughput_ratio']}  (goal >= {goal})")
     print(f"overlap: {result['overlap']}")
-    print(f"overlap_ratio: {result['overlap_ratio']}  (goal <= 1.05)")
+    print(f"overlap_ratio: {result['overlap_ratio']}  (goal <= 1.05); after the first micro-batch: "
+          f"{result['overlap_ratio_after_first']}")
     if args.figures:
         for path in write_figures(trainer_memory_figure, result, args.figures):
             print(f"figure: {path}")

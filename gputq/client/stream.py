@@ -49,6 +49,10 @@ from gputq.kernels import widen_scatter
 __all__ = ["MicroBatch", "LayerRef", "MicroBatchStream"]
 
 
+#: Rows of each stored piece the empty-layer check looks at before it scans a layer whole.
+_FIRST_ROWS = 64
+
+
 class LayerRef:
     """One layer of one micro-batch for slime's ``RoutingReplay.record``, restored when first replayed.
 
@@ -123,8 +127,9 @@ class MicroBatchStream:
     On the host (``device="cpu"``, prefetch >= 2) a restore thread also
     widens the next micro-batch while the current one trains, into a second
     output buffer, since there the widen is CPU work that would otherwise
-    add to every step; it then keeps ``prefetch - 1`` compact buffers.
-    Either way the stream holds at most ``prefetch + 1`` micro-batch slices.
+    add to every step; with int32 IDs (compact as large as widened) it then
+    keeps ``prefetch - 1`` compact buffers. Either way the stream holds at
+    most ``prefetch + 1`` widened micro-batch slices.
 
     With ``hold=True`` the consumer releases each micro-batch itself
     (:meth:`MicroBatch.release`, after its backward in a pipeline schedule
@@ -159,8 +164,15 @@ class MicroBatchStream:
                 self._largest[fp.name] = (max(known, fp.out_elements), fp.restored)
         staging = max((p.nbytes for p in plans), default=0)
         self._lent = contextlib.ExitStack()
-        compact = min(prefetch - 1 if self._ahead else prefetch, len(plans))
         outputs = 2 if self._ahead else 1
+        compact = prefetch
+        if self._ahead:
+            # A second output buffer costs compact ones, within (prefetch + 1) slices: with narrow IDs
+            # (compact is half the widened bytes or less) it costs none, and a fetch never waits
+            # for the restore before it to give its buffer back.
+            room = (prefetch + 1 - outputs) * self._output_bytes
+            compact = max(prefetch - 1, min(prefetch, room // staging if staging else prefetch))
+        compact = min(compact, len(plans))
         for _ in range(compact):
             self._compact.put(reader._stream_staging(staging, plans, self._lent))
         for _ in range(outputs):
@@ -390,9 +402,12 @@ class MicroBatchStream:
             return
         on_host = self._reader._device == "cpu"
         for j, layer in enumerate(fp.layers):
-            for offset, rows in fp.data:
-                part = shaped[j, offset:offset + rows]
-                if bool(part.any() if on_host else self._reader._to_output(part).any()):
+            # Real routes are nonzero within a few tokens (top-k IDs are distinct): look at a few
+            # first, and scan whole only the layers that start with zeros.
+            for look in (_FIRST_ROWS, None):
+                if any(bool((part.any() if on_host else self._reader._to_output(part).any()))
+                       for part in (shaped[j, offset:offset + (rows if look is None else min(rows, look))]
+                                    for offset, rows in fp.data)):
                     break
             else:
                 raise LayoutError(f"micro-batch {plan.index} (samples {list(plan.samples)}): R3 of layer {layer} is "

@@ -15,6 +15,7 @@ into
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -144,10 +145,7 @@ def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, i
     for (unit, incarnation), entries in sorted(by_unit.items()):
         current = None
         for f, key, ref, runs, layers in entries:
-            item = np.dtype(ref.dtype).itemsize
-            major = layer_major(ref.row_shape)
-            row_bytes = (math.prod(ref.row_shape[1:]) if major else max(1, math.prod(ref.row_shape))) * item
-            align = row_bytes * 16 // math.gcd(row_bytes, 16)
+            item, major, row_bytes, align = _row_geometry(ref.dtype, ref.row_shape)
             spans_of_key = [(start, stop, offset, nbytes) for start, stop in runs
                             for offset, nbytes in blob_spans(ref.rows, ref.row_shape, item, start, stop,
                                                              layers if major else None)]
@@ -169,6 +167,15 @@ def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, i
             current.stop = cursor
             placed[f][(unit, key)] = [(start, stop, first_rows[start]) for start, stop in runs]
     return placed, cursor
+
+
+@functools.lru_cache(maxsize=64)
+def _row_geometry(dtype: str, row_shape: tuple) -> tuple[int, bool, int, int]:
+    """Item size, layer-major or not, bytes of one plan row, and the alignment a request starts on."""
+    item = np.dtype(dtype).itemsize
+    major = layer_major(row_shape)
+    row_bytes = (math.prod(row_shape[1:]) if major else math.prod(row_shape)) * item
+    return item, major, row_bytes, row_bytes * 16 // math.gcd(row_bytes, 16)
 
 
 def _source_row(placed: dict, ref: FieldRef, row: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ contiguous run per layer; other blobs are stored row after row.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -218,9 +219,9 @@ def blob_spans(rows: int, row_shape: Sequence[int], itemsize: int, start: int, s
     blobs one span, and take no ``layers``.
     """
     if not layer_major(row_shape):
-        row = int(np.prod(row_shape, dtype=np.int64)) * itemsize if row_shape else itemsize
+        row = math.prod(row_shape) * itemsize
         return [(start * row, (stop - start) * row)]
-    inner = int(np.prod(row_shape[1:], dtype=np.int64)) * itemsize
+    inner = math.prod(row_shape[1:]) * itemsize
     spans: list[tuple[int, int]] = []
     for layer in (range(row_shape[0]) if layers is None else layers):
         offset, nbytes = (layer * rows + start) * inner, (stop - start) * inner
