@@ -17,8 +17,10 @@ logprobs (it computes the loss). Three figures, each against its goal:
   together move the shard once: ``bytes_ratio_vs_whole_shard`` is their
   mean share, goal ``1 / (PP x CP)`` within 1%; each rank's bytes must
   equal the slice its spans name, exactly.
-- **memory**: peak RSS above its start of a fresh reader process (rank
-  dp0/pp0/cp0) at shard scales 1x, 2x and 4x, streamed and whole-shard;
+- **memory**: peak anonymous RSS (sampled every millisecond; a same-host
+  reader's mapped arena pages are the unit's) above its start of a fresh
+  reader process (rank dp0/pp0/cp0) at shard scales 1x, 2x and 4x,
+  streamed and whole-shard;
   ``peak_growth_4x`` is the streamed peak at 4x over 1x, goal <= 1.10.
   The shard at 1x is at least 4x the stream's buffers (checked).
 - **overlap**: the streamed loop over the largest shard with a compute
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -124,15 +127,26 @@ def _rss_child(conn, membership, config, shard, args, path: str) -> None:
     from gputq.client.clients import UnitClients
 
     with UnitClients(membership, config) as clients, Reader(clients, config) as reader:
-        start = _status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak (VmHWM) to the current RSS: the peak from here on
-        if path == "stream":
-            _stream_pass(reader, shard, args, 0, 0)
-        else:
-            reader.fetch(shard)
-        peak = _status_kib("VmHWM")
-    conn.send((peak - start) * 1024)
+        # Anonymous memory only: over shm the arena pages a reader touches count in its RSS too,
+        # yet they are the unit's (shared, never copied); sampled, since no counter keeps its peak.
+        start, peak, done = _status_kib("RssAnon"), [0], threading.Event()
+
+        def sample():
+            while not done.wait(0.001):
+                peak[0] = max(peak[0], _status_kib("RssAnon"))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            if path == "stream":
+                _stream_pass(reader, shard, args, 0, 0)
+            else:
+                reader.fetch(shard)
+            peak[0] = max(peak[0], _status_kib("RssAnon"))
+        finally:
+            done.set()
+            sampler.join()
+    conn.send((peak[0] - start) * 1024)
 
 
 def _status_kib(field: str) -> int:

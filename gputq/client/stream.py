@@ -44,7 +44,7 @@ from gputq.data.fields import sample_key_of
 from gputq.data.refs import uses_by_unit
 from gputq.data.slices import ParallelSlice, pad_block
 from gputq.errors import ClosedError, InvalidInputError, LayoutError, TransferError
-from gputq.kernels import widen_scatter
+from gputq.kernels import MappedSource, widen_scatter
 
 __all__ = ["MicroBatch", "LayerRef", "MicroBatchStream"]
 
@@ -143,6 +143,10 @@ class MicroBatchStream:
         self._reader, self._plans, self._depth, self._release = reader, plans, prefetch, release
         self._rank, self._hold = rank, hold
         self._ahead = reader._device == "cpu" and prefetch >= 2 and not hold
+        units = sorted({r.unit for plan in plans for r in plan.requests})
+        # Host restores from same-host arenas read the spans where they lie: no staging copy.
+        self._in_place = reader._device == "cpu" and bool(units) and all(
+            reader._clients.channel(unit).mapping is not None for unit in units)
         self._compact: queue.Queue = queue.Queue()
         self._outputs: queue.Queue = queue.Queue()
         self._fetches: dict[int, Future] = {}
@@ -214,7 +218,14 @@ class MicroBatchStream:
                     raise ClosedError("the stream was closed") from None
 
     def _fetch(self, plan: MicroPlan):
+        """A micro-batch's compact bytes: ``(compact buffer, None)``, or in place ``(buffer, (source, leases))``."""
         buffer = self._take(self._compact)
+        if self._in_place:
+            try:
+                return buffer, self._lease_in_place(plan)
+            except BaseException:
+                self._compact.put(buffer)
+                raise
         try:
             staging = buffer[:plan.nbytes]
             per_unit: dict[str, list] = {}
@@ -232,19 +243,62 @@ class MicroBatchStream:
         except BaseException:
             self._compact.put(buffer)
             raise
-        return buffer
+        return buffer, None
 
-    def _restore_ahead(self, plan: MicroPlan, fetch: Future):
-        buffer = fetch.result()
+    def _lease_in_place(self, plan: MicroPlan):
+        """Lease the micro-batch's spans where they lie in the mapped arenas; the restore reads them there.
+
+        Its leases are confirmed after the restore (an expired one raises
+        ``StaleReadError`` then): one pass over the compact bytes, no copy.
+        """
+        config = self._reader._config
+        leases = contextlib.ExitStack()
         try:
-            outputs = self._take(self._outputs)
-            try:
-                return self._restore(plan, buffer[:plan.nbytes], outputs), outputs
-            except BaseException:
-                self._outputs.put(outputs)
-                raise
+            starts, addresses, lengths = [], [], []
+            for r in plan.requests:
+                regions = leases.enter_context(self._reader._clients.channel(r.unit).mapped_source(
+                    r.keys, config.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
+                    device=False, ahead=False, spans=np.asarray(r.spans, dtype=np.int64).reshape(-1, 3))).tolist()
+                packed = r.start
+                for address, length in regions:
+                    starts.append(packed)
+                    addresses.append(address)
+                    lengths.append(length)
+                    packed += length
+                if packed != r.stop:
+                    raise TransferError(f"unit {r.unit} leased {packed - r.start} bytes for {len(r.keys)} keys' "
+                                        f"spans, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
+            return MappedSource(starts, addresses, lengths, plan.nbytes), leases
+        except BaseException:
+            leases.close()
+            raise
+
+    def _restored(self, plan: MicroPlan, fetched, outputs: dict) -> MicroBatch:
+        """Restore a fetched micro-batch into ``outputs``; its compact buffer goes back, its leases end."""
+        buffer, in_place = fetched
+        try:
+            if in_place is None:
+                return self._restore(plan, buffer[:plan.nbytes], outputs)
+            source, leases = in_place
+            with leases:  # confirmed once the restore read the mappings
+                return self._restore(plan, source, outputs)
         finally:
             self._compact.put(buffer)
+
+    def _restore_ahead(self, plan: MicroPlan, fetch: Future):
+        fetched = fetch.result()
+        try:
+            outputs = self._take(self._outputs)
+        except BaseException:
+            self._compact.put(fetched[0])
+            if fetched[1] is not None:
+                fetched[1][1].close()
+            raise
+        try:
+            return self._restored(plan, fetched, outputs), outputs
+        except BaseException:
+            self._outputs.put(outputs)
+            raise
 
     def _read_group(self, requests: list, staging) -> None:
         config = self._reader._config
@@ -285,16 +339,13 @@ class MicroBatchStream:
                 batch, outputs = self._restores.pop(plan.index).result()
                 self._fetches.pop(plan.index)
             else:
-                buffer = self._fetches.pop(plan.index).result()
+                fetched = self._fetches.pop(plan.index).result()
+                outputs = self._outputs.get_nowait() if not self._outputs.empty() else self._new_outputs()
                 try:
-                    outputs = self._outputs.get_nowait() if not self._outputs.empty() else self._new_outputs()
-                    try:
-                        batch = self._restore(plan, buffer[:plan.nbytes], outputs)
-                    except BaseException:
-                        self._outputs.put(outputs)
-                        raise
-                finally:
-                    self._compact.put(buffer)
+                    batch = self._restored(plan, fetched, outputs)
+                except BaseException:
+                    self._outputs.put(outputs)
+                    raise
         except BaseException:
             self.close()
             raise
@@ -433,6 +484,11 @@ class MicroBatchStream:
         for future in pending:
             future.cancel()
         wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)
+        for future in self._fetches.values():  # fetched in place, never restored: their leases end now
+            if future.done() and not future.cancelled() and future.exception() is None \
+                    and future.result()[1] is not None:
+                with contextlib.suppress(Exception):  # unread: an expired lease costs nothing here
+                    future.result()[1][1].close()
         self._fetches.clear()
         self._restores.clear()
         self._lent.close()
