@@ -17,7 +17,10 @@ steps of each token count this measures, in one run:
   sends: that is the documented backpressure, measured by the throughput
   table instead;
 - **throughput**: steps per second, bytes landed included, with 1 and 4
-  threads putting into one writer.
+  threads putting into one writer;
+- **layout**: what the stored layout costs the pass: R3 is stored
+  layer-major (so a pipeline stage's layers are one run each), and
+  ``canonicalize`` is timed both ways on the same step, interleaved.
 
 Expert steps are ``[T, 48, 8]`` int32 IDs below 128 stored as uint8,
 uint16 or int32; logprob steps are ``[T]`` float32. The units run in child
@@ -64,6 +67,7 @@ from gputq.client import writer as writer_module
 from gputq.client.clients import UnitClients
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
+from gputq.data.fields import canonicalize, routed_experts_spec, row_nbytes
 
 __all__ = ["main", "step_fields", "one_pass"]
 
@@ -191,6 +195,28 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
             "buffers": buffers}
 
 
+def layout_row(kind: str, tokens: int, rng, repeats: int = 9) -> dict:
+    """What the stored layout costs put's pass: the step canonicalised row after row and layer-major.
+
+    R3 is stored layer-major (a pipeline stage's layers are then one run
+    each); this times ``canonicalize`` both ways into the same buffer,
+    interleaved, on the caller's thread, as ``put`` runs it.
+    """
+    fields = step_fields(kind, tokens, rng)
+    experts = fields["routed_experts"]
+    spec = routed_experts_spec(LAYERS, TOPK, kind)
+    buffer = np.empty(experts.shape[0] * row_nbytes(spec), np.uint8)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats + 1):
+        for layer_major in (False, True):
+            started = time.perf_counter()
+            canonicalize("k", spec, experts, out=buffer, layer_major=layer_major)
+            times[layer_major].append(time.perf_counter() - started)
+    rows, layers = (statistics.median(times[k][1:]) for k in (False, True))  # the first of each warms up
+    return {"kind": kind, "tokens": tokens, "rows_ms": round(rows * 1e3, 3), "layer_major_ms": round(layers * 1e3, 3),
+            "layer_major/rows": round(layers / rows, 3)}
+
+
 def throughput_row(clients, config, kind: str, tokens: int, threads: int, steps: int, rng) -> dict:
     """Steps per second with ``threads`` threads putting into one writer, until all bytes landed."""
     fields = step_fields(kind, tokens, rng)
@@ -267,6 +293,7 @@ def run(args) -> dict:
             print(f"  [throughput] {threads} thread(s) ...", file=sys.stderr, flush=True)
             tput.append(throughput_row(clients, config, args.throughput_kind, args.throughput_tokens, threads,
                                        args.throughput_steps, rng))
+    layouts = [layout_row(k, t, rng) for k, t in todo if k != "logprobs"]
     steps = [r for r in rows if r["kind"] != "logprobs"] or rows
     small = [r for r in rows if r["kind"] == "logprobs"]
     summary = {"put_p50_vs_pass": max(r["p50/pass"] for r in steps),
@@ -275,7 +302,9 @@ def run(args) -> dict:
         summary |= {"logprobs_p50_vs_pass": max(r["p50/pass"] for r in small),
                     "logprobs_p99_vs_p50": max(r["p99/p50"] for r in small),
                     "logprobs_put_p50_us": max(r["put_p50_ms"] for r in small) * 1e3}
-    return {"rows": rows, "throughput": tput, "raw": raw, "summary": summary}
+    if layouts:
+        summary["layer_major_vs_rows"] = max(r["layer_major/rows"] for r in layouts)
+    return {"rows": rows, "throughput": tput, "layouts": layouts, "raw": raw, "summary": summary}
 
 
 def main(argv=None) -> int:
@@ -318,6 +347,11 @@ def main(argv=None) -> int:
         print()
         print_table(result["throughput"], ["kind", "tokens", "threads", "steps", "steps_per_s", "GB/s"])
         summary = result["summary"]
+        if result["layouts"]:
+            print()
+            print_table(result["layouts"], list(result["layouts"][0]))
+            print(f"  layer-major storage vs row after row, put's own pass (worst step): "
+                  f"{summary['layer_major_vs_rows']:.2f}x")
         print(f"  put_p50_vs_pass (worst expert step): {summary['put_p50_vs_pass']:.2f}  (goal <= 1.5)")
         print(f"  put_p99_vs_p50 (worst expert step): {summary['put_p99_vs_p50']:.2f}  (goal <= 3)")
         if "logprobs_put_p50_us" in summary:

@@ -593,23 +593,33 @@ _TRANSPOSE_ROWS = 512
 
 
 def _token_major_on_host(compact: np.ndarray, stage: _FieldStage, layouts, offsets, out: np.ndarray, fill) -> None:
-    """Widen a layer-major field's blobs straight into token-major ``out`` ``[total, L, ...]``, one pass."""
+    """Widen a layer-major field's blobs straight into token-major ``out`` ``[total, L, ...]``.
+
+    Chunk by chunk of tokens: the chunk's layer runs are gathered token-major
+    into a scratch chunk that stays in cache, a token's ``row_shape[1:]``
+    moved as one item (element by element a transposing copy runs at a
+    quarter of the speed), then widened into ``out`` in one contiguous cast.
+    """
     layers = stage.row_shape[0]
     inner = stage.width // layers
+    item = np.dtype((np.void, inner * stage.dtype.itemsize))
     flat = compact.reshape(-1)
     target = out.reshape(-1, layers, inner)
+    scratch = np.empty((_TRANSPOSE_ROWS, layers, inner), stage.dtype)
+    gathered = scratch.view(item).reshape(_TRANSPOSE_ROWS, layers)
     for layout, first in zip(layouts, offsets):
         cursor = 0
-        for frag in sorted(layout.fragments, key=lambda f: f.dst_row):
+        for frag in layout.fragments:  # sorted by target row
             if frag.dst_row > cursor:
                 target[first + cursor:first + frag.dst_row] = fill
             start = stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.width
-            blob = flat[start:start + layers * frag.ref.rows * inner].reshape(layers, frag.ref.rows, inner)
+            blob = flat[start:start + layers * frag.ref.rows * inner].view(item).reshape(layers, frag.ref.rows)
             for done in range(0, frag.rows, _TRANSPOSE_ROWS):
                 n = min(_TRANSPOSE_ROWS, frag.rows - done)
+                src = frag.src_row + done
+                np.copyto(gathered[:n], blob[:, src:src + n].T)
                 dst = first + frag.dst_row + done
-                np.copyto(target[dst:dst + n], blob[:, frag.src_row + done:frag.src_row + done + n].swapaxes(0, 1),
-                          casting="unsafe")
+                np.copyto(target[dst:dst + n], scratch[:n], casting="unsafe")
             cursor = frag.dst_row + frag.rows
         if cursor < layout.rows:
             target[first + cursor:first + layout.rows] = fill
