@@ -164,7 +164,7 @@ def trainer_memory_figure(result: dict, outdir: str) -> str:
         rows = [r for r in result["memory_rows"] if r["path"] == path]
         ax.plot([r["scale"] for r in rows], [r["peak_rss_MiB"] for r in rows], marker="o", label=label)
     ax.set_xlabel("shard size (x the 1x shard)")
-    ax.set_ylabel("peak RSS above start, MiB")
+    ax.set_ylabel("peak anonymous RSS above start, MiB")
     ax.set_title(f"rank dp0/pp0/cp0 of DP {result['dp']} x PP {result['pp']} x CP {result['cp']}, "
                  f"{result['transport']}")
     ax.legend()
