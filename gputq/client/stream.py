@@ -424,6 +424,11 @@ class MicroBatchStream:
             rows = staging.nbytes // (fp.width * fp.stored.itemsize)
             compact = staging[:rows * fp.width * fp.stored.itemsize].view(fp.stored)
             widen_scatter(compact, fp.plan, fp.width, out, fill=fp.fill, validate=False)
+        if self._reader._device != "cpu":
+            # The kernels ran on CuPy's stream; the pad rows and the check below go through torch's.
+            self._reader._synchronize()
+        for name, fp in plan.fields.items():
+            out = outputs[name][:fp.out_elements]
             if fp.layers:
                 shaped = out.reshape(len(fp.layers), fp.tokens, fp.width)
                 self._pad(fp, shaped)
@@ -432,8 +437,6 @@ class MicroBatchStream:
                 experts, layers = [to_output(shaped[j]) for j in range(len(fp.layers))], fp.layers
             else:
                 fields[name] = [to_output(out[a * fp.width:(a + n) * fp.width]) for a, n in fp.sample_rows]
-        if self._reader._device != "cpu":
-            self._reader._synchronize()
         return MicroBatch(plan.index, plan.samples, layers, experts, {sample_key_of(n): v for n, v in fields.items()},
                           self)
 
