@@ -67,6 +67,8 @@ class FieldPlan:
 
 @dataclass
 class MicroPlan:
+    """One micro-batch: its shard positions, its reads (``nbytes`` of staging) and each field's plan."""
+
     index: int
     samples: tuple
     requests: list
