@@ -13,7 +13,7 @@ from gputq.errors import TransferError
 from gputq.kernels import MappedSource
 from gputq.transport import arena_copies
 
-__all__ = ["mapped_staging"]
+__all__ = ["mapped_staging", "mapped_here", "add_leased"]
 
 
 def mapped_staging(reader, requests: list, nbytes: int, stats, lent: contextlib.ExitStack, *,
@@ -40,7 +40,7 @@ def mapped_staging(reader, requests: list, nbytes: int, stats, lent: contextlib.
     """
     on_device = reader._device != "cpu"
     channels = {r.unit: reader._clients.channel(r.unit) for r in requests}
-    if not channels or not all(_mapped_here(channel, on_device) for channel in channels.values()):
+    if not channels or not all(mapped_here(channel, on_device) for channel in channels.values()):
         return None
     in_place = nbytes <= reader._config.zero_copy_max_bytes
     with contextlib.ExitStack() as copied:  # the leases of a copy end with it, before the restore
@@ -52,15 +52,7 @@ def mapped_staging(reader, requests: list, nbytes: int, stats, lent: contextlib.
             regions = leases.enter_context(channels[r.unit].mapped_source(
                 r.keys, reader._config.read_timeout_s, generations=r.generations,
                 incarnation=r.incarnation or None, device=on_device and in_place, ahead=ahead)).tolist()
-            packed = r.start
-            for address, length in regions:
-                starts.append(packed)
-                addresses.append(address)
-                lengths.append(length)
-                packed += length
-            if packed != r.stop:
-                raise TransferError(f"unit {r.unit} leased {packed - r.start} bytes for {len(r.keys)} "
-                                    f"keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
+            add_leased(r, regions, starts, addresses, lengths)
             stats.unique_keys += len(r.keys)
             stats.unique_keys_per_unit[r.unit] = stats.unique_keys_per_unit.get(r.unit, 0) + len(r.keys)
             stats.bytes_fetched += r.stop - r.start
@@ -71,7 +63,24 @@ def mapped_staging(reader, requests: list, nbytes: int, stats, lent: contextlib.
                                 arena_copies.device_copy_runs if on_device else arena_copies.copy_runs)
 
 
-def _mapped_here(channel, on_device: bool) -> bool:
+def add_leased(request, regions: list, starts: list, addresses: list, lengths: list) -> None:
+    """Append a read's leased ``regions`` (address, length) at its staging bytes ``[start, stop)``.
+
+    Raises ``TransferError`` when the unit leased another byte count than
+    the read names (its keys', or its spans').
+    """
+    packed = request.start
+    for address, length in regions:
+        starts.append(packed)
+        addresses.append(address)
+        lengths.append(length)
+        packed += length
+    if packed != request.stop:
+        raise TransferError(f"unit {request.unit} leased {packed - request.start} bytes for {len(request.keys)} "
+                            f"keys, expected {request.stop - request.start}", unit=request.unit, keys=request.keys)
+
+
+def mapped_here(channel, on_device: bool) -> bool:
     """Whether ``channel`` (a :class:`~gputq.client.clients.UnitChannel`) lends its unit's arena
     here: never for tcp or rdma, nor while the unit is lost (its reads then name their keys)."""
     if on_device:

@@ -276,9 +276,8 @@ class Reader(Closeable):
     def _stream_staging(self, nbytes: int, plans, lent: contextlib.ExitStack):
         """A compact buffer of a stream: registered memory when every unit it reads is over rdma."""
         units = sorted({r.unit for plan in plans for r in plan.requests})
-        if self._device == "cpu" and units and {self._clients.transport_of(u)[0] for u in units} == {"rdma"}:
-            return lent.enter_context(get_transport("rdma").destination(nbytes))
-        return self._lend(nbytes, lent)
+        registered = self._registered(nbytes, units, lent)
+        return self._lend(nbytes, lent) if registered is None else registered
 
     def _lend(self, nbytes: int, lent: contextlib.ExitStack):
         """A buffer of at least ``nbytes`` for a stream, given back when ``lent`` closes.
@@ -368,11 +367,15 @@ class Reader(Closeable):
     def _staging_buffer(self, nbytes: int, units, lent: contextlib.ExitStack):
         """Where a shard's blobs land: transport-registered memory when every unit is read
         over a zero-copy transport (rdma), else this reader's reusable buffer."""
-        if self._device == "cpu" and units:
-            transports = {self._clients.transport_of(unit)[0] for unit in units}
-            if transports == {"rdma"}:
-                return lent.enter_context(get_transport("rdma").destination(nbytes))
-        return self._own_staging(nbytes)
+        registered = self._registered(nbytes, units, lent)
+        return self._own_staging(nbytes) if registered is None else registered
+
+    def _registered(self, nbytes: int, units, lent: contextlib.ExitStack):
+        """The rdma transport's registered memory, lent until ``lent`` closes, when every unit of ``units``
+        is read over rdma into host memory (its READs then land with no copy); else None."""
+        if self._device == "cpu" and units and {self._clients.transport_of(u)[0] for u in units} == {"rdma"}:
+            return lent.enter_context(get_transport("rdma").destination(nbytes))
+        return None
 
     def _read_all(self, requests: list[_Request], nbytes: int, stats: FetchStats, lent: contextlib.ExitStack):
         staging = self._staging_buffer(nbytes, sorted({r.unit for r in requests}), lent)

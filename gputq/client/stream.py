@@ -39,6 +39,7 @@ from typing import Iterator
 
 import numpy as np
 
+from gputq.client.in_place import add_leased, mapped_here
 from gputq.client.stream_plan import FieldPlan, MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.refs import uses_by_unit
@@ -146,7 +147,7 @@ class MicroBatchStream:
         units = sorted({r.unit for plan in plans for r in plan.requests})
         # Host restores from same-host arenas read the spans where they lie: no staging copy.
         self._in_place = reader._device == "cpu" and bool(units) and all(
-            reader._clients.channel(unit).mapping is not None for unit in units)
+            mapped_here(reader._clients.channel(unit), False) for unit in units)
         self._compact: queue.Queue = queue.Queue()
         self._outputs: queue.Queue = queue.Queue()
         self._fetches: dict[int, Future] = {}
@@ -258,16 +259,8 @@ class MicroBatchStream:
             for r in plan.requests:
                 regions = leases.enter_context(self._reader._clients.channel(r.unit).mapped_source(
                     r.keys, config.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
-                    device=False, ahead=False, spans=np.asarray(r.spans, dtype=np.int64).reshape(-1, 3))).tolist()
-                packed = r.start
-                for address, length in regions:
-                    starts.append(packed)
-                    addresses.append(address)
-                    lengths.append(length)
-                    packed += length
-                if packed != r.stop:
-                    raise TransferError(f"unit {r.unit} leased {packed - r.start} bytes for {len(r.keys)} keys' "
-                                        f"spans, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
+                    device=False, ahead=False, spans=r.spans)).tolist()
+                add_leased(r, regions, starts, addresses, lengths)
             return MappedSource(starts, addresses, lengths, plan.nbytes), leases
         except BaseException:
             leases.close()
@@ -305,11 +298,10 @@ class MicroBatchStream:
         for r in requests:
             dest = staging[r.start:r.stop]
             channel = self._reader._clients.channel(r.unit)
-            spans = np.asarray(r.spans, dtype=np.int64).reshape(-1, 3)
             lengths = channel.read(r.keys, dest, timeout=config.read_timeout_s, generations=r.generations,
-                                   incarnation=r.incarnation or None, spans=spans)
+                                   incarnation=r.incarnation or None, spans=r.spans)
             if sum(lengths) != r.stop - r.start:
-                raise TransferError(f"unit {r.unit} returned {sum(lengths)} bytes for {len(spans)} spans of "
+                raise TransferError(f"unit {r.unit} returned {sum(lengths)} bytes for {len(r.spans)} spans of "
                                     f"{len(r.keys)} keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
 
     # -- consuming ---------------------------------------------------------------------

@@ -43,7 +43,7 @@ class SpanRequest:
     stop: int = 0
     keys: list = field(default_factory=list)
     generations: list = field(default_factory=list)
-    spans: list = field(default_factory=list)  # (key index, offset, nbytes)
+    spans: list = field(default_factory=list)  # (key index, offset, nbytes); int64 [m, 3] once planned
 
 
 @dataclass
@@ -324,6 +324,8 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
         placed, cursor = _place([(needs, fp.layers) for fp, _, _, needs in work], requests, max_bytes)
         for (fp, frags, gaps, _), where in zip(work, placed):
             fp.plan = _kernel_plan(fp, frags, gaps, where)
+        for request in requests:  # as every read of every pass sends them
+            request.spans = np.asarray(request.spans, dtype=np.int64).reshape(-1, 3)
         plans.append(MicroPlan(m, tuple(batch), requests, -(-cursor // 16) * 16, planned, [shard[i] for i in batch]))
     return plans
 

@@ -261,16 +261,17 @@ class Writer(Closeable):
         """
         if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
             raise InvalidInputError(f"readers must be an int >= 1, got {readers!r}")
-        uses = {unit: keys * readers for unit, keys in uses_by_unit(samples).items()}
-        self.wait([key for keys in uses.values() for key in keys])
+        uses = uses_by_unit(samples)
+        written = {key for keys in uses.values() for key in keys}
+        self.wait(sorted(written))
         with self._cond:
-            failed = sorted({key for keys in uses.values() for key in keys} & set(self._failures))
+            failed = sorted(written & set(self._failures))
         if failed:
             raise TransferError(f"cannot finalize: writes of {failed[:8]} failed", keys=failed)
         timeout = self._config.control_timeout_s
 
         def finalize_on(unit: str) -> int:
-            channel, keys = self._clients.channel(unit), uses[unit]
+            channel, keys = self._clients.channel(unit), uses[unit] * readers
             # Segment references first: the count never touches zero in between.
             channel.call("add_ref", timeout=timeout, keys=keys, partition=partition)
             written = sorted(set(keys))
