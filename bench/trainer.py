@@ -35,12 +35,17 @@ the rank's slice, paired with the strongest honest baseline of its
 transport, timed just before each pass over the same bytes: a plain socket
 from a child process (tcp, rdma), a memcpy on as many threads as the stream
 uses (shm: its fetch and restore threads). Goals: >= 0.9x the socket over
-tcp, >= 0.8x the memcpy over shm, for shards (rank slices) >= 16 MiB.
+tcp, >= 0.8x the memcpy over shm, for shards (rank slices) >= 16 MiB. Each
+side also reports the cores its processes kept busy (``stream_cores``,
+``baseline_cores``) and the stream's CPU per byte against the baseline's:
+what a miss is spent on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import multiprocessing
 import statistics
 import threading
@@ -173,29 +178,60 @@ def _peak_rss(clients, config, shard, args, path: str) -> int:
 
 # -- baselines -------------------------------------------------------------------------
 
+def _cpu_seconds() -> float:
+    """CPU seconds so far of this process and its live children (the units, the socket baseline's server)."""
+    total = time.process_time()
+    for child in multiprocessing.active_children():
+        # Linux's process-wide CPU clock of another process: (~pid << 3) | CPUCLOCK_SCHED. One call each,
+        # in ns, where /proc/<pid>/stat counts clock ticks (10 ms: a pass takes tens).
+        with contextlib.suppress(OSError):  # a child that just exited
+            total += time.clock_gettime(((~child.pid) << 3) | 2)
+    return total
+
+
+def _on_cores(work) -> tuple[float, float]:
+    """``work()``'s wall seconds and the cores it kept busy meanwhile, all the bench's processes together."""
+    cpu, started = _cpu_seconds(), time.perf_counter()
+    work()
+    wall = time.perf_counter() - started
+    return wall, (_cpu_seconds() - cpu) / wall
+
+
 def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
-    """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes."""
+    """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes.
+
+    Each also reports the cores it kept busy (this process and the units'
+    or the socket server's, from /proc): where both sides use every core,
+    a ratio below 1 is CPU the stream spends beyond the baseline's.
+    """
     _, nbytes, _ = _stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
     per_mb = -(-nbytes // len(_micro_batches(len(shard), args.mb_samples)))
     loops, base = [], []
+    stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
     if transport == "shm":
         src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
         for _ in range(repeats):
-            base.append(threaded_memcpy(dst, src, 2))
-            loops.append(_stream_pass(reader, shard, args, 0, 0)[0])
+            base.append(_on_cores(lambda: threaded_memcpy(dst, src, 2)))
+            loops.append(_on_cores(stream_pass))
         baseline = "memcpy x2 threads"
     else:
         with SocketBaseline(per_mb) as socket:
             socket.read(per_mb)
             for _ in range(repeats):
-                base.append(sum(socket.read(min(per_mb, nbytes - off)) for off in range(0, nbytes, per_mb)))
-                loops.append(_stream_pass(reader, shard, args, 0, 0)[0])
+                base.append(_on_cores(lambda: [socket.read(min(per_mb, nbytes - off))
+                                               for off in range(0, nbytes, per_mb)]))
+                loops.append(_on_cores(stream_pass))
         baseline = "plain socket"
-    ratio = statistics.median(b / t for b, t in zip(base, loops))
+    ratio = statistics.median(b / t for (b, _), (t, _) in zip(base, loops))
+    base_s, loop_s = statistics.median(b for b, _ in base), statistics.median(t for t, _ in loops)
     return {"slice_MiB": round(nbytes / _MIB, 1), "baseline": baseline,
-            "baseline_GBps": round(gbps(nbytes, statistics.median(base)), 2),
-            "stream_GBps": round(gbps(nbytes, statistics.median(loops)), 2), "ratio": round(ratio, 3),
-            "loop_s": statistics.median(loops)}
+            "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(
+                statistics.median(c for _, c in base), 2),
+            "stream_GBps": round(gbps(nbytes, loop_s), 2),
+            "stream_cores": round(statistics.median(c for _, c in loops), 2), "ratio": round(ratio, 3),
+            "cpu_per_byte_vs_baseline": round(
+                statistics.median(c for _, c in loops) * loop_s / (statistics.median(c for _, c in base) * base_s), 2),
+            "loop_s": loop_s}
 
 
 def run(args) -> dict:

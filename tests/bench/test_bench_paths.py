@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -50,6 +51,9 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
     paths = {(r["scale"], r["path"]) for r in out["memory_rows"]}
     assert paths == {(1, "stream"), (1, "whole"), (2, "stream"), (2, "whole")}
     assert out["overlap_ratio"] > 0 and out["peak_growth_4x"] > 0
+    for row in out["throughput_rows"]:  # the cores each side kept busy: the miss reason on a CPU-bound box
+        assert 0 < row["stream_cores"] <= os.cpu_count() + 0.5 and 0 < row["baseline_cores"] <= os.cpu_count() + 0.5
+        assert row["cpu_per_byte_vs_baseline"] > 0
 
 
 @pytest.mark.slow
