@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import platform
@@ -38,6 +39,7 @@ __all__ = [
     "Progress",
     "progress_range",
     "remote_units",
+    "digest",
 ]
 
 
@@ -73,6 +75,16 @@ def threaded_memcpy(dst, src, threads: int) -> float:
 
 
 _copy_pool: ThreadPoolExecutor | None = None
+
+
+def digest(fields: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over every array of ``fields`` (name, dtype, shape and bytes): equal digests, equal data."""
+    h = hashlib.sha256()
+    for name in sorted(fields):
+        array = np.ascontiguousarray(fields[name])
+        h.update(f"{name}{array.dtype.str}{array.shape}".encode())
+        h.update(array.data)
+    return h.hexdigest()
 
 
 def gbps(nbytes: int, seconds: float) -> float:

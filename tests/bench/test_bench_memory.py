@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from bench.memory import MASTER, Rollout, process_memory, rollout_plan, summarise
+from bench.memory import MASTER, Rollout, rollout_plan
+from bench.memsample import process_memory, summarise
 from gputq.tools.synthetic import SyntheticConfig
 from gputq.unit.arena import Arena
 
@@ -36,7 +37,7 @@ def test_summarise_takes_data_above_idle_and_the_peak_of_the_sum():
         (1.0, {"proxy": 150, "su-0": 1100, "su-0:arena": 1000, "object_store": 40}),
         (2.0, {"proxy": 110, "su-0": 1120, "su-0:arena": 1000, "object_store": 60}),
     ]
-    out = summarise(_Sampler(samples), ["proxy", "su-0", "object_store"], baseline_until=0.5)
+    out = summarise(_Sampler(samples), ["proxy", "su-0", "object_store"], baseline_until=0.5, group=MASTER)
     assert out["components"]["proxy"] == {"raw": 150, "data": 50, "baseline": 100}
     assert out["components"]["su-0"]["data"] == 1020  # arena whole + 20 above the idle rest
     # per sample: 50 + 1000 + 40 = 1090 at t=1, 10 + 1020 + 60 = 1090 at t=2
