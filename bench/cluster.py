@@ -31,7 +31,16 @@ import socket
 import sys
 import time
 
-from bench.common import add_json_flag, digest, emit_json, gbps, print_header, print_table
+from bench.common import (
+    add_json_flag,
+    add_rollout_flags,
+    digest,
+    emit_json,
+    gbps,
+    print_header,
+    print_table,
+    synthetic_config,
+)
 
 __all__ = ["TrainerRank", "as_promised", "job", "main"]
 
@@ -68,15 +77,6 @@ class TrainerRank:
         self._clients.close()
 
 
-def _synthetic(args):
-    from gputq.tools.synthetic import SyntheticConfig
-
-    return SyntheticConfig(sessions=args.sessions, steps_per_session=args.steps, layers=args.layers,
-                           topk=args.topk, num_experts=args.experts, prompt_tokens=args.tokens // 2,
-                           tokens_per_step=args.tokens, tool_tokens=args.tokens // 8, rewrite_prob=0.2,
-                           seed=args.seed)
-
-
 def _expected(cfg) -> dict:
     """Each segment's digest on the path without offload (its fields inline)."""
     from gputq.data.fields import FieldRegistry
@@ -89,6 +89,7 @@ def _expected(cfg) -> dict:
 
 def job(args) -> dict:
     """The job on host 0 of a running cluster (``args.ray_address``): deploy, write, fetch, check, release."""
+    from bench.hosts import wait_nodes
     from gputq.client.writer import Writer
     from gputq.cluster.deploy import Deployment
     from gputq.cluster.names import import_ray
@@ -97,13 +98,11 @@ def job(args) -> dict:
     from gputq.data.trajectory import Segment, lineage_segments
     from gputq.tools.synthetic import build_sessions
 
-    from bench.hosts import wait_nodes
-
     ray = import_ray()
     started = time.monotonic()
     ray.init(address=args.ray_address, log_to_driver=False)
     nodes_up = wait_nodes(ray, args.hosts, 120) - started
-    cfg = _synthetic(args)
+    cfg = synthetic_config(args, args.sessions)
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=args.dtype,
                          transport="auto", unit_capacity_bytes=args.capacity_mib * _MIB)
     timings = {"nodes_alive_s": nodes_up}
@@ -184,21 +183,15 @@ def _ok(result: dict) -> bool:
 
 
 def main(argv=None) -> None:
-    from bench.hosts import driver, unavailable
+    from bench.hosts import bench_on_hosts
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, default=3, help="hosts to build (one Ray node and unit each)")
-    parser.add_argument("--sessions", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=1024, help="mean output tokens per model call")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=128)
+    add_rollout_flags(parser, sessions=6, steps=3, tokens=1024)
     parser.add_argument("--dtype", choices=("uint8", "uint16", "int32"), default="uint16",
                         help="stored expert-ID dtype (restored as int32)")
     parser.add_argument("--capacity-mib", type=int, default=128, help="each unit's arena")
-    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--limit-s", type=float, default=300, help="the job's wall-clock limit")
     parser.add_argument("--ray-address", help=argparse.SUPPRESS)  # set for the job on host 0
     add_json_flag(parser)
@@ -211,19 +204,11 @@ def main(argv=None) -> None:
     print_header("the whole path across hosts", hosts=args.hosts, sessions=args.sessions, steps=args.steps,
                  tokens=args.tokens, row=f"L={args.layers} K={args.topk}", dtype=args.dtype,
                  transport="auto", cpus=os.cpu_count())
-    reason = unavailable()
-    if reason is not None:
-        print(f"skipped: {reason}")
-        if args.json:
-            emit_json({"bench": "cluster", "skipped": reason})
+    # tmpfs pages count only when written: room for the arena and Ray's store on every host
+    result = bench_on_hosts("cluster", args.hosts, argv, json_line=args.json, limit_s=args.limit_s,
+                            shm_bytes=(args.capacity_mib + 256) * _MIB, object_store_bytes=128 * _MIB)
+    if result is None:
         return
-    try:
-        # tmpfs pages count only when written: room for the arena and Ray's store on every host
-        result = driver(args.hosts, "bench.cluster", argv, limit_s=args.limit_s,
-                        shm_bytes=(args.capacity_mib + 256) * _MIB, object_store_bytes=128 * _MIB)
-    except KeyboardInterrupt:
-        print("interrupted: the hosts are torn down", file=sys.stderr)
-        sys.exit(130)
     result.update(bench="cluster", transports_as_promised=as_promised(result))
     result["verified"] = _ok(result)
     _report(result)

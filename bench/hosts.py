@@ -48,7 +48,7 @@ import time
 from typing import Sequence
 
 __all__ = ["Hosts", "unavailable", "netns_names", "start_ray", "ray_env", "wait_nodes", "ray_logs", "driver",
-           "processes_naming", "ray_pointer", "ROOT", "GCS_PORT"]
+           "processes_naming", "ray_pointer", "bench_on_hosts", "ROOT", "GCS_PORT"]
 
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
 _KILL_S = 10.0
@@ -372,6 +372,7 @@ def driver(n: int, module: str, argv: Sequence[str], *, limit_s: float, shm_byte
     started = time.monotonic()
     with Hosts(n, shm_bytes) as hosts:
         built = time.monotonic()
+        print(f"bench.hosts: {n} hosts up, tag {hosts.tag}, temp folder {hosts.tmp}", file=sys.stderr, flush=True)
         env = start_ray(hosts, object_store_bytes=object_store_bytes)
         done = hosts.run(0, [sys.executable, "-m", module, *argv, "--ray-address", f"{hosts.addresses[0]}:{GCS_PORT}"],
                          limit_s, cwd=ROOT, env=env, stderr=None)
@@ -385,6 +386,26 @@ def driver(n: int, module: str, argv: Sequence[str], *, limit_s: float, shm_byte
     result["leftovers"] = {**hosts.leftovers(), "ray_processes": processes_naming(tmp),
                            "ray_pointer": [] if ray_pointer() == pointer else [pointer[0]]}
     return result
+
+
+def bench_on_hosts(bench: str, n: int, argv: Sequence[str], *, json_line: bool, **kwargs) -> dict | None:
+    """:func:`driver` for ``python -m bench.<bench>``'s main: its job's result, torn down.
+
+    Where hosts cannot be built it prints why (and, with ``json_line``, a
+    ``{"bench", "skipped"}`` JSON line) and returns ``None``. Ctrl-C tears
+    the hosts down, then exits with status 130. ``kwargs`` go to :func:`driver`.
+    """
+    reason = unavailable()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        if json_line:
+            print(json.dumps({"bench": bench, "skipped": reason}), flush=True)
+        return None
+    try:
+        return driver(n, f"bench.{bench}", argv, **kwargs)
+    except KeyboardInterrupt:
+        print("interrupted: the hosts are torn down", file=sys.stderr)
+        sys.exit(130)
 
 
 def ray_pointer() -> tuple[str, int | None]:

@@ -55,7 +55,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bench.common import Progress, add_json_flag, digest, emit_json, print_header, print_table
+from bench.common import (
+    Progress,
+    add_json_flag,
+    add_rollout_flags,
+    digest,
+    emit_json,
+    print_header,
+    print_table,
+    synthetic_config,
+)
 from bench.memsample import MemorySampler, summarise
 
 __all__ = ["MASTER", "Rollout", "rollout_plan", "calibration", "run", "main"]
@@ -373,13 +382,7 @@ def host_shares(runs: list[dict], central: dict, hosts: int) -> dict:
 
 
 def _rollout(args) -> Rollout:
-    from gputq.tools.synthetic import SyntheticConfig
-
-    tokens = args.tokens
-    synth = SyntheticConfig(sessions=1, steps_per_session=args.steps, layers=args.layers, topk=args.topk,
-                            num_experts=args.experts, prompt_tokens=tokens // 2, tokens_per_step=tokens,
-                            tool_tokens=tokens // 8, branch_prob=0.0, rewrite_prob=0.2, seed=args.seed)
-    return Rollout(sessions=max(1, int(round(args.sessions * args.scale))), synth=synth)
+    return Rollout(sessions=max(1, int(round(args.sessions * args.scale))), synth=synthetic_config(args, 1))
 
 
 def _store_bytes(r3_int32: int) -> int:
@@ -460,15 +463,15 @@ def run(args) -> dict:
     return result
 
 
-def _on_hosts(args, argv: list[str]) -> dict:
-    """Build ``args.hosts`` hosts, run this benchmark's job on host 0, tear them down; its result."""
-    from bench.hosts import driver
+def _on_hosts(args, argv: list[str]) -> dict | None:
+    """Build ``args.hosts`` hosts, run this benchmark's job on host 0, tear them down; its result (None: skipped)."""
+    from bench.hosts import bench_on_hosts
 
     r3_int32 = rollout_plan(_rollout(args), ["su-0"], "int32")["r3_int32"]
     store = _store_bytes(r3_int32)
     # Each host's /dev/shm holds its object store and its unit's arena (tmpfs: only written pages count).
-    return driver(args.hosts, "bench.memory", argv, limit_s=args.limit_s, shm_bytes=store + r3_int32 + 256 * _MIB,
-                  object_store_bytes=store)
+    return bench_on_hosts("memory", args.hosts, argv, json_line=args.json, limit_s=args.limit_s,
+                          shm_bytes=store + r3_int32 + 256 * _MIB, object_store_bytes=store)
 
 
 def _print(result: dict) -> None:
@@ -511,14 +514,8 @@ def main(argv=None) -> None:
                         help="every unit's arena in the fixed-capacity runs; 0 skips them "
                              "(default: the config's unit_capacity_bytes)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the number of sessions")
-    parser.add_argument("--sessions", type=int, default=48)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=640, help="mean output tokens per model call")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=128)
+    add_rollout_flags(parser, sessions=48, steps=4, tokens=640)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="tcp")
     parser.add_argument("--interval", type=float, default=0.05, help="seconds between samples")
     parser.add_argument("--idle", type=float, default=1.0, help="idle seconds sampled for each baseline")
@@ -544,19 +541,9 @@ def main(argv=None) -> None:
                  transport=args.transport, fixed_capacity_MiB=args.fixed_capacity_mib if not args.hosts else "-",
                  hosts=f"{args.hosts} namespace hosts, a Ray node each" if args.hosts else "one machine")
     if args.hosts:
-        from bench.hosts import unavailable
-
-        reason = unavailable()
-        if reason is not None:
-            print(f"skipped: {reason}")
-            if args.json:
-                emit_json({"bench": "memory", "skipped": reason})
+        result = _on_hosts(args, argv)
+        if result is None:
             return
-        try:
-            result = _on_hosts(args, argv)
-        except KeyboardInterrupt:
-            print("interrupted: the hosts are torn down", file=sys.stderr)
-            sys.exit(130)
     else:
         result = run(args)
     _print(result)

@@ -272,7 +272,8 @@ def exposure(address: dict, token: str, flood: int, rounds: int) -> dict:
     result["without_hello"] = _raw_attempts(host, port)
     with UnitClients({unit: address}, config) as clients:
         after = clients.channel(unit).call("stats", timeout=10)
-    result["stats_unchanged"] = {k: (before[k], after[k]) for k in ("keys", "used", "reads", "bytes_read", "puts", "bytes_written")}
+    counters = ("keys", "used", "reads", "bytes_read", "puts", "bytes_written")
+    result["stats_unchanged"] = {k: (before[k], after[k]) for k in counters}
 
     stop, counts = threading.Event(), {"opened": 0, "closed_by_unit": 0}
     flooder = threading.Thread(target=_flood, args=(host, port, flood, stop, counts), daemon=True)

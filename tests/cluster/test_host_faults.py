@@ -18,8 +18,8 @@ import time
 import pytest
 
 from bench.faults import UnitProcess
-from gputq.config import GputqConfig
 from bench.hosts import ROOT, Hosts, unavailable
+from gputq.config import GputqConfig
 from tests.cluster.probe import on_host
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),

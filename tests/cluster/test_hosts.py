@@ -17,9 +17,9 @@ import tempfile
 import pytest
 
 from bench.faults import UnitProcess
+from bench.hosts import ROOT, Hosts, netns_names, unavailable
 from gputq.config import GputqConfig
 from gputq.transport.policy import nixl_import_error
-from bench.hosts import ROOT, Hosts, netns_names, unavailable
 from tests.cluster.probe import on_host
 from tests.sockets import listening_sockets
 

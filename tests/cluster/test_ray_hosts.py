@@ -18,7 +18,16 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray not installed (pip install 'gputq[ray]')")
 
-from bench.hosts import GCS_PORT, ROOT, Hosts, processes_naming, ray_logs, ray_pointer, start_ray, unavailable  # noqa: E402
+from bench.hosts import (  # noqa: E402
+    GCS_PORT,
+    ROOT,
+    Hosts,
+    processes_naming,
+    ray_logs,
+    ray_pointer,
+    start_ray,
+    unavailable,
+)
 from tests.cluster.ray_driver import MARK  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
