@@ -122,9 +122,8 @@ def job(args) -> dict:
         put_s = time.perf_counter() - put_started
         samples = [(seg.segment_id, seg.to_sample()) for seg in segments]
         expected = _expected(cfg)
-        hosts = [f"host{i}" for i in range(1, args.hosts)] or ["host0"]
         rank = ray.remote(num_cpus=0)(TrainerRank)
-        ranks = [rank.options(resources={h: 0.01}).remote(membership, config) for h in hosts]
+        ranks = [rank.options(resources={f"host{i}": 0.01}).remote(membership, config) for i in range(1, args.hosts)]
         shards = [[(i, Segment.from_sample(s).layouts) for i, s in samples[r::len(ranks)]]
                   for r in range(len(ranks))]
         try:
@@ -153,7 +152,7 @@ def _report(result: dict) -> None:
     print_table(pairs, ["reader", "unit", "unit_host", "transport", "why"])
     rows = [{"phase": "Ray nodes alive (from the job's start)", "s": result["timings"]["nodes_alive_s"]},
             {"phase": "deployment (controller + a unit per host)", "s": result["timings"]["deploy_s"]},
-            {"phase": "put: the writer on host 0, every step", "s": result["put_s"],
+            {"phase": "write: the writer on host 0 (generation included)", "s": result["put_s"],
              "MiB": result["stored_bytes"] / _MIB, "GB/s": gbps(result["stored_bytes"], result["put_s"])}]
     for rank in result["ranks"]:
         for kind in ("cold", "warm"):

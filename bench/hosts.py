@@ -6,8 +6,8 @@ hostname (a UTS namespace) and its own ``/dev/shm`` (a tmpfs in a private
 mount namespace). A small init process per host holds those namespaces;
 every process started on the host (:meth:`Hosts.popen`) enters all three,
 so processes of one host share its /dev/shm as on a real machine. The
-bridge sits in a namespace of its own, the *switch*, so
-nothing of the harness touches the machine's own network stack: traffic
+bridge sits in a namespace of its own, the *switch*, so nothing of the
+harness touches the machine's own network stack: traffic
 flows only between namespaces the harness made, and deleting them deletes
 every veth with them. Cutting a host's link (:meth:`Hosts.cut`) downs its
 port on the switch; :meth:`Hosts.partition` cuts two hosts apart only;
@@ -31,7 +31,13 @@ driver). Every Ray process of the cluster keeps its files, its
 default ``/tmp/ray`` is neither read nor written, and no other Ray user of
 the machine is disturbed. Nodes go with the hosts (every process in their
 namespaces is killed by id), never with ``ray stop``, which would stop
-every Ray of the machine. :func:`driver` runs a job on host 0, the master.
+every Ray of the machine.
+
+:func:`driver` builds the hosts, starts Ray on them, runs a job (a
+benchmark's own module) on host 0, the master, and tears all down;
+:func:`bench_on_hosts` wraps it for a benchmark's ``main`` (skip with the
+reason, Ctrl-C). The tests in ``tests/cluster`` and ``python -m bench.cluster``
+and ``python -m bench.memory --hosts N`` share this one harness.
 """
 
 from __future__ import annotations
