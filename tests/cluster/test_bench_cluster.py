@@ -6,6 +6,7 @@ on host 0; what it prints last is checked here value by value.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -19,6 +20,8 @@ from bench import cluster
 from bench.hosts import ROOT, netns_names, processes_naming, ray_pointer, unavailable
 
 _TINY = ["--sessions", "2", "--steps", "2", "--tokens", "128", "--layers", "4", "--topk", "2", "--capacity-mib", "16"]
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray not installed (pip install 'gputq[ray]')")
 needs_hosts = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 
@@ -45,6 +48,7 @@ def _check(out: dict, hosts: int) -> None:
 
 
 @needs_hosts
+@needs_ray
 @pytest.mark.ray
 @pytest.mark.timeout(120)
 def test_two_hosts_restore_bit_exact_over_shm_and_tcp_and_leave_nothing():
@@ -55,6 +59,7 @@ def test_two_hosts_restore_bit_exact_over_shm_and_tcp_and_leave_nothing():
 
 
 @needs_hosts
+@needs_ray
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(400)
@@ -63,6 +68,7 @@ def test_three_hosts_at_the_default_size():
 
 
 @needs_hosts
+@needs_ray
 @pytest.mark.ray
 @pytest.mark.timeout(120)
 def test_ctrl_c_mid_job_tears_every_host_down():
