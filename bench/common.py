@@ -4,7 +4,9 @@ Every benchmark prints a header and a table for people and, with
 ``--json``, ends with exactly one JSON line for machines
 (:func:`emit_json`). Ratios are measured against a baseline in the same
 run; :class:`SocketBaseline` (its server in a child process) is the
-reference for the tcp transport.
+reference for the tcp transport. The benchmarks that replay a synthetic
+rollout take its shape from one set of flags (:func:`add_rollout_flags`,
+:func:`synthetic_config`) and compare restores by :func:`digest`.
 """
 
 from __future__ import annotations
