@@ -67,7 +67,7 @@ from bench.common import (
 )
 from bench.memsample import MemorySampler, summarise
 
-__all__ = ["MASTER", "Rollout", "rollout_plan", "calibration", "run", "main"]
+__all__ = ["MASTER", "Rollout", "rollout_plan", "calibration", "host_shares", "run", "main"]
 
 MASTER = ("proxy", "rollout_manager", "object_store", "controller", "su-0")
 _MIB = 1 << 20

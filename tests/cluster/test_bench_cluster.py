@@ -25,6 +25,11 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
 needs_hosts = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 
+def on_ray_hosts(test):
+    """Namespace hosts with a Ray node each: root and Ray needed."""
+    return needs_hosts(needs_ray(pytest.mark.ray(test)))
+
+
 def _bench(*args, timeout: float) -> dict:
     proc = subprocess.run([sys.executable, "-m", "bench.cluster", *args, "--json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
@@ -47,9 +52,7 @@ def _check(out: dict, hosts: int) -> None:
     assert out["leftovers"] == {"namespaces": [], "processes": [], "tmp": [], "ray_processes": [], "ray_pointer": []}
 
 
-@needs_hosts
-@needs_ray
-@pytest.mark.ray
+@on_ray_hosts
 @pytest.mark.timeout(120)
 def test_two_hosts_restore_bit_exact_over_shm_and_tcp_and_leave_nothing():
     pointer = ray_pointer()
@@ -58,18 +61,14 @@ def test_two_hosts_restore_bit_exact_over_shm_and_tcp_and_leave_nothing():
     assert ray_pointer() == pointer
 
 
-@needs_hosts
-@needs_ray
-@pytest.mark.ray
+@on_ray_hosts
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_three_hosts_at_the_default_size():
     _check(_bench("--hosts", "3", timeout=390), 3)
 
 
-@needs_hosts
-@needs_ray
-@pytest.mark.ray
+@on_ray_hosts
 @pytest.mark.timeout(120)
 def test_ctrl_c_mid_job_tears_every_host_down():
     pointer = ray_pointer()
