@@ -335,9 +335,14 @@ def _spawn(system: str, args) -> dict:
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except subprocess.TimeoutExpired:
         return {"system": system, "rows": [], "error": [f"ran past --timeout {args.timeout:.0f} s"]}
-    if proc.returncode != 0:
-        return {"system": system, "rows": [], "error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    if proc.returncode == 0 and result is not None:
+        return result
+    status = f"exited with status {proc.returncode}"
+    if result is not None:  # it measured and reported, then died on the way out: keep the rows, say so
+        return {**result, "warning": f"{status} after reporting its rows"}
+    return {"system": system, "rows": [], "error": [status, *proc.stderr.strip().splitlines()[-3:]]}
 
 
 def _min_ratio(by: dict, sizes: list, system: str, peer: str, op: str) -> float | None:
@@ -420,14 +425,17 @@ def main(argv=None) -> None:
                        "restore_ms"])
     for res in results:
         if "error" in res:
-            print(f"  {res['system']} failed: {res['error'][-1]}")
+            print(f"  {res['system']} failed: {' | '.join(res['error'])}")
+        if "warning" in res:
+            print(f"  {res['system']}: {res['warning']}")
     summary = speedups(rows, systems, args.goal_min_mib)
     for key, value in summary.items():
         if not key.endswith("_by_transport"):
             print(f"  {key} (shards >= {args.goal_min_mib:g} MiB, min over sizes): {value}")
     result = {"bench": "peers", "rows": rows, "systems": systems, **summary,
               "pids": {r["system"]: r["pids"] for r in results if r.get("pids")},
-              "errors": {r["system"]: r["error"] for r in results if "error" in r}}
+              "errors": {r["system"]: r["error"] for r in results if "error" in r},
+              "warnings": {r["system"]: r["warning"] for r in results if "warning" in r}}
     if args.plots and rows:
         from bench import plots
 
