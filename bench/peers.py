@@ -49,6 +49,7 @@ import argparse
 import importlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -87,21 +88,30 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _measure(put, get, drop, check, repeats: int) -> tuple[float, float]:
-    """Median put and get seconds over ``repeats`` rounds after a warm-up round.
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-    ``put(i)`` stores the shard under round ``i``'s keys, ``get(i)`` returns
-    it, ``drop(i)`` frees it; dropping is not timed (no system's is).
+
+def _measure(put, get, drop, check, repeats: int) -> tuple[float, float, float]:
+    """Median put and get seconds, and the getting process's minor page faults per get.
+
+    ``repeats`` rounds after a warm-up round. ``put(i)`` stores the shard
+    under round ``i``'s keys, ``get(i)`` returns it, ``drop(i)`` frees it;
+    dropping is not timed (no system's is). The faults count pages this
+    process touched for the first time (fresh or newly mapped memory):
+    on a VM each costs as much as copying the page several times.
     """
     put(0)
     check(get(0))
     drop(0)
-    puts, gets = [], []
+    puts, gets, faults = [], [], []
     for i in range(1, repeats + 1):
         puts.append(_timed(lambda: put(i)))
+        before = _minor_faults()
         gets.append(_timed(lambda: get(i)))
+        faults.append(_minor_faults() - before)
         drop(i)
-    return statistics.median(puts), statistics.median(gets)
+    return statistics.median(puts), statistics.median(gets), statistics.median(faults)
 
 
 def _same(shard: list[np.ndarray], got) -> None:
@@ -262,7 +272,7 @@ def _socket(shards: dict, repeats: int) -> dict:
             sock.read(nbytes)
             puts = [sock.write(nbytes) for _ in range(repeats)]
             gets = [sock.read(nbytes) for _ in range(repeats)]
-            out[size] = (statistics.median(puts), statistics.median(gets))
+            out[size] = (statistics.median(puts), statistics.median(gets), None)  # the server's faults are not ours
     return {"timings": out}
 
 
@@ -311,12 +321,14 @@ def run_worker(system: str, args) -> dict:
     stored = _gputq_system(system)[1] if system.startswith("gputq-") else "int32"
     via = result.get("transport") or _VIA.get(system, "")
     rows = []
-    for size, (put_s, get_s) in result["timings"].items():
+    for size, (put_s, get_s, faults) in result["timings"].items():
         nbytes = sum(a.nbytes for a in shards[size])
         rows.append({"system": system, "via": via, "stored": stored, "shard_MiB": round(nbytes / _MIB, 2),
                      "samples": len(shards[size]),
                      "put_GBps": round(gbps(nbytes, put_s), 3), "get_GBps": round(gbps(nbytes, get_s), 3),
                      "put_ms": round(put_s * 1e3, 2), "get_ms": round(get_s * 1e3, 2)})
+        if faults is not None:
+            rows[-1]["get_faults_per_MiB"] = round(faults / (nbytes / _MIB), 1)
         if size in result.get("restore", {}):
             rows[-1]["restore_ms"] = round(result["restore"][size] * 1e3, 2)
     return {"system": system, "rows": rows, "pids": result.get("pids", {})}
@@ -422,7 +434,7 @@ def main(argv=None) -> None:
             progress.step(f"{system} done")
     rows = [r for res in results for r in res["rows"]]
     print_table(rows, ["system", "via", "stored", "shard_MiB", "samples", "put_GBps", "get_GBps", "put_ms", "get_ms",
-                       "restore_ms"])
+                       "restore_ms", "get_faults_per_MiB"])
     for res in results:
         if "error" in res:
             print(f"  {res['system']} failed: {' | '.join(res['error'])}")

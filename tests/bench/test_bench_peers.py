@@ -95,6 +95,7 @@ def test_peers_bench_against_mooncake_reports_its_ratios_and_leaves_no_store_beh
     assert rows["gputq-auto"]["stored"] == rows["mooncake"]["stored"] == "int32"
     assert all(r["shard_MiB"] == 0.5 and r["samples"] == 64 and r["get_GBps"] > 0 for r in rows.values())
     assert 0 <= rows["gputq-auto"]["restore_ms"] <= rows["gputq-auto"]["get_ms"]
+    assert all(r["get_faults_per_MiB"] >= 0 for r in rows.values())
     for key, op in {"get_speedup_vs_mooncake": "get", "put_speedup_vs_mooncake_int32": "put"}.items():
         expected = rows["gputq-auto"][f"{op}_GBps"] / rows["mooncake"][f"{op}_GBps"]
         assert out[key] == pytest.approx(expected, rel=0.01, abs=0.002)
