@@ -1,6 +1,7 @@
 """The same R3 shard put and got through gputq and its peers, each system alone on the machine.
 
-``python -m bench.peers [--sizes 4,16,64,256] [--systems ...] [--json]``
+``python -m bench.peers [--sizes 4,16,64,256] [--systems ...] [--json]``;
+``python -m bench.peers --summarise LOG [LOG ...]``: median and range over runs.
 
 A shard is ``samples`` routed-expert tensors ``[rows, L, K]`` of int32
 (the dtype the trainer receives) holding IDs below ``--experts``, in all
@@ -60,7 +61,7 @@ import numpy as np
 from bench.common import Progress, SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table
 from gputq.data.fields import ROUTED_EXPERTS_DTYPES
 
-__all__ = ["available_systems", "compact_dtype", "make_shard", "speedups", "run_worker", "main"]
+__all__ = ["available_systems", "compact_dtype", "make_shard", "speedups", "summarise", "run_worker", "main"]
 
 _MIB = 1 << 20
 GOAL_MIN_MIB = 16
@@ -394,6 +395,36 @@ def speedups(rows: list[dict], systems: list[str], goal_min_mib: float = GOAL_MI
     return out
 
 
+def _median_range(values: list[float]) -> str:
+    middle = statistics.median(values)
+    return f"{middle:.3g} ({min(values):.3g}-{max(values):.3g})" if len(values) > 1 else f"{middle:.3g}"
+
+
+def summarise(results: list[dict]) -> None:
+    """Print the median and range over several runs' JSON results: per row, then per ratio."""
+    order = results[0]["systems"]
+    keys = sorted({(r["system"], r["shard_MiB"]) for res in results for r in res["rows"]},
+                  key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[1]))
+    table = []
+    for system, mib in keys:
+        rows = [r for res in results for r in res["rows"] if (r["system"], r["shard_MiB"]) == (system, mib)]
+        shares = [r["restore_ms"] / r["get_ms"] for r in rows if "restore_ms" in r]
+        table.append({"system": system, "via": rows[0]["via"], "stored": rows[0]["stored"], "shard_MiB": mib,
+                      "put_GBps": _median_range([r["put_GBps"] for r in rows]),
+                      "get_GBps": _median_range([r["get_GBps"] for r in rows]),
+                      "restore_share": _median_range(shares) if shares else ""})
+    print(f"median (range) over {len(results)} runs")
+    print_table(table, ["system", "via", "stored", "shard_MiB", "put_GBps", "get_GBps", "restore_share"])
+    for key in sorted({k for res in results for k in res if "speedup" in k}):
+        if key.endswith("_by_transport"):
+            for system in sorted({s for res in results for s in res.get(key, {})}):
+                values = [res[key][system] for res in results if system in res.get(key, {})]
+                print(f"  {key}[{system}]: {_median_range(values)}")
+        else:
+            values = [res[key] for res in results if key in res]
+            print(f"  {key}: {_median_range(values)}  (runs: {', '.join(f'{v:g}' for v in values)})")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,16,64,256", help="shard sizes in MiB, comma separated")
@@ -409,11 +440,20 @@ def main(argv=None) -> None:
                         help="the ratios take shards of this many MiB and more")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per system")
     parser.add_argument("--plots", default="docs/figures", help="write the PNG here ('' to skip)")
+    parser.add_argument("--summarise", nargs="+", metavar="LOG",
+                        help="print the median and range over these runs' logs (their last JSON line) and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.worker:
         emit_json(run_worker(args.worker, args))
+        return
+    if args.summarise:
+        results = []
+        for path in args.summarise:
+            with open(path, encoding="utf-8") as log:
+                results.append(json.loads([line for line in log if line.startswith("{")][-1]))
+        summarise(results)
         return
     systems, missing = available_systems(args.experts)
     if args.systems:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bench.mooncake import MooncakeMaster, mooncake_import_error
-from bench.peers import compact_dtype, make_shard, run_worker, speedups
+from bench.peers import compact_dtype, main, make_shard, run_worker, speedups
 
 _NO_MOONCAKE = mooncake_import_error()
 needs_mooncake = pytest.mark.skipif(_NO_MOONCAKE is not None, reason=f"Mooncake Store does not load: {_NO_MOONCAKE}")
@@ -51,6 +51,21 @@ def test_speedups_take_gputq_auto_and_the_smallest_ratio_at_16_mib_and_up():
     assert out["get_speedup_vs_mooncake_compact"] == 2.0
     assert "get_speedup_vs_socket" not in out and "get_speedup_vs_transferqueue" not in out
     assert speedups(rows, ["gputq-auto", "ray"], goal_min_mib=4)["get_speedup_vs_ray"] == pytest.approx(0.111)
+
+
+def test_summarise_prints_the_median_and_range_over_runs(tmp_path, capsys):
+    logs = []
+    for n, (get, ratio) in enumerate([(1.0, 0.5), (3.0, 0.7), (2.0, 0.9)]):
+        result = {"systems": ["gputq-auto"], "get_speedup_vs_mooncake": ratio,
+                  "rows": [{"system": "gputq-auto", "via": "shm", "stored": "int32", "shard_MiB": 16.5,
+                            "put_GBps": 1.0, "get_GBps": get, "get_ms": 10.0, "restore_ms": 2.0 * (n + 1)}]}
+        logs.append(tmp_path / f"run{n}.log")
+        logs[-1].write_text(f"command: ...\n{json.dumps(result)}\n")
+    main(["--summarise", *map(str, logs)])
+    out = capsys.readouterr().out
+    assert "median (range) over 3 runs" in out
+    assert "2 (1-3)" in out and "0.4 (0.2-0.6)" in out  # get GB/s; the restore's share of the get
+    assert "get_speedup_vs_mooncake: 0.7 (0.5-0.9)  (runs: 0.5, 0.7, 0.9)" in out
 
 
 @pytest.mark.timeout(60)
