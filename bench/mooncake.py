@@ -33,7 +33,7 @@ from typing import Iterator
 
 import numpy as np
 
-__all__ = ["master_binary", "MooncakeMaster", "MooncakeClient", "holder", "mooncake_import_error"]
+__all__ = ["master_binary", "MooncakeMaster", "MooncakeClient", "SegmentHolder", "holder", "mooncake_import_error"]
 
 _MIB = 1 << 20
 _INSTALL = "pip install 'gputq[bench]' (mooncake-transfer-engine-non-cuda) and apt install libibverbs1"
@@ -74,9 +74,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -88,14 +88,15 @@ class MooncakeMaster:
     Stopped by its pid on exit, also when the body raised.
     """
 
-    def __init__(self):
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
+        self.port = _free_port(host)
+        self.address = f"{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "MooncakeMaster":
-        cmd = [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
-               "--metrics_host=127.0.0.1", f"--metrics_port={_free_port()}",
+        cmd = [master_binary(), f"--rpc_address={self.host}", f"--rpc_port={self.port}",
+               f"--metrics_host={self.host}", f"--metrics_port={_free_port(self.host)}",
                "--eviction_high_watermark_ratio=1.0", "--eviction_ratio=0.0",
                "--logtostderr=true", "--minloglevel=1"]  # warnings and errors, and no log files left behind
         # A file, not a pipe: nobody reads the log while the bench runs, and a full pipe would stall the master.
@@ -116,7 +117,7 @@ class MooncakeMaster:
                 self._log.seek(0)
                 raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}: "
                                    f"{self._log.read().decode(errors='replace')[-500:]}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.5):
                 return
             time.sleep(0.05)
         raise TimeoutError(f"mooncake_master did not listen on {self.address} within {_START_TIMEOUT_S:.0f} s")
@@ -138,13 +139,13 @@ class MooncakeMaster:
         self.stop()
 
 
-def _store(master: str, segment_bytes: int, local_buffer_bytes: int):
+def _store(master: str, segment_bytes: int, local_buffer_bytes: int, host: str = "127.0.0.1"):
     os.environ.setdefault("GLOG_minloglevel", "1")  # the client's INFO lines would bury the bench's stderr
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
     # P2PHANDSHAKE: no metadata server; peers exchange segment descriptors directly.
-    ret = store.setup("127.0.0.1", "P2PHANDSHAKE", segment_bytes, local_buffer_bytes, "tcp", "", master)
+    ret = store.setup(host, "P2PHANDSHAKE", segment_bytes, local_buffer_bytes, "tcp", "", master)
     if ret != 0:
         raise RuntimeError(f"MooncakeDistributedStore.setup returned {ret} (master {master})")
     return store
@@ -169,10 +170,12 @@ class MooncakeClient:
     capacity : int
         Bytes of the largest shard: the size of each registered buffer and
         of the local buffer.
+    host : str
+        This process's address, as the holder reaches it.
     """
 
-    def __init__(self, master: str, capacity: int):
-        self._store = _store(master, 0, capacity + 64 * _MIB)
+    def __init__(self, master: str, capacity: int, host: str = "127.0.0.1"):
+        self._store = _store(master, 0, capacity + 64 * _MIB, host)
         self.source = np.empty(capacity, np.uint8)
         self.dest = np.empty(capacity, np.uint8)
         for buf in (self.source, self.dest):
@@ -218,6 +221,19 @@ class MooncakeClient:
         """Unregister both buffers and leave the cluster."""
         for buf in (self.source, self.dest):
             self._store.unregister_buffer(buf.ctypes.data)
+        self._store.close()
+
+
+class SegmentHolder:
+    """A holder on another host (a Ray actor there): contributes ``segment_bytes`` until :meth:`close`."""
+
+    def __init__(self, master: str, segment_bytes: int, host: str):
+        self._store = _store(master, segment_bytes, 16 * _MIB, host)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
         self._store.close()
 
 

@@ -61,7 +61,8 @@ import numpy as np
 from bench.common import Progress, SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table
 from gputq.data.fields import ROUTED_EXPERTS_DTYPES
 
-__all__ = ["available_systems", "compact_dtype", "make_shard", "speedups", "summarise", "run_worker", "main"]
+__all__ = ["available_systems", "compact_dtype", "make_shard", "measure_rounds", "check_same", "speedups", "summarise",
+           "run_worker", "main"]
 
 _MIB = 1 << 20
 GOAL_MIN_MIB = 16
@@ -93,7 +94,7 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _measure(put, get, drop, check, repeats: int) -> tuple[float, float, float]:
+def measure_rounds(put, get, drop, check, repeats: int) -> tuple[float, float, float]:
     """Median put and get seconds, and the getting process's minor page faults per get.
 
     ``repeats`` rounds after a warm-up round. ``put(i)`` stores the shard
@@ -115,7 +116,7 @@ def _measure(put, get, drop, check, repeats: int) -> tuple[float, float, float]:
     return statistics.median(puts), statistics.median(gets), statistics.median(faults)
 
 
-def _same(shard: list[np.ndarray], got) -> None:
+def check_same(shard: list[np.ndarray], got) -> None:
     got = [np.asarray(g) for g in got]
     if len(got) != len(shard) or not all(np.array_equal(a, b) for a, b in zip(shard, got)):
         raise AssertionError("a system returned different bytes than it was given")
@@ -157,8 +158,8 @@ def _gputq(transport: str, dtype: str, shards: dict, repeats: int) -> dict:
                         restores.setdefault(size, []).append(reader.last_stats.restore_seconds)
                         return got
 
-                    out[size] = _measure(put, get, lambda i: deployment.release_partition(f"p{size}.{i}"),
-                                         lambda got: _same(shard, got), repeats)
+                    out[size] = measure_rounds(put, get, lambda i: deployment.release_partition(f"p{size}.{i}"),
+                                               lambda got: check_same(shard, got), repeats)
                 chosen = sorted({clients.transport_of(u)[0] for u in clients.units})
     finally:
         ray.shutdown()
@@ -192,8 +193,8 @@ def _transferqueue(shards: dict, repeats: int) -> dict:
                 got = tq.kv_batch_get(keys=keys[i], partition_id="bench")["routed_experts"]
                 return [t.numpy() for t in got.unbind()]  # samples as arrays, as the others return
 
-            out[size] = _measure(put, get, lambda i: tq.kv_clear(keys=keys.pop(i), partition_id="bench"),
-                                 lambda got: _same(shard, got), repeats)
+            out[size] = measure_rounds(put, get, lambda i: tq.kv_clear(keys=keys.pop(i), partition_id="bench"),
+                                       lambda got: check_same(shard, got), repeats)
     finally:
         tq.close()
         ray.shutdown()
@@ -222,8 +223,8 @@ def _mooncake(shards: dict, repeats: int, batch_keys: int) -> dict:
                     client.get(keys[i], spans, batch)
                     return client.arrays(spans, shard)  # views of the destination, as its users read it
 
-                out[size] = _measure(put, get, lambda i: client.remove(keys.pop(i)),
-                                     lambda got: _same(shard, got), repeats)
+                out[size] = measure_rounds(put, get, lambda i: client.remove(keys.pop(i)),
+                                           lambda got: check_same(shard, got), repeats)
         finally:
             client.close()
     return {"timings": out, "pids": {"mooncake_master": master.proc.pid, "mooncake_holder": held.pid}}
@@ -254,10 +255,10 @@ def _ray(shards: dict, repeats: int) -> dict:
     out = {}
     try:
         for size, shard in shards.items():
-            out[size] = _measure(lambda i: ray.get(store.put.remote(f"{size}/{i}", shard)),
-                                 lambda i: ray.get(store.get.remote(f"{size}/{i}")),
-                                 lambda i: ray.get(store.drop.remote(f"{size}/{i}")),
-                                 lambda got: _same(shard, got), repeats)
+            out[size] = measure_rounds(lambda i: ray.get(store.put.remote(f"{size}/{i}", shard)),
+                                       lambda i: ray.get(store.get.remote(f"{size}/{i}")),
+                                       lambda i: ray.get(store.drop.remote(f"{size}/{i}")),
+                                       lambda got: check_same(shard, got), repeats)
     finally:
         ray.shutdown()
     return {"timings": out}

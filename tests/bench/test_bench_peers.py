@@ -118,3 +118,29 @@ def test_peers_bench_against_mooncake_reports_its_ratios_and_leaves_no_store_beh
     pids = out["pids"]["mooncake"]
     assert set(pids) == {"mooncake_master", "mooncake_holder"}
     assert all(_gone(pid) for pid in pids.values())
+
+
+def _no_hosts() -> str | None:
+    from bench.hosts import unavailable
+
+    return unavailable() or _NO_MOONCAKE
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_peers_across_two_hosts_reads_the_other_hosts_bytes_and_leaves_nothing_behind():
+    reason = _no_hosts()
+    if reason is not None:
+        pytest.skip(f"two hosts with Mooncake Store cannot run here: {reason}")
+    proc = subprocess.run([sys.executable, "-m", "bench.peers_hosts", "--sizes", "0.5", "--repeats", "1", "--layers",
+                           "4", "--topk", "2", "--rows", "256", "--json"], capture_output=True, text=True,
+                          timeout=220, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = {r["system"]: r for r in out["rows"]}
+    assert set(rows) == {"gputq-auto", "mooncake"} and out["holder_host"] != out["reader_host"]
+    assert rows["gputq-auto"]["via"] == "tcp"  # auto's pick for a unit on another host without InfiniBand
+    assert all(r["samples"] == 64 and r["get_GBps"] > 0 and r["put_GBps"] > 0 for r in rows.values())
+    expected = rows["gputq-auto"]["get_GBps"] / rows["mooncake"]["get_GBps"]
+    assert out["get_speedup_vs_mooncake"] == pytest.approx(expected, rel=0.01, abs=0.002)
+    assert not any(out["leftovers"].values())
