@@ -126,6 +126,7 @@ def _no_hosts() -> str | None:
     return unavailable() or _NO_MOONCAKE
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(240)
 def test_peers_across_two_hosts_reads_the_other_hosts_bytes_and_leaves_nothing_behind():
