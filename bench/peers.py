@@ -403,7 +403,7 @@ def _median_range(values: list[float]) -> str:
 
 def summarise(results: list[dict]) -> None:
     """Print the median and range over several runs' JSON results: per row, then per ratio."""
-    order = results[0]["systems"]
+    order = results[0].get("systems") or list(dict.fromkeys(r["system"] for r in results[0]["rows"]))
     keys = sorted({(r["system"], r["shard_MiB"]) for res in results for r in res["rows"]},
                   key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[1]))
     table = []
