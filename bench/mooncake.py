@@ -6,15 +6,17 @@ keeps objects in *global segments* that client processes contribute, and
 a ``mooncake_master`` process places them. It is used here the way its
 users run it for speed:
 
-- the bench starts its own master on free loopback ports and stops it by
-  its process id (never another master by name);
-- a *holder* process contributes the only global segment and does nothing
-  else, the way a StorageUnit holds a unit's bytes;
+- the bench starts its own master on free ports of the given address
+  (loopback by default) and stops it by its process id (never another
+  master by name); the master and a holder die with the process that
+  started them, so a killed bench leaves no store behind;
+- a *holder* contributes the only global segment and does nothing else,
+  the way a StorageUnit holds a unit's bytes: a process of this host
+  (:func:`holder`) or a Ray actor on another one (:class:`SegmentHolder`);
 - the *client* (the bench's worker process) contributes no segment (size
   0, a local buffer only), registers one source and one destination buffer
   once, and moves a shard with ``batch_put_from`` and ``batch_get_into``
-  (zero-copy from and into registered memory), in batches of
-  ``batch_keys`` keys.
+  (zero-copy from and into registered memory), ``batch`` keys a call.
 """
 
 from __future__ import annotations
