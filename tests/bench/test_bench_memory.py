@@ -146,9 +146,9 @@ def test_peers_bench_with_transferqueue(tmp_path):
     pytest.importorskip("transfer_queue", reason="needs the bench extra: pip install 'gputq[bench]'")
     pytest.importorskip("matplotlib")
     out = _bench("bench.peers", "--sizes", "16", "--repeats", "1", "--layers", "4", "--topk", "2",
-                 "--systems", "gputq-tcp,transferqueue,ray", "--plots", str(tmp_path), "--json")
+                 "--systems", "gputq-auto,transferqueue,ray", "--plots", str(tmp_path), "--json")
     assert not out["errors"]
-    assert {r["system"] for r in out["rows"]} == {"gputq-tcp", "transferqueue", "ray"}
+    assert {r["system"] for r in out["rows"]} == {"gputq-auto", "transferqueue", "ray"}
     assert out["get_speedup_vs_transferqueue"] > 0 and out["get_speedup_vs_ray"] > 0
     assert (tmp_path / "peers_bandwidth.png").stat().st_size > 1000
     assert np.isfinite(out["get_speedup_vs_ray"])
