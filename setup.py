@@ -32,11 +32,15 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ray>=2.40", "prometheus_client>=0.17",
                 "megatron-core==0.16.1",
                 "nvidia-cuda-nvrtc-cu12>=12.4; platform_system == 'Linux' and platform_machine == 'x86_64'"],
-        # python -m bench.memory / bench.peers: the peer system, its runtime, Ray's grpc client
+        # python -m bench.memory / bench.peers: the peer systems, their runtime, Ray's grpc client
         # (object-store gauge) and the figures. On a dev box that wants Ray minimal, install
         # transferqueue with --no-deps: its ray[default] requirement only adds the dashboard.
+        # Mooncake Store: the non-CUDA wheel (0.3.13's store library links libcudart), published for
+        # x86_64 Linux; it loads the system's libibverbs (apt install libibverbs1).
         "bench": ["transferqueue==0.1.11", "tensordict>=0.10", "pyzmq", "hydra-core", "omegaconf",
-                  "msgspec", "psutil", "prometheus_client>=0.20", "grpcio", "matplotlib>=3.7"],
+                  "msgspec", "psutil", "prometheus_client>=0.20", "grpcio", "matplotlib>=3.7",
+                  "mooncake-transfer-engine-non-cuda==0.3.13.post1; "
+                  "platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },
     entry_points={"console_scripts": ["gputq=gputq.tools.cli:main"]},
 )

@@ -4,13 +4,16 @@ Every benchmark prints a header and a table for people and, with
 ``--json``, ends with exactly one JSON line for machines
 (:func:`emit_json`). Ratios are measured against a baseline in the same
 run; :class:`SocketBaseline` (its server in a child process) is the
-reference for the tcp transport.
+reference for the tcp transport. The benchmarks that replay a synthetic
+rollout take its shape from one set of flags (:func:`add_rollout_flags`,
+:func:`synthetic_config`) and compare restores by :func:`digest`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import platform
@@ -38,6 +41,9 @@ __all__ = [
     "Progress",
     "progress_range",
     "remote_units",
+    "digest",
+    "add_rollout_flags",
+    "synthetic_config",
 ]
 
 
@@ -73,6 +79,40 @@ def threaded_memcpy(dst, src, threads: int) -> float:
 
 
 _copy_pool: ThreadPoolExecutor | None = None
+
+
+def digest(fields: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over every array of ``fields`` (name, dtype, shape and bytes): equal digests, equal data."""
+    h = hashlib.sha256()
+    for name in sorted(fields):
+        array = np.ascontiguousarray(fields[name])
+        h.update(f"{name}{array.dtype.str}{array.shape}".encode())
+        h.update(array.data)
+    return h.hexdigest()
+
+
+def add_rollout_flags(parser: argparse.ArgumentParser, *, sessions: int, steps: int, tokens: int) -> None:
+    """Add the synthetic rollout's shape to ``parser``: sessions, steps, tokens, layers, top-k, experts, seed."""
+    parser.add_argument("--sessions", type=int, default=sessions)
+    parser.add_argument("--steps", type=int, default=steps, help="main-branch model calls per session")
+    parser.add_argument("--tokens", type=int, default=tokens, help="mean output tokens per model call")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=1)
+
+
+def synthetic_config(args: argparse.Namespace, sessions: int):
+    """The :class:`~gputq.tools.synthetic.SyntheticConfig` of :func:`add_rollout_flags`' flags.
+
+    Prompts are half a call's tokens, tool outputs an eighth; a fifth of the
+    calls after the first start a fresh context (lineage segments cut there).
+    """
+    from gputq.tools.synthetic import SyntheticConfig
+
+    return SyntheticConfig(sessions=sessions, steps_per_session=args.steps, layers=args.layers, topk=args.topk,
+                           num_experts=args.experts, prompt_tokens=args.tokens // 2, tokens_per_step=args.tokens,
+                           tool_tokens=args.tokens // 8, branch_prob=0.0, rewrite_prob=0.2, seed=args.seed)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

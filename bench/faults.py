@@ -61,7 +61,7 @@ class UnitProcess:
         should be a private folder (a killed unit leaves its arena file).
     wrap:
         Turns the child's command line into the one to run (e.g. on another
-        host's namespace: ``tests.cluster.netns.Hosts.command``); the
+        host's namespace: ``bench.hosts.Hosts.command``); the
         command must exec the child, so that :attr:`pid` is the unit's.
     """
 

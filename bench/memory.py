@@ -1,9 +1,8 @@
 """The master node's trajectory memory, with and without gputq, measured per process over time.
 
-``python -m bench.memory [--units 2,4,8] [--dtypes int32,uint16,uint8] [--scale 1] [--json]``
+``python -m bench.memory [--units 2,4,8] [--dtypes int32,uint16,uint8] [--scale 1] [--hosts N] [--json]``
 
-The same seeded synthetic rollout runs through two paths on one embedded
-Ray (one machine standing in for N nodes):
+The same seeded synthetic rollout runs through two paths on Ray:
 
 - **centralised**: segments carry their fields inline (int32 IDs). A proxy
   actor sends each session's segments to a rollout-manager actor, which
@@ -15,191 +14,63 @@ Ray (one machine standing in for N nodes):
   which splits them the same way; trainers fetch their shards from the
   units and restore them.
 
-A sampler thread here reads ``/proc/<pid>/smaps`` of every component
-process (proxy, rollout manager, controller, each StorageUnit) and the
-object store's used bytes every ``--interval`` seconds. Unit 0 stands for
-the master's own StorageUnit; the others for units on other nodes. The
-master total is proxy + rollout manager + object store + controller +
-unit 0, summed per sample, its peak taken over time.
+Without ``--hosts`` one machine stands in for N nodes: one embedded Ray,
+N unit actors, unit 0 counted as the master's own. With ``--hosts N`` the
+run is on N hosts built on this machine (``bench.hosts``: a network
+namespace, address, hostname and /dev/shm each, a Ray node each): the
+proxy, the rollout manager, the controller and unit 0 on host 0, the
+master; unit i on host i (cluster mode, one unit per node); the trainers
+on the other hosts. The master's object store is host 0's.
 
-How bytes are counted (docs/PERFORMANCE.md says the same):
+A sampler thread (``bench.memsample``) reads ``/proc/<pid>/smaps`` of every
+component process and the master's object store every ``--interval``
+seconds. The master total is proxy + rollout manager + object store +
+controller + unit 0, summed per sample, its peak taken over time; the
+figures are above each process's idle baseline (``raw`` ones include it).
 
-- a process's PSS, except two kinds of shared mapping: the object store's
-  (counted once, as the store's used bytes) and a unit's arena (counted
-  whole, as resident bytes, in its unit: the arena is allocated and
-  touched up front, so a unit costs its capacity from the start);
-- arenas are sized to the run: each unit's capacity is the busiest unit's
-  stored bytes (placement is known before writing) plus 2%, so the master's
-  unit holds about 1/N of the payload, not a fixed oversize;
-- ``data`` figures are above each process's own idle baseline (sampled
-  before the rollout starts), so an interpreter's fixed ~60 MB does not
-  swamp a payload of a few hundred MB; ``raw`` figures include it.
-  ``master_peak_ratio`` compares data figures.
+Arenas, two ways:
+
+- **sized** to the run: each unit's capacity is the busiest unit's stored
+  bytes (placement is known before writing) plus 2% and 1 MiB, so the
+  master's unit holds about 1/N of the payload;
+- **fixed**, as a deployment sets it before it knows the run: every unit
+  gets ``--fixed-capacity-mib`` (default: the config's own default), and
+  the master's unit costs all of it, full or not (run at the smallest N).
+
+Ratios, each against the centralised master peak unless named otherwise:
+``master_peak_ratio_int32`` is the offload effect alone (2 units, int32);
+``narrowing`` is each compact dtype's peak over int32's at the same N;
+``master_peak_ratio`` (2 units, uint16) has both.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import os
 import statistics
-import threading
+import sys
 import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bench.common import Progress, add_json_flag, emit_json, print_header, print_table
+from bench.common import (
+    Progress,
+    add_json_flag,
+    add_rollout_flags,
+    digest,
+    emit_json,
+    print_header,
+    print_table,
+    synthetic_config,
+)
+from bench.memsample import MemorySampler, summarise
 
-__all__ = ["MemorySampler", "ObjectStoreGauge", "process_memory", "rollout_plan", "run", "main"]
+__all__ = ["MASTER", "Rollout", "rollout_plan", "calibration", "host_shares", "run", "main"]
 
 MASTER = ("proxy", "rollout_manager", "object_store", "controller", "su-0")
 _MIB = 1 << 20
-
-
-# -- measuring --------------------------------------------------------------
-def process_memory(pid: int) -> tuple[int, int]:
-    """(PSS bytes outside shared stores, resident bytes of gputq arenas) of one process.
-
-    Reads ``/proc/<pid>/smaps``: the per-mapping form of ``smaps_rollup``,
-    so the object store's mapping can be set aside (it is counted once,
-    as the store's used bytes) and an arena counted whole.
-    """
-    pss = arena = 0
-    kind = None
-    with open(f"/proc/{pid}/smaps", "rb") as fh:
-        for line in fh:
-            if line[:4] == b"Pss:":
-                if kind is None:
-                    pss += int(line.split()[1]) << 10
-            elif line[:4] == b"Rss:":
-                if kind == "arena":
-                    arena += int(line.split()[1]) << 10
-            elif b"-" in line[:20] and not line[:1].isupper():  # a mapping's header line
-                parts = line.split(maxsplit=5)
-                path = parts[5].strip() if len(parts) == 6 else b""
-                name = os.path.basename(path.split(b" ")[0])
-                if name.startswith(b"gputq-") and name.endswith(b".arena"):
-                    kind = "arena"
-                elif b"plasma" in path:
-                    kind = "store"
-                else:
-                    kind = None
-    return pss, arena
-
-
-class ObjectStoreGauge:
-    """Bytes in use in this Ray session's object store (Ray's internal memory-info call).
-
-    Bound to this driver's cluster by address: other Ray sessions may run
-    on the same machine.
-    """
-
-    def __init__(self):
-        import ray
-
-        try:
-            import grpc  # noqa: F401 -- Ray's memory-info call needs it; a minimal Ray lacks it
-        except ImportError:
-            from gputq.errors import MissingDependencyError
-
-            raise MissingDependencyError("bench.memory reads the object store's used bytes through "
-                                         "Ray's grpc client: pip install 'gputq[bench]'") from None
-        from ray._private.internal_api import get_state_from_address
-
-        self._state = get_state_from_address(ray.get_runtime_context().gcs_address)
-
-    def __call__(self) -> int:
-        from ray._private.internal_api import get_memory_info_reply
-
-        return int(get_memory_info_reply(self._state).store_stats.object_store_bytes_used)
-
-
-class MemorySampler:
-    """Samples component memory on a background thread until :meth:`stop`.
-
-    ``pids`` maps component name to process id. Each sample is
-    ``(t, {component: bytes})``; units report PSS plus their arena.
-    """
-
-    def __init__(self, pids: dict[str, int], interval: float, store: bool = True):
-        self.pids = dict(pids)
-        self.interval = interval
-        self.samples: list[tuple[float, dict[str, int]]] = []
-        self.marks: list[tuple[float, str]] = []
-        self._store = ObjectStoreGauge() if store else None
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._loop, name="bench-memory-sampler", daemon=True)
-
-    def start(self) -> "MemorySampler":
-        self._thread.start()
-        return self
-
-    def now(self) -> float:
-        """Seconds since the sampler was made (the timeline's clock)."""
-        return time.perf_counter() - self._t0
-
-    def mark(self, label: str) -> None:
-        """Note a phase boundary (drawn on the timeline)."""
-        self.marks.append((self.now(), label))
-
-    def sample(self) -> dict[str, int]:
-        row = {}
-        for name, pid in self.pids.items():
-            try:
-                pss, arena = process_memory(pid)
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            row[name] = pss + arena
-            if arena:
-                row[f"{name}:arena"] = arena
-        if self._store is not None:
-            row["object_store"] = self._store()
-        return row
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                row = self.sample()
-                self.samples.append((self.now(), row))
-                self._stop.wait(self.interval)
-        except BaseException as exc:  # reported by stop(): a silent sampler would fake a flat line
-            self._error = exc
-
-    def stop(self) -> None:
-        """Stop sampling; raises what made the sampler fail, if anything did."""
-        self._stop.set()
-        self._thread.join(10)
-        if self._error is not None:
-            raise RuntimeError(f"memory sampler failed: {self._error!r}") from self._error
-
-
-def summarise(sampler: MemorySampler, components: list[str], baseline_until: float) -> dict:
-    """Per-component raw and data peaks, and the master total's peak (of the per-sample sum)."""
-    idle = [row for t, row in sampler.samples if t <= baseline_until] or sampler.samples[:1]
-    baseline = {}
-    for name in components:
-        values = [row.get(name, 0) - row.get(f"{name}:arena", 0) for row in idle if name in row]
-        baseline[name] = int(statistics.median(values)) if values else 0
-
-    def data(row, name):
-        # A unit's arena is its data from the start; the rest counts above the idle baseline.
-        return max(0, row.get(name, 0) - row.get(f"{name}:arena", 0) - baseline[name]) + \
-            row.get(f"{name}:arena", 0)
-
-    peaks = {name: {"raw": max((row.get(name, 0) for _, row in sampler.samples), default=0),
-                    "data": max((data(row, name) for _, row in sampler.samples), default=0),
-                    "baseline": baseline[name]} for name in components}
-    master = [name for name in MASTER if name in components]
-    totals = [(sum(row.get(n, 0) for n in master), sum(data(row, n) for n in master))
-              for _, row in sampler.samples]
-    timeline = [(round(t, 3), {n: data(row, n) for n in components}) for t, row in sampler.samples]
-    return {"components": peaks, "master_raw": max(t[0] for t in totals),
-            "master_data": max(t[1] for t in totals), "timeline": timeline,
-            "marks": [(round(t, 3), m) for t, m in sampler.marks]}
 
 
 # -- the rollout ---------------------------------------------------------------
@@ -240,15 +111,6 @@ def rollout_plan(rollout: Rollout, units: list[str], dtype: str, run: str = "r")
             # Blocks are 256-byte aligned in the arena.
             per_unit[unit] += -(-experts.size * itemsize // 256) * 256 + -(-logprobs.nbytes // 256) * 256
     return {"r3_int32": r3_int32, "per_unit": per_unit}
-
-
-def digest(fields: dict) -> str:
-    h = hashlib.sha256()
-    for name in sorted(fields):
-        array = np.ascontiguousarray(fields[name])
-        h.update(f"{name}{array.dtype.str}{array.shape}".encode())
-        h.update(array.data)
-    return h.hexdigest()
 
 
 class Proxy:
@@ -368,11 +230,22 @@ class Trainer:
 
 
 # -- one run of each path ----------------------------------------------------
-def _actor(ray, cls, *args):
-    return ray.remote(num_cpus=0, max_concurrency=2)(cls).remote(*args)
+def _actor(ray, cls, *args, host: str | None = None):
+    """A serving actor (num_cpus=0), pinned to namespace host ``host`` (its ``host<i>`` resource) if given."""
+    options = {"resources": {host: 0.01}} if host else {}
+    return ray.remote(num_cpus=0, max_concurrency=2)(cls).options(**options).remote(*args)
 
 
-def _measure(ray, pids: dict, args, work) -> tuple[dict, object]:
+def _master_host(args) -> str | None:
+    return "host0" if args.hosts else None
+
+
+def _trainer_host(args, rank: int) -> str | None:
+    """Trainers run off the master: round-robin over hosts 1..N-1 (anywhere on one machine)."""
+    return f"host{1 + rank % (args.hosts - 1)}" if args.hosts else None
+
+
+def _measure(pids: dict, args, work) -> tuple[dict, object]:
     """Sample ``pids`` while ``work(sampler)`` runs; an idle second first sets each baseline."""
     sampler = MemorySampler(pids, args.interval).start()
     time.sleep(args.idle)  # the idle window the baselines come from
@@ -384,193 +257,301 @@ def _measure(ray, pids: dict, args, work) -> tuple[dict, object]:
         time.sleep(3 * args.interval)
     finally:
         sampler.stop()
-    return summarise(sampler, list(pids) + ["object_store"], baseline_until), result
+    return summarise(sampler, list(pids) + ["object_store"], baseline_until, MASTER), result
+
+
+def _train(ray, manager, trainers, sampler) -> dict:
+    """Split the held batch per rank, have every rank take its part; the restored digests."""
+    parts = ray.get(manager.split.remote(len(trainers)))
+    sampler.mark("split")
+    digests = {}
+    for d in ray.get([t.train.remote(parts, r) for r, t in enumerate(trainers)]):
+        digests.update(d)
+    sampler.mark("trained")
+    del parts  # this driver's references would keep the parts in the store
+    ray.get(manager.clear.remote())
+    return digests
 
 
 def run_centralised(ray, rollout: Rollout, args) -> tuple[dict, dict]:
-    proxy, manager = _actor(ray, Proxy), _actor(ray, Manager)
-    trainers = [_actor(ray, Trainer) for _ in range(args.ranks)]
+    proxy, manager = (_actor(ray, cls, host=_master_host(args)) for cls in (Proxy, Manager))
+    trainers = [_actor(ray, Trainer, host=_trainer_host(args, r)) for r in range(args.ranks)]
     pids = dict(zip(["proxy", "rollout_manager"], ray.get([proxy.pid.remote(), manager.pid.remote()])))
 
     def work(sampler):
         ray.get(proxy.centralised.remote(manager, rollout))
         sampler.mark("batch held")
-        parts = ray.get(manager.split.remote(args.ranks))
-        sampler.mark("split")
-        digests = {}
-        for d in ray.get([t.train.remote(parts, r) for r, t in enumerate(trainers)]):
-            digests.update(d)
-        sampler.mark("trained")
-        del parts  # this driver's references would keep the parts in the store
-        ray.get(manager.clear.remote())
-        return digests
+        return _train(ray, manager, trainers, sampler)
 
     try:
-        return _measure(ray, pids, args, work)
+        return _measure(pids, args, work)
     finally:
         for actor in [proxy, manager, *trainers]:
             ray.kill(actor)
 
 
-def run_gputq(ray, rollout: Rollout, units: int, dtype: str, args, run: str) -> tuple[dict, dict]:
+def _unit_names(ray, args, units: int) -> dict[str, str]:
+    """Each unit's name in the deployment mapped to its label here (``su-<i>``: unit i, on host i with hosts)."""
+    if not args.hosts:
+        return {f"su-{i}": f"su-{i}" for i in range(units)}
+    from gputq.cluster.deploy import node_unit_name
+
+    host_of = {i: n for n in ray.nodes() if n.get("Alive") for i in range(args.hosts)
+               if f"host{i}" in n.get("Resources", {})}
+    return {node_unit_name(host_of[i]): f"su-{i}" for i in range(args.hosts)}
+
+
+def run_gputq(ray, rollout: Rollout, units: int, dtype: str, args, run: str, arena: str) -> tuple[dict, dict]:
     from gputq.cluster.deploy import Deployment
     from gputq.config import GputqConfig
 
-    names = [f"su-{i}" for i in range(units)]
-    plan = rollout_plan(rollout, names, dtype, run)
-    capacity = int(max(plan["per_unit"].values()) * 1.02) + _MIB
+    labels = _unit_names(ray, args, units)
+    plan = rollout_plan(rollout, list(labels), dtype, run)
+    capacity = (args.fixed_capacity_mib * _MIB if arena == "fixed"
+                else int(max(plan["per_unit"].values()) * 1.02) + _MIB)
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=dtype,
                          transport=args.transport, num_units=units, unit_capacity_bytes=capacity)
-    with Deployment.start(config) as deployment:
+    with Deployment.start(config, per_node=bool(args.hosts)) as deployment:
         config = deployment.config
         membership = deployment.membership()
-        proxy, manager = _actor(ray, Proxy), _actor(ray, Manager)
-        trainers = [_actor(ray, Trainer, membership, config) for _ in range(args.ranks)]
+        proxy, manager = (_actor(ray, cls, host=_master_host(args)) for cls in (Proxy, Manager))
+        trainers = [_actor(ray, Trainer, membership, config, host=_trainer_host(args, r)) for r in range(args.ranks)]
         handles = {"proxy": proxy, "rollout_manager": manager, "controller": deployment.controller,
-                   **deployment.units}
+                   **{labels[name]: handle for name, handle in deployment.units.items()}}
         getpid = lambda self: os.getpid()  # noqa: E731 -- runs inside each actor
         pids = dict(zip(handles, ray.get([h.__ray_call__.remote(getpid) for h in handles.values()])))
 
         def work(sampler):
             written = ray.get(proxy.gputq.remote(manager, rollout, membership, config, run))
             sampler.mark("batch held")
-            parts = ray.get(manager.split.remote(args.ranks))
-            sampler.mark("split")
-            digests = {}
-            for d in ray.get([t.train.remote(parts, r) for r, t in enumerate(trainers)]):
-                digests.update(d)
-            sampler.mark("trained")
-            del parts
-            ray.get(manager.clear.remote())
+            digests = _train(ray, manager, trainers, sampler)
             for s in range(rollout.sessions):
                 deployment.release_partition(_partition(run, s))
             return {"digests": digests, "written": written}
 
         try:
-            summary, result = _measure(ray, pids, args, work)
+            summary, result = _measure(pids, args, work)
         finally:
             ray.get([t.close.remote() for t in trainers])
             for actor in [proxy, manager, *trainers]:
                 ray.kill(actor)
     summary["capacity_per_unit"] = capacity
-    summary["stored_per_unit"] = plan["per_unit"]
+    summary["stored_per_unit"] = {labels[name]: n for name, n in plan["per_unit"].items()}
     return summary, result
 
 
 # -- the sweep ----------------------------------------------------------------
-def _row(path: str, units, dtype: str, summary: dict, central: dict | None) -> dict:
-    comp = summary["components"]
-    row = {"path": path, "units": units or "-", "dtype": dtype,
+def _row(run: dict, central: dict, int32: dict | None) -> dict:
+    comp = run["components"]
+    row = {"path": run["path"], "units": run["units"] or "-", "dtype": run["dtype"], "arena": run["arena"],
            **{name: round(comp[name]["data"] / _MIB, 1) for name in MASTER if name in comp},
-           "master_MiB": round(summary["master_data"] / _MIB, 1),
-           "master_raw_MiB": round(summary["master_raw"] / _MIB, 1)}
-    if central is not None:
-        row["ratio"] = round(summary["master_data"] / central["master_data"], 3)
-        row["raw_ratio"] = round(summary["master_raw"] / central["master_raw"], 3)
+           "master_MiB": round(run["master_data"] / _MIB, 1),
+           "master_raw_MiB": round(run["master_raw"] / _MIB, 1)}
+    if run is not central:
+        row["ratio"] = round(run["master_data"] / central["master_data"], 3)
+        row["raw_ratio"] = round(run["master_raw"] / central["master_raw"], 3)
+    if int32 is not None and run["dtype"] != "int32":
+        row["vs_int32"] = round(run["master_data"] / int32["master_data"], 3)
     return row
 
 
 def calibration(r3_int32: int, central: dict, runs: list[dict]) -> dict:
     """Bytes per R3 byte for ``gputq capacity``: centralised, gputq residual, local unit per stored byte."""
-    gputq = [r for r in runs if r["path"] == "gputq"]
+    gputq = [r for r in runs if r["path"] == "gputq" and r["arena"] == "sized"]
     residual = [(r["master_data"] - r["components"]["su-0"]["data"]) / r3_int32 for r in gputq]
     local = [r["components"]["su-0"]["data"] / (r["stored_bytes"] / r["units"]) for r in gputq]
     return {"centralised": central["master_data"] / r3_int32, "residual": statistics.median(residual),
             "local_unit": statistics.median(local), "r3_int32_bytes": r3_int32}
 
 
+def host_shares(runs: list[dict], central: dict, hosts: int) -> dict:
+    """Per dtype, the master's unit's share of what all units hold (memory and stored bytes) against 1/N."""
+    out = {"n": hosts, "ideal_share": 1 / hosts, "dtypes": {}}
+    for r in runs:
+        if r["path"] != "gputq":
+            continue
+        units = [n for n in r["components"] if n.startswith("su-")]
+        share = r["components"]["su-0"]["data"] / sum(r["components"][n]["data"] for n in units)
+        stored = r["stored_per_unit"]["su-0"] / sum(r["stored_per_unit"].values())
+        out["dtypes"][r["dtype"]] = {
+            "local_unit_share": share, "stored_share": stored, "within_10pct": abs(share * hosts - 1) <= 0.10,
+            "stored_within_10pct": abs(stored * hosts - 1) <= 0.10,
+            "local_unit_of_central": r["components"]["su-0"]["data"] / central["master_data"],
+            "ratio": r["master_data"] / central["master_data"]}
+    return out
+
+
+def _rollout(args) -> Rollout:
+    return Rollout(sessions=max(1, int(round(args.sessions * args.scale))), synth=synthetic_config(args, 1))
+
+
+def _store_bytes(r3_int32: int) -> int:
+    """The object store: room for the centralised batch several times over (its parts, the calls' arguments)."""
+    return int(max(4 * r3_int32, 256 * _MIB))
+
+
+def _sweep(args) -> list[tuple[int, str, str]]:
+    """(units, dtype, arena) of every gputq run, in order."""
+    units = [args.hosts] if args.hosts else [int(u) for u in args.units.split(",")]
+    dtypes = args.dtypes.split(",")
+    sweep = [(n, d, "sized") for n in units for d in dtypes]
+    if args.fixed_capacity_mib and not args.hosts:
+        sweep += [(min(units), d, "fixed") for d in dtypes]
+    return sweep
+
+
 def run(args) -> dict:
+    """Both paths, every configuration of the sweep; figures and ratios (see the module's docstring)."""
     from gputq.cluster.names import import_ray
-    from gputq.tools.synthetic import SyntheticConfig
 
     ray = import_ray()
-    tokens = args.tokens
-    synth = SyntheticConfig(sessions=1, steps_per_session=args.steps, layers=args.layers, topk=args.topk,
-                            num_experts=args.experts, prompt_tokens=tokens // 2, tokens_per_step=tokens,
-                            tool_tokens=tokens // 8, branch_prob=0.0, rewrite_prob=0.2, seed=args.seed)
-    rollout = Rollout(sessions=max(1, int(round(args.sessions * args.scale))), synth=synth)
-    units_list = [int(u) for u in args.units.split(",")]
-    dtypes = args.dtypes.split(",")
+    rollout = _rollout(args)
     r3_int32 = rollout_plan(rollout, ["su-0"], "int32")["r3_int32"]
-    store = int(max(4 * r3_int32, 256 * _MIB))
-    # address="local": a new cluster of our own, never one another job left on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=store)
+    if args.ray_address:  # a cluster of namespace hosts, this process on host 0
+        ray.init(address=args.ray_address, log_to_driver=False)
+        from bench.hosts import wait_nodes
+
+        wait_nodes(ray, args.hosts, 120)
+    else:  # address="local": a new cluster of our own, never one another job left on this machine.
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=_store_bytes(r3_int32))
+    sweep = _sweep(args)
     runs = []
     try:
-        with Progress("bench.memory", 1 + len(units_list) * len(dtypes)) as progress:
+        with Progress("bench.memory", 1 + len(sweep)) as progress:
             progress.note("centralised")
             central, central_digests = run_centralised(ray, rollout, args)
-            central.update(path="centralised", units=0, dtype="int32", stored_bytes=0)
+            central.update(path="centralised", units=0, dtype="int32", arena="-", stored_bytes=0)
             runs.append(central)
             progress.step("centralised done")
-            for n in units_list:
-                for dtype in dtypes:
-                    progress.note(f"gputq {n} units {dtype}")
-                    summary, result = run_gputq(ray, rollout, n, dtype, args, run=f"n{n}{dtype}")
-                    summary.update(path="gputq", units=n, dtype=dtype, stored_bytes=result["written"],
-                                   verified=result["digests"] == central_digests)
-                    runs.append(summary)
-                    progress.step(f"gputq {n} units {dtype}: master {summary['master_data'] / _MIB:.0f} MiB")
+            for n, dtype, arena in sweep:
+                progress.note(f"gputq {n} units {dtype} {arena}")
+                summary, result = run_gputq(ray, rollout, n, dtype, args, f"n{n}{dtype}{arena}", arena)
+                summary.update(path="gputq", units=n, dtype=dtype, arena=arena, stored_bytes=result["written"],
+                               verified=result["digests"] == central_digests)
+                runs.append(summary)
+                progress.step(f"gputq {n} units {dtype} {arena}: master {summary['master_data'] / _MIB:.0f} MiB")
     finally:
         ray.shutdown()
-    rows = [_row("centralised", None, "int32", central, None)] + \
-        [_row("gputq", r["units"], r["dtype"], r, central) for r in runs[1:]]
-    by = {(r["units"], r["dtype"]): r for r in runs[1:]}
-    headline = by.get((2, "uint16")) or runs[-1]
-    return {
+    by = {(r["units"], r["dtype"], r["arena"]): r for r in runs[1:]}
+    rows = [_row(r, central, by.get((r["units"], "int32", r["arena"]))) for r in runs]
+    n0 = 2 if any(n == 2 for n, _, _ in sweep) else sweep[0][0]
+    headline = by.get((n0, "uint16", "sized")) or runs[-1]
+    int32 = by.get((n0, "int32", "sized"))
+    result = {
         "bench": "memory",
         "rows": rows,
         "r3_int32_bytes": r3_int32,
         "master_peak_ratio": headline["master_data"] / central["master_data"],
         "master_peak_ratio_raw": headline["master_raw"] / central["master_raw"],
+        "master_peak_ratio_int32": int32["master_data"] / central["master_data"] if int32 else None,
+        "narrowing": {d: by[(n0, d, "sized")]["master_data"] / int32["master_data"]
+                      for d in ("uint16", "uint8") if int32 and (n0, d, "sized") in by},
+        "fixed": {"capacity_MiB": args.fixed_capacity_mib,
+                  **{f"master_peak_ratio_{d}": r["master_data"] / central["master_data"]
+                     for (n, d, arena), r in by.items() if arena == "fixed"}},
         "headline": {"units": headline["units"], "dtype": headline["dtype"]},
         "verified": all(r.get("verified", True) for r in runs),
         "calibration": calibration(r3_int32, central, runs),
         "runs": runs,
-        "config": {"sessions": rollout.sessions, "steps": args.steps, "tokens": tokens, "layers": args.layers,
+        "config": {"sessions": rollout.sessions, "steps": args.steps, "tokens": args.tokens, "layers": args.layers,
                    "topk": args.topk, "ranks": args.ranks, "interval_s": args.interval,
-                   "transport": args.transport},
+                   "transport": args.transport, "hosts": args.hosts},
     }
+    if args.hosts:
+        result["hosts"] = host_shares(runs, central, args.hosts)
+    return result
+
+
+def _on_hosts(args, argv: list[str]) -> dict | None:
+    """Build ``args.hosts`` hosts, run this benchmark's job on host 0, tear them down; its result (None: skipped)."""
+    from bench.hosts import bench_on_hosts
+
+    r3_int32 = rollout_plan(_rollout(args), ["su-0"], "int32")["r3_int32"]
+    store = _store_bytes(r3_int32)
+    # Each host's /dev/shm holds its object store and its unit's arena (tmpfs: only written pages count).
+    return bench_on_hosts("memory", args.hosts, argv, json_line=args.json, limit_s=args.limit_s,
+                          shm_bytes=store + r3_int32 + 256 * _MIB, object_store_bytes=store)
+
+
+def _print(result: dict) -> None:
+    columns = ["path", "units", "dtype", "arena", *MASTER, "master_MiB", "master_raw_MiB", "ratio", "raw_ratio",
+               "vs_int32"]
+    print_table(result["rows"], columns)
+    cal = result["calibration"]
+    head = result["headline"]
+    int32 = result["master_peak_ratio_int32"]
+    print(f"R3 carried (int32): {result['r3_int32_bytes'] / _MIB:.1f} MiB; master peak ratio "
+          f"({head['units']} units, {head['dtype']}): {result['master_peak_ratio']:.3f} "
+          f"(raw {result['master_peak_ratio_raw']:.3f}); verified {result['verified']}")
+    narrowing = ", ".join(f"{d} {v:.3f}" for d, v in result["narrowing"].items())
+    print(f"offload alone (int32): {int32:.3f}" if int32 is not None else "offload alone: no int32 run",
+          f"; narrowing over int32: {narrowing or '-'}", sep="")
+    fixed = {k: v for k, v in result["fixed"].items() if k.startswith("master_peak_ratio_")}
+    if fixed:
+        print(f"fixed arenas ({result['fixed']['capacity_MiB']} MiB a unit): " +
+              ", ".join(f"{k.rsplit('_', 1)[1]} {v:.3f}" for k, v in fixed.items()))
+    print(f"calibration per R3 byte: centralised {cal['centralised']:.3f}, gputq residual "
+          f"{cal['residual']:.4f}, local unit per stored byte {cal['local_unit']:.3f}")
+    if "hosts" in result:
+        hosts = result["hosts"]
+        print(f"on {hosts['n']} hosts: the master's unit's share against 1/N = {hosts['ideal_share']:.3f}")
+        print_table([{"dtype": d, **{k: round(v, 3) if isinstance(v, float) else v for k, v in f.items()}}
+                     for d, f in hosts["dtypes"].items()],
+                    ["dtype", "local_unit_share", "within_10pct", "stored_share", "stored_within_10pct",
+                     "local_unit_of_central", "ratio"])
+        print(f"teardown left behind: {result['leftovers']}")
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.splitlines()[0])
-    parser.add_argument("--units", default="2,4,8", help="StorageUnit counts N to sweep")
+    parser.add_argument("--units", default="2,4,8", help="StorageUnit counts N to sweep (one machine)")
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="run on N namespace hosts, a unit on each (needs root); --units is then N")
     parser.add_argument("--dtypes", default="int32,uint16,uint8", help="stored expert-ID dtypes to sweep")
+    parser.add_argument("--fixed-capacity-mib", type=int, default=None,
+                        help="every unit's arena in the fixed-capacity runs; 0 skips them "
+                             "(default: the config's unit_capacity_bytes)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the number of sessions")
-    parser.add_argument("--sessions", type=int, default=48)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=640, help="mean output tokens per model call")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=128)
+    add_rollout_flags(parser, sessions=48, steps=4, tokens=640)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="tcp")
     parser.add_argument("--interval", type=float, default=0.05, help="seconds between samples")
     parser.add_argument("--idle", type=float, default=1.0, help="idle seconds sampled for each baseline")
-    parser.add_argument("--plots", default="docs/figures", help="write PNGs here ('' to skip)")
+    parser.add_argument("--plots", default=None,
+                        help="write PNGs here ('' to skip; default docs/figures on one machine, none with --hosts)")
     parser.add_argument("--json-compact", action="store_true", help="leave timelines out of the JSON line")
+    parser.add_argument("--limit-s", type=float, default=1200, help="the job's wall-clock limit with --hosts")
+    parser.add_argument("--ray-address", help=argparse.SUPPRESS)  # set for the job on host 0
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    if args.fixed_capacity_mib is None:
+        from gputq.config import GputqConfig
+
+        args.fixed_capacity_mib = GputqConfig().unit_capacity_bytes // _MIB
+    if args.hosts == 1:
+        parser.error("--hosts must be at least 2 (host 0 is the master)")
+    if args.ray_address:
+        emit_json(run(args))
+        return
     print_header("master-node memory: centralised vs gputq", sessions=round(args.sessions * args.scale),
                  steps=args.steps, tokens=args.tokens, row=f"L={args.layers} K={args.topk}",
-                 units=args.units, dtypes=args.dtypes, ranks=args.ranks, interval_s=args.interval,
-                 transport=args.transport)
-    result = run(args)
-    columns = ["path", "units", "dtype", *MASTER, "master_MiB", "master_raw_MiB", "ratio", "raw_ratio"]
-    print_table(result["rows"], columns)
-    cal = result["calibration"]
-    print(f"R3 carried (int32): {result['r3_int32_bytes'] / _MIB:.1f} MiB; master peak ratio "
-          f"(2 units, uint16): {result['master_peak_ratio']:.3f} (raw {result['master_peak_ratio_raw']:.3f}); "
-          f"verified {result['verified']}")
-    print(f"calibration per R3 byte: centralised {cal['centralised']:.3f}, gputq residual "
-          f"{cal['residual']:.4f}, local unit per stored byte {cal['local_unit']:.3f}")
-    if args.plots:
-        from bench import plots
+                 units=args.hosts or args.units, dtypes=args.dtypes, ranks=args.ranks, interval_s=args.interval,
+                 transport=args.transport, fixed_capacity_MiB=args.fixed_capacity_mib if not args.hosts else "-",
+                 hosts=f"{args.hosts} namespace hosts, a Ray node each" if args.hosts else "one machine")
+    if args.hosts:
+        result = _on_hosts(args, argv)
+        if result is None:
+            return
+    else:
+        result = run(args)
+    _print(result)
+    plots = ("" if args.hosts else "docs/figures") if args.plots is None else args.plots
+    if plots:
+        from bench import plots as figures
 
-        for path in plots.write_figures(plots.memory_figures, result, args.plots):
+        for path in figures.write_figures(figures.memory_figures, result, plots):
             print(f"wrote {path}")
     if args.json:
         if args.json_compact:

@@ -58,7 +58,9 @@ def memory_figures(result: dict, outdir: str) -> list[str]:
     plt = _pyplot()
     runs = result["runs"]
     central = runs[0]
-    head = next((r for r in runs[1:] if (r["units"], r["dtype"]) ==
+    sized = [r for r in runs[1:] if r.get("arena", "sized") == "sized"]
+    fixed = [r for r in runs[1:] if r.get("arena") == "fixed"]
+    head = next((r for r in sized if (r["units"], r["dtype"]) ==
                  (result["headline"]["units"], result["headline"]["dtype"])), runs[-1])
     paths = []
 
@@ -94,13 +96,16 @@ def memory_figures(result: dict, outdir: str) -> list[str]:
     paths.append(_save(fig, outdir, "memory_peaks.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    units = sorted({r["units"] for r in runs[1:]})
-    for dtype in sorted({r["dtype"] for r in runs[1:]}):
-        share = [next(r["master_data"] for r in runs[1:] if r["units"] == n and r["dtype"] == dtype) /
+    units = sorted({r["units"] for r in sized})
+    for dtype in sorted({r["dtype"] for r in sized}):
+        share = [next(r["master_data"] for r in sized if r["units"] == n and r["dtype"] == dtype) /
                  central["master_data"] for n in units]
-        ax.plot(units, share, marker="o", label=dtype)
+        ax.plot(units, share, marker="o", label=f"{dtype}, arenas sized to the run")
+    for r in fixed:
+        ax.plot([r["units"]], [r["master_data"] / central["master_data"]], marker="x", ls="none",
+                label=f"{r['dtype']}, arenas fixed at {r['capacity_per_unit'] // _MIB} MiB")
     if units:
-        first = next(r for r in runs[1:] if r["units"] == units[0])
+        first = next(r for r in sized if r["units"] == units[0])
         ax.plot(units, [first["master_data"] / central["master_data"] * units[0] / n for n in units],
                 ls="--", color="grey", label=f"1/N from N={units[0]} ({first['dtype']})")
     ax.set_xscale("log", base=2)

@@ -35,7 +35,7 @@ from gputq.transport.base import Closeable
 from gputq.transport.policy import nixl_fix, nixl_import_error
 from gputq.unit.storage_unit import StorageUnit
 
-__all__ = ["UnitService", "ControllerService", "Deployment", "local_cluster", "serving_transport"]
+__all__ = ["UnitService", "ControllerService", "Deployment", "local_cluster", "node_unit_name", "serving_transport"]
 
 _log = logging.getLogger(__name__)
 
@@ -138,6 +138,14 @@ def _default_host() -> str:
     except ImportError:
         pass
     return "127.0.0.1"
+
+
+def node_unit_name(node: dict) -> str:
+    """The name cluster mode gives the unit of a Ray node (an entry of ``ray.nodes()``).
+
+    Known before the unit starts, so a job can plan placement (and size arenas) first.
+    """
+    return f"su-{node['NodeManagerAddress']}-{node['NodeID'][:8]}"
 
 
 @dataclass
@@ -258,8 +266,7 @@ class Deployment:
         with self._sync_lock:
             alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
             placed = set(self.unit_nodes.values())
-            new = [(f"su-{n['NodeManagerAddress']}-{node_id[:8]}", node_id)
-                   for node_id, n in alive.items() if node_id not in placed]
+            new = [(node_unit_name(n), node_id) for node_id, n in alive.items() if node_id not in placed]
             gone = [name for name, node in self.unit_nodes.items() if node not in alive]
             for name in gone:
                 ray.get(self.controller.deregister_unit.remote(name))

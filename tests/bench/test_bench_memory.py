@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from bench.memory import MASTER, Rollout, process_memory, rollout_plan, summarise
+from bench.hosts import unavailable
+from bench.memory import MASTER, Rollout, host_shares, main, rollout_plan
+from bench.memsample import process_memory, summarise
 from gputq.tools.synthetic import SyntheticConfig
 from gputq.unit.arena import Arena
 
@@ -36,7 +38,7 @@ def test_summarise_takes_data_above_idle_and_the_peak_of_the_sum():
         (1.0, {"proxy": 150, "su-0": 1100, "su-0:arena": 1000, "object_store": 40}),
         (2.0, {"proxy": 110, "su-0": 1120, "su-0:arena": 1000, "object_store": 60}),
     ]
-    out = summarise(_Sampler(samples), ["proxy", "su-0", "object_store"], baseline_until=0.5)
+    out = summarise(_Sampler(samples), ["proxy", "su-0", "object_store"], baseline_until=0.5, group=MASTER)
     assert out["components"]["proxy"] == {"raw": 150, "data": 50, "baseline": 100}
     assert out["components"]["su-0"]["data"] == 1020  # arena whole + 20 above the idle rest
     # per sample: 50 + 1000 + 40 = 1090 at t=1, 10 + 1020 + 60 = 1090 at t=2
@@ -57,6 +59,27 @@ def test_rollout_plan_places_every_step_and_scales_with_dtype():
     assert all(v % 256 == 0 for v in wide["per_unit"].values())
 
 
+def test_host_shares_compare_the_masters_unit_with_one_over_n():
+    central = {"path": "centralised", "master_data": 1000}
+    run = {"path": "gputq", "dtype": "uint16", "master_data": 150,
+           "components": {"su-0": {"data": 52}, "su-1": {"data": 48}, "proxy": {"data": 90}},
+           "stored_per_unit": {"su-0": 60, "su-1": 40}}
+    shares = host_shares([central, run], central, 2)
+    assert shares["n"] == 2 and shares["ideal_share"] == 0.5
+    assert shares["dtypes"]["uint16"] == {"local_unit_share": 0.52, "stored_share": 0.6, "within_10pct": True,
+                                          "stored_within_10pct": False, "local_unit_of_central": 0.052,
+                                          "ratio": 0.15}
+
+
+@pytest.mark.timeout(10)
+def test_hosts_without_cap_net_admin_say_why_and_exit_zero(monkeypatch, capsys):
+    reason = "needs CAP_NET_ADMIN (run as root) to create network namespaces and veth pairs"
+    monkeypatch.setattr("bench.hosts.unavailable", lambda: reason)
+    main(["--hosts", "2", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert f"skipped: {reason}" in out and json.loads(out[-1]) == {"bench": "memory", "skipped": reason}
+
+
 def _bench(module, *args, timeout=290):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
@@ -71,17 +94,49 @@ def _bench(module, *args, timeout=290):
 def test_memory_bench_json_and_figures(tmp_path):
     pytest.importorskip("grpc", reason="bench.memory reads the object store through Ray's grpc client")
     pytest.importorskip("matplotlib")
-    out = _bench("bench.memory", "--units", "2", "--dtypes", "uint16", "--sessions", "2", "--steps", "2",
+    out = _bench("bench.memory", "--units", "2", "--dtypes", "int32,uint16", "--sessions", "2", "--steps", "2",
                  "--tokens", "64", "--layers", "4", "--topk", "2", "--idle", "0.3", "--json-compact",
-                 "--plots", str(tmp_path), "--json")
+                 "--fixed-capacity-mib", "4", "--plots", str(tmp_path), "--json")
     assert 0 < out["master_peak_ratio"] and out["verified"] is True
-    assert [(r["path"], r["units"], r["dtype"]) for r in out["runs"]] == [("centralised", 0, "int32"),
-                                                                          ("gputq", 2, "uint16")]
+    assert [(r["path"], r["units"], r["dtype"], r["arena"]) for r in out["runs"]] == [
+        ("centralised", 0, "int32", "-"), ("gputq", 2, "int32", "sized"), ("gputq", 2, "uint16", "sized"),
+        ("gputq", 2, "int32", "fixed"), ("gputq", 2, "uint16", "fixed")]
+    central, int32, uint16, fixed32, fixed16 = (r["master_data"] for r in out["runs"])
+    assert out["master_peak_ratio"] == uint16 / central and out["master_peak_ratio_int32"] == int32 / central
+    assert out["narrowing"] == {"uint16": uint16 / int32}
+    assert out["fixed"] == {"capacity_MiB": 4, "master_peak_ratio_int32": fixed32 / central,
+                            "master_peak_ratio_uint16": fixed16 / central}
+    assert [r["capacity_per_unit"] for r in out["runs"][3:]] == [4 << 20] * 2
+    assert all(r["capacity_per_unit"] < (1 << 20) + (1 << 19) for r in out["runs"][1:3])  # sized: 1 MiB + the run
     assert set(out["runs"][1]["components"]) >= {"proxy", "rollout_manager", "controller", "su-0", "su-1",
                                                  "object_store"}
     assert {"centralised", "residual", "local_unit"} <= set(out["calibration"])
     for name in ("memory_timeline.png", "memory_peaks.png", "memory_share_vs_units.png", "capacity_curve.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_memory_bench_on_two_hosts_measures_the_master_on_host_0_and_leaves_nothing():
+    pytest.importorskip("grpc", reason="bench.memory reads the object store through Ray's grpc client")
+    out = _bench("bench.memory", "--hosts", "2", "--dtypes", "int32,uint16", "--sessions", "2", "--steps", "2",
+                 "--tokens", "64", "--layers", "4", "--topk", "2", "--idle", "0.3", "--json-compact", "--json",
+                 timeout=140)
+    assert out["verified"] is True and out["config"]["hosts"] == 2
+    assert [(r["path"], r["units"], r["dtype"]) for r in out["runs"]] == [
+        ("centralised", 0, "int32"), ("gputq", 2, "int32"), ("gputq", 2, "uint16")]
+    assert not any(r["arena"] == "fixed" for r in out["runs"])
+    for run in out["runs"][1:]:  # both units measured: the master's on host 0, the other on host 1
+        assert {"proxy", "rollout_manager", "controller", "su-0", "su-1"} <= set(run["components"])
+        assert set(run["stored_per_unit"]) == {"su-0", "su-1"} and sum(run["stored_per_unit"].values()) > 0
+        share = out["hosts"]["dtypes"][run["dtype"]]
+        units = run["components"]["su-0"]["data"], run["components"]["su-1"]["data"]
+        assert share["local_unit_share"] == units[0] / sum(units)
+        assert share["ratio"] == run["master_data"] / out["runs"][0]["master_data"]
+    assert out["hosts"]["n"] == 2 and out["hosts"]["ideal_share"] == 0.5
+    assert out["master_peak_ratio_int32"] == out["hosts"]["dtypes"]["int32"]["ratio"]
+    assert out["leftovers"] == {"namespaces": [], "processes": [], "tmp": [], "ray_processes": [], "ray_pointer": []}
 
 
 @pytest.mark.slow
@@ -91,9 +146,9 @@ def test_peers_bench_with_transferqueue(tmp_path):
     pytest.importorskip("transfer_queue", reason="needs the bench extra: pip install 'gputq[bench]'")
     pytest.importorskip("matplotlib")
     out = _bench("bench.peers", "--sizes", "16", "--repeats", "1", "--layers", "4", "--topk", "2",
-                 "--systems", "gputq-tcp,transferqueue,ray", "--plots", str(tmp_path), "--json")
+                 "--systems", "gputq-auto,transferqueue,ray", "--plots", str(tmp_path), "--json")
     assert not out["errors"]
-    assert {r["system"] for r in out["rows"]} == {"gputq-tcp", "transferqueue", "ray"}
+    assert {r["system"] for r in out["rows"]} == {"gputq-auto", "transferqueue", "ray"}
     assert out["get_speedup_vs_transferqueue"] > 0 and out["get_speedup_vs_ray"] > 0
     assert (tmp_path / "peers_bandwidth.png").stat().st_size > 1000
     assert np.isfinite(out["get_speedup_vs_ray"])

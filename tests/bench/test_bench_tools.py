@@ -1,4 +1,4 @@
-"""The benchmarks' shared tools: the socket baseline, progress bars, region merging, speedups."""
+"""The benchmarks' shared tools: the socket baseline, progress bars, region merging."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from bench.common import Progress, SocketBaseline, progress_range
-from bench.peers import make_shard, run_worker, speedups
 
 
 @pytest.mark.timeout(60)
@@ -51,33 +50,6 @@ def test_merge_regions_joins_touching_neighbours_only():
     # Out of order is not merged: the destination is packed in the order given.
     assert merge_regions(np.array([[256, 256], [0, 256]])).tolist() == [[256, 256], [0, 256]]
     assert merge_regions(np.array([[8, 8]])).tolist() == [[8, 8]]
-
-
-def test_make_shard_covers_the_size_in_int32_samples():
-    shard = make_shard(1.0, layers=4, topk=2, rows=1024)
-    assert all(a.dtype == np.int32 and a.shape == (1024, 4, 2) for a in shard)
-    assert sum(a.nbytes for a in shard) >= 1 << 20 and len(shard) == 32
-
-
-def test_speedups_take_the_smallest_ratio_at_16_mib_and_up():
-    rows = [{"system": s, "shard_MiB": m, "get_GBps": g} for s, m, g in [
-        ("gputq-tcp", 4, 1.0), ("gputq-tcp", 16, 4.0), ("gputq-tcp", 64, 6.0),
-        ("ray", 4, 9.0), ("ray", 16, 2.0), ("ray", 64, 2.0),
-        ("transferqueue", 16, 1.0), ("transferqueue", 64, 4.0)]]
-    out = speedups(rows, ["gputq-tcp", "ray", "transferqueue"])
-    assert out["get_speedup_vs_ray"] == 2.0
-    assert out["get_speedup_vs_transferqueue"] == 1.5
-    assert "get_speedup_vs_socket" not in out
-
-
-@pytest.mark.timeout(60)
-def test_socket_worker_reports_one_row_per_size():
-    class Args:
-        sizes, repeats, layers, topk, rows = "0.25,0.5", 2, 4, 2, 256
-
-    result = run_worker("socket", Args)
-    assert [r["shard_MiB"] for r in result["rows"]] == [0.25, 0.5]
-    assert all(r["get_GBps"] > 0 and r["put_GBps"] > 0 for r in result["rows"])
 
 
 def test_write_figures_without_matplotlib_says_so(capsys):

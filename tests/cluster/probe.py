@@ -1,4 +1,4 @@
-"""What another host sees of a unit: run on a host of :class:`tests.cluster.netns.Hosts`.
+"""What another host sees of a unit: run on a host of :class:`bench.hosts.Hosts`.
 
 ``python -m tests.cluster.probe SCENARIO JSON`` prints one JSON line
 (:func:`on_host` runs it there and returns that line).
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
 import resource
 import selectors
 import socket
@@ -36,20 +35,19 @@ import time
 
 import numpy as np
 
-__all__ = ["ROOT", "on_host", "open_ports", "path", "faults", "exposure"]
+from bench.hosts import ROOT
 
-#: The repository root: the working directory of what runs on the hosts.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+__all__ = ["on_host", "open_ports", "path", "faults", "exposure"]
 
-# Connects in flight at once: well under the open-file limit (a scan of 65535 ports takes ~5 s).
 def on_host(hosts, host: int, scenario: str, args: dict, timeout: float = 60) -> dict:
-    """Run ``scenario`` on ``host`` of ``hosts`` (a :class:`tests.cluster.netns.Hosts`); its JSON line."""
+    """Run ``scenario`` on ``host`` of ``hosts`` (a :class:`bench.hosts.Hosts`); its JSON line."""
     done = hosts.run(host, [sys.executable, "-m", "tests.cluster.probe", scenario, json.dumps(args)], timeout,
                      cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
 
+# Connects in flight at once: well under the open-file limit (a scan of 65535 ports takes ~5 s).
 _BATCH = max(64, min(8192, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256))
 _CONNECT_S = 2.0
 _KEY_BYTES = 256 << 10
@@ -274,7 +272,8 @@ def exposure(address: dict, token: str, flood: int, rounds: int) -> dict:
     result["without_hello"] = _raw_attempts(host, port)
     with UnitClients({unit: address}, config) as clients:
         after = clients.channel(unit).call("stats", timeout=10)
-    result["stats_unchanged"] = {k: (before[k], after[k]) for k in ("keys", "used", "reads", "bytes_read", "puts", "bytes_written")}
+    counters = ("keys", "used", "reads", "bytes_read", "puts", "bytes_written")
+    result["stats_unchanged"] = {k: (before[k], after[k]) for k in counters}
 
     stop, counts = threading.Event(), {"opened": 0, "closed_by_unit": 0}
     flooder = threading.Thread(target=_flood, args=(host, port, flood, stop, counts), daemon=True)

@@ -1,4 +1,4 @@
-"""The job on a Ray cluster of namespace hosts: run on host 0, the master (``tests.cluster.ray_hosts``).
+"""The job on a Ray cluster of namespace hosts: run on host 0, the master (``bench.hosts.start_ray``).
 
 ``python -m tests.cluster.ray_driver JSON`` (``{"address", "hosts", "samples", "victim"}``):
 
@@ -17,12 +17,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
-import time
 
 import numpy as np
+
+from bench.cluster import TrainerRank
+from bench.common import digest
+from bench.hosts import wait_nodes
 
 __all__ = ["main", "MARK"]
 
@@ -35,42 +37,9 @@ def _logprobs(i: int) -> np.ndarray:
     return np.random.default_rng(i).random(_ROWS, dtype=np.float32)
 
 
-def _digest(array) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
-
-
-class TrainerRank:
-    """One data-parallel rank on its own host: fetches the samples it is given and digests them."""
-
-    def __init__(self, membership: dict, config):
-        from gputq.client.clients import UnitClients
-        from gputq.client.reader import Reader
-
-        self._clients = UnitClients(membership, config)
-        self._reader = Reader(self._clients, config)
-
-    def fetch(self, samples: list[tuple[int, object]]) -> dict:
-        import socket
-
-        from gputq.data.refs import Layout
-
-        got = self._reader.fetch([{"logprobs": Layout.from_ref(ref)} for _, ref in samples])
-        return {"hostname": socket.gethostname(),
-                "digests": {i: _digest(g["rollout_log_probs"]) for (i, _), g in zip(samples, got)},
-                "choices": {u: list(self._clients.transport_of(u)) for u in self._clients.units}}
-
-    def close(self) -> None:
-        self._reader.close()
-        self._clients.close()
-
-
-def _wait_nodes(ray, alive: int, limit_s: float) -> float:
-    deadline = time.monotonic() + limit_s
-    while sum(n["Alive"] for n in ray.nodes()) != alive:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not {alive} alive nodes within {limit_s} s: {ray.nodes()}")
-        time.sleep(0.1)
-    return time.monotonic()
+def _digest(i: int) -> str:
+    """What a rank's restore of sample ``i`` digests to."""
+    return digest({"rollout_log_probs": _logprobs(i)})
 
 
 def main(args: dict) -> dict:
@@ -84,7 +53,7 @@ def main(args: dict) -> dict:
 
     ray.init(address=args["address"], log_to_driver=False)
     n, victim = args["hosts"], args["victim"]
-    _wait_nodes(ray, n, 120)
+    wait_nodes(ray, n, 120)
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, transport="auto",
                          unit_capacity_bytes=16 << 20, heartbeat_interval_s=0.5, control_timeout_s=2.0)
     result: dict = {}
@@ -97,23 +66,25 @@ def main(args: dict) -> dict:
             refs = [writer.put(f"p/s{i}/0", "p", {"logprobs": _logprobs(i)})["logprobs"]
                     for i in range(args["samples"])]
             writer.flush()
-        expected = {i: _digest(_logprobs(i)) for i in range(len(refs))}
+        expected = {i: _digest(i) for i in range(len(refs))}
         rank = ray.remote(num_cpus=0)(TrainerRank)
         ranks = {i: rank.options(resources={f"host{i}": 0.01}).remote(membership, config) for i in range(n)}
-        reports = ray.get([r.fetch.remote(list(enumerate(refs))) for r in ranks.values()])
+        everything = [(i, {"logprobs": Layout.from_ref(ref)}) for i, ref in enumerate(refs)]
+        reports = ray.get([r.fetch.remote(everything) for r in ranks.values()])
         result["ranks"] = [{"hostname": r["hostname"], "choices": r["choices"],
                             "exact": sum(r["digests"][i] == expected[i] for i in expected)} for r in reports]
         result["samples"] = len(refs)
         print(MARK + json.dumps({"event": "ready", **result}), flush=True)
 
         killed_at = float(sys.stdin.readline())  # the test killed the victim's raylet and unit then
-        dead_at = _wait_nodes(ray, n - 1, 60)
+        dead_at = wait_nodes(ray, n - 1, 60)
         removed = deployment.sync_nodes()["removed"]
         live = sorted(deployment.membership())
         invariants = ray.get(deployment.controller.check_invariants.remote(refs))
         kept = on_units([{"logprobs": Layout.from_ref(r)} for r in refs], live)
         survivors = [r for i, r in ranks.items() if i != victim]
-        again = ray.get([r.fetch.remote([(i, refs[i]) for i in kept]) for r in survivors])
+        again = ray.get([r.fetch.remote([(i, {"logprobs": Layout.from_ref(refs[i])}) for i in kept])
+                         for r in survivors])
         released = deployment.release_partition("p")
         ray.get([r.close.remote() for r in survivors])
         result.update(

@@ -18,9 +18,9 @@ import time
 import pytest
 
 from bench.faults import UnitProcess
+from bench.hosts import ROOT, Hosts, unavailable
 from gputq.config import GputqConfig
-from tests.cluster.netns import Hosts, unavailable
-from tests.cluster.probe import ROOT, on_host
+from tests.cluster.probe import on_host
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
               pytest.mark.timeout(120)]

@@ -1,7 +1,7 @@
 """Many hosts on one machine: the harness leaves nothing behind, and what a unit exposes to other hosts.
 
 Each host is a network namespace with its own address, hostname and
-/dev/shm (:mod:`tests.cluster.netns`); units and peers run on them as
+/dev/shm (:mod:`bench.hosts`); units and peers run on them as
 processes. Needs root (CAP_NET_ADMIN): skipped otherwise.
 """
 
@@ -17,10 +17,10 @@ import tempfile
 import pytest
 
 from bench.faults import UnitProcess
+from bench.hosts import ROOT, Hosts, netns_names, unavailable
 from gputq.config import GputqConfig
 from gputq.transport.policy import nixl_import_error
-from tests.cluster.netns import Hosts, netns_names, unavailable
-from tests.cluster.probe import ROOT, on_host
+from tests.cluster.probe import on_host
 from tests.sockets import listening_sockets
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailab
 # says where everything is, and then ends as the parameter says.
 _CHILD = r'''
 import json, os, sys, time
-from tests.cluster.netns import Hosts
+from bench.hosts import Hosts
 how = sys.argv[1]
 with Hosts(2) as hosts:
     procs = [hosts.popen(i, ["sh", "-c", f"touch /dev/shm/{hosts.tag}-left && echo up && exec sleep 120"],

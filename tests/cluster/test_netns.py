@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster import netns
+from bench import hosts as netns
 
 pytestmark = pytest.mark.timeout(10)
 

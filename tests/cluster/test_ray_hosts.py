@@ -18,10 +18,17 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray not installed (pip install 'gputq[ray]')")
 
-from tests.cluster.netns import Hosts, unavailable  # noqa: E402
+from bench.hosts import (  # noqa: E402
+    GCS_PORT,
+    ROOT,
+    Hosts,
+    processes_naming,
+    ray_logs,
+    ray_pointer,
+    start_ray,
+    unavailable,
+)
 from tests.cluster.ray_driver import MARK  # noqa: E402
-from tests.cluster.ray_hosts import GCS_PORT, start_ray  # noqa: E402
-from tests.cluster.probe import ROOT  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
               pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -44,22 +51,8 @@ def _line(proc: subprocess.Popen, limit_s: float) -> dict:
             return json.loads(line[len(MARK):])
 
 
-def _processes_naming(text: str) -> list[int]:
-    """Pids whose command line contains ``text`` (every Ray process of a node names its temp dir)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if text.encode() in cmdline.read():
-                    found.append(int(pid))
-        except OSError:  # gone meanwhile
-            continue
-    return found
-
-
 def test_cluster_mode_across_hosts_restores_bit_exact_and_survives_a_lost_host():
-    default_pointer = "/tmp/ray/ray_current_cluster"
-    pointer_before = os.path.exists(default_pointer) and os.stat(default_pointer).st_mtime_ns
+    pointer_before = ray_pointer()
     with Hosts(3) as hosts:
         env = start_ray(hosts)
         driver = hosts.popen(0, [sys.executable, "-m", "tests.cluster.ray_driver", json.dumps(
@@ -70,9 +63,7 @@ def test_cluster_mode_across_hosts_restores_bit_exact_and_survives_a_lost_host()
         try:
             ready = _line(driver, 200)
         except AssertionError:
-            for i in range(3):
-                with open(os.path.join(hosts.tmp, f"ray-host{i}.log")) as log:
-                    print(f"--- ray on host {i}:\n{log.read()[-2000:]}")
+            print(ray_logs(hosts))
             raise
         killed_at = time.monotonic()
         assert hosts.kill(VICTIM)  # the victim's raylet, its unit and its rank, at once
@@ -81,11 +72,11 @@ def test_cluster_mode_across_hosts_restores_bit_exact_and_survives_a_lost_host()
         done = _line(driver, 90)
         driver.wait(30)
         tmp = hosts.tmp
-        assert _processes_naming(tmp)  # the check below can see the nodes' processes
+        assert processes_naming(tmp)  # the check below can see the nodes' processes
         assert os.path.exists(os.path.join(tmp, "ray0", "ray_current_cluster"))  # the head's pointer went there
     assert not os.path.exists(tmp)  # and with it
-    assert not _processes_naming(tmp)  # no Ray process of the cluster outlived it
-    assert (os.path.exists(default_pointer) and os.stat(default_pointer).st_mtime_ns) == pointer_before
+    assert not processes_naming(tmp)  # no Ray process of the cluster outlived it
+    assert ray_pointer() == pointer_before  # the machine's own pointer untouched
 
     unit_host = ready["units"]  # unit -> hostname: one unit per host
     assert sorted(unit_host.values()) == sorted(hosts.hostnames)

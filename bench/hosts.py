@@ -1,12 +1,13 @@
-"""Many hosts on one machine: network namespaces joined by veth pairs to a bridge.
+"""Many hosts on one machine: network namespaces joined by veth pairs to a bridge, one Ray node each.
 
 :class:`Hosts` builds ``n`` hosts. Each has its own network namespace with
 one interface ``eth0`` and its own address on a private /24, its own
 hostname (a UTS namespace) and its own ``/dev/shm`` (a tmpfs in a private
 mount namespace). A small init process per host holds those namespaces;
 every process started on the host (:meth:`Hosts.popen`) enters all three,
-so processes of one host share its /dev/shm as on a real machine. The bridge sits in a namespace of its own, the *switch*, so
-nothing of the harness touches the machine's own network stack: traffic
+so processes of one host share its /dev/shm as on a real machine. The
+bridge sits in a namespace of its own, the *switch*, so nothing of the
+harness touches the machine's own network stack: traffic
 flows only between namespaces the harness made, and deleting them deletes
 every veth with them. Cutting a host's link (:meth:`Hosts.cut`) downs its
 port on the switch; :meth:`Hosts.partition` cuts two hosts apart only;
@@ -20,27 +21,54 @@ included, with any ``ray_current_cluster`` pointer), and
 
 Names carry a random tag, so parallel runs do not clash. Building hosts
 needs CAP_NET_ADMIN and CAP_SYS_ADMIN; :func:`unavailable` says why not.
+
+:func:`start_ray` starts one Ray node per host: a head on host 0,
+``ray start --address`` on the others. Token authentication is on
+(``RAY_AUTH_MODE=token``, one ``RAY_AUTH_TOKEN`` for every node and
+driver). Every Ray process of the cluster keeps its files, its
+``ray_current_cluster`` pointer included, under the hosts' temp folder
+(``RAY_TMPDIR`` and ``--temp-dir``), which teardown removes: the machine's
+default ``/tmp/ray`` is neither read nor written, and no other Ray user of
+the machine is disturbed. Nodes go with the hosts (every process in their
+namespaces is killed by id), never with ``ray stop``, which would stop
+every Ray of the machine.
+
+:func:`driver` builds the hosts, starts Ray on them, runs a job (a
+benchmark's own module) on host 0, the master, and tears all down;
+:func:`bench_on_hosts` wraps it for a benchmark's ``main`` (skip with the
+reason, Ctrl-C). The tests in ``tests/cluster`` and ``python -m bench.cluster``
+and ``python -m bench.memory --hosts N`` share this one harness.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Sequence
 
-__all__ = ["Hosts", "unavailable", "netns_names"]
+__all__ = ["Hosts", "unavailable", "netns_names", "start_ray", "ray_env", "wait_nodes", "ray_logs", "driver",
+           "processes_naming", "ray_pointer", "bench_on_hosts", "ROOT", "GCS_PORT"]
 
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
 _KILL_S = 10.0
 _PREFIX = "gqh"
 # A host's init: set its hostname, mount its /dev/shm, say so, and hold the namespaces.
-_INIT = ('hostname "$0" && mount -t tmpfs -o size=512m,mode=1777 gputq-shm /dev/shm && echo ready '
+_INIT = ('hostname "$0" && mount -t tmpfs -o size="$1",mode=1777 gputq-shm /dev/shm && echo ready '
          '&& exec sleep 2147483647')
+#: The repository root: the working directory (and ``PYTHONPATH``) of what runs on the hosts.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The head's GCS port, inside host 0's own network namespace (nothing else listens there).
+GCS_PORT = 6379
+# Node death is noticed after period x threshold (Ray's defaults: 3 s x 5).
+_HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4",
+           "RAY_health_check_timeout_ms": "500"}
 
 
 def _effective_caps() -> int:
@@ -81,6 +109,8 @@ class Hosts:
     ----------
     n : int
         How many hosts (``0 .. n-1``).
+    shm_bytes : int
+        Size of each host's ``/dev/shm`` (a tmpfs: pages count only when written).
 
     Attributes
     ----------
@@ -94,10 +124,11 @@ class Hosts:
         A private temporary folder, removed at teardown (give Ray its temp dir here).
     """
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, shm_bytes: int = 512 << 20):
         if n < 1:
             raise ValueError("at least one host")
         self.n = n
+        self.shm_bytes = int(shm_bytes)
         self.tag = f"{_PREFIX}{secrets.token_hex(3)}"
         net = f"10.{secrets.randbelow(190) + 64}.{secrets.randbelow(256)}"
         self.addresses = [f"{net}.{i + 1}" for i in range(n)]
@@ -137,7 +168,7 @@ class Hosts:
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             init = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation",
-                                     "private", "sh", "-c", _INIT, self.hostnames[i]],
+                                     "private", "sh", "-c", _INIT, self.hostnames[i], str(self.shm_bytes)],
                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
             self._inits.append(init)
             if init.stdout.readline() != b"ready\n":
@@ -241,14 +272,14 @@ class Hosts:
         return proc
 
     def run(self, host: int, argv: Sequence[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-        """Run ``argv`` on ``host`` to its end (output captured as text)."""
-        proc = self.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+        """Run ``argv`` on ``host`` to its end (output captured as text; ``stderr=None`` lets it through)."""
+        proc = self.popen(host, argv, **{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs})
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-            raise RuntimeError(f"{argv} on host {host} ran past {timeout} s; stderr: {err[-2000:]}") from None
+            raise RuntimeError(f"{argv} on host {host} ran past {timeout} s; stderr: {(err or '')[-2000:]}") from None
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     # -- links --
@@ -274,3 +305,135 @@ class Hosts:
         for here, there in ((a, b), (b, a)):
             _ip("-n", self.namespaces[here], "route", "del" if heal else "add", "blackhole",
                 f"{self.addresses[there]}/32")
+
+
+# -- Ray across the hosts ------------------------------------------------------
+def ray_env(hosts: Hosts, token: str) -> dict:
+    """The environment of every Ray process and driver of ``hosts``' cluster."""
+    return dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_TMPDIR=hosts.tmp,
+                RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=ROOT, **_HEALTH)
+
+
+def start_ray(hosts: Hosts, *, num_cpus: int = 1, object_store_bytes: int = 80 << 20) -> dict:
+    """Start a node on every host (each with a ``host<i>`` resource); return the drivers' environment.
+
+    The nodes start in the background; a driver waits for them to be alive
+    (:func:`wait_nodes`). Each node has its own temp dir, ``<hosts.tmp>/ray<i>``:
+    nodes started at once in one dir race for the same socket names. Their
+    logs go to ``<hosts.tmp>/ray-host<i>.log``.
+    """
+    env = ray_env(hosts, secrets.token_hex(16))
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    for i in range(hosts.n):
+        role = (["--head", "--include-dashboard=false", f"--port={GCS_PORT}"] if i == 0
+                else [f"--address={hosts.addresses[0]}:{GCS_PORT}"])
+        with open(os.path.join(hosts.tmp, f"ray-host{i}.log"), "w") as log:
+            hosts.popen(i, [ray, "start", *role, f"--node-ip-address={hosts.addresses[i]}",
+                            f"--num-cpus={num_cpus}", "--num-gpus=0", f"--resources={json.dumps({f'host{i}': 1})}",
+                            f"--object-store-memory={object_store_bytes}", f"--temp-dir={hosts.tmp}/ray{i}",
+                            "--disable-usage-stats", "--block"],
+                        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return env
+
+
+def wait_nodes(ray, alive: int, limit_s: float) -> float:
+    """Wait (in a driver) until exactly ``alive`` nodes are alive; when that was (monotonic)."""
+    deadline = time.monotonic() + limit_s
+    while sum(n["Alive"] for n in ray.nodes()) != alive:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not {alive} alive nodes within {limit_s} s: {ray.nodes()}")
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def ray_logs(hosts: Hosts, tail: int = 2000) -> str:
+    """The end of every node's log (for an error message when a driver fails)."""
+    parts = []
+    for i in range(hosts.n):
+        try:
+            with open(os.path.join(hosts.tmp, f"ray-host{i}.log")) as log:
+                parts.append(f"--- ray on host {i}:\n{log.read()[-tail:]}")
+        except OSError:
+            continue
+    return "\n".join(parts)
+
+
+def driver(n: int, module: str, argv: Sequence[str], *, limit_s: float, shm_bytes: int = 512 << 20,
+           object_store_bytes: int = 80 << 20) -> dict:
+    """Build ``n`` hosts with a Ray node each, run ``python -m module *argv`` on host 0, tear all down.
+
+    The job gets ``--ray-address`` (the head's) appended, inherits stderr
+    (progress shows), and must end its stdout with one JSON line, returned
+    here with ``"leftovers"`` added: what of the hosts survived teardown
+    (:meth:`Hosts.leftovers`, any Ray process naming the hosts' temp folder,
+    the machine's Ray pointer if it changed), all empty when nothing did,
+    and ``"harness"``: seconds to build the hosts and to tear them down.
+
+    Raises
+    ------
+    RuntimeError
+        If the job fails or prints no JSON line (the nodes' logs are in the message).
+    """
+    pointer = ray_pointer()
+    started = time.monotonic()
+    with Hosts(n, shm_bytes) as hosts:
+        built = time.monotonic()
+        print(f"bench.hosts: {n} hosts up, tag {hosts.tag}, temp folder {hosts.tmp}", file=sys.stderr, flush=True)
+        env = start_ray(hosts, object_store_bytes=object_store_bytes)
+        done = hosts.run(0, [sys.executable, "-m", module, *argv, "--ray-address", f"{hosts.addresses[0]}:{GCS_PORT}"],
+                         limit_s, cwd=ROOT, env=env, stderr=None)
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
+            raise RuntimeError(f"{module} on host 0 exited {done.returncode}; its output ends:\n"
+                               f"{done.stdout[-3000:]}\n{ray_logs(hosts)}")
+        result = json.loads(lines[-1])
+        tmp, ending = hosts.tmp, time.monotonic()
+    result["harness"] = {"build_s": built - started, "teardown_s": time.monotonic() - ending}
+    result["leftovers"] = {**hosts.leftovers(), "ray_processes": processes_naming(tmp),
+                           "ray_pointer": [] if ray_pointer() == pointer else [pointer[0]]}
+    return result
+
+
+def bench_on_hosts(bench: str, n: int, argv: Sequence[str], *, json_line: bool, **kwargs) -> dict | None:
+    """:func:`driver` for ``python -m bench.<bench>``'s main: its job's result, torn down.
+
+    Where hosts cannot be built it prints why (and, with ``json_line``, a
+    ``{"bench", "skipped"}`` JSON line) and returns ``None``. Ctrl-C tears
+    the hosts down, then exits with status 130. ``kwargs`` go to :func:`driver`.
+    """
+    reason = unavailable()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        if json_line:
+            print(json.dumps({"bench": bench, "skipped": reason}), flush=True)
+        return None
+    try:
+        return driver(n, f"bench.{bench}", argv, **kwargs)
+    except KeyboardInterrupt:
+        print("interrupted: the hosts are torn down", file=sys.stderr)
+        sys.exit(130)
+
+
+def ray_pointer() -> tuple[str, int | None]:
+    """The machine's default ``ray_current_cluster`` pointer and its mtime (``None``: absent).
+
+    The hosts' nodes keep theirs under their temp folder: this one must not change.
+    """
+    path = os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray", "ray_current_cluster")
+    try:
+        return path, os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return path, None
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (every Ray process of a node names its temp dir)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if text.encode() in cmdline.read():
+                    found.append(int(pid))
+        except OSError:  # gone meanwhile
+            continue
+    return found

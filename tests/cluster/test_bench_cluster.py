@@ -1,0 +1,106 @@
+"""``python -m bench.cluster``: the whole path across namespace hosts, its checks, and a teardown that leaves nothing.
+
+Needs root (CAP_NET_ADMIN) and Ray; skipped otherwise. The bench's job runs
+on host 0; what it prints last is checked here value by value.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench import cluster
+from bench.hosts import ROOT, netns_names, processes_naming, ray_pointer, unavailable
+
+_TINY = ["--sessions", "2", "--steps", "2", "--tokens", "128", "--layers", "4", "--topk", "2", "--capacity-mib", "16"]
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray not installed (pip install 'gputq[ray]')")
+needs_hosts = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+
+def on_ray_hosts(test):
+    """Namespace hosts with a Ray node each: root and Ray needed."""
+    return needs_hosts(needs_ray(pytest.mark.ray(test)))
+
+
+def _bench(*args, timeout: float) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "bench.cluster", *args, "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check(out: dict, hosts: int) -> None:
+    assert out["verified"] is True and out["transports_as_promised"] is True
+    assert len(out["units"]) == hosts and len(set(out["units"].values())) == hosts  # one unit per host
+    assert len(out["ranks"]) == hosts - 1  # a rank on every host but the master
+    master = sorted(out["units"].values())[0]
+    assert master.endswith("host0") and all(r["hostname"] != master for r in out["ranks"])
+    for rank in out["ranks"]:
+        assert rank["exact"] == rank["samples"] > 0 and rank["bytes"] > 0
+        assert {u: c[0] for u, c in rank["choices"].items()} == {
+            u: "shm" if h == rank["hostname"] else "tcp" for u, h in out["units"].items()}, rank
+    assert sum(r["samples"] for r in out["ranks"]) == out["samples"]
+    assert out["keys_left"] == 0 and out["unreachable"] == {} and out["freed"] > 0
+    assert out["leftovers"] == {"namespaces": [], "processes": [], "tmp": [], "ray_processes": [], "ray_pointer": []}
+
+
+@on_ray_hosts
+@pytest.mark.timeout(120)
+def test_two_hosts_restore_bit_exact_over_shm_and_tcp_and_leave_nothing():
+    pointer = ray_pointer()
+    out = _bench("--hosts", "2", *_TINY, timeout=110)
+    _check(out, 2)
+    assert ray_pointer() == pointer
+
+
+@on_ray_hosts
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_three_hosts_at_the_default_size():
+    _check(_bench("--hosts", "3", timeout=390), 3)
+
+
+@on_ray_hosts
+@pytest.mark.timeout(120)
+def test_ctrl_c_mid_job_tears_every_host_down():
+    pointer = ray_pointer()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.cluster", "--hosts", "2", *_TINY], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        while line and not line.startswith("bench.hosts: "):
+            line = proc.stderr.readline()
+        assert line, "the bench never said its hosts were up"
+        tag, tmp = line.split("tag ")[1].split(",")[0], line.rsplit("temp folder ", 1)[1].strip()
+        deadline = time.monotonic() + 60
+        while not processes_naming(tmp):  # Ray is starting on the hosts: interrupt then
+            assert time.monotonic() < deadline and proc.poll() is None, "Ray never started on the hosts"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted: the hosts are torn down" in err
+    assert not [n for n in netns_names() if n.startswith(tag)]
+    assert not processes_naming(tmp) and not os.path.exists(tmp)
+    assert ray_pointer() == pointer
+
+
+@pytest.mark.timeout(10)
+def test_without_cap_net_admin_it_says_why_and_exits_zero(monkeypatch, capsys):
+    reason = "needs CAP_NET_ADMIN (run as root) to create network namespaces and veth pairs"
+    monkeypatch.setattr("bench.hosts.unavailable", lambda: reason)
+    cluster.main(["--hosts", "2", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert f"skipped: {reason}" in out
+    assert json.loads(out[-1]) == {"bench": "cluster", "skipped": reason}
