@@ -27,12 +27,15 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from gputq.transport.base import ServerLimits
 from gputq.transport.tcp import SOCKET_BUFFER_BYTES
 
 __all__ = [
     "median_time",
     "gbps",
     "threaded_memcpy",
+    "same_host_copy_threads",
+    "page_aligned",
     "print_header",
     "print_table",
     "emit_json",
@@ -115,6 +118,38 @@ def synthetic_config(args: argparse.Namespace, sessions: int):
                            tool_tokens=args.tokens // 8, branch_prob=0.0, rewrite_prob=0.2, seed=args.seed)
 
 
+def same_host_copy_threads(units: int = 1) -> int:
+    """Threads that copy a whole-shard same-host read of ``units`` units at once: the memcpy baseline's.
+
+    Each unit's read copies on the thread that issued it and is joined by
+    that read's lease helper once the lease reply is in; the process-wide
+    copy pool adds ``COPY_THREADS - 1`` threads (none on a 2-core box).
+    """
+    from gputq.transport.arena_copies import COPY_THREADS
+
+    return COPY_THREADS - 1 + 2 * max(1, int(units))
+
+
+def page_aligned(nbytes: int, fill: int = 1, *, aligned: bool = True) -> np.ndarray:
+    """A uint8 array of ``nbytes`` starting on a page boundary, every page already touched (``fill``).
+
+    numpy and ``bytearray`` put a large buffer 16 bytes past a page start,
+    and a NIXL READ over cross-memory attach into such a buffer ran at a
+    third of the speed on the dev box (``python -m bench.transport`` shows
+    both). gputq's arenas and registered buffers are page-aligned, so a
+    baseline's are too; ``aligned=False`` gives the plain numpy placement,
+    for that comparison.
+    """
+    raw = np.empty(int(nbytes) + _PAGE, np.uint8)
+    start = (-raw.ctypes.data) % _PAGE if aligned else (16 - raw.ctypes.data % _PAGE) % _PAGE
+    buffer = raw[start:start + int(nbytes)]
+    buffer.fill(fill)
+    return buffer
+
+
+_PAGE = 4096
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     """Throughput in GB/s (10**9 bytes per second); ``inf`` for a zero duration."""
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
@@ -166,6 +201,8 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 _REQUEST = struct.Struct("!cQ")  # op (b"R" read, b"W" write), length
+#: The baseline server's send deadline: a unit's default.
+SEND_TIMEOUT_S = ServerLimits().send_timeout_s
 
 
 def _tune(sock: socket.socket, bufsize: int) -> None:
@@ -174,14 +211,14 @@ def _tune(sock: socket.socket, bufsize: int) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, bufsize)
 
 
-def _serve_socket(conn, max_bytes: int, bufsize: int) -> None:
+def _serve_socket(conn, max_bytes: int, bufsize: int, send_deadline: bool, aligned: bool) -> None:
     """The baseline server's process: one connection, reads answered from and writes landed in one buffer."""
     listener = socket.create_server(("127.0.0.1", 0))
     conn.send(listener.getsockname())
     client, _ = listener.accept()
     listener.close()
     _tune(client, bufsize)
-    buffer = memoryview(bytearray(max_bytes))
+    buffer = memoryview(page_aligned(max_bytes, aligned=aligned))  # like a unit's arena: touched, reused
     request = bytearray(_REQUEST.size)
     with client:
         while True:
@@ -190,11 +227,15 @@ def _serve_socket(conn, max_bytes: int, bufsize: int) -> None:
             except (ConnectionError, OSError):
                 return
             op, n = _REQUEST.unpack(request)
+            # A unit sends under a deadline, so its socket is non-blocking while it sends (poll, then
+            # send what fits); bench.transport times a blocking sendall beside it.
+            client.settimeout(SEND_TIMEOUT_S if send_deadline else None)
             if op == b"R":
                 client.sendall(buffer[:n])
             else:
                 _recv_exact(client, buffer[:n])
                 client.sendall(b"k")
+            client.settimeout(None)
 
 
 class SocketBaseline:
@@ -205,7 +246,10 @@ class SocketBaseline:
     answers a read of n bytes by sending n bytes of a preallocated buffer
     and lands a write of n bytes in it (then acknowledges with one byte).
     Socket options match the tcp transport's (TCP_NODELAY, same buffer
-    sizes), so a ratio against it measures the transport's own overhead.
+    sizes), its buffers are page-aligned, touched once and reused, as a
+    unit's arena and a reader's staging are, and the server sends under a
+    deadline as a unit does, so a ratio against it measures the
+    transport's own overhead.
 
     Parameters
     ----------
@@ -213,21 +257,26 @@ class SocketBaseline:
         Largest read or write; the buffers are this size.
     socket_buffer_bytes
         SO_SNDBUF/SO_RCVBUF; ``None`` keeps the transport's default.
+    send_deadline, aligned
+        ``False`` for a blocking ``sendall`` or numpy's own buffer
+        placement: the plainer baseline, to measure what each costs.
     """
 
-    def __init__(self, max_bytes: int, socket_buffer_bytes: int | None = None):
+    def __init__(self, max_bytes: int, socket_buffer_bytes: int | None = None, *, send_deadline: bool = True,
+                 aligned: bool = True):
         self.max_bytes = int(max_bytes)
         self._bufsize = socket_buffer_bytes or SOCKET_BUFFER_BYTES
-        self._source = bytearray(self.max_bytes)
-        self._dest = bytearray(self.max_bytes)
+        self._send_deadline, self._aligned = send_deadline, aligned
+        self._source = page_aligned(self.max_bytes, aligned=aligned)
+        self._dest = page_aligned(self.max_bytes, 0, aligned=aligned)
         self._client: socket.socket | None = None
         self._process = None
 
     def __enter__(self) -> "SocketBaseline":
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
         parent, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve_socket, args=(child, self.max_bytes, self._bufsize),
-                                    name="bench-socket-baseline", daemon=True)
+        self._process = ctx.Process(target=_serve_socket, name="bench-socket-baseline", daemon=True,
+                                    args=(child, self.max_bytes, self._bufsize, self._send_deadline, self._aligned))
         self._process.start()
         try:
             if not parent.poll(60):

@@ -5,10 +5,11 @@
 ``put`` runs on the rollout proxy's critical path once per model call. For
 steps of each token count this measures, in one run:
 
-- the **pass**: the one-pass numpy baseline, what any check-and-compact of
-  the step costs at least: ``min``, ``max`` and ``astype`` of the int32
-  expert IDs into the stored dtype, or the NaN check (a sum) and ``astype``
-  of float32 logprobs (a copy, as the step must outlive the caller's
+- the **pass**: the baseline, one chunked pass in plain numpy as a careful
+  user writes it (:func:`one_pass`): per 2 MiB chunk of the int32 expert
+  IDs, narrow into a reused output buffer and check the chunk's range
+  (``min``/``max``) while it is in cache; for float32 logprobs, copy and
+  check for NaN per chunk (a copy, as the step must outlive the caller's
   buffer). Timed on a quiet writer after each flush;
 - **put**: ``Writer.put`` of that step at p50, p99 and p99.9, with a flush
   after every ``--flush-every`` puts (the sends of earlier puts run while
@@ -29,7 +30,6 @@ put p50 over the pass p50 of the same row, and p99 over p50 of put; the
 ``--json`` line has the worst of each over the expert steps
 (``put_p50_vs_pass``, ``put_p99_vs_p50``) and, apart, over the logprob
 steps, whose pass of a few microseconds is below the fixed cost of a put.
-The pass includes ``astype``'s fresh result, as plain numpy code pays it.
 
 Where a put's time goes, and its tail: the checked pass itself (memory
 bound; chunked so each chunk is read from memory once); a fixed cost of
@@ -76,6 +76,8 @@ KINDS = ("uint8", "uint16", "int32", "logprobs")
 _MIB = 1 << 20
 #: Most untimed rounds a latency row runs before timing (see latency_row).
 WARM_ROUNDS = 8
+#: Source bytes the baseline pass checks and narrows at a time: within a core's L2 or its share of L3.
+CHUNK_BYTES = 2 << 20
 
 
 def step_fields(kind: str, tokens: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -85,13 +87,37 @@ def step_fields(kind: str, tokens: int, rng: np.random.Generator) -> dict[str, n
     return {"routed_experts": rng.integers(0, 128, (tokens, LAYERS, TOPK), dtype=np.int32)}
 
 
-def one_pass(kind: str, fields: dict[str, np.ndarray]) -> Callable[[], object]:
-    """The baseline: check and compact ``fields`` with plain whole-array numpy."""
-    if kind == "logprobs":
-        logprobs = fields["logprobs"]
-        return lambda: (np.isnan(logprobs.sum()), logprobs.astype(np.float32))
-    experts, dtype = fields["routed_experts"], np.dtype(kind)
-    return lambda: (experts.min(), experts.max(), experts.astype(dtype))
+def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> Callable[[], object]:
+    """The baseline: one chunked pass in plain numpy, as a careful user writes check-and-compact.
+
+    Chunk by chunk of ``chunk_bytes`` of the source (so a chunk is still in
+    cache when it is checked): narrow it into its rows of an output buffer
+    allocated once and reused, as a writer's pooled buffers are, then check
+    its range (``min``/``max``; int32 storage needs none) or, for logprobs,
+    its NaNs. Row order, the layout a user would store; what gputq's
+    layer-major layout costs is timed apart (``layout_row``). The callable
+    raises ``ValueError`` for a value the stored dtype cannot hold, as put does.
+    """
+    name = "logprobs" if kind == "logprobs" else "routed_experts"
+    source = fields[name]
+    stored = np.dtype(np.float32 if kind == "logprobs" else kind)
+    out = np.empty(source.shape, stored)
+    out.fill(0)  # touched once: the writer's buffers are warm too
+    step = max(1, chunk_bytes // max(1, source[:1].nbytes))
+    low, high = (0, np.iinfo(stored).max) if stored.kind in "iu" else (None, None)
+    check_range = stored.kind in "iu" and not np.can_cast(source.dtype, stored, "safe")
+
+    def run() -> np.ndarray:
+        for start in range(0, len(source), step):
+            src, dst = source[start:start + step], out[start:start + step]
+            np.copyto(dst, src, casting="unsafe")
+            if check_range and (src.min() < low or src.max() > high):
+                raise ValueError(f"an ID in rows {start}..{start + len(src)} does not fit {stored}")
+            if stored.kind == "f" and np.isnan(dst.sum()):
+                raise ValueError(f"a NaN in rows {start}..{start + len(src)}")
+        return out
+
+    return run
 
 
 def _release(clients: UnitClients, partition: str) -> None:

@@ -3,30 +3,34 @@
 Run: ``python -m bench.transport [--json] [--repeats N]``.
 
 One StorageUnit, in its own process as in a deployment, holds three
-R3-shaped shards; each shard
-is read, as one batched read, through:
+R3-shaped shards; each shard is read, as one batched read, through:
 
 - ``rdma``: :meth:`NixlChannel.read` into a buffer from
   :meth:`NixlTransport.destination` (the process-wide registered pool, the
-  way the Reader should stage: no copy after the READ);
+  way the Reader stages: no copy after the READ);
 - ``rdma+copy``: the same read into a plain numpy array (one extra memcpy);
-- ``nixl``: the baseline for rdma: a raw NIXL READ of the same regions from
-  the same serving agent, no lease, no gputq, with adjacent regions merged
-  into one descriptor as gputq merges them (the strongest raw baseline,
-  not one descriptor per key). It builds its descriptor lists
-  for each read (numpy arrays, ``initialize_xfer``), as any reader of
-  changing regions must: a trainer reads new keys at every step;
-- ``nixl prep``: the same READ from descriptor lists prepared once
-  (``prep_xfer_dlist``/``make_prepped_xfer``), only possible when the
-  regions repeat: the floor, shown for reference;
-- ``tcp``: :meth:`TcpChannel.read` into a numpy array;
+- ``nixl``: the baseline for rdma, raw NIXL as its best users write it: no
+  lease, no gputq; one page-aligned destination registered once and
+  reused; adjacent regions merged into one descriptor; the local and
+  remote descriptor lists prepared once (``prep_xfer_dlist``) and each
+  read one ``make_prepped_xfer`` of their indices;
+- ``nixl built``: the same READ with descriptor lists built for each read
+  (``initialize_xfer``), what a reader that does not prepare pays;
+- ``nixl repost``: one transfer handle made once and posted again for
+  every read, possible only when the regions repeat exactly: the floor;
+- ``tcp``: :meth:`TcpChannel.read` into a page-aligned numpy array;
 - ``socket``: the baseline for tcp, :class:`bench.common.SocketBaseline`
-  (its server in a child process, like the unit's).
+  (its server in a child process like the unit's, page-aligned buffers
+  touched once and reused, sending under a deadline as a unit does).
 
-Ratios: ``rdma / nixl``, ``rdma / nixl prep`` and ``tcp / socket`` per
-shape; the JSON line has their minima over shapes. A second table times writes through the rdma
-channel's two write paths (tcp WRITE frame, NIXL push), the measurement
-behind ``gputq.transport.nixl.PUSH_MIN_BYTES``.
+Ratios: ``rdma / nixl``, ``rdma / repost`` and ``tcp / socket`` per shape;
+the JSON line has their minima over shapes. A second table times, on the
+largest shape, the plainer baselines these replaced (NIXL into numpy's own
+buffer placement, 16 bytes past a page start; a socket with numpy's
+buffers; a socket whose server sends with a blocking ``sendall``), so what
+each choice is worth is measured, not argued. A third table times writes
+through the rdma channel's two write paths (tcp WRITE frame, NIXL push),
+the measurement behind ``gputq.transport.nixl.PUSH_MIN_BYTES``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,16 @@ import time
 
 import numpy as np
 
-from bench.common import SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table, progress_range
+from bench.common import (
+    SocketBaseline,
+    add_json_flag,
+    emit_json,
+    gbps,
+    page_aligned,
+    print_header,
+    print_table,
+    progress_range,
+)
 from gputq.transport.base import ServerLimits
 from gputq.transport.nixl import NixlTransport, import_nixl
 from gputq.transport.tcp import TcpTransport
@@ -76,17 +89,29 @@ def merge_regions(regions: np.ndarray) -> np.ndarray:
 
 
 class RawNixl:
-    """The baseline: one NIXL READ of known regions, with no lease and no gputq."""
+    """The baseline: NIXL READs of known regions into one registered buffer, with no lease and no gputq.
 
-    def __init__(self, connect_info: dict, max_bytes: int):
+    Parameters
+    ----------
+    connect_info
+        The unit's ``nixl_connect`` reply (its agent's metadata, the arena's address).
+    max_bytes
+        The destination's size: registered once, reused by every read.
+    aligned
+        ``False`` places the destination where numpy puts a large array
+        (16 bytes past a page start) instead of on a page boundary.
+    """
+
+    def __init__(self, connect_info: dict, max_bytes: int, *, aligned: bool = True):
         nixl_agent, nixl_agent_config, sync = import_nixl()
-        self.agent = nixl_agent(f"bench-raw-{os.getpid()}", nixl_agent_config(
+        self.agent = nixl_agent(f"bench-raw-{os.getpid()}-{int(aligned)}", nixl_agent_config(
             enable_prog_thread=False, backends=["UCX"], sync_mode=sync.NIXL_THREAD_SYNC_RW))
-        self.dest = np.empty(max_bytes, dtype=np.uint8)
+        self.dest = page_aligned(max_bytes, 0, aligned=aligned)
         self._reg = self.agent.register_memory(
             np.array([[self.dest.ctypes.data, max_bytes, 0]], dtype=np.uint64), "DRAM")
         self.remote = self.agent.add_remote_agent(connect_info["agent_metadata"])
         self.base = int(connect_info["arena_base"])
+        self._prepared: list = []
 
     def _descs(self, regions: np.ndarray):
         regions = merge_regions(regions)
@@ -98,32 +123,46 @@ class RawNixl:
         return local, remote
 
     def prepare(self, regions: np.ndarray):
-        """Prepared local and remote descriptor lists for ``regions`` (offset, length)."""
+        """Prepared local and remote descriptor lists for ``regions`` (offset, length), and their indices."""
         local, remote = self._descs(regions)
-        return (self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"),
-                self.agent.prep_xfer_dlist(self.remote, remote, "DRAM"),
-                np.arange(len(local), dtype=np.int32))
+        prepared = (self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"),
+                    self.agent.prep_xfer_dlist(self.remote, remote, "DRAM"),
+                    np.arange(len(local), dtype=np.int32))
+        self._prepared.append(prepared)
+        return prepared
+
+    def handle(self, prepared):
+        """One READ handle of :meth:`prepare`'s lists, to post again and again (:meth:`repost`)."""
+        local, remote, indices = prepared
+        return self.agent.make_prepped_xfer("READ", local, indices, remote, indices)
 
     def read(self, regions: np.ndarray) -> None:
         """READ ``regions`` with descriptor lists built for this read."""
         local, remote = self._descs(regions)
-        self._run(self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
-                                             self.agent.get_xfer_descs(remote, "DRAM"), self.remote))
+        self._post(self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
+                                              self.agent.get_xfer_descs(remote, "DRAM"), self.remote)).release()
 
     def read_prepared(self, prepared) -> None:
-        """READ from descriptor lists made by :meth:`prepare`."""
-        local, remote, indices = prepared
-        self._run(self.agent.make_prepped_xfer("READ", local, indices, remote, indices))
+        """READ from descriptor lists made by :meth:`prepare`: one new handle of their indices."""
+        self._post(self.handle(prepared)).release()
 
-    def _run(self, handle) -> None:
+    def repost(self, handle) -> None:
+        """READ by posting ``handle`` (from :meth:`handle`) again; it stays the caller's."""
+        self._post(handle)
+
+    def _post(self, handle):
         state = self.agent.transfer(handle)
         while state == "PROC":
             state = self.agent.check_xfer_state(handle)
-        handle.release()
         if state != "DONE":
+            handle.release()
             raise RuntimeError(f"raw NIXL READ failed: {state}")
+        return handle
 
     def close(self) -> None:
+        for local, remote, _ in self._prepared:
+            self.agent.release_dlist_handle(local)
+            self.agent.release_dlist_handle(remote)
         self.agent.remove_remote_agent(self.remote)
         self.agent.deregister_memory(self._reg)
 
@@ -162,15 +201,15 @@ def _fill(unit_channel, shapes) -> dict[str, list[str]]:
 WRITE_SIZES = (256 << 10, 1 << 20, 4 << 20, 64 << 20)
 
 
-def write_rows(control, address: dict, repeats: int) -> list[dict]:
+def write_rows(control, address: dict, repeats: int, sizes=WRITE_SIZES) -> list[dict]:
     """Time one write per path and size (each key deleted again), for the write-path choice."""
     channels = {path: NixlTransport(path).connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
                 for path in ("tcp", "push")}
     counter = iter(range(1 << 30))
     rows = []
     try:
-        for i in progress_range("bench.transport writes", len(WRITE_SIZES)):
-            size = WRITE_SIZES[i]
+        for i in progress_range("bench.transport writes", len(sizes)):
+            size = sizes[i]
             payload = np.ones(size, dtype=np.uint8)
 
             def write(channel):
@@ -179,7 +218,7 @@ def write_rows(control, address: dict, repeats: int) -> list[dict]:
                 control.call("delete", keys=[key])
 
             t = interleaved_medians({path: (lambda c=ch: write(c)) for path, ch in channels.items()}, repeats)
-            rows.append({"write": f"{size >> 10} KiB", "tcp GB/s": gbps(size, t["tcp"]),
+            rows.append({"write": f"{size / 1024:g} KiB", "tcp GB/s": gbps(size, t["tcp"]),
                          "push GB/s": gbps(size, t["push"]), "push/tcp": t["tcp"] / t["push"]})
     finally:
         for ch in channels.values():
@@ -195,31 +234,33 @@ def _serve_unit(conn, capacity: int) -> None:
         conn.recv()
 
 
-def read_rows(address: dict, repeats: int) -> list[dict]:
-    """Time every read path on every shape; the unit lives at ``address``."""
-    total_max = max(count * size for _, count, size in SHAPES)
+def read_rows(address: dict, repeats: int, shapes=SHAPES) -> tuple[list[dict], list[dict]]:
+    """Time every read path on every shape, then the plainer baselines on the largest; the unit is at ``address``."""
+    total_max = max(count * size for _, count, size in shapes)
     rows = []
     transport = NixlTransport()
     rdma = transport.connect(address, token=TOKEN, max_frame_bytes=MAX_FRAME)
     tcp = TcpTransport().connect(address["control"], token=TOKEN, max_frame_bytes=MAX_FRAME)
     raw = RawNixl(tcp.call("nixl_connect"), total_max)  # NIXL metadata only after the token handshake
+    handles = []
     try:
         with SocketBaseline(total_max) as sock:
-            keys = _fill(tcp, SHAPES)
-            dest = np.empty(total_max, dtype=np.uint8)
-            for i in progress_range("bench.transport reads", len(SHAPES)):
-                name, count, size = SHAPES[i]
+            keys = _fill(tcp, shapes)
+            dest = page_aligned(total_max, 0)
+            for i in progress_range("bench.transport reads", len(shapes)):
+                name, count, size = shapes[i]
                 nbytes = count * size
                 shard = keys[name]
-                regions = np.array([[e["offset"], e["nbytes"]] for e in tcp.call("lookup", keys=shard)],
-                                   dtype=np.int64)
+                regions = _regions(tcp, shard)
                 prepared = raw.prepare(regions)
+                handles.append(raw.handle(prepared))
                 with transport.destination(nbytes) as staged:
                     t = interleaved_medians({
                         "rdma": lambda: rdma.read(shard, staged),
                         "rdma+copy": lambda: rdma.read(shard, dest),
-                        "nixl": lambda: raw.read(regions),
-                        "nixl prep": lambda: raw.read_prepared(prepared),
+                        "nixl": lambda: raw.read_prepared(prepared),
+                        "nixl built": lambda: raw.read(regions),
+                        "nixl repost": lambda: raw.repost(handles[-1]),
                         "tcp": lambda: tcp.read(shard, dest),
                         "socket": lambda: sock.read(nbytes),
                     }, repeats)
@@ -227,23 +268,70 @@ def read_rows(address: dict, repeats: int) -> list[dict]:
                     assert np.array_equal(staged[:nbytes], dest[:nbytes])
                 rows.append({
                     "shape": name, "MiB": nbytes / (1 << 20),
-                    "rdma GB/s": gbps(nbytes, t["rdma"]), "rdma+copy GB/s": gbps(nbytes, t["rdma+copy"]),
-                    "nixl GB/s": gbps(nbytes, t["nixl"]), "nixl prep GB/s": gbps(nbytes, t["nixl prep"]),
-                    "tcp GB/s": gbps(nbytes, t["tcp"]), "socket GB/s": gbps(nbytes, t["socket"]),
-                    "rdma/nixl": t["nixl"] / t["rdma"], "rdma/prep": t["nixl prep"] / t["rdma"],
+                    **{f"{path} GB/s": gbps(nbytes, t[path]) for path in t},
+                    "rdma/nixl": t["nixl"] / t["rdma"], "rdma/repost": t["nixl repost"] / t["rdma"],
                     "tcp/socket": t["socket"] / t["tcp"],
                     "rdma ms": t["rdma"] * 1e3, "nixl ms": t["nixl"] * 1e3,
                 })
-        return rows
+            variants = _plainer_baselines(tcp, rdma, raw, sock, keys, dest, repeats, shapes)
+        return rows, variants
     finally:
+        for handle in handles:
+            handle.release()
         raw.close()
         tcp.close()
         rdma.close()
 
 
-def run(repeats: int) -> tuple[list[dict], list[dict], dict]:
-    """Start the unit in its own process (as in a deployment), then time reads and writes."""
-    capacity = sum(count * size for _, count, size in SHAPES) + (256 << 20)
+def _regions(control, keys) -> np.ndarray:
+    return np.array([[e["offset"], e["nbytes"]] for e in control.call("lookup", keys=keys)], dtype=np.int64)
+
+
+def _plainer_baselines(tcp, rdma, raw: RawNixl, sock: SocketBaseline, keys: dict, dest: np.ndarray,
+                       repeats: int, shapes) -> list[dict]:
+    """The largest shape through each baseline and the plainer version of it, interleaved.
+
+    What page-aligned buffers and a send deadline are worth, measured: the
+    baselines here once used numpy's buffer placement and a blocking send.
+    """
+    name, count, size = max(shapes, key=lambda shape: shape[1] * shape[2])
+    nbytes, shard = count * size, keys[name]
+    regions = _regions(tcp, shard)
+    plain_raw = RawNixl(tcp.call("nixl_connect"), nbytes, aligned=False)
+    try:
+        prepared, plain_prepared = raw.prepare(regions), plain_raw.prepare(regions)
+        with SocketBaseline(nbytes, aligned=False) as plain_sock, \
+                SocketBaseline(nbytes, send_deadline=False) as blocking_sock, \
+                NixlTransport().destination(nbytes) as staged:
+            t = interleaved_medians({
+                "rdma": lambda: rdma.read(shard, staged),
+                "nixl": lambda: raw.read_prepared(prepared),
+                "nixl, numpy placement": lambda: plain_raw.read_prepared(plain_prepared),
+                "tcp": lambda: tcp.read(shard, dest),
+                "socket": lambda: sock.read(nbytes),
+                "socket, numpy placement": lambda: plain_sock.read(nbytes),
+                "socket, blocking sendall": lambda: blocking_sock.read(nbytes),
+            }, repeats)
+    finally:
+        plain_raw.close()
+    rows = []
+    for path, seconds in t.items():
+        if path in ("rdma", "tcp"):
+            continue
+        gputq = "rdma" if path.startswith("nixl") else "tcp"  # the path this is the baseline of
+        rows.append({"shape": name, "baseline": path, "GB/s": gbps(nbytes, seconds), "gputq": gputq,
+                     "gputq GB/s": gbps(nbytes, t[gputq]), "gputq/baseline": seconds / t[gputq]})
+    return rows
+
+
+def run(repeats: int, scale: int = 1) -> tuple[list[dict], list[dict], list[dict], dict]:
+    """Start the unit in its own process (as in a deployment), then time reads and writes.
+
+    ``scale`` divides every key's and every write's bytes (a quick run; the shapes keep their names).
+    """
+    shapes = tuple((name, count, max(1, size // scale)) for name, count, size in SHAPES)
+    write_sizes = tuple(max(1, size // scale) for size in WRITE_SIZES)
+    capacity = sum(count * size for _, count, size in shapes) + (256 << 20) // scale
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     unit = ctx.Process(target=_serve_unit, args=(child, capacity), daemon=True)
@@ -252,39 +340,47 @@ def run(repeats: int) -> tuple[list[dict], list[dict], dict]:
         if not parent.poll(60):
             raise RuntimeError("the StorageUnit process did not start within 60 s")
         address = parent.recv()
-        rows = read_rows(address, repeats)
+        rows, variants = read_rows(address, repeats, shapes)
         with TcpTransport().connect(address["control"], token=TOKEN, max_frame_bytes=MAX_FRAME) as control:
-            writes = write_rows(control, address, repeats)
+            writes = write_rows(control, address, repeats, write_sizes)
     finally:
         parent.send("stop")
         unit.join(30)
     summary = {
         "rdma_vs_nixl_min_ratio": min(r["rdma/nixl"] for r in rows),
-        "rdma_vs_nixl_prep_min_ratio": min(r["rdma/prep"] for r in rows),
+        "rdma_vs_nixl_repost_min_ratio": min(r["rdma/repost"] for r in rows),
         "tcp_vs_socket_min_ratio": min(r["tcp/socket"] for r in rows),
         "rdma_vs_tcp_min_ratio": min(r["rdma GB/s"] / r["tcp GB/s"] for r in rows),
     }
-    return rows, writes, summary
+    return rows, variants, writes, summary
 
 
 def main(argv=None) -> int:
     parser = add_json_flag(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per path and shape (median)")
+    parser.add_argument("--scale", type=int, default=1, help="divide every key's bytes by this (a quick run)")
     args = parser.parse_args(argv)
     ucx_tls = os.environ.get("UCX_TLS", "(unset: UCX chooses)")
     print_header("gputq transport: batched reads", cpus=os.cpu_count(), UCX_TLS=ucx_tls,
-                 repeats=args.repeats, storage="StorageUnit in a child process, channels here")
+                 repeats=args.repeats, storage="StorageUnit in a child process, channels here",
+                 shapes=", ".join(name for name, _, _ in SHAPES), scale=f"1/{args.scale} of the bytes per key",
+                 devices="host memory only")
     started = time.perf_counter()
-    rows, writes, summary = run(args.repeats)
-    print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma+copy GB/s", "nixl GB/s", "nixl prep GB/s",
-                       "tcp GB/s", "socket GB/s", "rdma/nixl", "rdma/prep", "tcp/socket", "rdma ms", "nixl ms"])
+    rows, variants, writes, summary = run(args.repeats, args.scale)
+    print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma+copy GB/s", "nixl GB/s", "nixl built GB/s",
+                       "nixl repost GB/s", "tcp GB/s", "socket GB/s", "rdma/nixl", "rdma/repost", "tcp/socket",
+                       "rdma ms", "nixl ms"])
+    print()
+    print("  the plainer baselines, on the largest shape (gputq/baseline > 1: the baseline loses):")
+    print_table(variants, ["shape", "baseline", "GB/s", "gputq", "gputq GB/s", "gputq/baseline"])
     print()
     print_table(writes, ["write", "tcp GB/s", "push GB/s", "push/tcp"])
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
     print(f"  elapsed: {time.perf_counter() - started:.1f} s")
     if args.json:
-        emit_json({"bench": "transport", "rows": rows, "writes": writes, **summary, "UCX_TLS": ucx_tls})
+        emit_json({"bench": "transport", "rows": rows, "baseline_variants": variants, "writes": writes, **summary,
+                   "UCX_TLS": ucx_tls})
     return 0
 
 

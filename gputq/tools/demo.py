@@ -36,7 +36,7 @@ from gputq.integrations.slime import LOG_PROBS, ROUTED_EXPERTS_KEY, hydrate, to_
 from gputq.tools.scenarios import blocking, overlapping_rollouts
 from gputq.tools.synthetic import SyntheticConfig, ingest_synthetic
 
-__all__ = ["DemoOptions", "run_demo", "TrainerRank", "RolloutManager", "digest_fields"]
+__all__ = ["DemoOptions", "run_demo", "format_summary", "TrainerRank", "RolloutManager", "digest_fields"]
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,15 @@ class TrainerRank:
         # In place, slime's checks included; the consumed shard is released.
         hydrate(samples, self._reader, partition)
         stats = self._reader.last_stats
+        # What the rank waited for its tensors: the transfer and the restore. Read in place (shm),
+        # the transfer part is a lease round trip and the copying happens in the restore.
+        waited = stats.fetch_seconds + stats.restore_seconds
         digests = {s["index"]: digest_fields({k: s[k] for k in (LOG_PROBS, ROUTED_EXPERTS_KEY) if k in s})
                    for s in samples}
         return {"rank": self.rank, "digests": digests, "unique_keys": stats.unique_keys,
                 "referenced_keys": stats.referenced_keys, "bytes_fetched": stats.bytes_fetched,
                 "fetch_seconds": stats.fetch_seconds, "restore_seconds": stats.restore_seconds,
+                "fetch_restore_seconds": waited,
                 "transports": sorted({self._clients.transport_of(u)[0] for u in self._clients.units})}
 
     def close(self) -> None:
@@ -191,7 +195,9 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
         invariants = ray.get(deployment.controller.check_invariants.remote())
         stats = deployment.stats()
         clients.close()
-    fetch_seconds = max(r["fetch_seconds"] for r in reports)
+    # Ranks fetch at once: the bytes of all over the slowest rank's fetch+restore.
+    waited = max(r["fetch_restore_seconds"] for r in reports)
+    bytes_fetched = sum(r["bytes_fetched"] for r in reports)
     result = {
         "verified": (not mismatched and len(got) == len(expected) and invariants["ok"]
                      and (overlap is None or overlap["verified"])),
@@ -202,10 +208,11 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
         "unique_keys_fetched_per_rank": [r["unique_keys"] for r in reports],
         "referenced_keys_per_rank": [r["referenced_keys"] for r in reports],
         "bytes_offloaded": bytes_offloaded,
-        "bytes_fetched": sum(r["bytes_fetched"] for r in reports),
+        "bytes_fetched": bytes_fetched,
         "sample_bytes_through_ray": sample_bytes,
         "rollout_seconds": round(write_seconds, 3),
-        "fetch_gbps": sum(r["bytes_fetched"] for r in reports) / fetch_seconds / 1e9 if fetch_seconds else 0.0,
+        "fetch_restore_seconds": round(waited, 6),
+        "fetch_restore_gbps": bytes_fetched / waited / 1e9 if waited else 0.0,
         "transport": sorted({t for r in reports for t in r["transports"]}),
         "dtype": options.dtype,
         "keys_left_after_release": int(stats["totals"]["keys"]),
@@ -216,24 +223,30 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if progress:
-        _print_summary(result)
+        print(format_summary(result))
     return result
 
 
-def _print_summary(r: dict) -> None:
-    print(f"\n  verified bit-exact: {r['verified']}  ({r['segments']} segments from {r['steps']} steps)")
-    print(f"  offloaded {r['bytes_offloaded'] / 1e6:.1f} MB; through Ray {r['sample_bytes_through_ray'] / 1e6:.2f} MB")
-    print(f"  unique keys fetched per rank {r['unique_keys_fetched_per_rank']} "
-          f"(referenced {r['referenced_keys_per_rank']})")
-    print(f"  rollout (generate + write) {r['rollout_seconds']} s; cold fetch {r['fetch_gbps']:.2f} GB/s "
-          f"over {r['transport']} (python -m bench.fetch measures warm fetches)")
-    print(f"  keys left after the ranks released their segments and the rollout was released: "
-          f"{r['keys_left_after_release']} ({r['keys_freed_at_rollout_release']} freed by the latter); "
-          f"{r['seconds']} s in all")
-    print(f"  invariants at the end (every stored key held by a live rollout, every reference stored): "
-          f"{'ok' if r['invariants_ok'] else r['invariant_violations']}")
+def format_summary(r: dict) -> str:
+    """The lines ``gputq demo`` prints after its steps, from :func:`run_demo`'s result."""
+    lines = [
+        f"\n  verified bit-exact: {r['verified']}  ({r['segments']} segments from {r['steps']} steps)",
+        f"  offloaded {r['bytes_offloaded'] / 1e6:.1f} MB; through Ray {r['sample_bytes_through_ray'] / 1e6:.2f} MB",
+        f"  unique keys fetched per rank {r['unique_keys_fetched_per_rank']} "
+        f"(referenced {r['referenced_keys_per_rank']})",
+        f"  rollout (generate + write) {r['rollout_seconds']} s; cold fetch+restore "
+        f"{r['fetch_restore_gbps']:.2f} GB/s over {r['transport']} ({r['bytes_fetched'] / 1e6:.1f} MB in "
+        f"{r['fetch_restore_seconds'] * 1e3:.1f} ms, the slowest rank's wait; python -m bench.fetch "
+        f"measures warm fetches)",
+        f"  keys left after the ranks released their segments and the rollout was released: "
+        f"{r['keys_left_after_release']} ({r['keys_freed_at_rollout_release']} freed by the latter); "
+        f"{r['seconds']} s in all",
+        f"  invariants at the end (every stored key held by a live rollout, every reference stored): "
+        f"{'ok' if r['invariants_ok'] else r['invariant_violations']}",
+    ]
     if r["overlap"] is not None:
         o = r["overlap"]
-        print(f"  overlapping rollouts: {o['segments_consumed']} segments consumed, {o['segments_dropped']} "
-              f"dropped, {o['sessions_carried']} sessions carried; arena left {o['keys_left']} keys, "
-              f"{o['bytes_left']} bytes; verified {o['verified']}")
+        lines.append(f"  overlapping rollouts: {o['segments_consumed']} segments consumed, {o['segments_dropped']} "
+                     f"dropped, {o['sessions_carried']} sessions carried; arena left {o['keys_left']} keys, "
+                     f"{o['bytes_left']} bytes; verified {o['verified']}")
+    return "\n".join(lines)

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from bench import e2e, fetch, trainer
+from bench.common import same_host_copy_threads
 
 
 @pytest.mark.timeout(120)
@@ -22,6 +23,10 @@ def test_fetch_times_call_to_return_and_reports_the_socket_ratio(capsys):
     # The call-to-return figure includes the transfer, so it can never be the faster one.
     assert row["fetch+restore_GBps"] <= row["fetch_GBps"]
     assert streamed["ratio_vs_socket"] > 0 and streamed["fetch_GBps"] is None  # transfers overlap restores
+    # Both memcpys are reported; the goal's is on as many threads as the path copies with.
+    assert row["threads"] == same_host_copy_threads(1) and streamed["threads"] == fetch.STREAM_THREADS
+    assert row["memcpy_GBps"] > 0 and row["memcpy1_GBps"] > 0 and row["goal"] == "n/a (< 16 MiB)"
+    assert out["goal_met"] == {} and out["goal_met_all"] is False  # no shard of 16 MiB here
 
 
 @pytest.mark.timeout(120)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from gputq.tools.cli import build_parser, demo_setup
+from gputq.tools.demo import format_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -87,11 +88,16 @@ def test_demo_json_last_line_reports_verified():
                 "--tokens", "32", "--transport", "tcp")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("verified", "segments", "unique_keys_fetched_per_rank", "bytes_offloaded", "fetch_gbps"):
+    for key in ("verified", "segments", "unique_keys_fetched_per_rank", "bytes_offloaded", "fetch_restore_gbps"):
         assert key in result
     assert result["verified"] is True and result["transport"] == ["tcp"]
     assert result["bytes_offloaded"] > 0 and result["segments"] >= 2
     assert result["keys_left_after_release"] == 0
+    # The speed shown is what a rank waits for: bytes over its fetch and restore, not the transfer alone.
+    assert "fetch_gbps" not in result and result["fetch_restore_seconds"] > 0
+    assert result["fetch_restore_gbps"] == pytest.approx(
+        result["bytes_fetched"] / result["fetch_restore_seconds"] / 1e9, rel=1e-2)
+    assert f"cold fetch+restore {result['fetch_restore_gbps']:.2f} GB/s over ['tcp']" in format_summary(result)
 
 
 def test_import_needs_only_numpy():

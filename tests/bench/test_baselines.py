@@ -1,0 +1,97 @@
+"""The benchmarks' baselines: page-aligned warm buffers, the same copy threads, one chunked put pass, raw NIXL."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench import fetch, put
+from bench.common import SocketBaseline, page_aligned, same_host_copy_threads
+from gputq.transport.arena_copies import COPY_THREADS
+from gputq.transport.policy import nixl_import_error
+
+
+def test_page_aligned_buffers_start_on_a_page_and_are_touched():
+    buffer = page_aligned(3 << 20, 7)
+    assert buffer.ctypes.data % 4096 == 0 and buffer.nbytes == 3 << 20 and np.all(buffer == 7)
+    plain = page_aligned(1 << 20, 0, aligned=False)
+    assert plain.ctypes.data % 4096 == 16 and plain.nbytes == 1 << 20  # where numpy puts a large array
+
+
+def test_memcpy_baseline_threads_are_the_reads_and_their_lease_helpers_plus_the_copy_pool():
+    assert same_host_copy_threads() == COPY_THREADS + 1
+    assert same_host_copy_threads(3) == COPY_THREADS - 1 + 6
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("options", [{}, {"aligned": False}, {"send_deadline": False}])
+def test_socket_baseline_variants_move_the_bytes(options):
+    with SocketBaseline(1 << 20, **options) as sock:
+        assert sock.read(1 << 20) > 0 and sock.write(1 << 20) > 0
+
+
+@pytest.mark.parametrize("kind", ["uint8", "uint16", "int32"])
+def test_put_baseline_narrows_every_chunk_into_one_reused_buffer(kind):
+    experts = np.random.default_rng(0).integers(0, 128, (1000, 4, 2), dtype=np.int32)
+    run = put.one_pass(kind, {"routed_experts": experts}, chunk_bytes=4096)  # 128 rows a chunk: 8 chunks
+    first = run()
+    assert first.dtype == np.dtype(kind) and np.array_equal(first, experts)
+    assert run() is first  # the output is reused, not allocated per pass
+
+
+def test_put_baseline_refuses_what_the_stored_dtype_cannot_hold():
+    experts = np.zeros((1000, 4, 2), dtype=np.int32)
+    experts[900, 1, 1] = 256
+    with pytest.raises(ValueError, match="rows 896..1000 does not fit uint8"):
+        put.one_pass("uint8", {"routed_experts": experts}, chunk_bytes=4096)()
+    experts[900, 1, 1] = -1
+    with pytest.raises(ValueError, match="does not fit uint16"):
+        put.one_pass("uint16", {"routed_experts": experts}, chunk_bytes=4096)()
+    logprobs = -np.ones(5000, np.float32)
+    assert np.array_equal(put.one_pass("logprobs", {"logprobs": logprobs}, chunk_bytes=4096)(), logprobs)
+    logprobs[4999] = np.nan
+    with pytest.raises(ValueError, match="a NaN in rows 4096..5000"):
+        put.one_pass("logprobs", {"logprobs": logprobs}, chunk_bytes=4096)()
+
+
+def _times(total: float, socket: float, memcpy: float, repeats: int = 3) -> dict:
+    return {"fetch": [total / 2] * repeats, "total": [total] * repeats, "socket": [socket] * repeats,
+            "memcpy": [memcpy] * repeats, "memcpy1": [2 * memcpy] * repeats}
+
+
+def test_fetch_goals_are_judged_per_transport_on_shards_of_16_mib_and_more():
+    nbytes = 64 << 20
+    tcp = fetch._row("copy", "tcp", 8, nbytes, _times(1.0, 0.95, 0.1), 2, False)
+    assert tcp["ratio_vs_socket"] == 0.95 and tcp["goal"] == "met (0.95 vs 0.9x socket)"
+    shm = fetch._row("in place", "shm", 8, nbytes, _times(1.0, 0.5, 0.5), 2, True)
+    assert shm["total_vs_memcpy"] == 0.5 and shm["total_vs_memcpy1"] == 1.0 and shm["fetch_GBps"] is None
+    assert shm["goal"] == "missed (0.50 vs 0.8x memcpy)" and shm["threads"] == 2
+    small = fetch._row("copy", "tcp", 1, 1 << 20, _times(1.0, 0.1, 0.1), 2, False)
+    assert small["goal"] == "n/a (< 16 MiB)"
+    summary = fetch._summary([tcp, shm, small])
+    assert summary["goal_met"] == {"copy": True, "in place": False} and summary["goal_met_all"] is False
+    assert summary["ratio_vs_socket"] == 0.5 and summary["total_vs_memcpy"] == 0.1  # the smallest of the big rows
+
+
+@pytest.mark.rdma
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_transport_bench_at_tiny_sizes_reports_every_baseline(capsys):
+    if nixl_import_error() is not None:
+        pytest.skip(f"bench.transport needs NIXL: {nixl_import_error()}")
+    from bench import transport
+
+    assert transport.main(["--repeats", "1", "--scale", "256", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["shape"] for r in out["rows"]] == [name for name, _, _ in transport.SHAPES]
+    assert [r["MiB"] for r in out["rows"]] == [0.0625, 0.0625, 1.0]
+    for row in out["rows"]:
+        assert all(row[f"{path} GB/s"] > 0 for path in ("rdma", "nixl", "nixl built", "nixl repost", "tcp", "socket"))
+        assert row["rdma/nixl"] == pytest.approx(row["rdma GB/s"] / row["nixl GB/s"])
+    assert [v["baseline"] for v in out["baseline_variants"]] == [
+        "nixl", "nixl, numpy placement", "socket", "socket, numpy placement", "socket, blocking sendall"]
+    assert [v["gputq"] for v in out["baseline_variants"]] == ["rdma", "rdma", "tcp", "tcp", "tcp"]
+    assert out["rdma_vs_nixl_min_ratio"] == min(r["rdma/nixl"] for r in out["rows"])
+    assert [w["write"] for w in out["writes"]] == ["1 KiB", "4 KiB", "16 KiB", "256 KiB"]
