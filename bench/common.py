@@ -37,6 +37,7 @@ __all__ = [
     "same_host_copy_threads",
     "page_aligned",
     "print_header",
+    "trainer_runtime",
     "print_table",
     "emit_json",
     "add_json_flag",
@@ -153,6 +154,20 @@ _PAGE = 4096
 def gbps(nbytes: int, seconds: float) -> float:
     """Throughput in GB/s (10**9 bytes per second); ``inf`` for a zero duration."""
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def trainer_runtime() -> str:
+    """Load torch where it is installed, as a trainer process has it loaded; its version, or why not.
+
+    gputq's host restores use torch's transposing copy once the process
+    has torch (it never imports it itself), so a benchmark that stands for
+    a trainer loads it first, outside every timer and memory baseline.
+    """
+    try:
+        import torch
+    except ImportError:
+        return "not installed (numpy transposes)"
+    return f"torch {torch.__version__} loaded"
 
 
 def print_header(title: str, **facts) -> None:

@@ -49,6 +49,7 @@ from bench.common import (
     remote_units,
     same_host_copy_threads,
     threaded_memcpy,
+    trainer_runtime,
 )
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
@@ -194,8 +195,9 @@ def main(argv=None) -> None:
     parser.add_argument("--mb-samples", type=int, default=1, help="steps per micro-batch of the stream row")
     add_json_flag(parser)
     args = parser.parse_args(argv)
-    print_header("gputq shard fetch vs plain socket and memcpy", sizes_MiB=args.sizes, transport=args.transport,
-                 units=args.units, dtype=args.dtype, row=f"L={args.layers} K={args.topk}",
+    runtime = trainer_runtime()
+    print_header("gputq shard fetch vs plain socket and memcpy", trainer=runtime, sizes_MiB=args.sizes,
+                 transport=args.transport, units=args.units, dtype=args.dtype, row=f"L={args.layers} K={args.topk}",
                  device=args.device, repeats=args.repeats,
                  memcpy_threads=f"{same_host_copy_threads(args.units)} whole-shard, {STREAM_THREADS} stream, and 1")
     result = run(args)

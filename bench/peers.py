@@ -58,7 +58,16 @@ import time
 
 import numpy as np
 
-from bench.common import Progress, SocketBaseline, add_json_flag, emit_json, gbps, print_header, print_table
+from bench.common import (
+    Progress,
+    SocketBaseline,
+    add_json_flag,
+    emit_json,
+    gbps,
+    print_header,
+    print_table,
+    trainer_runtime,
+)
 from gputq.data.fields import ROUTED_EXPERTS_DTYPES
 
 __all__ = ["available_systems", "compact_dtype", "make_shard", "measure_rounds", "check_same", "speedups", "summarise",
@@ -315,6 +324,7 @@ def run_worker(system: str, args) -> dict:
     sizes = [float(s) for s in args.sizes.split(",")]
     shards = {size: make_shard(size, args.layers, args.topk, args.rows, experts=args.experts) for size in sizes}
     if system.startswith("gputq-"):
+        trainer_runtime()  # the getting process stands for a trainer, whose torch is loaded
         result = _gputq(*_gputq_system(system), shards, args.repeats)
     elif system == "mooncake":
         result = _mooncake(shards, args.repeats, args.mooncake_batch_keys)

@@ -63,6 +63,7 @@ from bench.common import (
     progress_range,
     remote_units,
     threaded_memcpy,
+    trainer_runtime,
 )
 from bench.plots import trainer_memory_figure, write_figures
 from gputq.client.reader import Reader
@@ -131,6 +132,7 @@ def _stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float
 def _rss_child(conn, membership, config, shard, args, path: str) -> None:
     from gputq.client.clients import UnitClients
 
+    trainer_runtime()  # before the baseline: a trainer's torch is not the reader's memory
     with UnitClients(membership, config) as clients, Reader(clients, config) as reader:
         # Anonymous memory only: over shm the arena pages a reader touches count in its RSS too,
         # yet they are the unit's (shared, never copied); sampled, since no counter keeps its peak.
@@ -333,7 +335,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.layers % args.pp:
         parser.error(f"--layers {args.layers} does not split into --pp {args.pp} stages")
-    print_header("gputq trainer side: streamed slices per rank", layout=f"DP {args.dp} x PP {args.pp} x CP {args.cp}",
+    runtime = trainer_runtime()
+    print_header("gputq trainer side: streamed slices per rank", trainer=runtime,
+                 layout=f"DP {args.dp} x PP {args.pp} x CP {args.cp}",
                  segment=f"{args.tokens} tokens, R3 [T-1, {args.layers}, {args.topk}] {args.dtype} + logprobs",
                  samples_per_dp_rank=args.samples, mb_samples=args.mb_samples, prefetch=args.prefetch,
                  transport=args.transport, units=args.units, scales=args.scales, device="cpu")

@@ -252,3 +252,34 @@ def test_release_returns_the_keys_freed():
             assert reader.release(shard, "p") == {"freed": 6, "unreachable": {}}
             assert reader.release(shard, "p") == {"freed": 0, "unreachable": {}}  # the same release: a no-op
         assert [s.stats()["keys"] for s in services] == [0, 0]
+
+
+@pytest.mark.parametrize("with_torch", [True, False], ids=["torch-transpose", "numpy-transpose"])
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_layer_major_blobs_restore_token_major_with_or_without_torch(transport, with_torch, monkeypatch):
+    """Stored ``[L, rows, K]``, returned ``[rows, L, K]``: composed layouts (a slice, a shifted step, fill rows),
+    over tcp (the staged gather) and shm (widened in place, then transposed), with torch's copy or numpy's."""
+    from gputq.client import reader as reader_module
+
+    if with_torch:
+        pytest.importorskip("torch", reason="the torch transpose needs torch")  # loaded, as in a trainer
+    else:
+        monkeypatch.setattr(reader_module, "_host_torch", lambda: None)
+    with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, _, clients):
+        rng = np.random.default_rng(11)
+        steps = [rng.integers(0, 1000, (n, 6, 3)).astype(np.int32) for n in (700, 1300, 90)]
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"t{i}", "p", {"routed_experts": e})["routed_experts"] for i, e in enumerate(steps)]
+            writer.flush()
+        whole = [Layout.from_ref(r) for r in refs]
+        shard = [{"routed_experts": Layout.concat([whole[0].slice(100, 650), whole[2]])},
+                 {"routed_experts": whole[1].shift(40, 1400)},
+                 {"routed_experts": whole[2]}]
+        want = [np.concatenate([steps[0][100:650], steps[2]]),
+                np.concatenate([np.zeros((40, 6, 3), np.int32), steps[1], np.zeros((60, 6, 3), np.int32)]),
+                steps[2]]
+        with Reader(clients, config) as reader:
+            got = reader.fetch(shard)
+        for sample, expected in zip(got, want):
+            assert sample["rollout_routed_experts"].dtype == np.int32
+            np.testing.assert_array_equal(sample["rollout_routed_experts"], expected)
