@@ -31,7 +31,7 @@ import numpy as np
 from gputq.errors import GputqError, InvalidInputError, MissingDependencyError
 from gputq.transport.base import byte_view
 from gputq.transport.cuda import HOST_REGISTER_DEFAULT, host_unregister, page_lock, usable_cupy, usable_torch
-from gputq.transport.policy import load_nixl_api, local_hostname
+from gputq.transport.policy import infiniband_devices, load_nixl_api, local_hostname
 
 __all__ = ["host_ptr", "import_nixl", "agent_name", "LocalAgent", "local_pool", "BufferPool", "CudaOps",
            "cuda_device_of", "MIN_POOL_BYTES", "DRAM"]
@@ -52,6 +52,10 @@ def host_ptr(buf) -> tuple[int, int]:
     return int(np.frombuffer(view, np.uint8).ctypes.data), view.nbytes
 
 
+#: UCX's variable naming the transport modules it loads (``^ib``: all but InfiniBand).
+UCX_MODULES_VAR = "UCX_MODULES"
+
+
 def import_nixl():
     """Return ``(nixl_agent, nixl_agent_config, nixl_thread_sync_t)``.
 
@@ -65,6 +69,11 @@ def import_nixl():
     quiet = "NIXL_LOG_LEVEL" not in os.environ
     if quiet:
         os.environ["NIXL_LOG_LEVEL"] = "WARN"
+    if not infiniband_devices() and UCX_MODULES_VAR not in os.environ:
+        # With the verbs library installed (Mooncake's bench needs it) and no InfiniBand device,
+        # UCX still loads its ib module, which crashed every process with an agent at exit
+        # (status 139, after its work was done). Where there is no device it has nothing to do.
+        os.environ[UCX_MODULES_VAR] = "^ib"
     try:
         api = load_nixl_api()
     except Exception as exc:  # ImportError, or OSError from a native library
