@@ -53,8 +53,11 @@ import tempfile
 import time
 from typing import Sequence
 
-__all__ = ["Hosts", "unavailable", "netns_names", "start_ray", "ray_env", "wait_nodes", "ray_logs", "driver",
-           "processes_naming", "ray_pointer", "bench_on_hosts", "ROOT", "GCS_PORT"]
+from bench.faults import UnitProcess
+from gputq.config import GputqConfig
+
+__all__ = ["Hosts", "unavailable", "netns_names", "units_on_hosts", "start_ray", "ray_env", "wait_nodes", "ray_logs",
+           "driver", "processes_naming", "ray_pointer", "bench_on_hosts", "ROOT", "GCS_PORT"]
 
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
 _KILL_S = 10.0
@@ -69,6 +72,17 @@ GCS_PORT = 6379
 # Node death is noticed after period x threshold (Ray's defaults: 3 s x 5).
 _HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4",
            "RAY_health_check_timeout_ms": "500"}
+
+
+def units_on_hosts(hosts: "Hosts", on: Sequence[int], **config) -> dict[str, UnitProcess]:
+    """A StorageUnit process ``su-<i>`` on each host ``i`` of ``on``, bound to that host's address.
+
+    ``config`` holds the other :class:`~gputq.config.GputqConfig` fields
+    (transport, capacity, token); nothing starts until each unit's ``address``
+    or ``start`` is asked for (see :class:`bench.faults.UnitProcess`).
+    """
+    return {f"su-{i}": UnitProcess(f"su-{i}", GputqConfig(enabled=True, host=hosts.addresses[i], **config),
+                                   wrap=lambda argv, i=i: hosts.command(i, argv)) for i in on}
 
 
 def _effective_caps() -> int:

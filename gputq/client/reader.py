@@ -444,7 +444,7 @@ class Reader(Closeable):
         by_layer = self._empty(out.nbytes).view(out.dtype)
         widen_scatter(compact, plan, inner, by_layer, fill=fill)
         shape = (stage.row_shape[0], total, inner)
-        torch = _host_torch()
+        torch = _host_torch(by_layer.dtype)
         if self._device == "cpu" and torch is None:
             np.copyto(out.reshape(total, shape[0], inner), by_layer.reshape(shape).transpose(1, 0, 2))
             return out
@@ -614,7 +614,7 @@ def _token_major_on_host(compact: np.ndarray, stage: _FieldStage, layouts, offse
     item = np.dtype((np.void, inner * stage.dtype.itemsize))
     flat = compact.reshape(-1)
     target = out.reshape(-1, layers, inner)
-    torch = _host_torch()
+    torch = _host_torch(stage.dtype)
     if torch is None:
         scratch = np.empty((_TRANSPOSE_ROWS, layers, inner), stage.dtype)
         gathered = scratch.view(item).reshape(_TRANSPOSE_ROWS, layers)
@@ -641,14 +641,18 @@ def _token_major_on_host(compact: np.ndarray, stage: _FieldStage, layouts, offse
             target[first + cursor:first + layout.rows] = fill
 
 
-def _host_torch():
-    """torch, where this process has imported it (a trainer has), for host transposes; else None.
+def _host_torch(dtype: np.dtype):
+    """torch, where this process has imported it (a trainer has) and it holds ``dtype``; else None.
 
     Its transposing copy moves a ``[L, T, K]`` int32 blob token-major 2.5x as
     fast as numpy's in-cache gather on one core. gputq does not import it for
     that: a numpy-only process would pay seconds and hundreds of MiB for it.
+    torch before 2.3 has no uint16 tensors.
     """
-    return sys.modules.get("torch")
+    torch = sys.modules.get("torch")
+    if torch is None or (dtype == np.uint16 and not hasattr(torch, "uint16")):
+        return None
+    return torch
 
 
 def _cupy():

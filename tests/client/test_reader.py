@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -264,7 +266,7 @@ def test_layer_major_blobs_restore_token_major_with_or_without_torch(transport, 
     if with_torch:
         pytest.importorskip("torch", reason="the torch transpose needs torch")  # loaded, as in a trainer
     else:
-        monkeypatch.setattr(reader_module, "_host_torch", lambda: None)
+        monkeypatch.setattr(reader_module, "_host_torch", lambda dtype: None)
     with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, _, clients):
         rng = np.random.default_rng(11)
         steps = [rng.integers(0, 1000, (n, 6, 3)).astype(np.int32) for n in (700, 1300, 90)]
@@ -283,3 +285,16 @@ def test_layer_major_blobs_restore_token_major_with_or_without_torch(transport, 
         for sample, expected in zip(got, want):
             assert sample["rollout_routed_experts"].dtype == np.int32
             np.testing.assert_array_equal(sample["rollout_routed_experts"], expected)
+
+
+def test_a_torch_without_uint16_tensors_leaves_uint16_blobs_to_numpy(monkeypatch):
+    import types
+
+    from gputq.client import reader as reader_module
+
+    old_torch = types.SimpleNamespace(__version__="2.1.0")  # torch before 2.3: no torch.uint16
+    monkeypatch.setitem(sys.modules, "torch", old_torch)
+    assert reader_module._host_torch(np.dtype(np.uint16)) is None
+    assert reader_module._host_torch(np.dtype(np.uint8)) is old_torch
+    monkeypatch.delitem(sys.modules, "torch")
+    assert reader_module._host_torch(np.dtype(np.int32)) is None  # not loaded: gputq does not import it

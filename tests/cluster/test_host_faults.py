@@ -17,9 +17,7 @@ import time
 
 import pytest
 
-from bench.faults import UnitProcess
-from bench.hosts import ROOT, Hosts, unavailable
-from gputq.config import GputqConfig
+from bench.hosts import ROOT, Hosts, unavailable, units_on_hosts
 from tests.cluster.probe import on_host
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
@@ -47,9 +45,7 @@ def _tell(proc: subprocess.Popen) -> None:
 
 def test_link_faults_give_typed_errors_in_time_and_cost_the_survivors_nothing():
     with Hosts(3) as hosts:
-        units = {f"su-{i}": UnitProcess(f"su-{i}", GputqConfig(
-            enabled=True, transport="tcp", host=hosts.addresses[i], unit_capacity_bytes=32 << 20, token=TOKEN),
-            wrap=lambda argv, i=i: hosts.command(i, argv)) for i in (1, 2)}
+        units = units_on_hosts(hosts, (1, 2), transport="tcp", unit_capacity_bytes=32 << 20, token=TOKEN)
         try:
             addresses = {name: unit.address for name, unit in units.items()}
             hosts.shape(1, "200mbit")  # 8 MiB take ~0.35 s: the cut lands inside a read

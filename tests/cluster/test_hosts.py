@@ -17,7 +17,7 @@ import tempfile
 import pytest
 
 from bench.faults import UnitProcess
-from bench.hosts import ROOT, Hosts, netns_names, unavailable
+from bench.hosts import ROOT, Hosts, netns_names, unavailable, units_on_hosts
 from gputq.config import GputqConfig
 from gputq.transport.policy import nixl_import_error
 from tests.cluster.probe import on_host
@@ -133,9 +133,7 @@ def test_from_another_host_only_the_units_own_sockets_answer_and_a_flood_leaves_
 def test_auto_picks_shm_on_the_units_host_and_tcp_across_hosts_and_every_read_is_bit_exact():
     token = "token-of-the-cross-host-path-test"
     with Hosts(3) as hosts:
-        units = {f"su-{i}": UnitProcess(f"su-{i}", GputqConfig(
-            enabled=True, transport="auto", host=hosts.addresses[i], unit_capacity_bytes=16 << 20, token=token),
-            wrap=lambda argv, i=i: hosts.command(i, argv)) for i in (1, 2)}
+        units = units_on_hosts(hosts, (1, 2), transport="auto", unit_capacity_bytes=16 << 20, token=token)
         try:
             addresses = {name: unit.address for name, unit in units.items()}
             assert {a["hostname"] for a in addresses.values()} == {hosts.hostnames[1], hosts.hostnames[2]}
