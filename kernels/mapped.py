@@ -175,6 +175,24 @@ class MappedSource:
         return MappedSource(self.starts, [address + offset for offset in offsets], self.lengths, self.nbytes,
                             self.dtype)
 
+    def host_array(self, first: int, count: int) -> np.ndarray:
+        """Elements ``[first, first + count)`` of the staging view where they lie (host addresses).
+
+        Flagged writable only because torch refuses to wrap read-only arrays
+        without a warning: a restore reads it, and nothing writes to it.
+
+        Raises
+        ------
+        PlanError
+            The range does not lie inside one segment.
+        """
+        start, nbytes = first * self.dtype.itemsize, count * self.dtype.itemsize
+        seg = int(np.searchsorted(self.starts, start, side="right")) - 1
+        if seg < 0 or start + nbytes > self.starts[seg] + self.lengths[seg]:
+            raise PlanError(f"staging bytes [{start}, {start + nbytes}) lie in no single mapped segment")
+        return _bytes_at(int(self.addresses[seg]) + start - int(self.starts[seg]), nbytes,
+                         writable=True).view(self.dtype)
+
     def _host_elements(self, base: int, src_elems: int) -> np.ndarray:
         # A view over [base, base + src_elems) that touches no byte by itself: between the
         # segments of several arenas it spans unmapped addresses, which no plan row reads
@@ -183,14 +201,15 @@ class MappedSource:
 
 
 class _Memory:
-    """Read-only bytes at an address, for ``numpy.asarray`` (cheaper than a ctypes array type per length)."""
+    """Bytes at an address, for ``numpy.asarray`` (cheaper than a ctypes array type per length)."""
 
     __slots__ = ("__array_interface__",)
 
-    def __init__(self, address: int, nbytes: int):
-        self.__array_interface__ = {"data": (address, True), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+    def __init__(self, address: int, nbytes: int, writable: bool):
+        self.__array_interface__ = {"data": (address, not writable), "shape": (nbytes,), "typestr": "|u1",
+                                    "version": 3}
 
 
-def _bytes_at(address: int, nbytes: int) -> np.ndarray:
-    """A read-only uint8 view of ``nbytes`` at ``address``, touching none of them."""
-    return np.asarray(_Memory(address, nbytes))
+def _bytes_at(address: int, nbytes: int, *, writable: bool = False) -> np.ndarray:
+    """A uint8 view of ``nbytes`` at ``address`` (read-only unless ``writable``), touching none of them."""
+    return np.asarray(_Memory(address, nbytes, writable))

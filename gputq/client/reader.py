@@ -13,7 +13,9 @@ For a shard (the layouts of its samples) the reader
    and the unit's incarnation from the references, so the unit refuses a
    stale reference (``StaleReadError``) instead of returning other bytes;
 4. runs one widen-and-scatter per field over the whole shard, into one
-   output buffer; each sample's tensor is a view of it.
+   output buffer; each sample's tensor is a view of it. On the host that
+   buffer is memory of an earlier fetch whose arrays are all gone, where
+   there is one (see :mod:`gputq.client.host_outputs`).
 
 The restored fields are exactly what the non-offloaded path gives:
 ``rollout_log_probs`` float32 and ``rollout_routed_experts`` int32.
@@ -35,6 +37,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from gputq.client.clients import UnitClients
+from gputq.client.host_outputs import HostOutputs
 from gputq.client.in_place import mapped_staging
 from gputq.client.lifecycle import release
 from gputq.client.stream import MicroBatchStream
@@ -44,7 +47,7 @@ from gputq.data.fields import sample_key_of
 from gputq.data.refs import FieldRef, Layout, uses_by_unit
 from gputq.data.slices import ParallelSlice, layer_major
 from gputq.errors import ClosedError, HintMissedError, InvalidInputError, LayoutError, StaleReadError, TransferError
-from gputq.kernels import cuda_available, widen_scatter
+from gputq.kernels import MappedSource, cuda_available, widen_scatter
 from gputq.transport import get_transport
 from gputq.transport.base import Closeable
 from gputq.transport.cuda import require_cupy
@@ -253,6 +256,7 @@ class Reader(Closeable):
         self._lock = threading.Lock()
         # Staging is reused across fetches: fresh pages would fault in during the receive.
         self._staging = None
+        self._outputs = HostOutputs()
         self._spare: list = []  # buffers of closed streams, for the next ones
         self._spare_lock = threading.Lock()
         self._stream_workers: tuple | None = None
@@ -413,12 +417,13 @@ class Reader(Closeable):
             if len(fills) > 1:
                 raise LayoutError(f"field {name!r} has several fill values in one shard: {fills}")
             restored = np.dtype(layouts[0].dtype) if layouts else np.dtype(np.float32)
-            out = self._empty(total * stage.width * restored.itemsize).view(restored)
+            nbytes = total * stage.width * restored.itemsize
+            out = (self._outputs.take(nbytes) if self._device == "cpu" else self._empty(nbytes)).view(restored)
             rows = staging.nbytes // stage.row_bytes  # a view of whole rows from byte 0
             compact = staging[:rows * stage.row_bytes].view(stage.dtype)
             if layer_major(stage.row_shape):
                 fill = fills.pop() if fills else 0
-                if isinstance(compact, np.ndarray):
+                if self._device == "cpu":
                     _token_major_on_host(compact, stage, layouts, offsets, out, fill)
                 else:
                     out = self._token_major(compact, plan, stage, out, fill, total)
@@ -433,25 +438,18 @@ class Reader(Closeable):
         return results
 
     def _token_major(self, compact, plan, stage: _FieldStage, out, fill, total: int):
-        """Widen a layer-major field into ``[L, total, ...]``, then lay it out token-major in ``out``.
+        """Widen a layer-major field into ``[L, total, ...]`` in device memory, then lay it out token-major in ``out``.
 
-        For device memory and mapped sources: the whole-shard path pays this
-        second pass (and a second buffer) for the ``[T-1, L, K]`` tensors
-        slime's samples hold; streamed micro-batches are consumed
-        layer-major and skip it.
+        The whole-shard path pays this second pass (and a second buffer) for
+        the ``[T-1, L, K]`` tensors slime's samples hold; streamed
+        micro-batches are consumed layer-major and skip it.
         """
+        import torch
+
         inner = stage.width // stage.row_shape[0]
         by_layer = self._empty(out.nbytes).view(out.dtype)
         widen_scatter(compact, plan, inner, by_layer, fill=fill)
         shape = (stage.row_shape[0], total, inner)
-        torch = _host_torch(by_layer.dtype)
-        if self._device == "cpu" and torch is None:
-            np.copyto(out.reshape(total, shape[0], inner), by_layer.reshape(shape).transpose(1, 0, 2))
-            return out
-        if self._device == "cpu":
-            torch.from_numpy(out.reshape(total, shape[0], inner)).copy_(
-                torch.from_numpy(by_layer.reshape(shape)).permute(1, 0, 2))
-            return out
         self._synchronize()  # torch's stream runs the transpose
         source, target = torch.from_dlpack(by_layer), torch.from_dlpack(out)
         target.view(total, shape[0], inner).copy_(source.view(shape).permute(1, 0, 2))
@@ -588,6 +586,7 @@ class Reader(Closeable):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
+            self._outputs.close()
             with self._spare_lock:
                 self._spare.clear()
                 workers, self._stream_workers = self._stream_workers, None
@@ -599,9 +598,12 @@ class Reader(Closeable):
 _TRANSPOSE_ROWS = 512
 
 
-def _token_major_on_host(compact: np.ndarray, stage: _FieldStage, layouts, offsets, out: np.ndarray, fill) -> None:
+def _token_major_on_host(compact, stage: _FieldStage, layouts, offsets, out: np.ndarray, fill) -> None:
     """Widen a layer-major field's blobs straight into token-major ``out`` ``[total, L, ...]``.
 
+    ``compact`` is the staging view (numpy) or, read in place, the
+    :class:`~gputq.kernels.MappedSource` over the units' arenas: each blob is
+    read where it lies, once.
     Fragment by fragment with torch's transposing copy where the process has
     torch loaded (a trainer has). Without torch, chunk by chunk of tokens: the chunk's
     layer runs are gathered token-major into a scratch chunk that stays in
@@ -612,7 +614,13 @@ def _token_major_on_host(compact: np.ndarray, stage: _FieldStage, layouts, offse
     layers = stage.row_shape[0]
     inner = stage.width // layers
     item = np.dtype((np.void, inner * stage.dtype.itemsize))
-    flat = compact.reshape(-1)
+    if isinstance(compact, MappedSource):
+        blob_at = compact.host_array
+    else:
+        flat = compact.reshape(-1)
+
+        def blob_at(first: int, count: int) -> np.ndarray:
+            return flat[first:first + count]
     target = out.reshape(-1, layers, inner)
     torch = _host_torch(stage.dtype)
     if torch is None:
@@ -623,8 +631,7 @@ def _token_major_on_host(compact: np.ndarray, stage: _FieldStage, layouts, offse
         for frag in layout.fragments:  # sorted by target row
             if frag.dst_row > cursor:
                 target[first + cursor:first + frag.dst_row] = fill
-            start = stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.width
-            blob = flat[start:start + layers * frag.ref.rows * inner]
+            blob = blob_at(stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.width, layers * frag.ref.rows * inner)
             dst = first + frag.dst_row
             if torch is not None:
                 source = blob.reshape(layers, frag.ref.rows, inner)[:, frag.src_row:frag.src_row + frag.rows]
