@@ -280,7 +280,7 @@ class Reader(Closeable):
 
     def _stream_staging(self, nbytes: int, plans, lent: contextlib.ExitStack):
         """A compact buffer of a stream: registered memory when every unit it reads is over rdma."""
-        units = sorted({r.unit for plan in plans for r in plan.requests})
+        units = sorted({unit for plan in plans for unit in plan.units})
         registered = self._registered(nbytes, units, lent)
         return self._lend(nbytes, lent) if registered is None else registered
 
@@ -331,6 +331,9 @@ class Reader(Closeable):
         ``shard`` holds, per sample, a mapping of field name to its
         :class:`Layout`. Returns, per sample, slime's field names mapped to
         arrays (numpy on CPU, torch on CUDA) of shape ``[rows, *row_shape]``.
+        Host arrays are the caller's for as long as it keeps any of them (or
+        a view, or a torch tensor of one); once all of a field's are gone, a
+        later fetch restores into that memory again.
         """
         if self._closed:
             raise ClosedError("Reader is closed")

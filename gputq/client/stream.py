@@ -144,7 +144,7 @@ class MicroBatchStream:
         self._reader, self._plans, self._depth, self._release = reader, plans, prefetch, release
         self._rank, self._hold = rank, hold
         self._ahead = reader._device == "cpu" and prefetch >= 2 and not hold
-        units = sorted({r.unit for plan in plans for r in plan.requests})
+        units = sorted({unit for plan in plans for unit in plan.units})
         # Host restores from same-host arenas read the spans where they lie: no staging copy.
         self._in_place = reader._device == "cpu" and bool(units) and all(
             mapped_here(reader._clients.channel(unit), False) for unit in units)
@@ -167,7 +167,7 @@ class MicroBatchStream:
             for fp in p.fields.values():
                 known = self._largest.get(fp.name, (0, fp.restored))[0]
                 self._largest[fp.name] = (max(known, fp.out_elements), fp.restored)
-        staging = max((p.nbytes for p in plans), default=0)
+        staging = max((p.max_nbytes for p in plans), default=0)
         self._lent = contextlib.ExitStack()
         outputs = 2 if self._ahead else 1
         compact = prefetch
@@ -190,7 +190,7 @@ class MicroBatchStream:
     @property
     def slice_bytes(self) -> int:
         """Bytes the stream's reads name: exactly what its micro-batches move out of the units."""
-        return sum(r.stop - r.start for plan in self._plans for r in plan.requests)
+        return sum(plan.slice_bytes for plan in self._plans)
 
     @property
     def _output_bytes(self) -> int:
@@ -220,6 +220,7 @@ class MicroBatchStream:
 
     def _fetch(self, plan: MicroPlan):
         """A micro-batch's compact bytes: ``(compact buffer, None)``, or in place ``(buffer, (source, leases))``."""
+        plan.finish()  # here, not up front: the first micro-batch waits for its own planning alone
         buffer = self._take(self._compact)
         if self._in_place:
             try:

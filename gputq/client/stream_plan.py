@@ -1,9 +1,9 @@
 """Planning a rank's stream: what each micro-batch reads and how it is widened.
 
 :func:`plan_stream` checks a stream's arguments against the shard (every
-error names the sample or micro-batch, before anything is read) and, per
-micro-batch, turns the rank's :class:`~gputq.data.slices.ParallelSlice`
-into
+error names the sample or micro-batch, before anything is read) and sizes
+each micro-batch; :meth:`MicroPlan.finish`, just before a micro-batch's
+fetch, turns the rank's :class:`~gputq.data.slices.ParallelSlice` into
 
 - the stored rows each key must give, merged over the micro-batch's
   samples (a step two samples share is read once for the micro-batch);
@@ -67,14 +67,39 @@ class FieldPlan:
 
 @dataclass
 class MicroPlan:
-    """One micro-batch: its shard positions, its reads (``nbytes`` of staging) and each field's plan."""
+    """One micro-batch: its shard positions, its reads (``nbytes`` of staging) and each field's plan.
+
+    :func:`plan_stream` checks every micro-batch and sizes it (``units``,
+    ``slice_bytes``, ``max_nbytes``); where its bytes go in staging (the
+    requests, ``nbytes``, each field's widen plan) is worked out by
+    :meth:`finish`, which the stream calls just before the micro-batch's
+    fetch: planning a whole shard up front would delay its first
+    micro-batch by the planning of all the others.
+    """
 
     index: int
     samples: tuple
-    requests: list
-    nbytes: int
     fields: dict
     layouts: list  # the samples' layouts, for release
+    units: tuple  # the units its reads go to
+    slice_bytes: int  # what its reads move, exactly
+    max_nbytes: int  # the staging it can need at most (the slice and each request's alignment)
+    requests: list | None = None
+    nbytes: int = 0
+    _pending: tuple | None = field(default=None, repr=False)
+
+    def finish(self) -> "MicroPlan":
+        """Lay the micro-batch's reads out in staging and build its widen plans (once; returns it)."""
+        if self._pending is not None:
+            work, max_bytes = self._pending
+            requests: list[SpanRequest] = []
+            placed, cursor = _place([(needs, fp.layers) for fp, _, _, needs in work], requests, max_bytes)
+            for (fp, frags, gaps, _), where in zip(work, placed):
+                fp.plan = _kernel_plan(fp, frags, gaps, where)
+            for request in requests:  # as every read of every pass sends them
+                request.spans = np.asarray(request.spans, dtype=np.int64).reshape(-1, 3)
+            self.requests, self.nbytes, self._pending = requests, -(-cursor // 16) * 16, None
+        return self
 
 
 def _cut_layout(layout: Layout, start: int, stop: int) -> tuple[list, list]:
@@ -265,7 +290,11 @@ def _token_field(name: str, layouts: list, positions: list, rank: ParallelSlice,
 def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[Sequence[int]], rank: ParallelSlice,
                 *, total_lengths: Sequence[int] | None = None, token_ranges=None, fields=None,
                 max_bytes: int | None = None) -> list[MicroPlan]:
-    """Check a stream's arguments and plan every micro-batch; raises ``InvalidInputError`` naming the sample."""
+    """Check a stream's arguments and size every micro-batch; raises ``InvalidInputError`` naming the sample.
+
+    Every check runs here, before anything is read; :meth:`MicroPlan.finish`
+    only places what was checked.
+    """
     if not isinstance(rank, ParallelSlice):
         raise InvalidInputError(f"rank must be a ParallelSlice, got {type(rank).__name__}")
     seen: dict[int, int] = {}
@@ -292,7 +321,6 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
     plans = []
     for m, batch in enumerate(batches):
         names = sorted({name for i in batch for name in shard[i]} if fields is None else set(fields))
-        requests: list[SpanRequest] = []
         planned = {}
         work = []
         totals = [None] * len(batch)
@@ -321,13 +349,30 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
                 fp, frags, gaps = _token_field(name, layouts, batch, rank, totals, needs)
             work.append((fp, frags, gaps, needs))
             planned[name] = fp
-        placed, cursor = _place([(needs, fp.layers) for fp, _, _, needs in work], requests, max_bytes)
-        for (fp, frags, gaps, _), where in zip(work, placed):
-            fp.plan = _kernel_plan(fp, frags, gaps, where)
-        for request in requests:  # as every read of every pass sends them
-            request.spans = np.asarray(request.spans, dtype=np.int64).reshape(-1, 3)
-        plans.append(MicroPlan(m, tuple(batch), requests, -(-cursor // 16) * 16, planned, [shard[i] for i in batch]))
+        units, slice_bytes, bound = _extent([(needs, fp.layers) for fp, _, _, needs in work])
+        plans.append(MicroPlan(m, tuple(batch), planned, [shard[i] for i in batch], units, slice_bytes, bound,
+                               _pending=(work, max_bytes)))
     return plans
+
+
+def _extent(fields: list) -> tuple[tuple, int, int]:
+    """A micro-batch's units, the bytes its spans name, and the most staging :func:`_place` can lay them in.
+
+    ``fields`` as for :func:`_place`. Placement only pads: each request
+    starts on its field's alignment (one request per key at most), and
+    staging ends on 16 bytes.
+    """
+    units, nbytes, keys, align = set(), 0, 0, 16
+    for needs, layers in fields:
+        for (unit, key), runs in needs.merged().items():
+            ref = needs.refs[(unit, key)]
+            _, major, row_bytes, key_align = _row_geometry(ref.dtype, tuple(ref.row_shape))
+            per_row = row_bytes * ((len(layers) if layers else ref.row_shape[0]) if major else 1)
+            units.add(unit)
+            nbytes += sum(stop - start for start, stop in runs) * per_row
+            keys += 1
+            align = max(align, key_align)
+    return tuple(sorted(units)), nbytes, nbytes + keys * align + 16
 
 
 def _checked_ranges(ranges, rows: int, sample: int) -> list:

@@ -311,3 +311,35 @@ def test_a_lost_unit_raises_at_the_micro_batch_that_needs_it_within_the_timeout(
                 with pytest.raises(UnitLostError, match=lost):
                     next(stream)
             assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("dtype, row_shape", [("uint16", (6, 4)), ("uint8", (5, 3)), ("int32", (4, 1))])
+def test_a_micro_batch_is_sized_up_front_and_placed_within_that_size(dtype, row_shape):
+    """plan_stream checks and sizes; the placement (just before the fetch) fits the staging sized for it."""
+    from gputq.client.stream_plan import plan_stream
+    from gputq.data.refs import FieldRef
+
+    def ref(unit, key, field, rows, dtype, shape):
+        return FieldRef(key=key, field=field, unit=unit, rows=rows, dtype=dtype, row_shape=shape, partition="p")
+
+    rng = np.random.default_rng(3)
+    steps = [ref(f"su-{i % 3}", f"k{i}", "routed_experts", int(n), dtype, row_shape)
+             for i, n in enumerate(rng.integers(7, 90, 12))]
+    shard = []
+    for i in range(10):  # segments of one to three steps, neighbours sharing one
+        parts = [Layout.from_ref(steps[j]) for j in range(i, i + 1 + i % 3)]
+        experts = Layout.concat(parts)
+        total = experts.rows + 1
+        shard.append({"routed_experts": experts,
+                      "logprobs": Layout.from_ref(ref(f"su-{i % 2}", f"lp{i}", "logprobs", total // 2, "float32", ()))})
+    batches = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9]]
+    for rank in (ParallelSlice(num_experts=16), ParallelSlice(layers=range(1, row_shape[0]), cp_rank=1, cp_size=2, num_experts=16,
+                                                tp_size=2, pad_multiple=4)):
+        plans = plan_stream(shard, batches, rank)
+        assert all(plan.requests is None for plan in plans)  # nothing placed up front
+        for plan in plans:
+            assert plan.finish() is plan and plan.finish().requests is plan.requests  # once
+            assert 0 < plan.nbytes <= plan.max_nbytes
+            assert sum(r.stop - r.start for r in plan.requests) == plan.slice_bytes
+            assert tuple(sorted({r.unit for r in plan.requests})) == plan.units
+            assert all(fp.plan.shape[1] == 3 for fp in plan.fields.values())
