@@ -11,6 +11,9 @@ the bytes:
   keys are the ones the writer places on host 1's unit, so every byte
   crosses the link both ways; the reader's channel to that unit is the one
   ``auto`` picks for a peer on another host (tcp without InfiniBand);
+- ``gputq-auto-uint8`` (``uint16`` for more than 256 experts): the same,
+  the IDs stored compact, as a deployment configures them; the same int32
+  arrays go in and come out;
 - ``mooncake``: the master on host 0, the holder contributing the only
   global segment on host 1 (a Ray actor there), the client on host 0
   contributing none, ``batch_put_from`` and ``batch_get_into`` over
@@ -18,8 +21,10 @@ the bytes:
 
 Each system is torn down before the next starts (the Ray nodes stay: they
 are the harness). The shard and the timing are :mod:`bench.peers`'; with
-``--json`` the last line holds the rows and ``get_speedup_vs_mooncake``
-and ``put_speedup_vs_mooncake_int32`` (the smallest over the sizes).
+``--json`` the last line holds the rows and ``get_speedup_vs_mooncake``,
+``put_speedup_vs_mooncake_int32`` and, for the compact row,
+``get_speedup_vs_mooncake_compact`` and ``put_speedup_vs_mooncake`` (each
+the smallest over the sizes).
 Without CAP_NET_ADMIN it says why and exits 0.
 """
 
@@ -30,7 +35,7 @@ import socket
 import sys
 
 from bench.common import add_json_flag, emit_json, gbps, print_header, print_table
-from bench.peers import check_same, make_shard, measure_rounds, speedups
+from bench.peers import HEADLINE, check_same, compact_dtype, make_shard, measure_rounds, speedups
 
 __all__ = ["job", "main"]
 
@@ -50,7 +55,7 @@ def _remote_keys(prefix: str, count: int, units: list[str], remote: str) -> list
     return keys
 
 
-def _gputq(shards: dict, repeats: int) -> dict:
+def _gputq(shards: dict, repeats: int, dtype: str) -> dict:
     from gputq.client.reader import Reader
     from gputq.client.writer import Writer
     from gputq.cluster.deploy import Deployment
@@ -58,7 +63,7 @@ def _gputq(shards: dict, repeats: int) -> dict:
     from gputq.data.refs import Layout
 
     biggest = max(sum(a.nbytes for a in s) for s in shards.values())
-    config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype="int32",
+    config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=dtype,
                          transport="auto", unit_capacity_bytes=3 * biggest + 64 * _MIB)
     out = {}
     with Deployment.start(config, per_node=True) as deployment:
@@ -81,7 +86,7 @@ def _gputq(shards: dict, repeats: int) -> dict:
                 out[size] = measure_rounds(put, get, lambda i: deployment.release_partition(f"p{size}.{i}"),
                                            lambda got: check_same(shard, got), repeats)
             via = clients.transport_of(remote)[0]
-    return {"timings": out, "via": via}
+    return {"timings": out, "via": via, "stored": dtype}
 
 
 def _mooncake(shards: dict, repeats: int, here: str, there: str) -> dict:
@@ -115,7 +120,7 @@ def _mooncake(shards: dict, repeats: int, here: str, there: str) -> dict:
             client.close()
             ray.get(holder.close.remote())
             ray.kill(holder)
-    return {"timings": out, "via": "tcp"}
+    return {"timings": out, "via": "tcp", "stored": "int32"}
 
 
 def job(args) -> dict:
@@ -128,19 +133,23 @@ def job(args) -> dict:
     wait_nodes(ray, 2, 120)
     here = args.ray_address.split(":")[0]
     there = next(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"] and "host1" in n["Resources"])
-    shards = {float(s): make_shard(float(s), args.layers, args.topk, args.rows) for s in args.sizes.split(",")}
+    shards = {float(s): make_shard(float(s), args.layers, args.topk, args.rows, experts=args.experts)
+              for s in args.sizes.split(",")}
     rows = []
-    for system, run in (("gputq-auto", lambda: _gputq(shards, args.repeats)),
-                        ("mooncake", lambda: _mooncake(shards, args.repeats, here, there))):
+    compact = compact_dtype(args.experts)
+    systems = {HEADLINE: lambda: _gputq(shards, args.repeats, "int32"),
+               f"{HEADLINE}-{compact}": lambda: _gputq(shards, args.repeats, compact),
+               "mooncake": lambda: _mooncake(shards, args.repeats, here, there)}
+    for system, run in systems.items():
         result = run()
         for size, (put_s, get_s, faults) in result["timings"].items():
             nbytes = sum(a.nbytes for a in shards[size])
-            rows.append({"system": system, "via": result["via"], "stored": "int32",
+            rows.append({"system": system, "via": result["via"], "stored": result["stored"],
                          "shard_MiB": round(nbytes / _MIB, 2), "samples": len(shards[size]),
                          "put_GBps": round(gbps(nbytes, put_s), 3), "get_GBps": round(gbps(nbytes, get_s), 3),
                          "put_ms": round(put_s * 1e3, 2), "get_ms": round(get_s * 1e3, 2)})
     return {"rows": rows, "holder_host": there, "reader_host": here,
-            **speedups(rows, ["gputq-auto", "mooncake"], min(shards))}
+            **speedups(rows, list(systems), min(shards))}
 
 
 def main(argv=None) -> None:
@@ -153,6 +162,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--rows", type=int, default=1024, help="tokens per sample")
+    parser.add_argument("--experts", type=int, default=128, help="IDs are below this; sets the compact dtype")
     parser.add_argument("--limit-s", type=float, default=900, help="the job's wall-clock limit")
     parser.add_argument("--ray-address", help=argparse.SUPPRESS)  # set for the job on host 0
     add_json_flag(parser)
@@ -162,15 +172,18 @@ def main(argv=None) -> None:
         return
     biggest = max(float(s) for s in args.sizes.split(","))
     print_header("R3 shard put/get across two hosts: gputq vs Mooncake Store", sizes_MiB=args.sizes,
-                 repeats=args.repeats, sample=f"[{args.rows}, {args.layers}, {args.topk}] int32",
+                 repeats=args.repeats,
+                 sample=f"[{args.rows}, {args.layers}, {args.topk}] int32 (IDs below {args.experts})",
                  hosts="2 network namespaces on one machine, a bridge between them", devices="host memory")
     # Room on host 1's /dev/shm for its arena (three shards and slack) and Ray's store.
     result = bench_on_hosts("peers_hosts", 2, argv, json_line=args.json, limit_s=args.limit_s,
                             shm_bytes=int((4 * biggest + 512) * _MIB), object_store_bytes=128 * _MIB)
     if result is None:
         return
-    print_table(result["rows"], ["system", "via", "shard_MiB", "samples", "put_GBps", "get_GBps", "put_ms", "get_ms"])
-    for key in ("get_speedup_vs_mooncake", "put_speedup_vs_mooncake_int32"):
+    print_table(result["rows"], ["system", "via", "stored", "shard_MiB", "samples", "put_GBps", "get_GBps", "put_ms",
+                                 "get_ms"])
+    for key in ("get_speedup_vs_mooncake", "put_speedup_vs_mooncake_int32", "get_speedup_vs_mooncake_compact",
+                "put_speedup_vs_mooncake"):
         if key in result:
             print(f"  {key} (min over sizes): {result[key]}")
     print(f"  left behind: {result['leftovers']}")
