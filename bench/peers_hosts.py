@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import statistics
 import sys
 
 from bench.common import add_json_flag, emit_json, gbps, print_header, print_table
@@ -65,7 +66,7 @@ def _gputq(shards: dict, repeats: int, dtype: str) -> dict:
     biggest = max(sum(a.nbytes for a in s) for s in shards.values())
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=dtype,
                          transport="auto", unit_capacity_bytes=3 * biggest + 64 * _MIB)
-    out = {}
+    out, restores = {}, {}
     with Deployment.start(config, per_node=True) as deployment:
         here = socket.gethostname()
         remote = next(u for u, a in deployment.membership().items() if a.get("hostname") != here)
@@ -81,12 +82,16 @@ def _gputq(shards: dict, repeats: int, dtype: str) -> dict:
                     layouts[i] = [{"routed_experts": Layout.from_ref(r["routed_experts"])} for r in refs]
 
                 def get(i):
-                    return [next(iter(sample.values())) for sample in reader.fetch(layouts[i])]
+                    got = [next(iter(sample.values())) for sample in reader.fetch(layouts[i])]
+                    restores.setdefault(size, []).append(reader.last_stats.restore_seconds)
+                    return got
 
                 out[size] = measure_rounds(put, get, lambda i: deployment.release_partition(f"p{size}.{i}"),
                                            lambda got: check_same(shard, got), repeats)
             via = clients.transport_of(remote)[0]
-    return {"timings": out, "via": via, "stored": dtype}
+    # The restore's share of the get (widening, layer-major to token-major), warm-up round left out.
+    return {"timings": out, "via": via, "stored": dtype,
+            "restore": {size: statistics.median(times[1:]) for size, times in restores.items()}}
 
 
 def _mooncake(shards: dict, repeats: int, here: str, there: str) -> dict:
@@ -148,6 +153,8 @@ def job(args) -> dict:
                          "shard_MiB": round(nbytes / _MIB, 2), "samples": len(shards[size]),
                          "put_GBps": round(gbps(nbytes, put_s), 3), "get_GBps": round(gbps(nbytes, get_s), 3),
                          "put_ms": round(put_s * 1e3, 2), "get_ms": round(get_s * 1e3, 2)})
+            if size in result.get("restore", {}):
+                rows[-1]["restore_ms"] = round(result["restore"][size] * 1e3, 2)
     return {"rows": rows, "holder_host": there, "reader_host": here,
             **speedups(rows, list(systems), min(shards))}
 
@@ -181,7 +188,7 @@ def main(argv=None) -> None:
     if result is None:
         return
     print_table(result["rows"], ["system", "via", "stored", "shard_MiB", "samples", "put_GBps", "get_GBps", "put_ms",
-                                 "get_ms"])
+                                 "get_ms", "restore_ms"])
     for key in ("get_speedup_vs_mooncake", "put_speedup_vs_mooncake_int32", "get_speedup_vs_mooncake_compact",
                 "put_speedup_vs_mooncake"):
         if key in result:

@@ -142,6 +142,7 @@ def test_peers_across_two_hosts_reads_the_other_hosts_bytes_and_leaves_nothing_b
     assert set(rows) == {"gputq-auto", "gputq-auto-uint8", "mooncake"} and out["holder_host"] != out["reader_host"]
     assert rows["gputq-auto"]["via"] == "tcp"  # auto's pick for a unit on another host without InfiniBand
     assert rows["gputq-auto"]["stored"] == "int32" and rows["gputq-auto-uint8"]["stored"] == "uint8"
+    assert 0 < rows["gputq-auto"]["restore_ms"] < rows["gputq-auto"]["get_ms"] and "restore_ms" not in rows["mooncake"]
     compact = rows["gputq-auto-uint8"]["get_GBps"] / rows["mooncake"]["get_GBps"]
     assert out["get_speedup_vs_mooncake_compact"] == pytest.approx(compact, rel=0.01, abs=0.002)
     assert all(r["samples"] == 64 and r["get_GBps"] > 0 and r["put_GBps"] > 0 for r in rows.values())
