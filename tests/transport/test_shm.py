@@ -632,22 +632,32 @@ def test_a_restore_held_past_its_leases_is_a_stale_read_that_returns_nothing(mon
     from gputq.kernels import MappedSource
     from tests.conftest import local_units
 
-    real_widen = MappedSource.widen_scatter
+    # The restore reads the mapping through either (R3 transposed out of it, other fields widened).
+    real_widen, real_host_array = MappedSource.widen_scatter, MappedSource.host_array
+
+    def expired():
+        wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 10, "the units to expire the leases")
 
     def held(source, *args, **kwargs):
-        wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 10, "the units to expire the leases")
+        expired()
         return real_widen(source, *args, **kwargs)
+
+    def held_array(source, *args, **kwargs):
+        expired()
+        return real_host_array(source, *args, **kwargs)
 
     with local_units("shm", routed_experts_dtype="uint8", zero_copy_max_bytes=float("inf"), read_timeout_s=1.0) as \
             (config, services, clients):
         segments = _written_segments(clients, config, "uint8", seed=6)
         with Reader(clients, config) as reader:
             monkeypatch.setattr(MappedSource, "widen_scatter", held)
+            monkeypatch.setattr(MappedSource, "host_array", held_array)
             restored = None
             with pytest.raises(StaleReadError, match="expired before the copy finished"):
                 restored = reader.fetch([seg.layouts for seg in segments])
             assert restored is None
             monkeypatch.setattr(MappedSource, "widen_scatter", real_widen)
+            monkeypatch.setattr(MappedSource, "host_array", real_host_array)
             _check_restored(segments, reader.fetch([seg.layouts for seg in segments]))
 
 
