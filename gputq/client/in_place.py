@@ -24,7 +24,7 @@ def mapped_staging(reader, requests: list, nbytes: int, stats, lent: contextlib.
     mapped here (and, for a GPU restore, registered as mapped memory).
     A shard no larger than the config's ``zero_copy_max_bytes`` is
     read in place: the restore reads each compact byte once, where it lies
-    (the kernel over PCIe, or the numpy widen straight out of the mapping),
+    (the kernel over PCIe, or the host restore straight out of the mapping),
     and the leases, entered into ``lent``, are confirmed when it closes,
     after the restore. A larger one is copied into this reader's staging
     buffer in spans of the arenas (one copy for keys written in sequence,

@@ -108,3 +108,14 @@ def test_a_source_staged_in_host_memory_restores_the_same_values(dtype):
     np.testing.assert_array_equal(bits(got), bits(want))
     with pytest.raises(PlanError, match="needs"):
         source.staged_in(lambda nbytes: np.empty(10, np.uint8), copy_runs, max_gap=0)
+
+
+def test_host_array_views_a_staging_range_where_it_lies_and_refuses_one_across_segments():
+    memory = np.arange(64, dtype=np.uint16)  # two segments, stored in the other order
+    base = memory.__array_interface__["data"][0]
+    source = MappedSource([0, 32], [base + 64, base], [32, 32], 64).view(np.uint16)
+    np.testing.assert_array_equal(source.host_array(2, 5), memory[34:39])  # staging bytes 4..14: segment 0
+    np.testing.assert_array_equal(source.host_array(16, 16), memory[0:16])  # all of segment 1
+    assert source.host_array(2, 5).__array_interface__["data"][0] == base + 68  # a view, not a copy
+    with pytest.raises(PlanError, match="no single mapped segment"):
+        source.host_array(10, 12)  # staging bytes 20..44 straddle the two
