@@ -303,6 +303,11 @@ class SocketBaseline:
         _tune(self._client, self._bufsize)
         return self
 
+    @property
+    def server_pid(self) -> int | None:
+        """The server process's pid (None once closed)."""
+        return None if self._process is None else self._process.pid
+
     def _check(self, nbytes: int) -> None:
         if not 0 <= nbytes <= self.max_bytes:
             raise ValueError(f"nbytes must be in [0, {self.max_bytes}]")

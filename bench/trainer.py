@@ -41,9 +41,10 @@ transport, timed just before each pass over the same bytes: a plain socket
 from a child process (tcp, rdma), a memcpy on as many threads as the stream
 uses (shm: its fetch and restore threads). Goals: >= 0.9x the socket over
 tcp, >= 0.8x the memcpy over shm, for shards (rank slices) >= 16 MiB. Each
-side also reports the cores its processes kept busy (``stream_cores``,
-``baseline_cores``) and the stream's CPU per byte against the baseline's:
-what a miss is spent on.
+side also reports the cores kept busy over all its passes by this process
+and the ones doing its work (the units for the stream, the server for the
+socket) (``stream_cores``, ``baseline_cores``), and the stream's CPU per
+byte against the baseline's: what a miss is spent on.
 """
 
 from __future__ import annotations
@@ -185,23 +186,27 @@ def _peak_rss(clients, config, shard, args, path: str) -> int:
 
 # -- baselines -------------------------------------------------------------------------
 
-def _cpu_seconds() -> float:
-    """CPU seconds so far of this process and its live children (the units, the socket baseline's server)."""
+def _cpu_seconds(pids) -> float:
+    """CPU seconds so far of this process and of the child processes ``pids`` (units, a baseline's server)."""
     total = time.process_time()
-    for child in multiprocessing.active_children():
+    for pid in pids:
         # Linux's process-wide CPU clock of another process: (~pid << 3) | CPUCLOCK_SCHED. One call each,
         # in ns, where /proc/<pid>/stat counts clock ticks (10 ms: a pass takes tens).
         with contextlib.suppress(OSError):  # a child that just exited
-            total += time.clock_gettime(((~child.pid) << 3) | 2)
+            total += time.clock_gettime(((~pid) << 3) | 2)
     return total
 
 
-def _on_cores(work) -> tuple[float, float]:
-    """``work()``'s wall seconds and the cores it kept busy meanwhile, all the bench's processes together."""
-    cpu, started = _cpu_seconds(), time.perf_counter()
+def _on_cores(work, pids) -> tuple[float, float]:
+    """``work()``'s wall seconds and the CPU seconds this process and ``pids`` spent meanwhile.
+
+    Only the processes that do the work count: the units idle through a
+    baseline's pass, and their background threads would weigh on a pass
+    of a fraction of a millisecond.
+    """
+    cpu, started = _cpu_seconds(pids), time.perf_counter()
     work()
-    wall = time.perf_counter() - started
-    return wall, (_cpu_seconds() - cpu) / wall
+    return time.perf_counter() - started, _cpu_seconds(pids) - cpu
 
 
 def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
@@ -215,23 +220,26 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     per_mb = -(-nbytes // len(_micro_batches(len(shard), args.mb_samples)))
     loops, base = [], []
     stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
+    units = [child.pid for child in multiprocessing.active_children()]  # the bench's only children so far
     if transport == "shm":
         src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
         for _ in range(repeats):
-            base.append(_on_cores(lambda: threaded_memcpy(dst, src, 2)))
-            loops.append(_on_cores(stream_pass))
+            base.append(_on_cores(lambda: threaded_memcpy(dst, src, 2), ()))
+            loops.append(_on_cores(stream_pass, units))
         baseline = "memcpy x2 threads"
     else:
         with SocketBaseline(per_mb) as socket:
             socket.read(per_mb)
             for _ in range(repeats):
                 base.append(_on_cores(lambda: [socket.read(min(per_mb, nbytes - off))
-                                               for off in range(0, nbytes, per_mb)]))
-                loops.append(_on_cores(stream_pass))
+                                               for off in range(0, nbytes, per_mb)], (socket.server_pid,)))
+                loops.append(_on_cores(stream_pass, units))
         baseline = "plain socket"
     ratio = statistics.median(b / t for (b, _), (t, _) in zip(base, loops))
-    base_s, base_cores = (statistics.median(column) for column in zip(*base))
-    loop_s, loop_cores = (statistics.median(column) for column in zip(*loops))
+    base_s, loop_s = statistics.median(b for b, _ in base), statistics.median(t for t, _ in loops)
+    # Cores over all the passes together: one pass of a small slice is too short a window.
+    base_cores = sum(c for _, c in base) / sum(b for b, _ in base)
+    loop_cores = sum(c for _, c in loops) / sum(t for t, _ in loops)
     return {"slice_MiB": round(nbytes / _MIB, 1), "baseline": baseline,
             "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(base_cores, 2),
             "stream_GBps": round(gbps(nbytes, loop_s), 2), "stream_cores": round(loop_cores, 2),
