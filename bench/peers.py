@@ -137,12 +137,10 @@ def _gputq(transport: str, dtype: str, shards: dict, repeats: int) -> dict:
     from gputq.client.writer import Writer
     from gputq.cluster.deploy import Deployment
     from gputq.config import GputqConfig
-    from gputq.data.refs import Layout
 
     biggest = max(sum(a.nbytes for a in s) for s in shards.values())
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=dtype,
                          transport=transport, num_units=1, unit_capacity_bytes=3 * biggest + 64 * _MIB)
-    out, restores = {}, {}
     import ray
 
     # address="local": our own cluster, never one another job left on this machine.
@@ -152,29 +150,43 @@ def _gputq(transport: str, dtype: str, shards: dict, repeats: int) -> dict:
             config = deployment.config
             with deployment.clients() as clients, Writer(clients, config) as writer, \
                     Reader(clients, config) as reader:
-                for size, shard in shards.items():
-                    layouts: dict[int, list] = {}
-
-                    def put(i):
-                        refs = [writer.put(f"{size}/{i}/{j}", f"p{size}.{i}", {"routed_experts": a})
-                                for j, a in enumerate(shard)]
-                        writer.flush()
-                        layouts[i] = [{"routed_experts": Layout.from_ref(r["routed_experts"])} for r in refs]
-
-                    def get(i):
-                        # One field per sample; the reader names it as the trainer does.
-                        got = [next(iter(sample.values())) for sample in reader.fetch(layouts[i])]
-                        restores.setdefault(size, []).append(reader.last_stats.restore_seconds)
-                        return got
-
-                    out[size] = measure_rounds(put, get, lambda i: deployment.release_partition(f"p{size}.{i}"),
-                                               lambda got: check_same(shard, got), repeats)
+                out, restore = gputq_rounds(writer, reader, deployment, shards, repeats,
+                                            lambda size, i, count: [f"{size}/{i}/{j}" for j in range(count)])
                 chosen = sorted({clients.transport_of(u)[0] for u in clients.units})
     finally:
         ray.shutdown()
-    # The restore's share of the get (widening, layer-major to token-major), warm-up round left out.
-    restore = {size: statistics.median(times[1:]) for size, times in restores.items()}
     return {"timings": out, "transport": "+".join(chosen), "restore": restore}
+
+
+def gputq_rounds(writer, reader, deployment, shards: dict, repeats: int, keys_of) -> tuple[dict, dict]:
+    """:func:`measure_rounds` of every shard through gputq: the writer's put + flush, the reader's fetch.
+
+    ``keys_of(size, i, count)`` names round ``i``'s step keys; each round
+    is its own partition, released after its get. Returns the timings per
+    size and the median seconds of the gets' restores (widening, layer-major
+    to token-major; the warm-up round left out) per size.
+    """
+    from gputq.data.refs import Layout
+
+    out, restores = {}, {}
+    for size, shard in shards.items():
+        layouts: dict[int, list] = {}
+
+        def put(i):
+            refs = [writer.put(key, f"p{size}.{i}", {"routed_experts": a})
+                    for key, a in zip(keys_of(size, i, len(shard)), shard)]
+            writer.flush()
+            layouts[i] = [{"routed_experts": Layout.from_ref(r["routed_experts"])} for r in refs]
+
+        def get(i):
+            # One field per sample; the reader names it as the trainer does.
+            got = [next(iter(sample.values())) for sample in reader.fetch(layouts[i])]
+            restores.setdefault(size, []).append(reader.last_stats.restore_seconds)
+            return got
+
+        out[size] = measure_rounds(put, get, lambda i: deployment.release_partition(f"p{size}.{i}"),
+                                   lambda got: check_same(shard, got), repeats)
+    return out, {size: statistics.median(times[1:]) for size, times in restores.items()}
 
 
 def _transferqueue(shards: dict, repeats: int) -> dict:

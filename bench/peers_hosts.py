@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import argparse
 import socket
-import statistics
 import sys
 
 from bench.common import add_json_flag, emit_json, gbps, print_header, print_table
-from bench.peers import HEADLINE, check_same, compact_dtype, make_shard, measure_rounds, speedups
+from bench.peers import HEADLINE, check_same, compact_dtype, gputq_rounds, make_shard, measure_rounds, speedups
 
 __all__ = ["job", "main"]
 
@@ -61,37 +60,20 @@ def _gputq(shards: dict, repeats: int, dtype: str) -> dict:
     from gputq.client.writer import Writer
     from gputq.cluster.deploy import Deployment
     from gputq.config import GputqConfig
-    from gputq.data.refs import Layout
 
     biggest = max(sum(a.nbytes for a in s) for s in shards.values())
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=dtype,
                          transport="auto", unit_capacity_bytes=3 * biggest + 64 * _MIB)
-    out, restores = {}, {}
     with Deployment.start(config, per_node=True) as deployment:
         here = socket.gethostname()
         remote = next(u for u, a in deployment.membership().items() if a.get("hostname") != here)
         with deployment.clients() as clients, Writer(clients, deployment.config) as writer, \
                 Reader(clients, deployment.config) as reader:
-            for size, shard in shards.items():
-                layouts: dict[int, list] = {}
-
-                def put(i):
-                    keys = _remote_keys(f"{size}/{i}", len(shard), clients.live_units, remote)
-                    refs = [writer.put(k, f"p{size}.{i}", {"routed_experts": a}) for k, a in zip(keys, shard)]
-                    writer.flush()
-                    layouts[i] = [{"routed_experts": Layout.from_ref(r["routed_experts"])} for r in refs]
-
-                def get(i):
-                    got = [next(iter(sample.values())) for sample in reader.fetch(layouts[i])]
-                    restores.setdefault(size, []).append(reader.last_stats.restore_seconds)
-                    return got
-
-                out[size] = measure_rounds(put, get, lambda i: deployment.release_partition(f"p{size}.{i}"),
-                                           lambda got: check_same(shard, got), repeats)
+            out, restore = gputq_rounds(
+                writer, reader, deployment, shards, repeats,
+                lambda size, i, count: _remote_keys(f"{size}/{i}", count, clients.live_units, remote))
             via = clients.transport_of(remote)[0]
-    # The restore's share of the get (widening, layer-major to token-major), warm-up round left out.
-    return {"timings": out, "via": via, "stored": dtype,
-            "restore": {size: statistics.median(times[1:]) for size, times in restores.items()}}
+    return {"timings": out, "via": via, "stored": dtype, "restore": restore}
 
 
 def _mooncake(shards: dict, repeats: int, here: str, there: str) -> dict:

@@ -127,13 +127,19 @@ class _Needs:
     def __init__(self):
         self.rows: dict[tuple[str, str], list] = {}  # (unit, key) -> [[start, stop], ...]
         self.refs: dict[tuple[str, str], FieldRef] = {}
+        self._merged: dict | None = None
 
     def add(self, ref: FieldRef, start: int, stop: int) -> None:
         key = (ref.unit, ref.key)
         self.refs.setdefault(key, ref)
         self.rows.setdefault(key, []).append([start, stop])
+        self._merged = None
 
     def merged(self) -> dict:
+        """Per key, its rows as sorted, disjoint ``[start, stop]`` runs (worked out once: sizing and placing
+        both take them)."""
+        if self._merged is not None:
+            return self._merged
         out = {}
         for key, intervals in self.rows.items():
             intervals.sort()
@@ -144,6 +150,7 @@ class _Needs:
                 else:
                     runs.append([a, b])
             out[key] = runs
+        self._merged = out
         return out
 
 

@@ -12,12 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from bench import cluster
 from bench.hosts import ROOT, netns_names, processes_naming, ray_pointer, unavailable
+from tests.waiting import wait_until
 
 _TINY = ["--sessions", "2", "--steps", "2", "--tokens", "128", "--layers", "4", "--topk", "2", "--capacity-mib", "16"]
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -80,10 +80,9 @@ def test_ctrl_c_mid_job_tears_every_host_down():
             line = proc.stderr.readline()
         assert line, "the bench never said its hosts were up"
         tag, tmp = line.split("tag ")[1].split(",")[0], line.rsplit("temp folder ", 1)[1].strip()
-        deadline = time.monotonic() + 60
-        while not processes_naming(tmp):  # Ray is starting on the hosts: interrupt then
-            assert time.monotonic() < deadline and proc.poll() is None, "Ray never started on the hosts"
-            time.sleep(0.05)
+        # Ray is starting on the hosts: interrupt then.
+        wait_until(lambda: processes_naming(tmp) or proc.poll() is not None, 60, "Ray to start on the hosts")
+        assert proc.poll() is None, "the bench ended before Ray started on the hosts"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
