@@ -312,10 +312,11 @@ class SocketBaseline:
         if not 0 <= nbytes <= self.max_bytes:
             raise ValueError(f"nbytes must be in [0, {self.max_bytes}]")
 
-    def read(self, nbytes: int) -> float:
-        """Fetch ``nbytes`` from the server process; return the seconds taken."""
+    def read(self, nbytes: int, into=None) -> float:
+        """Fetch ``nbytes`` from the server process into ``into`` (a byte buffer; default this
+        baseline's own); return the seconds taken."""
         self._check(nbytes)
-        dest = memoryview(self._dest)
+        dest = memoryview(self._dest if into is None else into).cast("B")
         start = time.perf_counter()
         self._client.sendall(_REQUEST.pack(b"R", nbytes))
         _recv_exact(self._client, dest[:nbytes])

@@ -45,6 +45,22 @@ side also reports the cores kept busy over all its passes by this process
 and the ones doing its work (the units for the stream, the server for the
 socket) (``stream_cores``, ``baseline_cores``), and the stream's CPU per
 byte against the baseline's: what a miss is spent on.
+
+Beside each baseline the same pass times a **ceiling**: the fastest any
+host restore of those bytes could go here, with no gputq in it. Over tcp,
+the plain socket's reads with each micro-batch's bytes widened to int32 on
+a second thread while the next ones arrive (two buffers each way); over
+shm, the same bytes widened to int32 on the memcpy's threads.
+``ceiling_vs_baseline`` is its ratio to the baseline (where it is below a
+goal, no host restore can meet that goal on this machine: the widened
+output is twice the bytes), ``stream_vs_ceiling`` the stream's to it (what
+gputq's own work costs).
+
+The process stands for a trainer: torch loaded, and the objects alive
+after setup frozen (``gc.freeze``), as trainers that manage their garbage
+collector do (Megatron's ``--manual-gc``): with torch's objects in it, a
+full collection takes ~0.1 s, and one triggered by any allocation of the
+loop would land in a single micro-batch's wait.
 """
 
 from __future__ import annotations
@@ -52,10 +68,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import multiprocessing
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -64,6 +82,7 @@ from bench.common import (
     add_json_flag,
     emit_json,
     gbps,
+    page_aligned,
     print_header,
     print_table,
     progress_range,
@@ -209,6 +228,34 @@ def _on_cores(work, pids) -> tuple[float, float]:
     return time.perf_counter() - started, _cpu_seconds(pids) - cpu
 
 
+class _SocketWidened:
+    """The tcp ceiling: the plain socket's reads, each chunk widened to int32 on a second thread
+    while the next one arrives (two receive buffers, two outputs, all touched once and reused)."""
+
+    def __init__(self, socket: SocketBaseline, chunk: int, dtype: np.dtype):
+        self._socket, self._chunk, self._dtype = socket, chunk, dtype
+        self._buffers = [page_aligned(chunk) for _ in range(2)]
+        self._outputs = [np.ones(chunk // dtype.itemsize, np.int32) for _ in range(2)]
+        self._widener = ThreadPoolExecutor(1, thread_name_prefix="bench-widen")
+
+    def read(self, nbytes: int) -> None:
+        pending = [None, None]
+        for i, offset in enumerate(range(0, nbytes, self._chunk)):
+            n = min(self._chunk, nbytes - offset) // self._dtype.itemsize * self._dtype.itemsize
+            slot = i % 2
+            if pending[slot] is not None:
+                pending[slot].result()
+            self._socket.read(n, self._buffers[slot])
+            pending[slot] = self._widener.submit(np.copyto, self._outputs[slot][:n // self._dtype.itemsize],
+                                                 self._buffers[slot][:n].view(self._dtype))
+        for job in pending:
+            if job is not None:
+                job.result()
+
+    def close(self) -> None:
+        self._widener.shutdown()
+
+
 def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes.
 
@@ -218,24 +265,36 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     """
     _, nbytes, _ = _stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
     per_mb = -(-nbytes // len(_micro_batches(len(shard), args.mb_samples)))
-    loops, base = [], []
+    loops, base, top = [], [], []
     stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
     units = [child.pid for child in multiprocessing.active_children()]  # the bench's only children so far
+    ids = np.dtype(args.dtype)
     if transport == "shm":
         src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+        compact, widened = src[:nbytes // ids.itemsize * ids.itemsize].view(ids), np.ones(nbytes // ids.itemsize,
+                                                                                          np.int32)
         for _ in range(repeats):
             base.append(_on_cores(lambda: threaded_memcpy(dst, src, 2), ()))
+            top.append(_on_cores(lambda: threaded_memcpy(widened, compact, 2), ()))
             loops.append(_on_cores(stream_pass, units))
-        baseline = "memcpy x2 threads"
+        baseline, ceiling = "memcpy x2 threads", "widen x2 threads"
     else:
         with SocketBaseline(per_mb) as socket:
-            socket.read(per_mb)
-            for _ in range(repeats):
-                base.append(_on_cores(lambda: [socket.read(min(per_mb, nbytes - off))
-                                               for off in range(0, nbytes, per_mb)], (socket.server_pid,)))
-                loops.append(_on_cores(stream_pass, units))
-        baseline = "plain socket"
+            widening = _SocketWidened(socket, per_mb, ids)
+            try:
+                socket.read(per_mb)
+                widening.read(2 * per_mb)
+                for _ in range(repeats):
+                    base.append(_on_cores(lambda: [socket.read(min(per_mb, nbytes - off))
+                                                   for off in range(0, nbytes, per_mb)], (socket.server_pid,)))
+                    top.append(_on_cores(lambda: widening.read(nbytes), (socket.server_pid,)))
+                    loops.append(_on_cores(stream_pass, units))
+            finally:
+                widening.close()
+        baseline, ceiling = "plain socket", "socket + widen"
     ratio = statistics.median(b / t for (b, _), (t, _) in zip(base, loops))
+    ceiling_ratio = statistics.median(b / c for (b, _), (c, _) in zip(base, top))
+    vs_ceiling = statistics.median(c / t for (c, _), (t, _) in zip(top, loops))
     base_s, loop_s = statistics.median(b for b, _ in base), statistics.median(t for t, _ in loops)
     # Cores over all the passes together: one pass of a small slice is too short a window.
     base_cores = sum(c for _, c in base) / sum(b for b, _ in base)
@@ -244,7 +303,22 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
             "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(base_cores, 2),
             "stream_GBps": round(gbps(nbytes, loop_s), 2), "stream_cores": round(loop_cores, 2),
             "ratio": round(ratio, 3),
-            "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2), "loop_s": loop_s}
+            "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2),
+            "ceiling": ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(c for c, _ in top)), 2),
+            "ceiling_vs_baseline": round(ceiling_ratio, 3), "stream_vs_ceiling": round(vs_ceiling, 3),
+            "loop_s": loop_s}
+
+
+@contextlib.contextmanager
+def _frozen_gc():
+    """The objects alive now frozen out of collections, as a trainer's startup objects (see the module
+    docstring), until the block ends."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def run(args) -> dict:
@@ -257,8 +331,10 @@ def run(args) -> dict:
     result: dict = {"dp": args.dp, "pp": args.pp, "cp": args.cp, "tokens": args.tokens, "layers": args.layers,
                     "topk": args.topk, "dtype": args.dtype, "samples_per_dp_rank": args.samples,
                     "mb_samples": args.mb_samples, "prefetch": args.prefetch, "step_samples": args.step_samples}
-    with remote_units(config) as (config, clients), Writer(clients, config) as writer:
+    with contextlib.ExitStack() as stack, remote_units(config) as (config, clients), \
+            Writer(clients, config) as writer:
         rollout = _rollout(writer, samples_total, args.tokens, args.layers, args.topk)
+        stack.enter_context(_frozen_gc())
         transport = "+".join(sorted({clients.transport_of(u)[0] for u in clients.units}))
         result["transport"] = transport
         shards = {s: [[rollout[i] for i in range(d, args.dp * args.samples * s, args.dp)] for d in range(args.dp)]
@@ -310,8 +386,10 @@ def run(args) -> dict:
                     later = sum(c for _, c in steps[1:])
                     result["overlap_ratio_after_first"] = round((later + sum(waits[1:])) / later, 4)
             result["throughput_rows"] = speed
-            big = [r["ratio"] for r in speed if r["slice_MiB"] >= 16]
-            result["throughput_ratio"] = min(big) if big else None
+            big = [r for r in speed if r["slice_MiB"] >= 16]
+            result["throughput_ratio"] = min(r["ratio"] for r in big) if big else None
+            result["ceiling_vs_baseline"] = min(r["ceiling_vs_baseline"] for r in big) if big else None
+            result["stream_vs_ceiling"] = min(r["stream_vs_ceiling"] for r in big) if big else None
             with reader.stream(shards[scales[0]][0], _micro_batches(args.samples, args.mb_samples),
                                _rank_slice(args, 0, 0), prefetch=args.prefetch) as stream:
                 result["stream_buffers_MiB"] = round(stream.buffer_bytes / _MIB, 2)
@@ -360,7 +438,8 @@ def main(argv=None) -> None:
                  segment=f"{args.tokens} tokens, R3 [T-1, {args.layers}, {args.topk}] {args.dtype} + logprobs",
                  samples_per_dp_rank=args.samples, mb_samples=args.mb_samples, prefetch=args.prefetch,
                  step_samples=args.step_samples or "the largest stored shard",
-                 transport=args.transport, units=args.units, scales=args.scales, device="cpu")
+                 transport=args.transport, units=args.units, scales=args.scales, device="cpu",
+                 gc="objects alive after setup frozen (gc.freeze)")
     result = run(args)
     print_table(result["bytes_rows"], list(result["bytes_rows"][0]))
     print(f"bytes_ratio_vs_whole_shard (DP group mean share): {result['bytes_ratio_vs_whole_shard']}  "
@@ -371,7 +450,9 @@ def main(argv=None) -> None:
           f"{result['shard_vs_stream_buffers']}x the stream's buffers ({result['stream_buffers_MiB']} MiB)")
     print_table(result["throughput_rows"], list(result["throughput_rows"][0]))
     goal = 0.8 if result["transport"] == "shm" else 0.9
-    print(f"min stream vs baseline (slices >= 16 MiB): {result['throughput_ratio']}  (goal >= {goal})")
+    print(f"min stream vs baseline (slices >= 16 MiB): {result['throughput_ratio']}  (goal >= {goal}); "
+          f"the ceiling (no gputq) reaches {result['ceiling_vs_baseline']} of the baseline, the stream "
+          f"{result['stream_vs_ceiling']} of the ceiling")
     print(f"overlap: {result['overlap']}")
     print(f"overlap_ratio: {result['overlap_ratio']}  (goal <= 1.05); after the first micro-batch: "
           f"{result['overlap_ratio_after_first']}")

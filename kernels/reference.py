@@ -2,14 +2,17 @@
 
 Every other backend must match it bit for bit. It never loops over rows in
 Python: plans of long fragments (the common case: a step's hundreds to
-thousands of tokens) copy one contiguous slice per plan row; plans of
-short fragments are expanded into row gather/scatter indices once and
-moved by one fancy-indexing assignment.
+thousands of tokens) copy one strided block per run of plan rows that
+repeat at constant steps (a fragment in every layer of a layer-major
+output is one block, not one copy per layer); plans of short fragments are
+expanded into row gather/scatter indices once and moved by one
+fancy-indexing assignment.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from gputq.errors import PlanError
 
@@ -63,12 +66,61 @@ def reference_widen_scatter(staging, plan, width, out, fill=0, *, validate=True)
     out_rows = out.reshape(-1, width)  # a view: out is C-contiguous
     staging_rows = staging.reshape(-1, width)
     if len(plan) and plan[:, 2].sum() >= _SLICE_MIN_ROWS * len(plan):
-        # Long fragments: one contiguous widening copy each runs at memory speed,
-        # where a row gather costs an index per row (~10x slower on 100 MB shards).
-        for src, dst, rows in plan.tolist():
-            out_rows[dst:dst + rows] = fill if src < 0 else staging_rows[src:src + rows]
+        # Long fragments: widening copies of whole row ranges run at memory speed, where a row
+        # gather costs an index per row (~10x slower on 100 MB shards). One copy per run of
+        # them, not per plan row: each numpy copy lets go of the GIL and must take it back, and
+        # beside a busy Python thread (a stream's fetch) taking it back costs more than the copy.
+        for src, src_step, dst, dst_step, rows, count in _strided_runs(plan.tolist()):
+            if count > 1 and _inside(src, src_step, dst, dst_step, rows, count, len(staging_rows), len(out_rows)):
+                _block(out_rows, dst, dst_step, rows, count)[...] = (
+                    fill if src < 0 else _block(staging_rows, src, src_step, rows, count))
+                continue
+            for k in range(count):  # numpy's slices clip a plan row outside a buffer (unvalidated plans)
+                at, to = src + k * src_step, dst + k * dst_step
+                out_rows[to:to + rows] = fill if src < 0 else staging_rows[at:at + rows]
         return out
     src_idx, dst_idx, fill_idx = row_gather_indices(plan)
     out_rows[dst_idx] = staging_rows[src_idx]
     out_rows[fill_idx] = fill
     return out
+
+
+def _strided_runs(plan_rows: list) -> list:
+    """Plan rows (a list of ``[src, dst, rows]``) as runs ``(src, src_step, dst, dst_step, rows, count)``.
+
+    A run's ``count`` rows all copy (or all fill) ``rows`` rows, read at a
+    constant step of at least zero and written at a constant step of at
+    least ``rows``: its destinations never overlap, one strided block each
+    side covers it.
+    """
+    runs, i, n = [], 0, len(plan_rows)
+    while i < n:
+        src, dst, rows = plan_rows[i]
+        j, src_step, dst_step = i + 1, 0, 0
+        if j < n:
+            src_step, dst_step = plan_rows[j][0] - src, plan_rows[j][1] - dst
+            fills = src < 0
+            if not (rows > 0 and dst_step >= rows and src_step >= 0):
+                j = i + 1
+            else:
+                while j < n and plan_rows[j][2] == rows and (plan_rows[j][0] < 0) == fills \
+                        and plan_rows[j][0] - plan_rows[j - 1][0] == src_step \
+                        and plan_rows[j][1] - plan_rows[j - 1][1] == dst_step:
+                    j += 1
+        runs.append((src, src_step, dst, dst_step, rows, j - i))
+        i = j
+    return runs
+
+
+def _inside(src: int, src_step: int, dst: int, dst_step: int, rows: int, count: int, src_rows: int,
+            dst_rows: int) -> bool:
+    """Whether a run lies inside both buffers, as a strided view needs (numpy's slices would clip it)."""
+    last = count - 1
+    return 0 <= dst and dst + last * dst_step + rows <= dst_rows and (
+        src < 0 or (0 <= src and src + last * src_step + rows <= src_rows))
+
+
+def _block(rows_2d: np.ndarray, first: int, step: int, rows: int, count: int) -> np.ndarray:
+    """``count`` ranges of ``rows`` rows, ``step`` rows apart from row ``first``, as one strided view."""
+    return as_strided(rows_2d[first:], shape=(count, rows, rows_2d.shape[1]),
+                      strides=(step * rows_2d.strides[0], *rows_2d.strides))

@@ -448,10 +448,19 @@ class MicroBatchStream:
         if fp.width < 2 or not fp.data:
             return
         on_host = self._reader._device == "cpu"
-        for j, layer in enumerate(fp.layers):
-            # Real routes are nonzero within a few tokens (top-k IDs are distinct): look at a few
-            # first, and scan whole only the layers that start with zeros.
-            for look in (_FIRST_ROWS, None):
+        # Real routes are nonzero within a few tokens (top-k IDs are distinct): look at a few first,
+        # and scan whole only the layers that start with zeros. On the host the first look takes
+        # every layer at once, a call per chunk: a numpy call per layer and chunk would each wait
+        # for the GIL while the fetch thread runs Python.
+        suspects = range(len(fp.layers))
+        if on_host:
+            seen = np.zeros(len(fp.layers), bool)
+            for offset, rows in fp.data:
+                seen |= shaped[:, offset:offset + min(rows, _FIRST_ROWS)].any(axis=(1, 2))
+            suspects = np.flatnonzero(~seen).tolist()
+        for j in suspects:
+            layer = fp.layers[j]
+            for look in ((None,) if on_host else (_FIRST_ROWS, None)):
                 if any(bool((part.any() if on_host else self._reader._to_output(part).any()))
                        for part in (shaped[j, offset:offset + (rows if look is None else min(rows, look))]
                                     for offset, rows in fp.data)):

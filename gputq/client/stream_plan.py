@@ -399,10 +399,12 @@ def _kernel_plan(fp: FieldPlan, frags: list, gaps: list, placed: dict) -> np.nda
         per_layer[i] = (*_source_row(placed, ref, src), dst, n)
     for i, (g, n) in enumerate(gaps, len(frags)):
         per_layer[i] = (-1, 0, g, n)
-    layers = np.arange(max(1, len(fp.layers)), dtype=np.int64)[:, None]
-    plan = np.empty((len(layers), len(per_layer), 3), dtype=np.int64)
-    fill = per_layer[:, 0] < 0
-    plan[:, :, 0] = np.where(fill, -1, per_layer[:, 0] + layers * per_layer[:, 1])
-    plan[:, :, 1] = per_layer[:, 2] + layers * fp.tokens
-    plan[:, :, 2] = per_layer[:, 3]
+    # Fragment after fragment, each in every layer: a fragment's rows then follow each other at
+    # constant steps, which a host restore copies as one strided block (kernels.reference).
+    layers = np.arange(max(1, len(fp.layers)), dtype=np.int64)[None, :]
+    plan = np.empty((len(per_layer), layers.shape[1], 3), dtype=np.int64)
+    fill = (per_layer[:, 0] < 0)[:, None]
+    plan[:, :, 0] = np.where(fill, -1, per_layer[:, :1] + layers * per_layer[:, 1:2])
+    plan[:, :, 1] = per_layer[:, 2:3] + layers * fp.tokens
+    plan[:, :, 2] = per_layer[:, 3:4]
     return plan.reshape(-1, 3)

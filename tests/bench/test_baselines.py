@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from bench import fetch, put
+from bench import fetch, put, trainer
 from bench.common import SocketBaseline, page_aligned, same_host_copy_threads
 from gputq.transport.arena_copies import COPY_THREADS
 from gputq.transport.policy import nixl_import_error
@@ -30,6 +30,23 @@ def test_memcpy_baseline_threads_are_the_reads_and_their_lease_helpers_plus_the_
 def test_socket_baseline_variants_move_the_bytes(options):
     with SocketBaseline(1 << 20, **options) as sock:
         assert sock.read(1 << 20) > 0 and sock.write(1 << 20) > 0
+
+
+@pytest.mark.timeout(60)
+def test_socket_baseline_reads_into_a_given_buffer_and_the_tcp_ceiling_widens_every_chunk():
+    with SocketBaseline(1 << 20) as sock:
+        into = np.zeros(1 << 20, np.uint8)
+        sock.read(1 << 20, into)
+        assert np.all(into == 1)  # the server's buffer: touched with ones
+        ceiling = trainer._SocketWidened(sock, 256 << 10, np.dtype(np.uint16))
+        try:
+            for slot in ceiling._outputs:
+                slot[:] = 0
+            ceiling.read(3 * (256 << 10) + 1000)  # four chunks, the last a partial one of 1000 bytes
+        finally:
+            ceiling.close()
+        first, second = ceiling._outputs  # chunks 0 and 2, then 1 and 3 (500 IDs)
+        assert np.all(first == 0x0101) and np.all(second == 0x0101)
 
 
 @pytest.mark.parametrize("kind", ["uint8", "uint16", "int32"])

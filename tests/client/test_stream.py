@@ -274,7 +274,8 @@ def test_a_step_shared_in_a_micro_batch_is_read_once_and_once_per_micro_batch():
 
 
 def test_an_all_zero_layer_is_refused_at_its_micro_batch():
-    experts = np.random.default_rng(9).integers(1, EXPERTS, (30, LAYERS, TOPK)).astype(np.int32)
+    experts = np.random.default_rng(9).integers(1, EXPERTS, (200, LAYERS, TOPK)).astype(np.int32)
+    experts[:100, 1] = 0  # zeros past the first look's rows: the layer is scanned whole, and passes
     experts[:, 2] = 0
     with local_units("tcp", units=1) as (config, _, clients):
         with Writer(clients, config) as writer:

@@ -106,6 +106,45 @@ def test_reference_random_shapes(seed):
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
+def layered_plan(rng, layers: int, tokens: int, fragments: int, src_step: int) -> np.ndarray:
+    """A stream's plan: fragments (one a fill) in every layer of a layer-major output, fragment-major."""
+    rows, cursor = [], 0
+    sizes = rng.integers(20, tokens // fragments, size=fragments)
+    for f, n in enumerate(sizes.tolist()):
+        for layer in range(layers):
+            src = -1 if f == 1 else f * layers * src_step + layer * src_step
+            rows.append((src, layer * tokens + cursor, n))
+        cursor += n
+    return np.array(rows, np.int64)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "float32"])
+def test_runs_of_plan_rows_at_constant_steps_are_copied_as_blocks_bit_for_bit(dtype):
+    rng = np.random.default_rng(3)
+    layers, tokens, width, step = 6, 400, 8, 130
+    plan = layered_plan(rng, layers, tokens, 4, step)
+    assert len(kernels.reference._strided_runs(plan.tolist())) == 4  # one block per fragment, not per layer
+    staging = random_staging(rng, dtype, 4 * layers * step * width)
+    out = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, layers * tokens * width), 5)
+    want = naive_widen_scatter(staging, plan, width, poisoned_out(dtype, layers * tokens * width), 5)
+    assert np.array_equal(bits(out), bits(want))
+
+
+def test_an_unvalidated_run_past_the_buffers_is_clipped_as_its_rows_would_be():
+    # The last row runs 10 rows past both buffers: a strided block would write past out's end.
+    plan = np.array([(0, 0, 40), (40, 50, 40), (80, 100, 40), (120, 150, 40)], np.int64)
+    staging = np.arange(150 * 2, dtype=np.uint16)
+    beyond = np.full(200 * 2, -1, np.int32)  # out is its first 180 rows: nothing may land past them
+    out = reference_widen_scatter(staging, plan, 2, beyond[:180 * 2], validate=False)
+    assert np.all(beyond[180 * 2:] == -1)
+    want = np.full(180 * 2, -1, np.int32).reshape(-1, 2)
+    rows = staging.reshape(-1, 2)
+    for src, dst, n in plan.tolist():  # numpy slices: each row range clipped to both buffers
+        part = rows[src:src + n]
+        want[dst:dst + len(part)] = part
+    assert np.array_equal(out, want.reshape(-1))
+
+
 def test_uncovered_rows_untouched_and_covered_rows_written():
     staging = np.arange(1, 13, dtype=np.uint8)  # 4 rows of 3, no zeros
     out = np.full(6 * 3, POISON_INT, np.int32)
