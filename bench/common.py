@@ -42,6 +42,7 @@ __all__ = [
     "emit_json",
     "add_json_flag",
     "SocketBaseline",
+    "SocketWidened",
     "Progress",
     "progress_range",
     "remote_units",
@@ -346,6 +347,53 @@ class SocketBaseline:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class SocketWidened:
+    """A ceiling for fetch+restore over tcp: the plain socket's reads, each chunk widened to int32 on a
+    second thread while the next one arrives (two receive buffers, two outputs, all touched once and
+    reused). No gputq in it: the fastest a host restore of those bytes could go behind that socket.
+
+    Parameters
+    ----------
+    socket
+        The :class:`SocketBaseline` to read from (its ``max_bytes`` at least ``chunk``).
+    chunk
+        Bytes per read (a micro-batch's).
+    dtype
+        The compact IDs' dtype.
+    """
+
+    def __init__(self, socket: SocketBaseline, chunk: int, dtype: np.dtype):
+        self._socket, self._chunk, self._dtype = socket, chunk, dtype
+        self._buffers = [page_aligned(chunk) for _ in range(2)]
+        self._outputs = [np.ones(chunk // dtype.itemsize, np.int32) for _ in range(2)]
+        self._widener = ThreadPoolExecutor(1, thread_name_prefix="bench-widen")
+
+    def read(self, nbytes: int) -> None:
+        pending = [None, None]
+        for i, offset in enumerate(range(0, nbytes, self._chunk)):
+            n = min(self._chunk, nbytes - offset) // self._dtype.itemsize * self._dtype.itemsize
+            slot = i % 2
+            if pending[slot] is not None:
+                pending[slot].result()
+            self._socket.read(n, self._buffers[slot])
+            pending[slot] = self._widener.submit(np.copyto, self._outputs[slot][:n // self._dtype.itemsize],
+                                                 self._buffers[slot][:n].view(self._dtype))
+        for job in pending:
+            if job is not None:
+                job.result()
+
+    def close(self) -> None:
+        """Stop the widening thread. Idempotent."""
+        self._widener.shutdown()
+
+    def __enter__(self) -> "SocketWidened":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 
 class Progress:

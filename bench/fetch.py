@@ -27,11 +27,20 @@ Goals, per row, for shards of 16 MiB and more: over tcp (and rdma),
 fetch+restore at least 0.9x the plain socket; over shm, fetch+restore at
 least 0.8x the memcpy on the same threads. The ``goal`` column and the JSON
 line's ``goal_met`` say whether every such row met its goal.
+
+Each pass also times a **ceiling**, with no gputq in it: the fastest a host
+restore of the same bytes could go here. Over tcp and rdma, the plain
+socket read in chunks of :data:`CEILING_CHUNK_BYTES`, each widened to int32
+on a second thread while the next arrives; over shm, the bytes widened to
+int32 on the memcpy's threads. ``ceiling_vs_goal_base`` is its ratio to
+the goal's baseline: below the goal's factor, no host restore meets that
+goal on this machine. ``total_vs_ceiling`` is gputq's fraction of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import time
@@ -40,6 +49,7 @@ import numpy as np
 
 from bench.common import (
     SocketBaseline,
+    SocketWidened,
     add_json_flag,
     emit_json,
     gbps,
@@ -63,6 +73,8 @@ STREAM_THREADS = 2
 #: fetch+restore over the baseline of the row's transport, for shards of GOAL_MIN_MIB and more.
 GOALS = {"tcp": ("socket", 0.9), "rdma": ("socket", 0.9), "shm": ("memcpy", 0.8)}
 GOAL_MIN_MIB = 16
+#: Bytes per read of the tcp ceiling: a stream's micro-batch of a 64K-token segment's stage slice.
+CEILING_CHUNK_BYTES = 4 << 20
 
 
 def _shard(writer: Writer, size: int, rows_per_step: int, layers: int, topk: int, dtype: str, rng):
@@ -87,20 +99,23 @@ def _stream_pass(reader: Reader, shard, mb_samples: int) -> None:
 
 
 def _time_fetches(reader: Reader, shard, nbytes: int, baseline: SocketBaseline, repeats: int, label: str,
-                  threads: int, mb_samples: int | None = None):
-    """``repeats`` fetches, each paired with a socket read and memcpys of ``nbytes`` just before it.
+                  threads: int, ceiling, mb_samples: int | None = None):
+    """``repeats`` fetches, each paired with a socket read, memcpys of ``nbytes`` and the ``ceiling``
+    (a callable that times it) just before it.
 
     The memcpys run on ``threads`` threads and on one. With ``mb_samples``
     each fetch is a stream of the shard in micro-batches.
     """
     copy_src, copy_dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)  # touched: no first-touch faults
-    times: dict[str, list[float]] = {"fetch": [], "total": [], "socket": [], "memcpy": [], "memcpy1": []}
+    times: dict[str, list[float]] = {"fetch": [], "total": [], "socket": [], "memcpy": [], "memcpy1": [],
+                                     "ceiling": []}
     run = reader.fetch if mb_samples is None else (lambda s: _stream_pass(reader, s, mb_samples))
     run(shard)  # warm-up: connections, buffers, this path's first touch
     for _ in progress_range(label, repeats):
         times["socket"].append(baseline.read(nbytes))
         times["memcpy"].append(threaded_memcpy(copy_dst, copy_src, threads))
         times["memcpy1"].append(threaded_memcpy(copy_dst, copy_src, 1))
+        times["ceiling"].append(ceiling(threads))
         started = time.perf_counter()
         run(shard)
         times["total"].append(time.perf_counter() - started)
@@ -125,10 +140,29 @@ def _row(path: str, transport: str, samples: int, nbytes: int, times: dict, thre
            "fetch_vs_memcpy": None if no_transfer_apart else paired("memcpy", "fetch"),
            "total_vs_memcpy": paired("memcpy", "total"), "total_vs_memcpy1": paired("memcpy1", "total")}
     base, floor = GOALS.get(transport, ("socket", 0.9))
+    row["ceiling_GBps"] = round(gbps(nbytes, statistics.median(times["ceiling"])), 2)
+    row["ceiling_vs_goal_base"] = paired(base, "ceiling")
+    row["total_vs_ceiling"] = paired("ceiling", "total")
     ratio = row["ratio_vs_socket" if base == "socket" else "total_vs_memcpy"]
     row["goal"] = (f"{'met' if ratio >= floor else 'missed'} ({ratio:.2f} vs {floor}x {base})"
                    if row["shard_MiB"] >= GOAL_MIN_MIB else "n/a (< 16 MiB)")
     return row
+
+
+def _ceiling(transport: str, baseline: SocketBaseline, nbytes: int, ids: np.dtype, stack: contextlib.ExitStack):
+    """The row's ceiling as a callable of the memcpy's thread count, returning its seconds (see above);
+    what it holds is closed with ``stack``."""
+    if transport == "shm":
+        compact, widened = np.ones(nbytes // ids.itemsize, ids), np.ones(nbytes // ids.itemsize, np.int32)
+        return lambda threads: threaded_memcpy(widened, compact, threads)
+    widening = stack.enter_context(SocketWidened(baseline, min(CEILING_CHUNK_BYTES, nbytes), ids))
+    widening.read(nbytes)  # warm: its buffers and thread
+
+    def timed(_threads: int) -> float:
+        started = time.perf_counter()
+        widening.read(nbytes)
+        return time.perf_counter() - started
+    return timed
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -145,6 +179,7 @@ def _summary(rows: list[dict]) -> dict:
             "total_vs_memcpy": least("total_vs_memcpy"), "total_vs_memcpy1": least("total_vs_memcpy1"),
             "stream_vs_socket": least("ratio_vs_socket", "stream"),
             "stream_vs_memcpy": least("total_vs_memcpy", "stream"),
+            "ceiling_vs_goal_base": least("ceiling_vs_goal_base"), "total_vs_ceiling": least("total_vs_ceiling"),
             "goal_met": goals, "goal_met_all": bool(big) and all(goals.values())}
 
 
@@ -163,18 +198,20 @@ def run(args) -> dict:
                 nbytes = reader.last_stats.bytes_fetched
             transports = "+".join(sorted({clients.transport_of(u)[0] for u in clients.units}))
             paths = [("copy", 0.0), ("in place", math.inf)] if transports == "shm" else [("copy", None)]
-            with SocketBaseline(nbytes) as baseline:
+            with SocketBaseline(nbytes) as baseline, contextlib.ExitStack() as stack:
                 baseline.read(nbytes)
                 threads = same_host_copy_threads(args.units)
+                ceiling = _ceiling(transports, baseline, nbytes, np.dtype(args.dtype), stack)
                 for path, zero_copy_max in paths:
                     path_config = config if zero_copy_max is None else config.replace(zero_copy_max_bytes=zero_copy_max)
                     with Reader(clients, path_config, device=args.device) as reader:
                         times = _time_fetches(reader, shard, nbytes, baseline, args.repeats,
-                                              f"fetch {size // _MIB} MiB {path}", threads)
+                                              f"fetch {size // _MIB} MiB {path}", threads, ceiling)
                     rows.append(_row(path, transports, len(shard), nbytes, times, threads, path == "in place"))
                 with Reader(clients, config, device=args.device) as reader:
                     times = _time_fetches(reader, shard, nbytes, baseline, args.repeats,
-                                          f"stream {size // _MIB} MiB", STREAM_THREADS, mb_samples=args.mb_samples)
+                                          f"stream {size // _MIB} MiB", STREAM_THREADS, ceiling,
+                                          mb_samples=args.mb_samples)
                 # A stream's transfers overlap its restores: there is no fetch to time apart.
                 rows.append(_row("stream", transports, len(shard), nbytes, times, STREAM_THREADS, True))
     return {"rows": rows, **_summary(rows), "dtype": args.dtype, "layers": args.layers, "topk": args.topk,
@@ -208,6 +245,8 @@ def main(argv=None) -> None:
           f"(shm goal >= 0.8); vs one thread: {result['total_vs_memcpy1']}")
     if result["fetch_vs_memcpy"] is not None:
         print(f"min fetch alone vs memcpy on the same threads (shards >= 16 MiB): {result['fetch_vs_memcpy']}")
+    print(f"the ceiling (no gputq: a host widen behind the wire) vs the goal's baseline (shards >= 16 MiB): "
+          f"{result['ceiling_vs_goal_base']}; fetch+restore vs the ceiling: {result['total_vs_ceiling']}")
     print(f"goal met per path: {result['goal_met']}")
     if args.json:
         emit_json(result)

@@ -73,16 +73,15 @@ import multiprocessing
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from bench.common import (
     SocketBaseline,
+    SocketWidened,
     add_json_flag,
     emit_json,
     gbps,
-    page_aligned,
     print_header,
     print_table,
     progress_range,
@@ -228,34 +227,6 @@ def _on_cores(work, pids) -> tuple[float, float]:
     return time.perf_counter() - started, _cpu_seconds(pids) - cpu
 
 
-class _SocketWidened:
-    """The tcp ceiling: the plain socket's reads, each chunk widened to int32 on a second thread
-    while the next one arrives (two receive buffers, two outputs, all touched once and reused)."""
-
-    def __init__(self, socket: SocketBaseline, chunk: int, dtype: np.dtype):
-        self._socket, self._chunk, self._dtype = socket, chunk, dtype
-        self._buffers = [page_aligned(chunk) for _ in range(2)]
-        self._outputs = [np.ones(chunk // dtype.itemsize, np.int32) for _ in range(2)]
-        self._widener = ThreadPoolExecutor(1, thread_name_prefix="bench-widen")
-
-    def read(self, nbytes: int) -> None:
-        pending = [None, None]
-        for i, offset in enumerate(range(0, nbytes, self._chunk)):
-            n = min(self._chunk, nbytes - offset) // self._dtype.itemsize * self._dtype.itemsize
-            slot = i % 2
-            if pending[slot] is not None:
-                pending[slot].result()
-            self._socket.read(n, self._buffers[slot])
-            pending[slot] = self._widener.submit(np.copyto, self._outputs[slot][:n // self._dtype.itemsize],
-                                                 self._buffers[slot][:n].view(self._dtype))
-        for job in pending:
-            if job is not None:
-                job.result()
-
-    def close(self) -> None:
-        self._widener.shutdown()
-
-
 def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes.
 
@@ -279,18 +250,14 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
             loops.append(_on_cores(stream_pass, units))
         baseline, ceiling = "memcpy x2 threads", "widen x2 threads"
     else:
-        with SocketBaseline(per_mb) as socket:
-            widening = _SocketWidened(socket, per_mb, ids)
-            try:
-                socket.read(per_mb)
-                widening.read(2 * per_mb)
-                for _ in range(repeats):
-                    base.append(_on_cores(lambda: [socket.read(min(per_mb, nbytes - off))
-                                                   for off in range(0, nbytes, per_mb)], (socket.server_pid,)))
-                    top.append(_on_cores(lambda: widening.read(nbytes), (socket.server_pid,)))
-                    loops.append(_on_cores(stream_pass, units))
-            finally:
-                widening.close()
+        with SocketBaseline(per_mb) as socket, SocketWidened(socket, per_mb, ids) as widening:
+            socket.read(per_mb)
+            widening.read(2 * per_mb)
+            for _ in range(repeats):
+                base.append(_on_cores(lambda: [socket.read(min(per_mb, nbytes - off))
+                                               for off in range(0, nbytes, per_mb)], (socket.server_pid,)))
+                top.append(_on_cores(lambda: widening.read(nbytes), (socket.server_pid,)))
+                loops.append(_on_cores(stream_pass, units))
         baseline, ceiling = "plain socket", "socket + widen"
     ratio = statistics.median(b / t for (b, _), (t, _) in zip(base, loops))
     ceiling_ratio = statistics.median(b / c for (b, _), (c, _) in zip(base, top))

@@ -28,6 +28,8 @@ def test_fetch_times_call_to_return_and_reports_the_socket_ratio(capsys):
     assert row["threads"] == same_host_copy_threads(1) and streamed["threads"] == fetch.STREAM_THREADS
     assert row["memcpy_GBps"] > 0 and row["memcpy1_GBps"] > 0 and row["goal"] == "n/a (< 16 MiB)"
     assert out["goal_met"] == {} and out["goal_met_all"] is False  # no shard of 16 MiB here
+    for r in (row, streamed):  # the no-gputq ceiling, against the goal's baseline (the socket over tcp)
+        assert r["ceiling_GBps"] > 0 and r["ceiling_vs_goal_base"] > 0 and r["total_vs_ceiling"] > 0
 
 
 @pytest.mark.timeout(120)
@@ -44,6 +46,7 @@ def test_fetch_over_shm_reports_the_staged_and_the_in_place_restore_against_memc
     # in place there is no transfer apart from the restore's own reads
     assert in_place["fetch_GBps"] is None and in_place["fetch_vs_memcpy"] is None
     assert in_place["total_vs_memcpy"] > 0
+    assert all(r["ceiling_vs_goal_base"] > 0 for r in out["rows"])  # a widen on the memcpy's threads
 
 
 @pytest.mark.timeout(300)
