@@ -352,7 +352,7 @@ class SocketBaseline:
 class SocketWidened:
     """A ceiling for fetch+restore over tcp: the plain socket's reads, each chunk widened to int32 on a
     second thread while the next one arrives (two receive buffers, two outputs, all touched once and
-    reused). No gputq in it: the fastest a host restore of those bytes could go behind that socket.
+    reused). No gputq in it: a host restore of those bytes from the plainest parts behind that socket.
 
     Parameters
     ----------

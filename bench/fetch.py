@@ -28,13 +28,14 @@ fetch+restore at least 0.9x the plain socket; over shm, fetch+restore at
 least 0.8x the memcpy on the same threads. The ``goal`` column and the JSON
 line's ``goal_met`` say whether every such row met its goal.
 
-Each pass also times a **ceiling**, with no gputq in it: the fastest a host
-restore of the same bytes could go here. Over tcp and rdma, the plain
+Each pass also times a **ceiling**, with no gputq in it: the same bytes
+restored from the plainest parts. Over tcp and rdma, the plain
 socket read in chunks of :data:`CEILING_CHUNK_BYTES`, each widened to int32
 on a second thread while the next arrives; over shm, the bytes widened to
 int32 on the memcpy's threads. ``ceiling_vs_goal_base`` is its ratio to
-the goal's baseline: below the goal's factor, no host restore meets that
-goal on this machine. ``total_vs_ceiling`` is gputq's fraction of it.
+the goal's baseline: below the goal's factor, the goal asks more of this
+machine than a bare socket (or memory) plus numpy's widen gives.
+``total_vs_ceiling`` is gputq's fraction of it.
 """
 
 from __future__ import annotations

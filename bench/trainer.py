@@ -46,15 +46,15 @@ and the ones doing its work (the units for the stream, the server for the
 socket) (``stream_cores``, ``baseline_cores``), and the stream's CPU per
 byte against the baseline's: what a miss is spent on.
 
-Beside each baseline the same pass times a **ceiling**: the fastest any
-host restore of those bytes could go here, with no gputq in it. Over tcp,
+Beside each baseline the same pass times a **ceiling**: the same bytes
+restored with no gputq in it, from the plainest parts. Over tcp,
 the plain socket's reads with each micro-batch's bytes widened to int32 on
 a second thread while the next ones arrive (two buffers each way); over
 shm, the same bytes widened to int32 on the memcpy's threads.
 ``ceiling_vs_baseline`` is its ratio to the baseline (where it is below a
-goal, no host restore can meet that goal on this machine: the widened
-output is twice the bytes), ``stream_vs_ceiling`` the stream's to it (what
-gputq's own work costs).
+goal, the goal asks more of this machine than a bare socket or memory plus
+numpy's widen gives: the widened output is twice the bytes),
+``stream_vs_ceiling`` the stream's to it (what gputq's own work costs).
 
 The process stands for a trainer: torch loaded, and the objects alive
 after setup frozen (``gc.freeze``), as trainers that manage their garbage
