@@ -371,6 +371,7 @@ class SocketWidened:
         self._widener = ThreadPoolExecutor(1, thread_name_prefix="bench-widen")
 
     def read(self, nbytes: int) -> None:
+        """Read ``nbytes`` chunk by chunk, each widened while the next arrives; return once all are widened."""
         pending = [None, None]
         for i, offset in enumerate(range(0, nbytes, self._chunk)):
             n = min(self._chunk, nbytes - offset) // self._dtype.itemsize * self._dtype.itemsize
@@ -393,7 +394,6 @@ class SocketWidened:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
 
 
 class Progress:

@@ -99,11 +99,8 @@ def _strided_runs(plan_rows: list) -> list:
         j, src_step, dst_step = i + 1, 0, 0
         if j < n:
             src_step, dst_step = plan_rows[j][0] - src, plan_rows[j][1] - dst
-            fills = src < 0
-            if not (rows > 0 and dst_step >= rows and src_step >= 0):
-                j = i + 1
-            else:
-                while j < n and plan_rows[j][2] == rows and (plan_rows[j][0] < 0) == fills \
+            if rows > 0 and dst_step >= rows and src_step >= 0:
+                while j < n and plan_rows[j][2] == rows and (plan_rows[j][0] < 0) == (src < 0) \
                         and plan_rows[j][0] - plan_rows[j - 1][0] == src_step \
                         and plan_rows[j][1] - plan_rows[j - 1][1] == dst_step:
                     j += 1

@@ -448,26 +448,26 @@ class MicroBatchStream:
         if fp.width < 2 or not fp.data:
             return
         on_host = self._reader._device == "cpu"
+
+        def nonzero(j: int, look: int | None) -> bool:
+            parts = (shaped[j, offset:offset + (rows if look is None else min(rows, look))] for offset, rows in fp.data)
+            return any(bool(part.any() if on_host else self._reader._to_output(part).any()) for part in parts)
+
         # Real routes are nonzero within a few tokens (top-k IDs are distinct): look at a few first,
         # and scan whole only the layers that start with zeros. On the host the first look takes
         # every layer at once, a call per chunk: a numpy call per layer and chunk would each wait
         # for the GIL while the fetch thread runs Python.
-        suspects = range(len(fp.layers))
         if on_host:
             seen = np.zeros(len(fp.layers), bool)
             for offset, rows in fp.data:
                 seen |= shaped[:, offset:offset + min(rows, _FIRST_ROWS)].any(axis=(1, 2))
-            suspects = np.flatnonzero(~seen).tolist()
-        for j in suspects:
-            layer = fp.layers[j]
-            for look in ((None,) if on_host else (_FIRST_ROWS, None)):
-                if any(bool((part.any() if on_host else self._reader._to_output(part).any()))
-                       for part in (shaped[j, offset:offset + (rows if look is None else min(rows, look))]
-                                    for offset, rows in fp.data)):
-                    break
-            else:
-                raise LayoutError(f"micro-batch {plan.index} (samples {list(plan.samples)}): R3 of layer {layer} is "
-                                  f"all zero for every stored token; refusing to replay expert 0 everywhere")
+            empty = [j for j in np.flatnonzero(~seen).tolist() if not nonzero(j, None)]
+        else:
+            empty = [j for j in range(len(fp.layers)) if not nonzero(j, _FIRST_ROWS) and not nonzero(j, None)]
+        if empty:
+            raise LayoutError(f"micro-batch {plan.index} (samples {list(plan.samples)}): R3 of layer "
+                              f"{fp.layers[empty[0]]} is all zero for every stored token; refusing to replay "
+                              f"expert 0 everywhere")
 
     def _release_references(self, plan: MicroPlan) -> None:
         if plan.index in self.released:

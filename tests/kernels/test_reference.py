@@ -130,6 +130,20 @@ def test_runs_of_plan_rows_at_constant_steps_are_copied_as_blocks_bit_for_bit(dt
     assert np.array_equal(bits(out), bits(want))
 
 
+def test_rows_of_one_length_at_uneven_steps_are_copied_where_each_says():
+    rng = np.random.default_rng(4)
+    n, rows, width = 12, 32, 3
+    even = np.arange(n, dtype=np.int64)
+    uneven = np.sort(rng.choice(4 * n, size=n, replace=False)).astype(np.int64)
+    for src, dst in ((rng.permutation(n) * rows, even * 40), (even * rows, uneven * rows)):  # one side even
+        plan = np.stack([src, dst, np.full(n, rows)], axis=1)
+        staging = random_staging(rng, "uint16", n * rows * width)
+        size = (int(dst.max()) + rows) * width
+        out = reference_widen_scatter(staging, plan, width, poisoned_out("uint16", size))
+        want = naive_widen_scatter(staging, plan, width, poisoned_out("uint16", size), 0)
+        assert np.array_equal(bits(out), bits(want))
+
+
 def test_an_unvalidated_run_past_the_buffers_is_clipped_as_its_rows_would_be():
     # The last row runs 10 rows past both buffers: a strided block would write past out's end.
     plan = np.array([(0, 0, 40), (40, 50, 40), (80, 100, 40), (120, 150, 40)], np.int64)
