@@ -43,6 +43,7 @@ __all__ = [
     "add_json_flag",
     "SocketBaseline",
     "SocketWidened",
+    "baseline_bytes",
     "Progress",
     "progress_range",
     "remote_units",
@@ -216,7 +217,13 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-_REQUEST = struct.Struct("!cQ")  # op (b"R" read, b"W" write), length
+def baseline_bytes(nbytes: int) -> np.ndarray:
+    """What the socket baseline's server holds: a byte pattern whose period (251, prime) is no power
+    of two, so that bytes read from one offset differ from those of another."""
+    return np.resize(np.arange(251, dtype=np.uint8), int(nbytes))
+
+
+_REQUEST = struct.Struct("!cQQ")  # op (b"R" read, b"W" write), length, offset into the server's buffer
 #: The baseline server's send deadline: a unit's default.
 SEND_TIMEOUT_S = ServerLimits().send_timeout_s
 
@@ -234,7 +241,9 @@ def _serve_socket(conn, max_bytes: int, bufsize: int, send_deadline: bool, align
     client, _ = listener.accept()
     listener.close()
     _tune(client, bufsize)
-    buffer = memoryview(page_aligned(max_bytes, aligned=aligned))  # like a unit's arena: touched, reused
+    buffer = page_aligned(max_bytes, aligned=aligned)  # like a unit's arena: touched, reused
+    buffer[:] = baseline_bytes(max_bytes)
+    buffer = memoryview(buffer)
     request = bytearray(_REQUEST.size)
     with client:
         while True:
@@ -242,12 +251,12 @@ def _serve_socket(conn, max_bytes: int, bufsize: int, send_deadline: bool, align
                 _recv_exact(client, memoryview(request))
             except (ConnectionError, OSError):
                 return
-            op, n = _REQUEST.unpack(request)
+            op, n, offset = _REQUEST.unpack(request)
             # A unit sends under a deadline, so its socket is non-blocking while it sends (poll, then
             # send what fits); bench.transport times a blocking sendall beside it.
             client.settimeout(SEND_TIMEOUT_S if send_deadline else None)
             if op == b"R":
-                client.sendall(buffer[:n])
+                client.sendall(buffer[offset:offset + n])
             else:
                 _recv_exact(client, buffer[:n])
                 client.sendall(b"k")
@@ -313,13 +322,20 @@ class SocketBaseline:
         if not 0 <= nbytes <= self.max_bytes:
             raise ValueError(f"nbytes must be in [0, {self.max_bytes}]")
 
-    def read(self, nbytes: int, into=None) -> float:
-        """Fetch ``nbytes`` from the server process into ``into`` (a byte buffer; default this
-        baseline's own); return the seconds taken."""
+    def read(self, nbytes: int, into=None, offset: int = 0) -> float:
+        """Fetch ``nbytes`` of the server's buffer from ``offset`` into ``into`` (a byte buffer; default
+        this baseline's own); return the seconds taken.
+
+        Reads that stand for distinct bytes (a stream's micro-batches) walk
+        the buffer with ``offset``: sent again and again from one offset, a
+        few MiB stay in the caches, which no stored slice does.
+        """
         self._check(nbytes)
+        if not 0 <= offset <= self.max_bytes - nbytes:
+            raise ValueError(f"offset must be in [0, {self.max_bytes - nbytes}]")
         dest = memoryview(self._dest if into is None else into).cast("B")
         start = time.perf_counter()
-        self._client.sendall(_REQUEST.pack(b"R", nbytes))
+        self._client.sendall(_REQUEST.pack(b"R", nbytes, offset))
         _recv_exact(self._client, dest[:nbytes])
         return time.perf_counter() - start
 
@@ -328,7 +344,7 @@ class SocketBaseline:
         self._check(nbytes)
         ack = memoryview(bytearray(1))
         start = time.perf_counter()
-        self._client.sendall(_REQUEST.pack(b"W", nbytes))
+        self._client.sendall(_REQUEST.pack(b"W", nbytes, 0))
         self._client.sendall(memoryview(self._source)[:nbytes])
         _recv_exact(self._client, ack)
         return time.perf_counter() - start
@@ -357,7 +373,8 @@ class SocketWidened:
     Parameters
     ----------
     socket
-        The :class:`SocketBaseline` to read from (its ``max_bytes`` at least ``chunk``).
+        The :class:`SocketBaseline` to read from (its ``max_bytes`` at least the bytes of a
+        :meth:`read`: the chunks walk its buffer, distinct bytes as a stored slice's are).
     chunk
         Bytes per read (a micro-batch's).
     dtype
@@ -378,7 +395,7 @@ class SocketWidened:
             slot = i % 2
             if pending[slot] is not None:
                 pending[slot].result()
-            self._socket.read(n, self._buffers[slot])
+            self._socket.read(n, self._buffers[slot], offset)
             pending[slot] = self._widener.submit(np.copyto, self._outputs[slot][:n // self._dtype.itemsize],
                                                  self._buffers[slot][:n].view(self._dtype))
         for job in pending:

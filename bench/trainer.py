@@ -250,11 +250,12 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
             loops.append(_on_cores(stream_pass, units))
         baseline, ceiling = "memcpy x2 threads", "widen x2 threads"
     else:
-        with SocketBaseline(per_mb) as socket, SocketWidened(socket, per_mb, ids) as widening:
-            socket.read(per_mb)
-            widening.read(2 * per_mb)
+        # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
+        with SocketBaseline(nbytes) as socket, SocketWidened(socket, per_mb, ids) as widening:
+            socket.read(nbytes)
+            widening.read(nbytes)
             for _ in range(repeats):
-                base.append(_on_cores(lambda: [socket.read(min(per_mb, nbytes - off))
+                base.append(_on_cores(lambda: [socket.read(min(per_mb, nbytes - off), offset=off)
                                                for off in range(0, nbytes, per_mb)], (socket.server_pid,)))
                 top.append(_on_cores(lambda: widening.read(nbytes), (socket.server_pid,)))
                 loops.append(_on_cores(stream_pass, units))

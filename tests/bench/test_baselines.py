@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bench import fetch, put
-from bench.common import SocketBaseline, SocketWidened, page_aligned, same_host_copy_threads
+from bench.common import SocketBaseline, SocketWidened, baseline_bytes, page_aligned, same_host_copy_threads
 from gputq.transport.arena_copies import COPY_THREADS
 from gputq.transport.policy import nixl_import_error
 
@@ -33,17 +33,28 @@ def test_socket_baseline_variants_move_the_bytes(options):
 
 
 @pytest.mark.timeout(60)
-def test_socket_baseline_reads_into_a_given_buffer_and_the_tcp_ceiling_widens_every_chunk():
+def test_socket_baseline_reads_its_buffer_from_an_offset_into_a_given_buffer():
+    held = baseline_bytes(1 << 20)
     with SocketBaseline(1 << 20) as sock:
-        into = np.zeros(1 << 20, np.uint8)
-        sock.read(1 << 20, into)
-        assert np.all(into == 1)  # the server's buffer: touched with ones
-        with SocketWidened(sock, 256 << 10, np.dtype(np.uint16)) as ceiling:
-            for slot in ceiling._outputs:
-                slot[:] = 0
-            ceiling.read(3 * (256 << 10) + 1000)  # four chunks, the last a partial one of 1000 bytes
+        into = np.zeros(4096, np.uint8)
+        sock.read(4096, into, offset=5000)
+        assert np.array_equal(into, held[5000:9096])
+        sock.read(4096, into)
+        assert np.array_equal(into, held[:4096])
+        with pytest.raises(ValueError, match="offset"):
+            sock.read(4096, into, offset=(1 << 20) - 4095)
+
+
+@pytest.mark.timeout(60)
+def test_the_tcp_ceiling_widens_every_chunk_from_its_own_offset():
+    chunk = 256 << 10
+    held = baseline_bytes(1 << 20)
+    with SocketBaseline(1 << 20) as sock, SocketWidened(sock, chunk, np.dtype(np.uint16)) as ceiling:
+        ceiling.read(3 * chunk + 1000)  # four chunks, the last a partial one of 1000 bytes
         first, second = ceiling._outputs  # chunks 0 and 2, then 1 and 3 (500 IDs)
-        assert np.all(first == 0x0101) and np.all(second == 0x0101)
+    ids = lambda c, nbytes=chunk: held[c * chunk:c * chunk + nbytes].view("<u2").astype(np.int32)
+    assert np.array_equal(first, ids(2))
+    assert np.array_equal(second[:500], ids(3, 1000)) and np.array_equal(second[500:], ids(1)[500:])
 
 
 @pytest.mark.parametrize("kind", ["uint8", "uint16", "int32"])
