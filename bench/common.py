@@ -218,8 +218,8 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def baseline_bytes(nbytes: int) -> np.ndarray:
-    """What the socket baseline's server holds: a byte pattern whose period (251, prime) is no power
-    of two, so that bytes read from one offset differ from those of another."""
+    """What the socket baseline's server holds from its start until a write lands: a byte pattern whose
+    period (251, prime) is no power of two, so that bytes read from one offset differ from another's."""
     return np.resize(np.arange(251, dtype=np.uint8), int(nbytes))
 
 
