@@ -41,10 +41,10 @@ transport, timed just before each pass over the same bytes: a plain socket
 from a child process (tcp, rdma), a memcpy on as many threads as the stream
 uses (shm: its fetch and restore threads). Goals: >= 0.9x the socket over
 tcp, >= 0.8x the memcpy over shm, for shards (rank slices) >= 16 MiB. Each
-side also reports the cores kept busy over all its passes by this process
-and the ones doing its work (the units for the stream, the server for the
-socket) (``stream_cores``, ``baseline_cores``), and the stream's CPU per
-byte against the baseline's: what a miss is spent on.
+side also reports the cores kept busy over a quarter second of its passes
+by this process and the ones doing its work (the units for the stream, the
+server for the socket) (``stream_cores``, ``baseline_cores``), and the
+stream's CPU per byte against the baseline's: what a miss is spent on.
 
 Beside each baseline the same pass times a **ceiling**: the same bytes
 restored with no gputq in it, from the plainest parts. Over tcp,
@@ -215,23 +215,37 @@ def _cpu_seconds(pids) -> float:
     return total
 
 
-def _on_cores(work, pids) -> tuple[float, float]:
-    """``work()``'s wall seconds and the CPU seconds this process and ``pids`` spent meanwhile.
+_CORES_WINDOW_S = 0.25
 
-    Only the processes that do the work count: the units idle through a
-    baseline's pass, and their background threads would weigh on a pass
-    of a fraction of a millisecond.
+
+def _cores(work, pids) -> float:
+    """The cores ``work()`` keeps busy: CPU seconds of this process and ``pids`` over wall seconds.
+
+    The work repeats for at least ``_CORES_WINDOW_S``. A process's CPU clock
+    counts its threads running on other cores only up to their last
+    scheduler tick (milliseconds): over a single pass of a fraction of a
+    millisecond, CPU spent just before the window lands in it (a 2-core box
+    read 19.7 cores). Only the processes that do the work count: the units
+    idle through a baseline's pass.
     """
-    cpu, started = _cpu_seconds(pids), time.perf_counter()
+    passes, cpu, started = 0, _cpu_seconds(pids), time.perf_counter()
+    while not passes or time.perf_counter() - started < _CORES_WINDOW_S:
+        work()
+        passes += 1
+    return (_cpu_seconds(pids) - cpu) / (time.perf_counter() - started)
+
+
+def _timed(work) -> float:
+    started = time.perf_counter()
     work()
-    return time.perf_counter() - started, _cpu_seconds(pids) - cpu
+    return time.perf_counter() - started
 
 
 def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes.
 
     Each also reports the cores it kept busy (this process and the units'
-    or the socket server's, from /proc): where both sides use every core,
+    or the socket server's): where both sides use every core,
     a ratio below 1 is CPU the stream spends beyond the baseline's.
     """
     _, nbytes, _ = _stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
@@ -240,39 +254,42 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
     units = [child.pid for child in multiprocessing.active_children()]  # the bench's only children so far
     ids = np.dtype(args.dtype)
-    if transport == "shm":
-        src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
-        compact, widened = src[:nbytes // ids.itemsize * ids.itemsize].view(ids), np.ones(nbytes // ids.itemsize,
-                                                                                          np.int32)
-        for _ in range(repeats):
-            base.append(_on_cores(lambda: threaded_memcpy(dst, src, 2), ()))
-            top.append(_on_cores(lambda: threaded_memcpy(widened, compact, 2), ()))
-            loops.append(_on_cores(stream_pass, units))
-        baseline, ceiling = "memcpy x2 threads", "widen x2 threads"
-    else:
-        # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
-        with SocketBaseline(nbytes) as socket, SocketWidened(socket, per_mb, ids) as widening:
+    with contextlib.ExitStack() as stack:
+        if transport == "shm":
+            src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+            compact = src[:nbytes // ids.itemsize * ids.itemsize].view(ids)
+            widened = np.ones(nbytes // ids.itemsize, np.int32)
+            baseline_pass = functools.partial(threaded_memcpy, dst, src, 2)
+            ceiling_pass = functools.partial(threaded_memcpy, widened, compact, 2)
+            baseline_pids, baseline, ceiling = (), "memcpy x2 threads", "widen x2 threads"
+        else:
+            # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
+            socket = stack.enter_context(SocketBaseline(nbytes))
+            widening = stack.enter_context(SocketWidened(socket, per_mb, ids))
             socket.read(nbytes)
             widening.read(nbytes)
-            for _ in range(repeats):
-                base.append(_on_cores(lambda: [socket.read(min(per_mb, nbytes - off), offset=off)
-                                               for off in range(0, nbytes, per_mb)], (socket.server_pid,)))
-                top.append(_on_cores(lambda: widening.read(nbytes), (socket.server_pid,)))
-                loops.append(_on_cores(stream_pass, units))
-        baseline, ceiling = "plain socket", "socket + widen"
-    ratio = statistics.median(b / t for (b, _), (t, _) in zip(base, loops))
-    ceiling_ratio = statistics.median(b / c for (b, _), (c, _) in zip(base, top))
-    vs_ceiling = statistics.median(c / t for (c, _), (t, _) in zip(top, loops))
-    base_s, loop_s = statistics.median(b for b, _ in base), statistics.median(t for t, _ in loops)
-    # Cores over all the passes together: one pass of a small slice is too short a window.
-    base_cores = sum(c for _, c in base) / sum(b for b, _ in base)
-    loop_cores = sum(c for _, c in loops) / sum(t for t, _ in loops)
+
+            def baseline_pass():
+                for off in range(0, nbytes, per_mb):
+                    socket.read(min(per_mb, nbytes - off), offset=off)
+
+            ceiling_pass = functools.partial(widening.read, nbytes)
+            baseline_pids, baseline, ceiling = (socket.server_pid,), "plain socket", "socket + widen"
+        for _ in range(repeats):
+            base.append(_timed(baseline_pass))
+            top.append(_timed(ceiling_pass))
+            loops.append(_timed(stream_pass))
+        base_cores, loop_cores = _cores(baseline_pass, baseline_pids), _cores(stream_pass, units)
+    ratio = statistics.median(b / t for b, t in zip(base, loops))
+    ceiling_ratio = statistics.median(b / c for b, c in zip(base, top))
+    vs_ceiling = statistics.median(c / t for c, t in zip(top, loops))
+    base_s, loop_s = statistics.median(base), statistics.median(loops)
     return {"slice_MiB": round(nbytes / _MIB, 1), "baseline": baseline,
             "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(base_cores, 2),
             "stream_GBps": round(gbps(nbytes, loop_s), 2), "stream_cores": round(loop_cores, 2),
             "ratio": round(ratio, 3),
             "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2),
-            "ceiling": ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(c for c, _ in top)), 2),
+            "ceiling": ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(top)), 2),
             "ceiling_vs_baseline": round(ceiling_ratio, 3), "stream_vs_ceiling": round(vs_ceiling, 3),
             "loop_s": loop_s}
 

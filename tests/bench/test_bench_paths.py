@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import json
+import multiprocessing
 import os
+import time
 
 import pytest
 
@@ -68,6 +70,36 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
         assert row["ceiling"] == "socket + widen" and row["ceiling_GBps"] > 0
         assert row["ceiling_vs_baseline"] > 0 and row["stream_vs_ceiling"] > 0
     assert gc.get_freeze_count() == 0  # the trainer's frozen objects are thawed once the bench ends
+
+
+def _spin(spinning, cpu):
+    os.sched_setaffinity(0, {cpu})
+    spinning.set()
+    while True:
+        pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: the child spins on one")
+def test_trainer_cores_count_a_busy_child_as_one_core_though_its_clock_trails_by_a_tick():
+    # A spinning process's CPU clock, read from another, moves only at scheduler ticks (4 ms at
+    # HZ=250): over one pass of a millisecond it reads 0 or ~4 cores, over a quarter second 1.
+    # On cores of their own, so that no wake-up of this process preempts the child and updates its clock.
+    ours, theirs, *_ = sorted(os.sched_getaffinity(0))
+    context = multiprocessing.get_context("spawn")
+    spinning = context.Event()
+    child = context.Process(target=_spin, args=(spinning, theirs), daemon=True)
+    child.start()
+    affinity = os.sched_getaffinity(0)
+    try:
+        assert spinning.wait(30), "the spinning child never started"
+        os.sched_setaffinity(0, {ours})
+        readings = [trainer._cores(lambda: time.sleep(0.001), (child.pid,)) for _ in range(12)]
+    finally:
+        os.sched_setaffinity(0, affinity)
+        child.kill()
+        child.join(10)
+    assert all(0.4 < cores < 1.6 for cores in readings), readings
 
 
 @pytest.mark.slow
