@@ -54,7 +54,8 @@ def test_fetch_over_shm_reports_the_staged_and_the_in_place_restore_against_memc
 @pytest.mark.timeout(300)
 def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
     trainer.main(["--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "2048",
-                  "--samples", "4", "--scales", "1,2", "--repeats", "1", "--step-samples", "10", "--figures", str(tmp_path),
+                  "--samples", "4", "--scales", "1,2", "--repeats", "1", "--step-samples", "10",
+                  "--figures", str(tmp_path),
                   "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["rank"] for r in out["bytes_rows"]] == ["dp0/pp0/cp0", "dp0/pp0/cp1", "dp0/pp1/cp0", "dp0/pp1/cp1"]
