@@ -375,10 +375,11 @@ def run(args) -> dict:
             result["throughput_ratio"] = min(r["ratio"] for r in big) if big else None
             result["ceiling_vs_baseline"] = min(r["ceiling_vs_baseline"] for r in big) if big else None
             result["stream_vs_ceiling"] = min(r["stream_vs_ceiling"] for r in big) if big else None
-            with reader.stream(shards[scales[0]][0], _micro_batches(args.samples, args.mb_samples),
+            first = shards[scales[0]][0]
+            with reader.stream(first, _micro_batches(len(first), args.mb_samples),
                                _rank_slice(args, 0, 0), prefetch=args.prefetch) as stream:
                 result["stream_buffers_MiB"] = round(stream.buffer_bytes / _MIB, 2)
-            whole_widened = sum(layout.nbytes for sample in shards[scales[0]][0] for layout in sample.values())
+            whole_widened = sum(layout.nbytes for sample in first for layout in sample.values())
             result["shard_vs_stream_buffers"] = round(whole_widened / stream.buffer_bytes, 1)
         # Memory: fresh reader processes, streamed and whole-shard, at each scale.
         memory = []

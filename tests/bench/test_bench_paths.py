@@ -53,16 +53,16 @@ def test_fetch_over_shm_reports_the_staged_and_the_in_place_restore_against_memc
 
 @pytest.mark.timeout(300)
 def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
+    # Scales from 2: the stream's buffers are sized over the smallest scale's shard, not --samples.
     trainer.main(["--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "2048",
-                  "--samples", "4", "--scales", "1,2", "--repeats", "1", "--step-samples", "10",
-                  "--figures", str(tmp_path),
-                  "--json"])
+                  "--samples", "2", "--scales", "2,4", "--repeats", "1", "--step-samples", "10",
+                  "--figures", str(tmp_path), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["rank"] for r in out["bytes_rows"]] == ["dp0/pp0/cp0", "dp0/pp0/cp1", "dp0/pp1/cp0", "dp0/pp1/cp1"]
     assert out["every_rank_exactly_its_slice"] and out["bytes_goal"] == 0.25
     assert abs(out["bytes_ratio_vs_whole_shard"] / 0.25 - 1) < 0.01  # the group moves the shard once
     paths = {(r["scale"], r["path"]) for r in out["memory_rows"]}
-    assert paths == {(1, "stream"), (1, "whole"), (2, "stream"), (2, "whole")}
+    assert paths == {(2, "stream"), (2, "whole"), (4, "stream"), (4, "whole")}
     assert out["overlap_ratio"] > 0 and out["peak_growth_4x"] > 0
     assert out["overlap"]["step_samples"] == 10 and out["overlap"]["micro_batches"] == 5  # cycling the 8 stored
     for row in out["throughput_rows"]:  # the cores each side kept busy: the miss reason on a CPU-bound box
