@@ -31,6 +31,7 @@ from gputq.transport.base import ServerLimits
 from gputq.transport.tcp import SOCKET_BUFFER_BYTES
 
 __all__ = [
+    "wall_time",
     "median_time",
     "gbps",
     "threaded_memcpy",
@@ -53,18 +54,20 @@ __all__ = [
 ]
 
 
+def wall_time(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call of ``fn()``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds over ``repeats`` runs after ``warmup`` runs."""
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(wall_time(fn) for _ in range(repeats))
 
 
 def threaded_memcpy(dst, src, threads: int) -> float:

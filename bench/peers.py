@@ -54,7 +54,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -67,6 +66,7 @@ from bench.common import (
     print_header,
     print_table,
     trainer_runtime,
+    wall_time,
 )
 from gputq.data.fields import ROUTED_EXPERTS_DTYPES
 
@@ -93,12 +93,6 @@ def compact_dtype(experts: int) -> str:
     return next(d for d in ROUTED_EXPERTS_DTYPES if np.iinfo(d).max >= experts - 1)
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -117,9 +111,9 @@ def measure_rounds(put, get, drop, check, repeats: int) -> tuple[float, float, f
     drop(0)
     puts, gets, faults = [], [], []
     for i in range(1, repeats + 1):
-        puts.append(_timed(lambda: put(i)))
+        puts.append(wall_time(lambda: put(i)))
         before = _minor_faults()
-        gets.append(_timed(lambda: get(i)))
+        gets.append(wall_time(lambda: get(i)))
         faults.append(_minor_faults() - before)
         drop(i)
     return statistics.median(puts), statistics.median(gets), statistics.median(faults)

@@ -88,6 +88,7 @@ from bench.common import (
     remote_units,
     threaded_memcpy,
     trainer_runtime,
+    wall_time,
 )
 from bench.plots import trainer_memory_figure, write_figures
 from gputq.client.reader import Reader
@@ -235,12 +236,6 @@ def _cores(work, pids) -> float:
     return (_cpu_seconds(pids) - cpu) / (time.perf_counter() - started)
 
 
-def _timed(work) -> float:
-    started = time.perf_counter()
-    work()
-    return time.perf_counter() - started
-
-
 def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes.
 
@@ -276,9 +271,9 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
             ceiling_pass = functools.partial(widening.read, nbytes)
             baseline_pids, baseline, ceiling = (socket.server_pid,), "plain socket", "socket + widen"
         for _ in range(repeats):
-            base.append(_timed(baseline_pass))
-            top.append(_timed(ceiling_pass))
-            loops.append(_timed(stream_pass))
+            base.append(wall_time(baseline_pass))
+            top.append(wall_time(ceiling_pass))
+            loops.append(wall_time(stream_pass))
         base_cores, loop_cores = _cores(baseline_pass, baseline_pids), _cores(stream_pass, units)
     ratio = statistics.median(b / t for b, t in zip(base, loops))
     ceiling_ratio = statistics.median(b / c for b, c in zip(base, top))
