@@ -342,6 +342,19 @@ class SocketBaseline:
         _recv_exact(self._client, dest[:nbytes])
         return time.perf_counter() - start
 
+    def read_chunks(self, nbytes: int, sink, landing: np.ndarray, offset: int = 0) -> None:
+        """:meth:`read`, received ``landing.nbytes`` at a time into ``landing`` and handed to
+        ``sink(offset in the read, chunk)`` as each lands."""
+        self._check(nbytes)
+        if not 0 <= offset <= self.max_bytes - nbytes:
+            raise ValueError(f"offset must be in [0, {self.max_bytes - nbytes}]")
+        view = memoryview(landing).cast("B")
+        self._client.sendall(_REQUEST.pack(b"R", nbytes, offset))
+        for at in range(0, nbytes, len(view)):
+            n = min(len(view), nbytes - at)
+            _recv_exact(self._client, view[:n])
+            sink(at, landing[:n])
+
     def write(self, nbytes: int) -> float:
         """Send ``nbytes`` into the server's buffer and wait for its acknowledgement; return the seconds."""
         self._check(nbytes)
@@ -369,15 +382,21 @@ class SocketBaseline:
 
 
 class SocketWidened:
-    """A ceiling for fetch+restore over tcp: the plain socket's reads, each chunk widened to int32 on a
-    second thread while the next one arrives (two receive buffers, two outputs, all touched once and
-    reused). No gputq in it: a host restore of those bytes from the plainest parts behind that socket.
+    """A ceiling for fetch+restore over tcp: the plain socket's reads widened to int32 as they land.
+
+    Each read (a micro-batch's bytes, from its own offset of the server's
+    buffer: distinct bytes, as a stored slice's are) is received
+    :data:`~gputq.client.landing.LANDING_CHUNK_BYTES` at a time into one
+    small buffer, and each chunk widened from there into the read's output
+    on the same thread, while the server's next bytes queue in the socket
+    buffers: the plainest form of what a tcp host restore can do, with no
+    gputq in it. Outputs alternate between two, touched once and reused.
 
     Parameters
     ----------
     socket
         The :class:`SocketBaseline` to read from (its ``max_bytes`` at least the bytes of a
-        :meth:`read`: the chunks walk its buffer, distinct bytes as a stored slice's are).
+        :meth:`read`).
     chunk
         Bytes per read (a micro-batch's).
     dtype
@@ -385,35 +404,21 @@ class SocketWidened:
     """
 
     def __init__(self, socket: SocketBaseline, chunk: int, dtype: np.dtype):
+        from gputq.client.landing import LANDING_CHUNK_BYTES
+
         self._socket, self._chunk, self._dtype = socket, chunk, dtype
-        self._buffers = [page_aligned(chunk) for _ in range(2)]
+        self._landing = page_aligned(LANDING_CHUNK_BYTES)
         self._outputs = [np.ones(chunk // dtype.itemsize, np.int32) for _ in range(2)]
-        self._widener = ThreadPoolExecutor(1, thread_name_prefix="bench-widen")
 
     def read(self, nbytes: int) -> None:
-        """Read ``nbytes`` chunk by chunk, each widened while the next arrives; return once all are widened."""
-        pending = [None, None]
+        """Read ``nbytes`` a chunk per request, each widened as it lands; return once all are widened."""
+        item = self._dtype.itemsize
         for i, offset in enumerate(range(0, nbytes, self._chunk)):
-            n = min(self._chunk, nbytes - offset) // self._dtype.itemsize * self._dtype.itemsize
-            slot = i % 2
-            if pending[slot] is not None:
-                pending[slot].result()
-            self._socket.read(n, self._buffers[slot], offset)
-            pending[slot] = self._widener.submit(np.copyto, self._outputs[slot][:n // self._dtype.itemsize],
-                                                 self._buffers[slot][:n].view(self._dtype))
-        for job in pending:
-            if job is not None:
-                job.result()
+            out = self._outputs[i % 2]
 
-    def close(self) -> None:
-        """Stop the widening thread. Idempotent."""
-        self._widener.shutdown()
-
-    def __enter__(self) -> "SocketWidened":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+            def widen(at: int, landed: np.ndarray, out=out) -> None:
+                np.copyto(out[at // item:(at + landed.nbytes) // item], landed.view(self._dtype))
+            self._socket.read_chunks(min(self._chunk, nbytes - offset) // item * item, widen, self._landing, offset)
 
 
 class Progress:

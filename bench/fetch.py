@@ -30,8 +30,9 @@ line's ``goal_met`` say whether every such row met its goal.
 
 Each pass also times a **ceiling**, with no gputq in it: the same bytes
 restored from the plainest parts. Over tcp and rdma, the plain
-socket read in chunks of :data:`CEILING_CHUNK_BYTES`, each widened to int32
-on a second thread while the next arrives; over shm, the bytes widened to
+socket read in requests of :data:`CEILING_CHUNK_BYTES`, each widened to
+int32 as it lands, 64 KiB at a time, on the receiving thread
+(:class:`~bench.common.SocketWidened`); over shm, the bytes widened to
 int32 on the memcpy's threads. ``ceiling_vs_goal_base`` is its ratio to
 the goal's baseline: below the goal's factor, the goal asks more of this
 machine than a bare socket (or memory) plus numpy's widen gives.
@@ -41,7 +42,6 @@ machine than a bare socket (or memory) plus numpy's widen gives.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import statistics
 import time
@@ -150,14 +150,13 @@ def _row(path: str, transport: str, samples: int, nbytes: int, times: dict, thre
     return row
 
 
-def _ceiling(transport: str, baseline: SocketBaseline, nbytes: int, ids: np.dtype, stack: contextlib.ExitStack):
-    """The row's ceiling as a callable of the memcpy's thread count, returning its seconds (see above);
-    what it holds is closed with ``stack``."""
+def _ceiling(transport: str, baseline: SocketBaseline, nbytes: int, ids: np.dtype):
+    """The row's ceiling as a callable of the memcpy's thread count, returning its seconds (see above)."""
     if transport == "shm":
         compact, widened = np.ones(nbytes // ids.itemsize, ids), np.ones(nbytes // ids.itemsize, np.int32)
         return lambda threads: threaded_memcpy(widened, compact, threads)
-    widening = stack.enter_context(SocketWidened(baseline, min(CEILING_CHUNK_BYTES, nbytes), ids))
-    widening.read(nbytes)  # warm: its buffers and thread
+    widening = SocketWidened(baseline, min(CEILING_CHUNK_BYTES, nbytes), ids)
+    widening.read(nbytes)  # warm: its buffers
 
     def timed(_threads: int) -> float:
         started = time.perf_counter()
@@ -199,10 +198,10 @@ def run(args) -> dict:
                 nbytes = reader.last_stats.bytes_fetched
             transports = "+".join(sorted({clients.transport_of(u)[0] for u in clients.units}))
             paths = [("copy", 0.0), ("in place", math.inf)] if transports == "shm" else [("copy", None)]
-            with SocketBaseline(nbytes) as baseline, contextlib.ExitStack() as stack:
+            with SocketBaseline(nbytes) as baseline:
                 baseline.read(nbytes)
                 threads = same_host_copy_threads(args.units)
-                ceiling = _ceiling(transports, baseline, nbytes, np.dtype(args.dtype), stack)
+                ceiling = _ceiling(transports, baseline, nbytes, np.dtype(args.dtype))
                 for path, zero_copy_max in paths:
                     path_config = config if zero_copy_max is None else config.replace(zero_copy_max_bytes=zero_copy_max)
                     with Reader(clients, path_config, device=args.device) as reader:

@@ -48,9 +48,10 @@ stream's CPU per byte against the baseline's: what a miss is spent on.
 
 Beside each baseline the same pass times a **ceiling**: the same bytes
 restored with no gputq in it, from the plainest parts. Over tcp,
-the plain socket's reads with each micro-batch's bytes widened to int32 on
-a second thread while the next ones arrive (two buffers each way); over
-shm, the same bytes widened to int32 on the memcpy's threads.
+the plain socket's reads of each micro-batch's bytes, widened to int32 as
+they land, 64 KiB at a time, on the receiving thread
+(:class:`~bench.common.SocketWidened`); over shm, the same bytes widened
+to int32 on the memcpy's threads.
 ``ceiling_vs_baseline`` is its ratio to the baseline (where it is below a
 goal, the goal asks more of this machine than a bare socket or memory plus
 numpy's widen gives: the widened output is twice the bytes),
@@ -260,7 +261,7 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
         else:
             # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
             socket = stack.enter_context(SocketBaseline(nbytes))
-            widening = stack.enter_context(SocketWidened(socket, per_mb, ids))
+            widening = SocketWidened(socket, per_mb, ids)
             socket.read(nbytes)
             widening.read(nbytes)
 
@@ -269,7 +270,7 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
                     socket.read(min(per_mb, nbytes - off), offset=off)
 
             ceiling_pass = functools.partial(widening.read, nbytes)
-            baseline_pids, baseline, ceiling = (socket.server_pid,), "plain socket", "socket + widen"
+            baseline_pids, baseline, ceiling = (socket.server_pid,), "plain socket", "socket, widened as it lands"
         for _ in range(repeats):
             base.append(wall_time(baseline_pass))
             top.append(wall_time(ceiling_pass))

@@ -24,7 +24,9 @@ import random
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from gputq.errors import (
     ClosedError,
@@ -84,6 +86,7 @@ class _Connection:
     def __init__(self, address: tuple[str, int], unit: str, token: str, max_frame_bytes: int,
                  timeout: float | None):
         where = f"unit {unit} at {address[0]}:{address[1]}"
+        self._bounce: np.ndarray | None = None
         try:
             self.sock = socket.create_connection(address, timeout=timeout)
         except (socket.timeout, TimeoutError):
@@ -110,6 +113,12 @@ class _Connection:
         except BaseException:
             self.close()
             raise
+
+    def bounce(self, nbytes: int) -> np.ndarray:
+        """This connection's chunk buffer for :meth:`TcpChannel.read_chunks`, kept for its next requests."""
+        if self._bounce is None or self._bounce.nbytes != nbytes:
+            self._bounce = np.ones(nbytes, np.uint8)  # touched now: a chunk lands in it at cache speed
+        return self._bounce
 
     def begin(self, timeout: float | None) -> None:
         """Start a request: arm its deadline; the stream is out of sync until the reply is consumed."""
@@ -307,6 +316,61 @@ class TcpChannel(Channel):
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
              generations: Sequence[int] | None = None, incarnation: str | None = None,
              spans=None) -> list[int]:
+        on_device = is_device_buffer(dest)
+        if on_device:
+            capacity = device_nbytes(dest)
+        else:
+            host = byte_view(dest, writable=True)
+            capacity = host.nbytes
+        with self._reading(keys, timeout, generations, incarnation, spans) as (conn, lengths, total):
+            if total > capacity:
+                conn.reader.drain(total)
+                conn.in_sync = True
+                raise RequestTooLargeError(
+                    f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
+            if on_device:
+                self._staging.receive(conn.reader.recv_exact, dest, total)
+            else:
+                conn.reader.recv_exact(host[:total])
+            return lengths
+
+    def read_chunks(self, keys: Sequence[str], sink: Callable[[int, np.ndarray], None], timeout: float | None = None,
+                    *, chunk_bytes: int, generations: Sequence[int] | None = None, incarnation: str | None = None,
+                    spans=None) -> list[int]:
+        """:meth:`read`, handing the payload to ``sink`` as it arrives instead of landing it in a buffer.
+
+        The payload is received ``chunk_bytes`` at a time into a buffer of
+        the connection, reused from request to request and small enough to
+        stay in the CPU's caches; each full chunk (the last one may be
+        shorter) goes to ``sink(offset, chunk)``: its offset in the payload
+        and a uint8 array valid only during the call. A consumer that widens
+        each chunk as it lands reads it from cache, and its work overlaps
+        the unit's send of the next ones (the socket buffers queue them):
+        no thread hand-off and no pass over a staging buffer.
+
+        ``chunk_bytes`` must be a positive multiple of 16, so that no
+        element of a supported dtype straddles two chunks of a span that
+        starts on 16 bytes. If ``sink`` raises, the connection is dropped
+        (its payload unread) and the error propagates.
+        """
+        chunk_bytes = int(chunk_bytes)
+        if chunk_bytes < 16 or chunk_bytes % 16:
+            raise InvalidInputError(f"chunk_bytes must be a positive multiple of 16, got {chunk_bytes}")
+        with self._reading(keys, timeout, generations, incarnation, spans) as (conn, lengths, total):
+            bounce = conn.bounce(chunk_bytes)
+            view = memoryview(bounce)
+            got = 0
+            while got < total:
+                n = min(chunk_bytes, total - got)
+                conn.reader.recv_exact(view[:n])
+                sink(got, bounce[:n])
+                got += n
+            return lengths
+
+    @contextlib.contextmanager
+    def _reading(self, keys: Sequence[str], timeout: float | None, generations, incarnation, spans):
+        """Send a READ and check its reply; yields ``(connection, lengths, payload bytes)`` for the block to
+        receive the payload, after which the connection is back in sync."""
         keys = list(keys)
         body: dict = {"keys": keys}
         if spans is not None:
@@ -318,12 +382,6 @@ class TcpChannel(Channel):
             body["generations"] = [None if g is None else int(g) for g in generations]
         if incarnation is not None:
             body["incarnation"] = incarnation
-        on_device = is_device_buffer(dest)
-        if on_device:
-            capacity = device_nbytes(dest)
-        else:
-            host = byte_view(dest, writable=True)
-            capacity = host.nbytes
         with self._checkout(self._requests, timeout, f"read of keys {describe_keys(keys)}", keys) as conn:
             conn.writer.send(Op.READ, body)
             header, reply = conn.reply_header()
@@ -332,17 +390,8 @@ class TcpChannel(Channel):
             if not isinstance(lengths, list) or len(lengths) != pieces \
                     or not all(type(n) is int and n >= 0 for n in lengths) or sum(lengths) != total:
                 raise ProtocolError("READ reply lengths do not match its payload")
-            if total > capacity:
-                conn.reader.drain(total)
-                conn.in_sync = True
-                raise RequestTooLargeError(
-                    f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
-            if on_device:
-                self._staging.receive(conn.reader.recv_exact, dest, total)
-            else:
-                conn.reader.recv_exact(host[:total])
+            yield conn, lengths, total
             conn.in_sync = True
-            return lengths
 
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
         return self.request(method, args, timeout)

@@ -75,7 +75,8 @@ class UnitChannel(Channel):
     once. ``close`` is a no-op: :class:`UnitClients` owns the connection.
 
     Same-host reads (the shm transport) add :meth:`mapped_source`, under the
-    same rule, and the queries :attr:`mapping`, :meth:`device_mappable`,
+    same rule, byte-stream reads (tcp) add :meth:`read_chunks`, and the queries
+    :attr:`reads_chunks`, :attr:`mapping`, :meth:`device_mappable`,
     :attr:`fallback_reason`, :attr:`reads_ahead` and :attr:`hint_misses`,
     which answer "nothing mapped" (``None``, ``False``, ``0``) for other
     transports and while the unit is lost, so a reader takes the path whose
@@ -94,6 +95,30 @@ class UnitChannel(Channel):
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, **kwargs) -> list[int]:
         return self._owner._run(self.unit, keys, "read",
                                 lambda chan: chan.read(keys, dest, timeout=timeout, **kwargs))
+
+    def read_chunks(self, keys: Sequence[str], sink, timeout: float | None = None, **kwargs) -> list[int]:
+        """:meth:`TcpChannel.read_chunks <gputq.transport.tcp.TcpChannel.read_chunks>` (same arguments: the
+        payload handed to ``sink`` chunk by chunk as it lands) under the loss rule.
+
+        Raises
+        ------
+        MissingDependencyError
+            The unit's transport lands reads in a buffer only (shm, rdma):
+            see :attr:`reads_chunks`.
+        """
+        def request(chan):
+            chunks = getattr(chan, "read_chunks", None)
+            if chunks is None:
+                raise MissingDependencyError(f"unit {self.unit}: {type(chan).__name__} lands reads in a buffer only")
+            return chunks(keys, sink, timeout=timeout, **kwargs)
+
+        return self._owner._run(self.unit, keys, "read", request)
+
+    @property
+    def reads_chunks(self) -> bool:
+        """True when reads of the unit can hand their bytes over chunk by chunk as they land (tcp; False for
+        other transports and while the unit is lost)."""
+        return hasattr(self._live(), "read_chunks")
 
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
         keys = args.get("keys") or ()

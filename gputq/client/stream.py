@@ -40,6 +40,7 @@ from typing import Iterator
 import numpy as np
 
 from gputq.client.in_place import add_leased, mapped_here
+from gputq.client.landing import LANDING_CHUNK_BYTES, LandingWidener
 from gputq.client.stream_plan import FieldPlan, MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.refs import uses_by_unit
@@ -52,6 +53,12 @@ __all__ = ["MicroBatch", "LayerRef", "MicroBatchStream"]
 
 #: Rows of each stored piece the empty-layer check looks at before it scans a layer whole.
 _FIRST_ROWS = 64
+
+
+def _check_length(r, lengths: list) -> None:
+    if sum(lengths) != r.stop - r.start:
+        raise TransferError(f"unit {r.unit} returned {sum(lengths)} bytes for {len(r.spans)} spans of "
+                            f"{len(r.keys)} keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
 
 
 class LayerRef:
@@ -143,11 +150,14 @@ class MicroBatchStream:
                  hold: bool = False):
         self._reader, self._plans, self._depth, self._release = reader, plans, prefetch, release
         self._rank, self._hold = rank, hold
-        self._ahead = reader._device == "cpu" and prefetch >= 2 and not hold
         units = sorted({unit for plan in plans for unit in plan.units})
+        on_host = reader._device == "cpu" and bool(units)
         # Host restores from same-host arenas read the spans where they lie: no staging copy.
-        self._in_place = reader._device == "cpu" and bool(units) and all(
-            mapped_here(reader._clients.channel(unit), False) for unit in units)
+        self._in_place = on_host and all(mapped_here(reader._clients.channel(unit), False) for unit in units)
+        # Host restores over tcp widen each chunk as it lands, on the fetch thread: no staging either.
+        self._landing = on_host and not self._in_place and all(
+            reader._clients.channel(unit).reads_chunks for unit in units)
+        self._ahead = reader._device == "cpu" and prefetch >= 2 and not hold and not self._landing
         self._compact: queue.Queue = queue.Queue()
         self._outputs: queue.Queue = queue.Queue()
         self._fetches: dict[int, Future] = {}
@@ -171,7 +181,9 @@ class MicroBatchStream:
         self._lent = contextlib.ExitStack()
         outputs = 2 if self._ahead else 1
         compact = prefetch
-        if self._ahead:
+        if self._landing:  # every micro-batch in flight lands widened, in an output buffer of its own
+            outputs, compact = min(prefetch, len(plans)) + 1, 0
+        elif self._ahead:
             # A second output buffer costs compact ones, within (prefetch + 1) slices: with narrow IDs
             # (compact is half the widened bytes or less) it costs none, and a fetch never waits
             # for the restore before it to give its buffer back.
@@ -204,7 +216,7 @@ class MicroBatchStream:
     # -- background stages -------------------------------------------------------------
     def _submit(self) -> None:
         plan = self._plans[self._submitted]
-        fetch = self._fetches[plan.index] = self._fetcher.submit(self._fetch, plan)
+        fetch = self._fetches[plan.index] = self._fetcher.submit(self._land if self._landing else self._fetch, plan)
         if self._ahead:
             self._restores[plan.index] = self._restorer.submit(self._restore_ahead, plan, fetch)
         self._submitted += 1
@@ -230,22 +242,43 @@ class MicroBatchStream:
                 raise
         try:
             staging = buffer[:plan.nbytes]
-            per_unit: dict[str, list] = {}
-            for r in plan.requests:
-                per_unit.setdefault(r.unit, []).append(r)
-            groups = list(per_unit.values())
-            jobs = [self._reader._pool.submit(self._read_group, group, staging) for group in groups[1:]]
-            try:
-                if groups:
-                    self._read_group(groups[0], staging)
-            finally:
-                wait(jobs)
-            for job in jobs:
-                job.result()
+            self._read_units(plan, lambda group: self._read_group(group, staging))
         except BaseException:
             self._compact.put(buffer)
             raise
         return buffer, None
+
+    def _land(self, plan: MicroPlan):
+        """A micro-batch restored as its bytes land (tcp, on the host): ``(micro-batch, its output buffers)``."""
+        plan.finish()
+        try:  # free unless the consumer holds micro-batches live (hold, replay handles): then one more
+            outputs = self._outputs.get_nowait()
+        except queue.Empty:
+            outputs = self._new_outputs()
+        try:
+            widener = LandingWidener([(fp, outputs[name][:fp.out_elements]) for name, fp in plan.fields.items()])
+            widener.fill()
+            self._read_units(plan, lambda group: self._land_group(group, widener))
+            return self._shaped(plan, outputs), outputs
+        except BaseException:
+            self._outputs.put(outputs)
+            raise
+
+    def _read_units(self, plan: MicroPlan, read_group) -> None:
+        """``read_group(requests)`` for each unit's requests of ``plan``: the first unit's on this thread,
+        the others' on the reader's pool, all done (or failed) on return."""
+        per_unit: dict[str, list] = {}
+        for r in plan.requests:
+            per_unit.setdefault(r.unit, []).append(r)
+        groups = list(per_unit.values())
+        jobs = [self._reader._pool.submit(read_group, group) for group in groups[1:]]
+        try:
+            if groups:
+                read_group(groups[0])
+        finally:
+            wait(jobs)  # no read may still be writing into the buffers when this returns
+        for job in jobs:
+            job.result()
 
     def _lease_in_place(self, plan: MicroPlan):
         """Lease the micro-batch's spans where they lie in the mapped arenas; the restore reads them there.
@@ -299,11 +332,16 @@ class MicroBatchStream:
         for r in requests:
             dest = staging[r.start:r.stop]
             channel = self._reader._clients.channel(r.unit)
-            lengths = channel.read(r.keys, dest, timeout=config.read_timeout_s, generations=r.generations,
-                                   incarnation=r.incarnation or None, spans=r.spans)
-            if sum(lengths) != r.stop - r.start:
-                raise TransferError(f"unit {r.unit} returned {sum(lengths)} bytes for {len(r.spans)} spans of "
-                                    f"{len(r.keys)} keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
+            _check_length(r, channel.read(r.keys, dest, timeout=config.read_timeout_s, generations=r.generations,
+                                          incarnation=r.incarnation or None, spans=r.spans))
+
+    def _land_group(self, requests: list, widener: LandingWidener) -> None:
+        config = self._reader._config
+        for r in requests:
+            channel = self._reader._clients.channel(r.unit)
+            _check_length(r, channel.read_chunks(r.keys, widener.sink(r.start, r.stop), timeout=config.read_timeout_s,
+                                                 chunk_bytes=LANDING_CHUNK_BYTES, generations=r.generations,
+                                                 incarnation=r.incarnation or None, spans=r.spans))
 
     # -- consuming ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:
@@ -331,6 +369,8 @@ class MicroBatchStream:
             if self._ahead:
                 batch, outputs = self._restores.pop(plan.index).result()
                 self._fetches.pop(plan.index)
+            elif self._landing:
+                batch, outputs = self._fetches.pop(plan.index).result()
             else:
                 fetched = self._fetches.pop(plan.index).result()
                 outputs = self._outputs.get_nowait() if not self._outputs.empty() else self._new_outputs()
@@ -410,8 +450,6 @@ class MicroBatchStream:
             return tensor
 
     def _restore(self, plan: MicroPlan, staging, outputs: dict) -> MicroBatch:
-        fields, experts, layers = {}, [], ()
-        to_output = self._reader._to_output
         for name, fp in plan.fields.items():
             out = outputs[name][:fp.out_elements]
             rows = staging.nbytes // (fp.width * fp.stored.itemsize)
@@ -420,6 +458,12 @@ class MicroBatchStream:
         if self._reader._device != "cpu":
             # The kernels ran on CuPy's stream; the pad rows and the check below go through torch's.
             self._reader._synchronize()
+        return self._shaped(plan, outputs)
+
+    def _shaped(self, plan: MicroPlan, outputs: dict) -> MicroBatch:
+        """The micro-batch of widened ``outputs``: slime's pad rows written, empty layers refused, views shaped."""
+        fields, experts, layers = {}, [], ()
+        to_output = self._reader._to_output
         for name, fp in plan.fields.items():
             out = outputs[name][:fp.out_elements]
             if fp.layers:
@@ -489,7 +533,7 @@ class MicroBatchStream:
         for future in pending:
             future.cancel()
         wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)
-        for future in self._fetches.values():  # fetched in place, never restored: their leases end now
+        for future in self._fetches.values() if self._in_place else ():  # fetched, never restored: leases end
             if future.done() and not future.cancelled() and future.exception() is None \
                     and future.result()[1] is not None:
                 with contextlib.suppress(Exception):  # unread: an expired lease costs nothing here

@@ -46,15 +46,30 @@ def test_socket_baseline_reads_its_buffer_from_an_offset_into_a_given_buffer():
 
 
 @pytest.mark.timeout(60)
-def test_the_tcp_ceiling_widens_every_chunk_from_its_own_offset():
-    chunk = 256 << 10
+def test_the_tcp_ceiling_widens_every_read_from_its_own_offset_as_it_lands():
+    from gputq.client.landing import LANDING_CHUNK_BYTES
+
+    chunk = 3 * LANDING_CHUNK_BYTES + 48  # a read of three landings and a partial one
     held = baseline_bytes(1 << 20)
-    with SocketBaseline(1 << 20) as sock, SocketWidened(sock, chunk, np.dtype(np.uint16)) as ceiling:
-        ceiling.read(3 * chunk + 1000)  # four chunks, the last a partial one of 1000 bytes
-        first, second = ceiling._outputs  # chunks 0 and 2, then 1 and 3 (500 IDs)
+    with SocketBaseline(1 << 20) as sock:
+        ceiling = SocketWidened(sock, chunk, np.dtype(np.uint16))
+        ceiling.read(3 * chunk + 1000)  # four reads, the last a partial one of 1000 bytes
+        first, second = ceiling._outputs  # reads 0 and 2, then 1 and 3 (500 IDs)
     ids = lambda c, nbytes=chunk: held[c * chunk:c * chunk + nbytes].view("<u2").astype(np.int32)
     assert np.array_equal(first, ids(2))
     assert np.array_equal(second[:500], ids(3, 1000)) and np.array_equal(second[500:], ids(1)[500:])
+
+
+def test_the_socket_baseline_hands_a_chunked_read_over_landing_by_landing():
+    held = baseline_bytes(1 << 20)
+    landing = np.zeros(4096, np.uint8)
+    got = []
+    with SocketBaseline(1 << 20) as sock:
+        sock.read_chunks(10_000, lambda at, view: got.append((at, view.copy())), landing, offset=123)
+        with pytest.raises(ValueError, match="offset"):
+            sock.read_chunks(4096, lambda at, view: None, landing, offset=(1 << 20) - 4095)
+    assert [at for at, _ in got] == [0, 4096, 8192]
+    assert np.array_equal(np.concatenate([view for _, view in got]), held[123:10_123])
 
 
 @pytest.mark.parametrize("kind", ["uint8", "uint16", "int32"])

@@ -133,6 +133,44 @@ def test_stream_matches_slime_and_moves_exactly_the_slice(transport):
                 assert moved == expected_bytes
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_over_tcp_on_the_host_micro_batches_land_widened_with_no_staging(monkeypatch, dtype):
+    """Each chunk of a reply is widened as it lands (no compact buffer, no staged read), and gives the
+    micro-batches the staged path gives."""
+    from gputq.client.clients import UnitChannel
+
+    rng = np.random.default_rng(3)
+    lengths = [37, 50, 64, 23, 41, 58]
+    with local_units("tcp", units=2, routed_experts_dtype=np.dtype(dtype).name) as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, lengths, dtype)
+        batches = [[0, 1], [2], [3, 4, 5]]
+        rank = ParallelSlice(layers=range(1, 4), cp_rank=1, cp_size=2, num_experts=EXPERTS)
+
+        def consume(reader):
+            with reader.stream(shard, batches, rank) as stream:
+                held = stream.buffer_bytes
+                restored = [([np.array(layer) for layer in mb.routed_experts], [np.array(lp) for lp in mb.log_probs])
+                            for mb in stream if _check(mb, batches[mb.index], data, range(1, 4), rank)]
+            return restored, held
+
+        with Reader(clients, config) as reader:
+            with monkeypatch.context() as patch:
+                patch.setattr(UnitChannel, "read", lambda *a, **k: pytest.fail("a staged read over tcp"))
+                landed, held = consume(reader)
+            with monkeypatch.context() as patch:
+                patch.setattr(UnitChannel, "reads_chunks", property(lambda self: False))
+                staged, _ = consume(reader)
+        for (experts, log_probs), (want_experts, want_log_probs) in zip(landed, staged, strict=True):
+            assert all(np.array_equal(a, b) for a, b in zip(experts, want_experts, strict=True))
+            assert all(np.array_equal(a, b) for a, b in zip(log_probs, want_log_probs, strict=True))
+        # Three output buffers (the consumed micro-batch and two in flight), sized for the largest
+        # micro-batch, and nothing else: its 3 layers of int32 IDs and its float32 logprobs.
+        largest = (max(sum(e.nbytes for e in experts) for experts, _ in landed)
+                   + max(sum(lp.nbytes for lp in log_probs) for _, log_probs in landed))
+        assert held == 3 * largest
+
+
 def _check(mb, batch, data, stage, rank) -> bool:
     """The micro-batch as slime would build it from the whole samples (its tensors live until the next)."""
     want = slime_replay_rows([torch.from_numpy(data[i][0]) for i in batch], rank)

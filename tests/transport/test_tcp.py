@@ -145,6 +145,50 @@ def test_call_passes_arguments(channel):
     assert channel.call("stats")["keys"] == 1
 
 
+def test_chunked_read_hands_over_the_payload_in_order_in_chunks_of_the_connections_buffer(channel, handler):
+    blobs = {"a": random_bytes(300_000, 1), "b": random_bytes(17, 2), "c": random_bytes(65_536, 3)}
+    for key, blob in blobs.items():
+        channel.write(key, blob)
+    spans = np.array([[0, 1000, 200_000], [1, 0, 17], [2, 16, 65_504], [0, 0, 64]], np.int64)
+    want = np.concatenate([blobs["a"][1000:201_000], blobs["b"], blobs["c"][16:65_520], blobs["a"][:64]])
+    for chunk in (16, 64 << 10, 1 << 20):
+        got, buffers = [], set()
+
+        def sink(offset, view):
+            assert view.dtype == np.uint8 and view.nbytes == min(chunk, want.nbytes - offset)
+            got.append((offset, view.copy()))
+            buffers.add(view.ctypes.data)
+
+        assert channel.read_chunks(list(blobs), sink, timeout=10, chunk_bytes=chunk, spans=spans) == \
+            [200_000, 17, 65_504, 64]
+        assert [offset for offset, _ in got] == list(range(0, want.nbytes, chunk))
+        np.testing.assert_array_equal(np.concatenate([view for _, view in got]), want)
+        assert len(buffers) == 1  # one buffer, reused chunk after chunk
+    assert channel._requests.nopen == 1
+    assert wait_until(lambda: handler.stats()["leases"] == 0)
+
+
+def test_chunked_read_refuses_chunks_that_split_elements_and_drops_a_connection_its_sink_failed(channel):
+    channel.write("k", random_bytes(1 << 20))
+    for bad in (0, 8, 100):
+        with pytest.raises(InvalidInputError, match="multiple of 16"):
+            channel.read_chunks(["k"], lambda offset, view: None, chunk_bytes=bad)
+
+    def failing(offset, view):
+        if offset:
+            raise RuntimeError("consumer failed")
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        channel.read_chunks(["k"], failing, timeout=10, chunk_bytes=64 << 10)
+    assert channel._requests.nopen == 0  # mid-payload: discarded, not reused out of sync
+    dest = np.zeros(1 << 20, np.uint8)
+    assert channel.read(["k"], dest, timeout=10) == [1 << 20]
+    np.testing.assert_array_equal(dest, random_bytes(1 << 20))
+    with pytest.raises(UnknownKeyError, match="'nope'"):  # a typed error before the payload: in sync
+        channel.read_chunks(["nope"], failing, timeout=10, chunk_bytes=64 << 10)
+    assert channel._requests.nopen == 1
+
+
 def test_dest_too_small_keeps_connection_in_sync(channel):
     channel.write("k", random_bytes(1000))
     with pytest.raises(RequestTooLargeError, match="1000 bytes"):

@@ -1,0 +1,102 @@
+"""Widening a micro-batch's bytes as they land: a tcp read's chunks scattered straight into the outputs.
+
+A host restore over tcp that lands a micro-batch's compact bytes in a
+staging buffer and widens them afterwards (on a second thread, while the
+next micro-batch arrives) passes over memory three times: the receive
+writes the compact bytes out, the widen reads them back and writes the
+int32. Handing each chunk of the reply to a :class:`LandingWidener` as it
+is received
+(:meth:`UnitChannel.read_chunks <gputq.client.clients.UnitChannel.read_chunks>`)
+lands it in a buffer that stays in the CPU's caches and widens it from
+there: the compact bytes never reach memory, and while the receiving
+thread widens, the unit's next bytes queue in the socket buffers. No second
+thread, no hand-off between threads.
+
+The chunk is :data:`LANDING_CHUNK_BYTES`: a few times larger, a chunk no
+longer stays in the cache it landed in before it is widened.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import numpy as np
+
+from gputq.client.stream_plan import FieldPlan
+from gputq.kernels import widen_scatter
+
+__all__ = ["LANDING_CHUNK_BYTES", "LandingWidener"]
+
+#: Bytes received at a time before they are widened: small enough to stay in a core's caches.
+LANDING_CHUNK_BYTES = 64 << 10
+
+
+class LandingWidener:
+    """Where every compact byte of one micro-batch goes, as sinks for its chunked reads.
+
+    Parameters
+    ----------
+    fields
+        ``(plan, out)`` per field: its :class:`FieldPlan` (source rows
+        index the micro-batch's staging bytes from byte 0, in the field's
+        stored dtype and width) and its flat output (the restored dtype).
+    """
+
+    def __init__(self, fields: list[tuple[FieldPlan, np.ndarray]]):
+        entries = []
+        self._fills = []
+        for fp, out in fields:
+            row_bytes = fp.width * fp.stored.itemsize
+            data = fp.plan[fp.plan[:, 0] >= 0]
+            starts = (data[:, 0] * row_bytes).tolist()
+            stops = ((data[:, 0] + data[:, 2]) * row_bytes).tolist()
+            targets = (data[:, 1] * fp.width).tolist()
+            entries.extend((a, b, out, d, fp.stored, fp.stored.itemsize) for a, b, d in zip(starts, stops, targets))
+            fills = fp.plan[fp.plan[:, 0] < 0]
+            if len(fills):
+                self._fills.append((fp, out, fills))
+        entries.sort(key=lambda entry: entry[0])
+        self._entries = entries
+        self._starts = [entry[0] for entry in entries]
+
+    def fill(self) -> None:
+        """Write the fill rows (rows no stored byte covers)."""
+        for fp, out, plan in self._fills:
+            widen_scatter(np.empty(0, fp.stored), plan, fp.width, out, fill=fp.fill, validate=False)
+
+    def sink(self, start: int, stop: int) -> "_RequestSink":
+        """The sink of the read whose payload lands at staging bytes ``[start, stop)``."""
+        first, last = bisect_left(self._starts, start), bisect_left(self._starts, stop)
+        return _RequestSink(start, self._entries[first:last])
+
+
+class _RequestSink:
+    """``sink(offset, chunk)`` of one read: the chunk's bytes widened into each plan row they belong to.
+
+    Chunks come in payload order; a plan row's bytes may span several chunks
+    and a chunk several plan rows (kept in ``_active`` until their last byte).
+    """
+
+    __slots__ = ("_base", "_entries", "_next", "_active")
+
+    def __init__(self, base: int, entries: list):
+        self._base, self._entries, self._next, self._active = base, entries, 0, []
+
+    def __call__(self, offset: int, chunk: np.ndarray) -> None:
+        lo = self._base + offset
+        hi = lo + chunk.nbytes
+        entries, i, active = self._entries, self._next, self._active
+        while i < len(entries) and entries[i][0] < hi:
+            active.append(entries[i])
+            i += 1
+        self._next = i
+        kept = []
+        for entry in active:
+            start, stop, out, target, dtype, item = entry
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:
+                at = target + (a - start) // item
+                np.copyto(out[at:at + (b - a) // item], chunk[a - lo:b - lo].view(dtype))
+            if stop > hi:
+                kept.append(entry)
+        self._active = kept

@@ -1,0 +1,68 @@
+"""Widening chunks as they land must give exactly what the widen of the whole staged micro-batch gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gputq.client.landing import LandingWidener
+from gputq.client.stream_plan import FieldPlan
+from gputq.kernels import reference_widen_scatter
+
+
+def _plan(rng, src_rows: int, dst_rows: int) -> np.ndarray:
+    """Plan rows over every target row: runs of stored rows (sources may repeat and overlap) and fill runs."""
+    rows, cursor = [], 0
+    while cursor < dst_rows:
+        n = int(min(rng.integers(1, 24), dst_rows - cursor))
+        if rng.random() < 0.2:
+            rows.append((-1, cursor, n))
+        elif rng.random() < 0.9:  # some target rows stay uncovered
+            rows.append((int(rng.integers(0, src_rows - n + 1)), cursor, n))
+        cursor += n + int(rng.random() < 0.1)
+    return np.array(rows, np.int64)
+
+
+def _field(name, stored, restored, width, plan, fill, dst_rows) -> FieldPlan:
+    return FieldPlan(name, np.dtype(stored), np.dtype(restored), width, plan, fill, dst_rows * width, (), 0, dst_rows)
+
+
+@pytest.mark.parametrize("chunk", [16, 48, 4096, 1 << 20])
+@pytest.mark.parametrize("seed", range(4))
+def test_chunks_widened_as_they_land_equal_the_staged_widen(seed, chunk):
+    rng = np.random.default_rng(seed)
+    # Two fields back to back in one micro-batch's staging, as the stream places them: R3 rows of
+    # uint16 (width 8), then logprobs (float32) from a 16-byte boundary; one read each.
+    experts_rows, logprob_rows = 300, 77
+    staging = np.zeros(experts_rows * 16 + 16 + logprob_rows * 4, np.uint8)
+    experts = rng.integers(0, 1 << 16, experts_rows * 8, dtype=np.uint16)
+    staging[:experts.nbytes] = experts.view(np.uint8)
+    second = experts.nbytes + 16
+    logprobs = -rng.random(logprob_rows, dtype=np.float32)
+    staging[second:second + logprobs.nbytes] = logprobs.view(np.uint8)
+    fields = [_field("routed_experts", np.uint16, np.int32, 8, _plan(rng, experts_rows, 500), 7, 500),
+              _field("logprobs", np.float32, np.float32, 1, _plan(rng, logprob_rows, 120) + [second // 4, 0, 0], 0.5,
+                     120)]
+    fields[1].plan[fields[1].plan[:, 0] - second // 4 < 0, 0] = -1  # fill rows stay fill rows
+    compact = [staging[:experts.nbytes].view(np.uint16), staging[:(second + logprobs.nbytes)].view(np.float32)]
+    want = [np.full(fp.out_elements, -99, fp.restored) for fp in fields]
+    for fp, source, out in zip(fields, compact, want):
+        reference_widen_scatter(source, fp.plan, fp.width, out, fp.fill)
+    got = [np.full(fp.out_elements, -99, fp.restored) for fp in fields]
+    widener = LandingWidener(list(zip(fields, got)))
+    widener.fill()
+    for start, stop in ((0, experts.nbytes), (second, second + logprobs.nbytes)):
+        sink = widener.sink(start, stop)
+        for offset in range(0, stop - start, chunk):
+            sink(offset, staging[start + offset:min(stop, start + offset + chunk)].copy())  # a reused buffer's bytes
+    for out, reference in zip(got, want):
+        np.testing.assert_array_equal(out, reference)
+    assert (got[0] == -99).any() or (got[1] == -99).any()  # uncovered rows are left as they were
+
+
+def test_a_sink_sees_only_the_plan_rows_of_its_read():
+    fp = _field("routed_experts", np.uint8, np.int32, 4, np.array([[0, 0, 2], [2, 2, 2]], np.int64), 0, 4)
+    out = np.zeros(16, np.int32)
+    widener = LandingWidener([(fp, out)])
+    widener.sink(8, 16)(0, np.arange(10, 18, dtype=np.uint8))  # the second read: stored rows 2 and 3
+    np.testing.assert_array_equal(out, [0] * 8 + list(range(10, 18)))
