@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gputq.errors import InvalidInputError, ProtocolError
+from gputq.transport.spans import spans_to_wire
 
 from .spans import span_regions
 
@@ -48,6 +49,7 @@ __all__ = [
     "byte_view",
     "LogLimiter",
     "describe_keys",
+    "read_args",
     "leased_regions",
     "WRITE_WINDOW_SHARE",
     "write_window",
@@ -502,6 +504,24 @@ def describe_keys(keys: Sequence[str]) -> str:
     keys = list(keys)
     shown = ", ".join(repr(k) for k in keys[:4])
     return f"[{shown}{', ...' if len(keys) > 4 else ''}] ({len(keys)} keys)"
+
+
+def read_args(keys: Sequence[str], generations=None, incarnation: str | None = None,
+              spans=None) -> tuple[dict, int | None]:
+    """The arguments of a read or lease request (``keys``, and those given of ``generations``,
+    ``incarnation`` and ``spans`` in wire form), and how many spans it names (None: one region per key)."""
+    keys = list(keys)
+    args: dict = {"keys": keys}
+    if generations is not None:
+        if len(generations) != len(keys):
+            raise InvalidInputError(f"{len(generations)} generations for {len(keys)} keys")
+        args["generations"] = [None if g is None else int(g) for g in generations]
+    if incarnation is not None:
+        args["incarnation"] = incarnation
+    if spans is None:
+        return args, None
+    args["spans"] = spans_to_wire(spans, len(keys))
+    return args, len(args["spans"]) // 24
 
 
 def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str, rows: int | None = None) -> np.ndarray:

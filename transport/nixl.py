@@ -77,13 +77,13 @@ from gputq.transport.base import (
     describe_keys,
     is_device_buffer,
     leased_regions,
+    read_args,
     write_window,
 )
 from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 from gputq.transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
 from gputq.transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
 from gputq.transport.policy import gpudirect_support
-from gputq.transport.spans import spans_to_wire
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
 
@@ -245,17 +245,7 @@ class NixlChannel(Channel):
             device = 0
         if not keys:
             return []
-        args: dict = {"keys": keys}
-        if generations is not None:
-            if len(generations) != len(keys):
-                raise InvalidInputError(f"{len(generations)} generations for {len(keys)} keys")
-            args["generations"] = [None if g is None else int(g) for g in generations]
-        if incarnation is not None:
-            args["incarnation"] = incarnation
-        rows = None
-        if spans is not None:
-            args["spans"] = spans_to_wire(spans, len(keys))
-            rows = len(args["spans"]) // 24
+        args, rows = read_args(keys, generations, incarnation, spans)
         lease, started = self._ends.request_lease(
             lambda a: self._tcp.request("lease", a, _left(deadline), keys=keys), args)
         lease_id, staged, confirmed = lease["lease_id"], None, False

@@ -4,8 +4,10 @@ Writes land directly in the arena: the server reserves the region with
 ``begin_write`` and receives the payload with ``recv_into`` at that offset.
 Reads stream the leased regions with ``sendall`` of arena slices and the
 client receives them with ``recv_into`` straight into the caller's buffer
-(through a pinned staging ring when that buffer is on a GPU). No payload
-byte is copied in Python on either side. The serving side is
+(through a pinned staging ring when that buffer is on a GPU), or, through a
+:class:`ReadPipeline`, sends reads ahead of their replies and hands each
+reply over chunk by chunk as it lands. No payload byte is copied in Python
+on either side. The serving side is
 :mod:`gputq.transport.tcp_server`; the framing is :mod:`gputq.transport.wire`.
 
 A :class:`TcpChannel` keeps two pools of connections: one for writes, which
@@ -19,6 +21,7 @@ retries them with backoff within the caller's timeout and then raises
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 import socket
@@ -45,8 +48,8 @@ from gputq.transport.base import (
     byte_view,
     describe_keys,
     is_device_buffer,
+    read_args,
 )
-from gputq.transport.spans import spans_to_wire
 from gputq.transport.staging import StagingPool, device_nbytes
 from gputq.transport.tcp_server import (
     SOCKET_BUFFER_BYTES,
@@ -62,6 +65,7 @@ __all__ = [
     "TcpTransport",
     "TcpServer",
     "TcpChannel",
+    "ReadPipeline",
     "serve_connection",
 ]
 
@@ -115,7 +119,7 @@ class _Connection:
             raise
 
     def bounce(self, nbytes: int) -> np.ndarray:
-        """This connection's chunk buffer for :meth:`TcpChannel.read_chunks`, kept for its next requests."""
+        """This connection's chunk buffer for :meth:`ReadPipeline.receive`, kept for its next replies."""
         if self._bounce is None or self._bounce.nbytes != nbytes:
             self._bounce = np.ones(nbytes, np.uint8)  # touched now: a chunk lands in it at cache speed
         return self._bounce
@@ -292,9 +296,14 @@ class TcpChannel(Channel):
 
     @contextlib.contextmanager
     def _checkout(self, pool: _Pool, timeout: float | None, what: str, keys=()):
+        with self._naming(what, keys), pool.checkout(timeout, self._connect_timeout) as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def _naming(self, what: str, keys=()):
+        """Transport failures of the block raised again naming the unit, what failed and ``keys``."""
         try:
-            with pool.checkout(timeout, self._connect_timeout) as conn:
-                yield conn
+            yield
         except _RENAMED as exc:
             if type(exc) not in _RENAMED:  # a subclass the unit replied with (no space): already named
                 raise
@@ -316,13 +325,16 @@ class TcpChannel(Channel):
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
              generations: Sequence[int] | None = None, incarnation: str | None = None,
              spans=None) -> list[int]:
+        body, pieces = _read_body(keys, generations, incarnation, spans)
         on_device = is_device_buffer(dest)
         if on_device:
             capacity = device_nbytes(dest)
         else:
             host = byte_view(dest, writable=True)
             capacity = host.nbytes
-        with self._reading(keys, timeout, generations, incarnation, spans) as (conn, lengths, total):
+        with self._checkout(self._requests, timeout, f"read of keys {describe_keys(keys)}", keys) as conn:
+            conn.writer.send(Op.READ, body)
+            lengths, total = _reply_lengths(conn, pieces)
             if total > capacity:
                 conn.reader.drain(total)
                 conn.in_sync = True
@@ -332,66 +344,14 @@ class TcpChannel(Channel):
                 self._staging.receive(conn.reader.recv_exact, dest, total)
             else:
                 conn.reader.recv_exact(host[:total])
-            return lengths
-
-    def read_chunks(self, keys: Sequence[str], sink: Callable[[int, np.ndarray], None], timeout: float | None = None,
-                    *, chunk_bytes: int, generations: Sequence[int] | None = None, incarnation: str | None = None,
-                    spans=None) -> list[int]:
-        """:meth:`read`, handing the payload to ``sink`` as it arrives instead of landing it in a buffer.
-
-        The payload is received ``chunk_bytes`` at a time into a buffer of
-        the connection, reused from request to request and small enough to
-        stay in the CPU's caches; each full chunk (the last one may be
-        shorter) goes to ``sink(offset, chunk)``: its offset in the payload
-        and a uint8 array valid only during the call. A consumer that widens
-        each chunk as it lands reads it from cache, and its work overlaps
-        the unit's send of the next ones (the socket buffers queue them):
-        no thread hand-off and no pass over a staging buffer.
-
-        ``chunk_bytes`` must be a positive multiple of 16, so that no
-        element of a supported dtype straddles two chunks of a span that
-        starts on 16 bytes. If ``sink`` raises, the connection is dropped
-        (its payload unread) and the error propagates.
-        """
-        chunk_bytes = int(chunk_bytes)
-        if chunk_bytes < 16 or chunk_bytes % 16:
-            raise InvalidInputError(f"chunk_bytes must be a positive multiple of 16, got {chunk_bytes}")
-        with self._reading(keys, timeout, generations, incarnation, spans) as (conn, lengths, total):
-            bounce = conn.bounce(chunk_bytes)
-            view = memoryview(bounce)
-            got = 0
-            while got < total:
-                n = min(chunk_bytes, total - got)
-                conn.reader.recv_exact(view[:n])
-                sink(got, bounce[:n])
-                got += n
-            return lengths
-
-    @contextlib.contextmanager
-    def _reading(self, keys: Sequence[str], timeout: float | None, generations, incarnation, spans):
-        """Send a READ and check its reply; yields ``(connection, lengths, payload bytes)`` for the block to
-        receive the payload, after which the connection is back in sync."""
-        keys = list(keys)
-        body: dict = {"keys": keys}
-        if spans is not None:
-            body["spans"] = spans_to_wire(spans, len(keys))
-        pieces = len(keys) if spans is None else len(body["spans"]) // 24
-        if generations is not None:
-            if len(generations) != len(keys):
-                raise InvalidInputError(f"{len(generations)} generations for {len(keys)} keys")
-            body["generations"] = [None if g is None else int(g) for g in generations]
-        if incarnation is not None:
-            body["incarnation"] = incarnation
-        with self._checkout(self._requests, timeout, f"read of keys {describe_keys(keys)}", keys) as conn:
-            conn.writer.send(Op.READ, body)
-            header, reply = conn.reply_header()
-            lengths = reply.get("lengths")
-            total = header.payload_len
-            if not isinstance(lengths, list) or len(lengths) != pieces \
-                    or not all(type(n) is int and n >= 0 for n in lengths) or sum(lengths) != total:
-                raise ProtocolError("READ reply lengths do not match its payload")
-            yield conn, lengths, total
             conn.in_sync = True
+            return lengths
+
+    def pipeline(self) -> "ReadPipeline":
+        """Reads sent ahead of their replies on one connection of this channel (see :class:`ReadPipeline`)."""
+        if self._closed:
+            raise ClosedError(f"tcp channel to {self.unit} is closed")
+        return ReadPipeline(self)
 
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
         return self.request(method, args, timeout)
@@ -414,6 +374,138 @@ class TcpChannel(Channel):
         self._requests.close()
         self._writes.close()
         self._staging.close()
+
+
+def _read_body(keys: Sequence[str], generations, incarnation, spans) -> tuple[dict, int]:
+    """A READ request's body, and how many lengths its reply must give (one per key, or per span)."""
+    body, spans_named = read_args(keys, generations, incarnation, spans)
+    return body, len(body["keys"]) if spans_named is None else spans_named
+
+
+def _deadline(conn: _Connection, timeout: float | None) -> Deadline | None:
+    """The deadline of one send or receive on ``conn``; unbounded ones leave the socket blocking."""
+    if timeout is None:
+        conn.sock.settimeout(None)
+        return None
+    return Deadline(timeout)
+
+
+def _reply_lengths(conn: _Connection, pieces: int) -> tuple[list[int], int]:
+    """A READ reply's header: its lengths (checked against ``pieces`` and the payload) and payload bytes.
+    The unit's typed error is raised with the connection still in sync."""
+    header, reply = conn.reply_header()
+    lengths = reply.get("lengths")
+    total = header.payload_len
+    if not isinstance(lengths, list) or len(lengths) != pieces \
+            or not all(type(n) is int and n >= 0 for n in lengths) or sum(lengths) != total:
+        raise ProtocolError("READ reply lengths do not match its payload")
+    return lengths, total
+
+
+class ReadPipeline:
+    """Reads sent ahead of their replies on one connection, each reply handed over chunk by chunk as it lands.
+
+    Build it with :meth:`TcpChannel.pipeline`. A unit serves a connection's
+    requests in the order they came, so a read sent before the previous
+    reply is received has its reply queued right behind it: the round trip
+    (the request's way there, the unit's work on it) overlaps the previous
+    reply's transfer instead of following it. :meth:`receive` takes the
+    replies in the order :meth:`send` sent their reads.
+
+    A reply is received ``chunk_bytes`` at a time into one buffer of the
+    connection, reused and small enough to stay in the CPU's caches; each
+    chunk (the last may be shorter) goes to ``sink(offset, chunk)``: its
+    offset in the reply's payload and a uint8 array valid only during the
+    call. A consumer that widens each chunk there reads it from cache while
+    the unit's next bytes queue in the socket buffers: no staging buffer,
+    no hand-off to another thread.
+
+    The unit's typed errors (a stale or unknown key) come from the
+    :meth:`receive` of their read, and the reads behind it stay in flight.
+    Any other failure (lost peer, timeout, a ``sink`` that raised) drops
+    the connection with every read in flight: the :meth:`receive` of each
+    of them raises that transport failure again (a
+    :class:`~gputq.errors.ClosedError` for one a ``sink`` dropped).
+    Not thread-safe: one thread sends and receives. ``close`` (idempotent)
+    hands the connection back to the channel when no reply is pending, and
+    drops it otherwise.
+    """
+
+    def __init__(self, channel: "TcpChannel"):
+        self._channel = channel
+        self._hold = contextlib.ExitStack()
+        self._conn: _Connection | None = None
+        self._sent: collections.deque = collections.deque()  # (keys, lengths the reply gives), in order
+        self._dropped: Exception | None = None  # the transport failure that dropped reads in flight
+
+    @property
+    def pending(self) -> int:
+        """Reads sent whose replies were not received yet."""
+        return len(self._sent)
+
+    def send(self, keys: Sequence[str], timeout: float | None = None, *, generations: Sequence[int] | None = None,
+             incarnation: str | None = None, spans=None) -> None:
+        """Send a read (the arguments of :meth:`TcpChannel.read`, less ``dest``); its reply is left queued."""
+        body, pieces = _read_body(keys, generations, incarnation, spans)
+        what = f"read of keys {describe_keys(keys)}"
+        with self._failing(), self._channel._naming(what, keys):
+            if self._conn is None:
+                self._conn = self._hold.enter_context(self._channel._requests.checkout(
+                    timeout, self._channel._connect_timeout))
+            self._dropped = None
+            self._conn.in_sync = False  # until every reply is in
+            self._conn.writer.deadline = _deadline(self._conn, timeout)
+            self._conn.writer.send(Op.READ, body)
+            self._sent.append((list(keys), pieces))
+
+    def receive(self, sink: Callable[[int, np.ndarray], None], timeout: float | None = None, *,
+                chunk_bytes: int) -> list[int]:
+        """Receive the oldest pending reply into ``sink``, ``chunk_bytes`` (a positive multiple of 16, so that
+        no element of a span starting on 16 bytes straddles two chunks) at a time; returns its lengths."""
+        chunk_bytes = int(chunk_bytes)
+        if chunk_bytes < 16 or chunk_bytes % 16:
+            raise InvalidInputError(f"chunk_bytes must be a positive multiple of 16, got {chunk_bytes}")
+        if not self._sent:
+            if self._dropped is not None:  # the reads in flight went with the connection
+                raise type(self._dropped)(f"{self._dropped} (the read was in flight on that connection)")
+            raise ClosedError(f"no read of unit {self._channel.unit} is in flight on this pipeline")
+        keys, pieces = self._sent.popleft()
+        conn = self._conn
+        with self._failing(), self._channel._naming(f"read of keys {describe_keys(keys)}", keys):
+            conn.reader.deadline = _deadline(conn, timeout)
+            conn.in_sync = False
+            lengths, total = _reply_lengths(conn, pieces)
+            bounce = conn.bounce(chunk_bytes)
+            view = memoryview(bounce)
+            got = 0
+            while got < total:
+                n = min(chunk_bytes, total - got)
+                conn.reader.recv_exact(view[:n])
+                sink(got, bounce[:n])
+                got += n
+            conn.in_sync = True
+            return lengths
+
+    @contextlib.contextmanager
+    def _failing(self):
+        """A failure that leaves the connection out of sync drops it with every read in flight."""
+        try:
+            yield
+        except BaseException as exc:
+            if self._conn is not None and not self._conn.in_sync:
+                self._dropped = exc if self._sent and isinstance(exc, _RENAMED) else None
+                self._sent.clear()
+                self.close()
+            raise
+
+    def close(self) -> None:
+        """Hand the connection back (dropped if a reply is pending). Idempotent."""
+        if self._conn is not None:
+            if self._sent:
+                self._conn.in_sync = False
+            self._sent.clear()
+            self._conn = None
+            self._hold.close()
 
 
 class TcpTransport(TransportType):

@@ -51,7 +51,7 @@ from gputq.transport import get_transport
 from gputq.transport.base import Channel, Closeable
 from gputq.transport.policy import choose_transport
 
-__all__ = ["UnitClients", "UnitChannel", "PING_METHOD"]
+__all__ = ["UnitClients", "UnitChannel", "UnitReadPipeline", "PING_METHOD"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,53 @@ def _is_loss(exc: BaseException) -> bool:
             and not isinstance(exc, (CapacityError, UnitBusyError, UnitLostError)))
 
 
+class UnitReadPipeline:
+    """:class:`~gputq.transport.tcp.ReadPipeline` of one unit under the loss rule.
+
+    From :meth:`UnitChannel.pipeline`. Its transport pipeline (one
+    connection) is opened by the first :meth:`send`; a lost peer or a
+    timeout in :meth:`send` or :meth:`receive` marks the unit lost and
+    raises :class:`UnitLostError` naming the keys. ``close`` is idempotent.
+    """
+
+    def __init__(self, owner: "UnitClients", unit: str):
+        self._owner, self.unit = owner, unit
+        self._pipe = None
+
+    def send(self, keys: Sequence[str], timeout: float | None = None, **kwargs) -> None:
+        """:meth:`ReadPipeline.send <gputq.transport.tcp.ReadPipeline.send>`.
+
+        Raises
+        ------
+        MissingDependencyError
+            The unit's transport sends no reads ahead (shm, rdma).
+        """
+        def request(chan):
+            if self._pipe is None:
+                make = getattr(chan, "pipeline", None)
+                if make is None:
+                    raise MissingDependencyError(f"unit {self.unit}: {type(chan).__name__} sends no reads ahead")
+                self._pipe = make()
+            self._pipe.send(keys, timeout, **kwargs)
+
+        self._owner._run(self.unit, keys, "read", request)
+
+    def receive(self, sink, timeout: float | None = None, *, keys: Sequence[str] = (), chunk_bytes: int) -> list[int]:
+        """:meth:`ReadPipeline.receive <gputq.transport.tcp.ReadPipeline.receive>`; ``keys``, those of
+        the read being received, name it in a loss."""
+        if self._pipe is None:
+            raise ClosedError(f"no read of unit {self.unit} is in flight on this pipeline")
+        pipe = self._pipe
+        return self._owner._guarded(self.unit, keys, "read",
+                                    lambda: pipe.receive(sink, timeout, chunk_bytes=chunk_bytes))
+
+    def close(self) -> None:
+        """Hand the connection back (dropped if a reply is pending). Idempotent."""
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
+
+
 class UnitChannel(Channel):
     """The channel to one unit as :meth:`UnitClients.channel` hands it out.
 
@@ -75,8 +122,8 @@ class UnitChannel(Channel):
     once. ``close`` is a no-op: :class:`UnitClients` owns the connection.
 
     Same-host reads (the shm transport) add :meth:`mapped_source`, under the
-    same rule, byte-stream reads (tcp) add :meth:`read_chunks`, and the queries
-    :attr:`reads_chunks`, :attr:`mapping`, :meth:`device_mappable`,
+    same rule, byte-stream reads (tcp) add :meth:`pipeline`, and the queries
+    :attr:`pipelines_reads`, :attr:`mapping`, :meth:`device_mappable`,
     :attr:`fallback_reason`, :attr:`reads_ahead` and :attr:`hint_misses`,
     which answer "nothing mapped" (``None``, ``False``, ``0``) for other
     transports and while the unit is lost, so a reader takes the path whose
@@ -96,29 +143,15 @@ class UnitChannel(Channel):
         return self._owner._run(self.unit, keys, "read",
                                 lambda chan: chan.read(keys, dest, timeout=timeout, **kwargs))
 
-    def read_chunks(self, keys: Sequence[str], sink, timeout: float | None = None, **kwargs) -> list[int]:
-        """:meth:`TcpChannel.read_chunks <gputq.transport.tcp.TcpChannel.read_chunks>` (same arguments: the
-        payload handed to ``sink`` chunk by chunk as it lands) under the loss rule.
-
-        Raises
-        ------
-        MissingDependencyError
-            The unit's transport lands reads in a buffer only (shm, rdma):
-            see :attr:`reads_chunks`.
-        """
-        def request(chan):
-            chunks = getattr(chan, "read_chunks", None)
-            if chunks is None:
-                raise MissingDependencyError(f"unit {self.unit}: {type(chan).__name__} lands reads in a buffer only")
-            return chunks(keys, sink, timeout=timeout, **kwargs)
-
-        return self._owner._run(self.unit, keys, "read", request)
+    def pipeline(self) -> "UnitReadPipeline":
+        """Reads sent ahead of their replies (tcp: see :attr:`pipelines_reads`), under the loss rule."""
+        return UnitReadPipeline(self._owner, self.unit)
 
     @property
-    def reads_chunks(self) -> bool:
-        """True when reads of the unit can hand their bytes over chunk by chunk as they land (tcp; False for
-        other transports and while the unit is lost)."""
-        return hasattr(self._live(), "read_chunks")
+    def pipelines_reads(self) -> bool:
+        """True when reads of the unit can be sent ahead of their replies and received chunk by chunk as they
+        land (tcp; False for other transports and while the unit is lost)."""
+        return hasattr(self._live(), "pipeline")
 
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
         keys = args.get("keys") or ()

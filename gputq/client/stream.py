@@ -10,7 +10,10 @@ data-parallel shard, the trainer's own micro-batch split and the rank's
   unit, a step shared by several samples of a micro-batch read once
   (planned by :mod:`gputq.client.stream_plan`, before anything is read);
 - the next ``prefetch`` micro-batches are fetched in the background, into
-  reused compact buffers;
+  reused compact buffers; on the host over tcp each is widened as its
+  bytes land instead (see :mod:`gputq.client.landing`), and the next
+  micro-batch's reads are sent before this one's replies are received, so
+  that each unit works on them meanwhile;
 - the micro-batch being consumed is widened to int32 in one output buffer
   per field, reused: its tensors are valid until the next one is requested
   (or, with ``hold``, until it is released);
@@ -45,8 +48,9 @@ from gputq.client.stream_plan import FieldPlan, MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.refs import uses_by_unit
 from gputq.data.slices import ParallelSlice, pad_block
-from gputq.errors import ClosedError, InvalidInputError, LayoutError, TransferError
+from gputq.errors import ClosedError, GputqError, InvalidInputError, LayoutError, TransferError
 from gputq.kernels import MappedSource, widen_scatter
+from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
 
 __all__ = ["MicroBatch", "LayerRef", "MicroBatchStream"]
 
@@ -59,6 +63,14 @@ def _check_length(r, lengths: list) -> None:
     if sum(lengths) != r.stop - r.start:
         raise TransferError(f"unit {r.unit} returned {sum(lengths)} bytes for {len(r.spans)} spans of "
                             f"{len(r.keys)} keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
+
+
+def _fits_socket_buffers(plan: MicroPlan) -> bool:
+    """Whether each unit's replies to ``plan`` fit in the socket buffers (the unit's send then never waits)."""
+    per_unit: dict[str, int] = {}
+    for r in plan.requests:
+        per_unit[r.unit] = per_unit.get(r.unit, 0) + r.stop - r.start
+    return max(per_unit.values(), default=0) <= SOCKET_BUFFER_BYTES
 
 
 class LayerRef:
@@ -136,8 +148,12 @@ class MicroBatchStream:
     widens the next micro-batch while the current one trains, into a second
     output buffer, since there the widen is CPU work that would otherwise
     add to every step; with int32 IDs (compact as large as widened) it then
-    keeps ``prefetch - 1`` compact buffers. Either way the stream holds at
-    most ``prefetch + 1`` widened micro-batch slices.
+    keeps ``prefetch - 1`` compact buffers. On the host over tcp there are
+    no compact buffers and no restore thread: the fetch thread widens each
+    micro-batch as its replies land, into one of ``prefetch + 1`` output
+    buffers, reading one pipeline per unit (its reads sent ahead of their
+    replies: :class:`~gputq.transport.tcp.ReadPipeline`). Either way the
+    stream holds at most ``prefetch + 1`` widened micro-batch slices.
 
     With ``hold=True`` the consumer releases each micro-batch itself
     (:meth:`MicroBatch.release`, after its backward in a pipeline schedule
@@ -156,7 +172,9 @@ class MicroBatchStream:
         self._in_place = on_host and all(mapped_here(reader._clients.channel(unit), False) for unit in units)
         # Host restores over tcp widen each chunk as it lands, on the fetch thread: no staging either.
         self._landing = on_host and not self._in_place and all(
-            reader._clients.channel(unit).reads_chunks for unit in units)
+            reader._clients.channel(unit).pipelines_reads for unit in units)
+        self._pipes: dict = {}  # unit -> its read pipeline (landing)
+        self._sent: set = set()  # (micro-batch, request) sent ahead of its fetch (landing)
         self._ahead = reader._device == "cpu" and prefetch >= 2 and not hold and not self._landing
         self._compact: queue.Queue = queue.Queue()
         self._outputs: queue.Queue = queue.Queue()
@@ -249,8 +267,26 @@ class MicroBatchStream:
         return buffer, None
 
     def _land(self, plan: MicroPlan):
-        """A micro-batch restored as its bytes land (tcp, on the host): ``(micro-batch, its output buffers)``."""
+        """A micro-batch restored as its bytes land (tcp, on the host): ``(micro-batch, its output buffers)``.
+
+        Its reads go out first (those not sent ahead), then those of the
+        next micro-batch: each unit then works on them while this one's
+        replies arrive. The next micro-batch's reads go ahead only when its
+        fetch is queued behind this one, or when each unit's replies fit in
+        the socket buffers: a unit never waits on a reader that stopped
+        reading (the consumer may take a training step before that fetch
+        starts). The replies are received in request order, on this thread.
+        """
+        config = self._reader._config
         plan.finish()
+        for k, r in enumerate(plan.requests):
+            if (plan.index, k) not in self._sent:
+                self._pipe(r.unit).send(r.keys, config.read_timeout_s, generations=r.generations,
+                                        incarnation=r.incarnation or None, spans=r.spans)
+        if plan.index + 1 < len(self._plans) and not self._closed:
+            ahead = self._plans[plan.index + 1].finish()
+            if plan.index + 1 < self._submitted or _fits_socket_buffers(ahead):
+                self._send_ahead(ahead)
         try:  # free unless the consumer holds micro-batches live (hold, replay handles): then one more
             outputs = self._outputs.get_nowait()
         except queue.Empty:
@@ -258,11 +294,36 @@ class MicroBatchStream:
         try:
             widener = LandingWidener([(fp, outputs[name][:fp.out_elements]) for name, fp in plan.fields.items()])
             widener.fill()
-            self._read_units(plan, lambda group: self._land_group(group, widener))
+            for r in plan.requests:
+                _check_length(r, self._pipe(r.unit).receive(widener.sink(r.start, r.stop), config.read_timeout_s,
+                                                            keys=r.keys, chunk_bytes=LANDING_CHUNK_BYTES))
             return self._shaped(plan, outputs), outputs
         except BaseException:
             self._outputs.put(outputs)
             raise
+
+    def _send_ahead(self, plan: MicroPlan) -> None:
+        """Send ``plan``'s reads now; one that fails is left to its own fetch, which raises it there.
+
+        A failed send drops its unit's connection with every read in flight
+        on it: none of ``plan``'s reads to that unit counts as sent then.
+        """
+        config = self._reader._config
+        for k, r in enumerate(plan.requests):
+            try:
+                self._pipe(r.unit).send(r.keys, config.read_timeout_s, generations=r.generations,
+                                        incarnation=r.incarnation or None, spans=r.spans)
+            except GputqError:
+                self._sent.difference_update((plan.index, j) for j, q in enumerate(plan.requests) if q.unit == r.unit)
+                return
+            self._sent.add((plan.index, k))
+
+    def _pipe(self, unit: str):
+        """The stream's read pipeline to ``unit`` (one connection), opened on first use."""
+        pipe = self._pipes.get(unit)
+        if pipe is None:
+            pipe = self._pipes[unit] = self._reader._clients.channel(unit).pipeline()
+        return pipe
 
     def _read_units(self, plan: MicroPlan, read_group) -> None:
         """``read_group(requests)`` for each unit's requests of ``plan``: the first unit's on this thread,
@@ -335,13 +396,6 @@ class MicroBatchStream:
             _check_length(r, channel.read(r.keys, dest, timeout=config.read_timeout_s, generations=r.generations,
                                           incarnation=r.incarnation or None, spans=r.spans))
 
-    def _land_group(self, requests: list, widener: LandingWidener) -> None:
-        config = self._reader._config
-        for r in requests:
-            channel = self._reader._clients.channel(r.unit)
-            _check_length(r, channel.read_chunks(r.keys, widener.sink(r.start, r.stop), timeout=config.read_timeout_s,
-                                                 chunk_bytes=LANDING_CHUNK_BYTES, generations=r.generations,
-                                                 incarnation=r.incarnation or None, spans=r.spans))
 
     # -- consuming ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:
@@ -540,6 +594,8 @@ class MicroBatchStream:
                     future.result()[1][1].close()
         self._fetches.clear()
         self._restores.clear()
+        for pipe in self._pipes.values():  # replies still queued go with their connections
+            pipe.close()
         self._lent.close()
 
     def __enter__(self) -> "MicroBatchStream":

@@ -159,7 +159,7 @@ def test_over_tcp_on_the_host_micro_batches_land_widened_with_no_staging(monkeyp
                 patch.setattr(UnitChannel, "read", lambda *a, **k: pytest.fail("a staged read over tcp"))
                 landed, held = consume(reader)
             with monkeypatch.context() as patch:
-                patch.setattr(UnitChannel, "reads_chunks", property(lambda self: False))
+                patch.setattr(UnitChannel, "pipelines_reads", property(lambda self: False))
                 staged, _ = consume(reader)
         for (experts, log_probs), (want_experts, want_log_probs) in zip(landed, staged, strict=True):
             assert all(np.array_equal(a, b) for a, b in zip(experts, want_experts, strict=True))

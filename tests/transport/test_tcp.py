@@ -145,48 +145,90 @@ def test_call_passes_arguments(channel):
     assert channel.call("stats")["keys"] == 1
 
 
-def test_chunked_read_hands_over_the_payload_in_order_in_chunks_of_the_connections_buffer(channel, handler):
+def test_pipelined_reads_hand_over_their_replies_in_order_in_chunks_of_one_buffer(channel, handler):
     blobs = {"a": random_bytes(300_000, 1), "b": random_bytes(17, 2), "c": random_bytes(65_536, 3)}
     for key, blob in blobs.items():
         channel.write(key, blob)
     spans = np.array([[0, 1000, 200_000], [1, 0, 17], [2, 16, 65_504], [0, 0, 64]], np.int64)
-    want = np.concatenate([blobs["a"][1000:201_000], blobs["b"], blobs["c"][16:65_520], blobs["a"][:64]])
-    for chunk in (16, 64 << 10, 1 << 20):
-        got, buffers = [], set()
+    reads = [(list(blobs), {"spans": spans}, [200_000, 17, 65_504, 64],
+              np.concatenate([blobs["a"][1000:201_000], blobs["b"], blobs["c"][16:65_520], blobs["a"][:64]])),
+             (["c"], {}, [65_536], blobs["c"]), (["b", "a"], {}, [17, 300_000], np.concatenate([blobs["b"], blobs["a"]]))]
+    pipe = channel.pipeline()
+    for keys, kwargs, _, _ in reads:  # all three sent before any reply is read
+        pipe.send(keys, 10, **kwargs)
+    assert pipe.pending == 3
+    buffers = set()
+    for chunk, (_, _, lengths, want) in zip((16, 64 << 10, 1 << 20), reads):
+        got = []
 
         def sink(offset, view):
             assert view.dtype == np.uint8 and view.nbytes == min(chunk, want.nbytes - offset)
             got.append((offset, view.copy()))
             buffers.add(view.ctypes.data)
 
-        assert channel.read_chunks(list(blobs), sink, timeout=10, chunk_bytes=chunk, spans=spans) == \
-            [200_000, 17, 65_504, 64]
+        assert pipe.receive(sink, 10, chunk_bytes=chunk) == lengths
         assert [offset for offset, _ in got] == list(range(0, want.nbytes, chunk))
         np.testing.assert_array_equal(np.concatenate([view for _, view in got]), want)
-        assert len(buffers) == 1  # one buffer, reused chunk after chunk
-    assert channel._requests.nopen == 1
+    assert pipe.pending == 0 and len(buffers) == 3  # the connection's one buffer, resized per chunk size
+    pipe.close()
+    pipe.close()
+    assert channel._requests.nopen == 1  # handed back in sync: the channel reuses it
+    assert channel.read(["b"], bytearray(17)) == [17]
     assert wait_until(lambda: handler.stats()["leases"] == 0)
 
 
-def test_chunked_read_refuses_chunks_that_split_elements_and_drops_a_connection_its_sink_failed(channel):
+def test_a_typed_error_stays_with_its_read_and_a_failure_mid_reply_drops_every_read_in_flight(channel):
     channel.write("k", random_bytes(1 << 20))
+    pipe = channel.pipeline()
     for bad in (0, 8, 100):
         with pytest.raises(InvalidInputError, match="multiple of 16"):
-            channel.read_chunks(["k"], lambda offset, view: None, chunk_bytes=bad)
+            pipe.receive(lambda offset, view: None, chunk_bytes=bad)
+    with pytest.raises(ClosedError, match="no read"):
+        pipe.receive(lambda offset, view: None, chunk_bytes=64 << 10)
+    for keys in (["k"], ["nope"], ["k"], ["k"]):
+        pipe.send(keys, 10)
+    whole = []
+    pipe.receive(lambda offset, view: whole.append(view.copy()), 10, chunk_bytes=64 << 10)
+    np.testing.assert_array_equal(np.concatenate(whole), random_bytes(1 << 20))
+    with pytest.raises(UnknownKeyError, match="'nope'"):  # the unit's answer to that read only
+        pipe.receive(lambda offset, view: None, 10, chunk_bytes=64 << 10)
+    assert pipe.pending == 2
 
     def failing(offset, view):
         if offset:
             raise RuntimeError("consumer failed")
 
     with pytest.raises(RuntimeError, match="consumer failed"):
-        channel.read_chunks(["k"], failing, timeout=10, chunk_bytes=64 << 10)
-    assert channel._requests.nopen == 0  # mid-payload: discarded, not reused out of sync
-    dest = np.zeros(1 << 20, np.uint8)
-    assert channel.read(["k"], dest, timeout=10) == [1 << 20]
-    np.testing.assert_array_equal(dest, random_bytes(1 << 20))
-    with pytest.raises(UnknownKeyError, match="'nope'"):  # a typed error before the payload: in sync
-        channel.read_chunks(["nope"], failing, timeout=10, chunk_bytes=64 << 10)
-    assert channel._requests.nopen == 1
+        pipe.receive(failing, 10, chunk_bytes=64 << 10)
+    assert pipe.pending == 0 and channel._requests.nopen == 0  # mid-reply: dropped, with the read behind it
+    with pytest.raises(ClosedError, match="no read"):
+        pipe.receive(lambda offset, view: None, 10, chunk_bytes=64 << 10)
+    pipe.send(["k"], 10)  # a new connection
+    assert pipe.receive(lambda offset, view: None, 10, chunk_bytes=64 << 10) == [1 << 20]
+    pipe.send(["k"], 10)
+    pipe.close()  # a reply pending: the connection goes too
+    assert channel._requests.nopen == 0
+
+
+def test_a_lost_unit_fails_every_pipelined_read_in_flight_as_lost(handler):
+    with TcpTransport().serve(handler, token=TOKEN, limits=LIMITS) as server, \
+            TcpTransport().connect(server.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as channel:
+        channel.write("k", random_bytes(8 << 20))
+        pipe = channel.pipeline()
+        for _ in range(3):
+            pipe.send(["k"], 10)
+        first = []
+
+        def stop_the_unit(offset, view):
+            first.append(offset)
+            if offset == 0:
+                server.close()
+
+        with pytest.raises(PeerLostError, match="unit su-tcp: read of keys"):
+            pipe.receive(stop_the_unit, 10, chunk_bytes=64 << 10)
+        for _ in range(2):  # the reads behind it went with the connection: the same failure, not a hang
+            with pytest.raises(PeerLostError, match="in flight on that connection"):
+                pipe.receive(lambda offset, view: None, 10, chunk_bytes=64 << 10)
 
 
 def test_dest_too_small_keeps_connection_in_sync(channel):
