@@ -213,7 +213,7 @@ def test_a_typed_error_stays_with_its_read_and_a_failure_mid_reply_drops_every_r
 def test_a_lost_unit_fails_every_pipelined_read_in_flight_as_lost(handler):
     with TcpTransport().serve(handler, token=TOKEN, limits=LIMITS) as server, \
             TcpTransport().connect(server.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as channel:
-        channel.write("k", random_bytes(8 << 20))
+        channel.write("k", random_bytes(24 << 20))  # more than the socket buffers hold: the unit is mid-send
         pipe = channel.pipeline()
         for _ in range(3):
             pipe.send(["k"], 10)
