@@ -231,6 +231,53 @@ def test_a_lost_unit_fails_every_pipelined_read_in_flight_as_lost(handler):
                 pipe.receive(lambda offset, view: None, 10, chunk_bytes=64 << 10)
 
 
+@contextlib.contextmanager
+def _unit_that_stalls_mid_reply(sent: int, promised: int):
+    """A peer that answers HELLO, then a READ with a header promising ``promised`` bytes, sends ``sent`` and
+    stops (alive, connection open) until the block ends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            reader = FrameReader(conn, MAX)
+            reader.read_frame()
+            conn.sendall(_frame(Op.OK, {"unit": "su-stalls", "incarnation": ""}))
+            reader.read_frame()
+            conn.sendall(_frame(Op.OK, {"lengths": [promised]}, promised) + bytes(sent))
+            done.wait(30)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield {"transport": "tcp", "host": "127.0.0.1", "port": listener.getsockname()[1]}
+    finally:
+        done.set()
+        thread.join(10)
+        listener.close()
+
+
+def _frame(opcode: int, body: dict, payload_len: int = 0) -> bytes:
+    raw = pack_body(body)
+    return encode_header(opcode, len(raw), payload_len) + raw
+
+
+def test_a_pipelined_reply_that_stalls_mid_payload_times_out_at_its_deadline():
+    with _unit_that_stalls_mid_reply(sent=100_000, promised=1 << 20) as address, \
+            TcpTransport().connect(address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as channel:
+        pipe = channel.pipeline()
+        pipe.send(["k"], 5)
+        landed = []
+        started = time.monotonic()
+        with pytest.raises(GputqTimeoutError, match="su-stalls"):
+            pipe.receive(lambda offset, view: landed.append(view.nbytes), 0.4, chunk_bytes=16 << 10)
+        waited = time.monotonic() - started
+        assert 0.35 <= waited < 0.4 * 1.1 + 0.2, waited  # the deadline, give or take a tenth (and scheduling)
+        assert sum(landed) == 100_000 // (16 << 10) * (16 << 10)  # whole chunks of what came, then the wait
+        assert pipe.pending == 0 and channel._requests.nopen == 0  # dropped mid-reply
+
+
 def test_dest_too_small_keeps_connection_in_sync(channel):
     channel.write("k", random_bytes(1000))
     with pytest.raises(RequestTooLargeError, match="1000 bytes"):
