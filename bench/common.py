@@ -321,9 +321,11 @@ class SocketBaseline:
         """The server process's pid (None once closed)."""
         return None if self._process is None else self._process.pid
 
-    def _check(self, nbytes: int) -> None:
+    def _check(self, nbytes: int, offset: int = 0) -> None:
         if not 0 <= nbytes <= self.max_bytes:
             raise ValueError(f"nbytes must be in [0, {self.max_bytes}]")
+        if not 0 <= offset <= self.max_bytes - nbytes:
+            raise ValueError(f"offset must be in [0, {self.max_bytes - nbytes}]")
 
     def read(self, nbytes: int, into=None, offset: int = 0) -> float:
         """Fetch ``nbytes`` of the server's buffer from ``offset`` into ``into`` (a byte buffer; default
@@ -333,9 +335,7 @@ class SocketBaseline:
         the buffer with ``offset``: sent again and again from one offset, a
         few MiB stay in the caches, which no stored slice does.
         """
-        self._check(nbytes)
-        if not 0 <= offset <= self.max_bytes - nbytes:
-            raise ValueError(f"offset must be in [0, {self.max_bytes - nbytes}]")
+        self._check(nbytes, offset)
         dest = memoryview(self._dest if into is None else into).cast("B")
         start = time.perf_counter()
         self._client.sendall(_REQUEST.pack(b"R", nbytes, offset))
@@ -345,9 +345,7 @@ class SocketBaseline:
     def read_chunks(self, nbytes: int, sink, landing: np.ndarray, offset: int = 0) -> None:
         """:meth:`read`, received ``landing.nbytes`` at a time into ``landing`` and handed to
         ``sink(offset in the read, chunk)`` as each lands."""
-        self._check(nbytes)
-        if not 0 <= offset <= self.max_bytes - nbytes:
-            raise ValueError(f"offset must be in [0, {self.max_bytes - nbytes}]")
+        self._check(nbytes, offset)
         view = memoryview(landing).cast("B")
         self._client.sendall(_REQUEST.pack(b"R", nbytes, offset))
         for at in range(0, nbytes, len(view)):

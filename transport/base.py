@@ -31,9 +31,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from gputq.errors import InvalidInputError, ProtocolError
-from gputq.transport.spans import spans_to_wire
 
-from .spans import span_regions
+from .spans import span_regions, spans_to_wire
 
 __all__ = [
     "Region",

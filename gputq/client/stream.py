@@ -260,7 +260,18 @@ class MicroBatchStream:
                 raise
         try:
             staging = buffer[:plan.nbytes]
-            self._read_units(plan, lambda group: self._read_group(group, staging))
+            per_unit: dict[str, list] = {}
+            for r in plan.requests:
+                per_unit.setdefault(r.unit, []).append(r)
+            groups = list(per_unit.values())
+            jobs = [self._reader._pool.submit(self._read_group, group, staging) for group in groups[1:]]
+            try:
+                if groups:
+                    self._read_group(groups[0], staging)
+            finally:
+                wait(jobs)
+            for job in jobs:
+                job.result()
         except BaseException:
             self._compact.put(buffer)
             raise
@@ -281,8 +292,7 @@ class MicroBatchStream:
         plan.finish()
         for k, r in enumerate(plan.requests):
             if (plan.index, k) not in self._sent:
-                self._pipe(r.unit).send(r.keys, config.read_timeout_s, generations=r.generations,
-                                        incarnation=r.incarnation or None, spans=r.spans)
+                self._send(r)
         if plan.index + 1 < len(self._plans) and not self._closed:
             ahead = self._plans[plan.index + 1].finish()
             if plan.index + 1 < self._submitted or _fits_socket_buffers(ahead):
@@ -308,15 +318,17 @@ class MicroBatchStream:
         A failed send drops its unit's connection with every read in flight
         on it: none of ``plan``'s reads to that unit counts as sent then.
         """
-        config = self._reader._config
         for k, r in enumerate(plan.requests):
             try:
-                self._pipe(r.unit).send(r.keys, config.read_timeout_s, generations=r.generations,
-                                        incarnation=r.incarnation or None, spans=r.spans)
+                self._send(r)
             except GputqError:
                 self._sent.difference_update((plan.index, j) for j, q in enumerate(plan.requests) if q.unit == r.unit)
                 return
             self._sent.add((plan.index, k))
+
+    def _send(self, r) -> None:
+        self._pipe(r.unit).send(r.keys, self._reader._config.read_timeout_s, generations=r.generations,
+                                incarnation=r.incarnation or None, spans=r.spans)
 
     def _pipe(self, unit: str):
         """The stream's read pipeline to ``unit`` (one connection), opened on first use."""
@@ -324,22 +336,6 @@ class MicroBatchStream:
         if pipe is None:
             pipe = self._pipes[unit] = self._reader._clients.channel(unit).pipeline()
         return pipe
-
-    def _read_units(self, plan: MicroPlan, read_group) -> None:
-        """``read_group(requests)`` for each unit's requests of ``plan``: the first unit's on this thread,
-        the others' on the reader's pool, all done (or failed) on return."""
-        per_unit: dict[str, list] = {}
-        for r in plan.requests:
-            per_unit.setdefault(r.unit, []).append(r)
-        groups = list(per_unit.values())
-        jobs = [self._reader._pool.submit(read_group, group) for group in groups[1:]]
-        try:
-            if groups:
-                read_group(groups[0])
-        finally:
-            wait(jobs)  # no read may still be writing into the buffers when this returns
-        for job in jobs:
-            job.result()
 
     def _lease_in_place(self, plan: MicroPlan):
         """Lease the micro-batch's spans where they lie in the mapped arenas; the restore reads them there.
@@ -395,7 +391,6 @@ class MicroBatchStream:
             channel = self._reader._clients.channel(r.unit)
             _check_length(r, channel.read(r.keys, dest, timeout=config.read_timeout_s, generations=r.generations,
                                           incarnation=r.incarnation or None, spans=r.spans))
-
 
     # -- consuming ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -169,6 +170,44 @@ def test_over_tcp_on_the_host_micro_batches_land_widened_with_no_staging(monkeyp
         largest = (max(sum(e.nbytes for e in experts) for experts, _ in landed)
                    + max(sum(lp.nbytes for lp in log_probs) for _, log_probs in landed))
         assert held == 3 * largest
+
+
+def test_a_read_that_fails_to_go_ahead_is_sent_again_by_its_own_micro_batch(monkeypatch):
+    """A send ahead that fails (here a unit at its connection cap, once) costs the micro-batch behind
+    nothing: its own fetch sends the read again and restores it exactly."""
+    from gputq.client.stream import MicroBatchStream
+    from gputq.errors import UnitBusyError
+    from gputq.transport.tcp import ReadPipeline
+
+    rng = np.random.default_rng(11)
+    lengths = [37, 50, 64, 23, 41, 58]
+    batches = [[0, 1], [2, 3], [4, 5]]
+    rank = ParallelSlice(layers=range(0, 3), cp_rank=0, cp_size=2, num_experts=EXPERTS)
+    refused, sending_ahead = [], threading.Event()
+    real_send, real_ahead = ReadPipeline.send, MicroBatchStream._send_ahead
+
+    def ahead(stream, plan):
+        sending_ahead.set()
+        try:
+            real_ahead(stream, plan)
+        finally:
+            sending_ahead.clear()
+
+    def send(pipe, *args, **kwargs):
+        if not refused and sending_ahead.is_set():
+            refused.append(pipe._channel.unit)
+            raise UnitBusyError(f"unit {pipe._channel.unit} is at its connection cap")
+        return real_send(pipe, *args, **kwargs)
+
+    monkeypatch.setattr(MicroBatchStream, "_send_ahead", ahead)
+    monkeypatch.setattr(ReadPipeline, "send", send)
+    with local_units("tcp", units=2, routed_experts_dtype="uint16") as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, lengths)
+        with Reader(clients, config) as reader:
+            with reader.stream(shard, batches, rank) as stream:
+                consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, 3), rank)]
+    assert consumed == [0, 1, 2] and len(refused) == 1
 
 
 def _check(mb, batch, data, stage, rank) -> bool:

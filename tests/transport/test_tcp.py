@@ -28,6 +28,7 @@ from gputq.transport.base import ServerLimits
 from gputq.transport.staging import StagingPool, cuda_available
 from gputq.transport.tcp import TcpChannel, TcpTransport
 from gputq.transport.wire import FrameReader, FrameWriter, Op, encode_header, pack_body
+from tests.transport.test_wire import frame
 from tests.transport.units import ContractUnit, make_unit
 from tests.waiting import wait_until
 
@@ -243,9 +244,9 @@ def _unit_that_stalls_mid_reply(sent: int, promised: int):
         with conn:
             reader = FrameReader(conn, MAX)
             reader.read_frame()
-            conn.sendall(_frame(Op.OK, {"unit": "su-stalls", "incarnation": ""}))
+            conn.sendall(frame(Op.OK, {"unit": "su-stalls", "incarnation": ""}))
             reader.read_frame()
-            conn.sendall(_frame(Op.OK, {"lengths": [promised]}, promised) + bytes(sent))
+            conn.sendall(frame(Op.OK, {"lengths": [promised]}, bytes(sent), payload_len=promised))
             done.wait(30)
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -256,11 +257,6 @@ def _unit_that_stalls_mid_reply(sent: int, promised: int):
         done.set()
         thread.join(10)
         listener.close()
-
-
-def _frame(opcode: int, body: dict, payload_len: int = 0) -> bytes:
-    raw = pack_body(body)
-    return encode_header(opcode, len(raw), payload_len) + raw
 
 
 def test_a_pipelined_reply_that_stalls_mid_payload_times_out_at_its_deadline():
