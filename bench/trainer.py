@@ -56,6 +56,14 @@ to int32 on the memcpy's threads.
 goal, the goal asks more of this machine than a bare socket or memory plus
 numpy's widen gives: the widened output is twice the bytes),
 ``stream_vs_ceiling`` the stream's to it (what gputq's own work costs).
+Over tcp the same pass also times the stream's **reads alone**: the
+rank's micro-batches planned before the pass, their span reads sent one
+micro-batch ahead on one pipeline per unit and widened as they land into
+reused outputs, as the stream does, with nothing else of the stream (no
+planning, no pad rows or checks, no hand-off to the consumer).
+``reads_vs_baseline`` is what the units and the transport reach;
+``stream_vs_reads`` what the stream's own work per micro-batch costs on
+top of them.
 
 The process stands for a trainer: torch loaded, and the objects alive
 after setup frozen (``gc.freeze``), as trainers that manage their garbage
@@ -92,7 +100,9 @@ from bench.common import (
     wall_time,
 )
 from bench.plots import trainer_memory_figure, write_figures
+from gputq.client.landing import land_replies
 from gputq.client.reader import Reader
+from gputq.client.stream_plan import plan_stream
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
 from gputq.data.refs import Layout
@@ -237,7 +247,37 @@ def _cores(work, pids) -> float:
     return (_cpu_seconds(pids) - cpu) / (time.perf_counter() - started)
 
 
-def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
+def _reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
+    """A pass of rank dp0/pp0/cp0's span reads over tcp with nothing of the stream around them (see the module
+    docstring); its pipelines close with ``stack``."""
+    plans = [plan.finish() for plan in plan_stream(shard, _micro_batches(len(shard), args.mb_samples),
+                                                   _rank_slice(args, 0, 0), fields=_fields(args, 0),
+                                                   max_bytes=config.max_frame_bytes)]
+    pipes = {}
+    for unit in sorted({unit for plan in plans for unit in plan.units}):
+        pipes[unit] = clients.channel(unit).pipeline()
+        stack.callback(pipes[unit].close)
+    largest = {}
+    for plan in plans:
+        for name, fp in plan.fields.items():
+            largest[name] = (max(largest.get(name, (0,))[0], fp.out_elements), fp.restored)
+    outputs = [{name: np.ones(n, dtype) for name, (n, dtype) in largest.items()} for _ in range(args.prefetch + 1)]
+    timeout = config.read_timeout_s
+
+    def send(plan) -> None:
+        for request in plan.requests:
+            request.send(pipes[request.unit], timeout)
+
+    def one_pass() -> None:
+        send(plans[0])
+        for i, plan in enumerate(plans):
+            if i + 1 < len(plans):
+                send(plans[i + 1])
+            land_replies(plan, outputs[i % len(outputs)], pipes.__getitem__, timeout)
+    return one_pass
+
+
+def _throughput(reader, clients, config, shard, args, transport: str, repeats: int) -> dict:
     """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes.
 
     Each also reports the cores it kept busy (this process and the units'
@@ -246,7 +286,8 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
     """
     _, nbytes, _ = _stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
     per_mb = -(-nbytes // len(_micro_batches(len(shard), args.mb_samples)))
-    loops, base, top = [], [], []
+    loops, base, top, alone = [], [], [], []
+    reads_pass = None
     stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
     units = [child.pid for child in multiprocessing.active_children()]  # the bench's only children so far
     ids = np.dtype(args.dtype)
@@ -271,9 +312,18 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
 
             ceiling_pass = functools.partial(widening.read, nbytes)
             baseline_pids, baseline, ceiling = (socket.server_pid,), "plain socket", "socket, widened as it lands"
+            if transport == "tcp":
+                reads_pass = _reads_alone(clients, config, shard, args, stack)
+                before = _bytes_read(clients)
+                reads_pass()
+                if _bytes_read(clients) - before != nbytes:  # the stream's reads, or the figure means nothing
+                    raise RuntimeError(f"the reads alone moved {_bytes_read(clients) - before} bytes, the stream "
+                                       f"{nbytes}")
         for _ in range(repeats):
             base.append(wall_time(baseline_pass))
             top.append(wall_time(ceiling_pass))
+            if reads_pass is not None:
+                alone.append(wall_time(reads_pass))
             loops.append(wall_time(stream_pass))
         base_cores, loop_cores = _cores(baseline_pass, baseline_pids), _cores(stream_pass, units)
     ratio = statistics.median(b / t for b, t in zip(base, loops))
@@ -287,6 +337,10 @@ def _throughput(reader, shard, args, transport: str, repeats: int) -> dict:
             "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2),
             "ceiling": ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(top)), 2),
             "ceiling_vs_baseline": round(ceiling_ratio, 3), "stream_vs_ceiling": round(vs_ceiling, 3),
+            **({} if not alone else {
+                "reads_GBps": round(gbps(nbytes, statistics.median(alone)), 2),
+                "reads_vs_baseline": round(statistics.median(b / a for b, a in zip(base, alone)), 3),
+                "stream_vs_reads": round(statistics.median(a / t for a, t in zip(alone, loops)), 3)}),
             "loop_s": loop_s}
 
 
@@ -345,7 +399,7 @@ def run(args) -> dict:
             # Throughput and overlap: rank dp0/pp0/cp0 over each scale's shard.
             speed = []
             for s in scales:
-                row = _throughput(reader, shards[s][0], args, transport, args.repeats)
+                row = _throughput(reader, clients, config, shards[s][0], args, transport, args.repeats)
                 speed.append({"scale": s, **{k: v for k, v in row.items() if k != "loop_s"}})
                 if s == max(scales):  # the most micro-batches: the first one's fetch, never hidden, weighs least
                     stored = shards[s][0]
@@ -371,6 +425,9 @@ def run(args) -> dict:
             result["throughput_ratio"] = min(r["ratio"] for r in big) if big else None
             result["ceiling_vs_baseline"] = min(r["ceiling_vs_baseline"] for r in big) if big else None
             result["stream_vs_ceiling"] = min(r["stream_vs_ceiling"] for r in big) if big else None
+            if big and "reads_vs_baseline" in big[0]:
+                result["reads_vs_baseline"] = min(r["reads_vs_baseline"] for r in big)
+                result["stream_vs_reads"] = min(r["stream_vs_reads"] for r in big)
             first = shards[scales[0]][0]
             with reader.stream(first, _micro_batches(len(first), args.mb_samples),
                                _rank_slice(args, 0, 0), prefetch=args.prefetch) as stream:
@@ -435,6 +492,9 @@ def main(argv=None) -> None:
     print(f"min stream vs baseline (slices >= 16 MiB): {result['throughput_ratio']}  (goal >= {goal}); "
           f"the ceiling (no gputq) reaches {result['ceiling_vs_baseline']} of the baseline, the stream "
           f"{result['stream_vs_ceiling']} of the ceiling")
+    if "reads_vs_baseline" in result:
+        print(f"the stream's reads alone reach {result['reads_vs_baseline']} of the baseline, the stream "
+              f"{result['stream_vs_reads']} of its reads alone")
     print(f"overlap: {result['overlap']}")
     print(f"overlap_ratio: {result['overlap_ratio']}  (goal <= 1.05); after the first micro-batch: "
           f"{result['overlap_ratio_after_first']}")

@@ -5,15 +5,15 @@ staging buffer and widens them afterwards (on a second thread, while the
 next micro-batch arrives) passes over memory three times: the receive
 writes the compact bytes out, the widen reads them back and writes the
 int32. Handing each chunk of the reply to a :class:`LandingWidener` as it
-is received
-(:meth:`UnitChannel.read_chunks <gputq.client.clients.UnitChannel.read_chunks>`)
-lands it in a buffer that stays in the CPU's caches and widens it from
-there: the compact bytes never reach memory, and while the receiving
-thread widens, the unit's next bytes queue in the socket buffers. No second
-thread, no hand-off between threads.
+is received (:meth:`ReadPipeline.receive <gputq.transport.tcp.ReadPipeline.receive>`,
+through :func:`land_replies`) lands it in a buffer that stays in the CPU's
+caches and widens it from there: the compact bytes never reach memory,
+and while the receiving thread widens, the unit's next bytes queue in the
+socket buffers. No second thread, no hand-off between threads.
 
 The chunk is :data:`LANDING_CHUNK_BYTES`: a few times larger, a chunk no
-longer stays in the cache it landed in before it is widened.
+longer stays in the cache it landed in before it is widened; a few times
+smaller, the calls per chunk cost more than the cache saves.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from bisect import bisect_left
 
 import numpy as np
 
-from gputq.client.stream_plan import FieldPlan
+from gputq.client.stream_plan import FieldPlan, MicroPlan
 from gputq.kernels import widen_scatter
 
-__all__ = ["LANDING_CHUNK_BYTES", "LandingWidener"]
+__all__ = ["LANDING_CHUNK_BYTES", "LandingWidener", "land_replies"]
 
 #: Bytes received at a time before they are widened: small enough to stay in a core's caches.
 LANDING_CHUNK_BYTES = 64 << 10
@@ -40,9 +40,12 @@ class LandingWidener:
         ``(plan, out)`` per field: its :class:`FieldPlan` (source rows
         index the micro-batch's staging bytes from byte 0, in the field's
         stored dtype and width) and its flat output (the restored dtype).
+    reads
+        ``(start, stop)`` of each read's payload in those staging bytes:
+        a sink is made per read, and no plan row is widened across two.
     """
 
-    def __init__(self, fields: list[tuple[FieldPlan, np.ndarray]]):
+    def __init__(self, fields: list[tuple[FieldPlan, np.ndarray]], reads: list[tuple[int, int]]):
         entries = []
         self._fills = []
         for fp, out in fields:
@@ -56,8 +59,9 @@ class LandingWidener:
             if len(fills):
                 self._fills.append((fp, out, fills))
         entries.sort(key=lambda entry: entry[0])
-        self._entries = entries
-        self._starts = [entry[0] for entry in entries]
+        firsts = [entry[0] for entry in entries]
+        self._reads = {(start, stop): _merged(entries[bisect_left(firsts, start):bisect_left(firsts, stop)])
+                       for start, stop in reads}
 
     def fill(self) -> None:
         """Write the fill rows (rows no stored byte covers)."""
@@ -65,9 +69,26 @@ class LandingWidener:
             widen_scatter(np.empty(0, fp.stored), plan, fp.width, out, fill=fp.fill, validate=False)
 
     def sink(self, start: int, stop: int) -> "_RequestSink":
-        """The sink of the read whose payload lands at staging bytes ``[start, stop)``."""
-        first, last = bisect_left(self._starts, start), bisect_left(self._starts, stop)
-        return _RequestSink(start, self._entries[first:last])
+        """The sink of the read whose payload lands at staging bytes ``[start, stop)`` (one of ``reads``)."""
+        return _RequestSink(start, self._reads[(start, stop)])
+
+
+def _merged(entries: list) -> list:
+    """Plan rows whose bytes follow each other both where they land and where they go, as one.
+
+    A rank's CP chunks of one layer land back to back and fill adjacent
+    tokens of the layer's output: merged, a chunk of the reply widens in
+    one or two copies instead of one per plan row.
+    """
+    out: list = []
+    for entry in entries:
+        if out:
+            start, stop, dest, target, dtype, item = out[-1]
+            if entry[0] == stop and entry[2] is dest and entry[3] == target + (stop - start) // item:
+                out[-1] = (start, entry[1], dest, target, dtype, item)
+                continue
+        out.append(entry)
+    return out
 
 
 class _RequestSink:
@@ -100,3 +121,27 @@ class _RequestSink:
             if stop > hi:
                 kept.append(entry)
         self._active = kept
+
+
+def land_replies(plan: MicroPlan, outputs: dict, pipe_of, timeout: float | None) -> None:
+    """Receive the replies to a micro-batch's reads, already sent, widening each chunk into ``outputs`` as it lands.
+
+    Parameters
+    ----------
+    plan
+        The micro-batch, finished (:meth:`MicroPlan.finish`).
+    outputs
+        Per field name, a flat output of the restored dtype holding at least
+        the field's ``out_elements``; its fill rows are written too.
+    pipe_of
+        ``pipe_of(unit)``: the read pipeline the unit's reads were sent on,
+        each of its requests in request order.
+    timeout
+        Seconds each reply may take (the read timeout).
+    """
+    widener = LandingWidener([(fp, outputs[name][:fp.out_elements]) for name, fp in plan.fields.items()],
+                             [(r.start, r.stop) for r in plan.requests])
+    widener.fill()
+    for r in plan.requests:
+        r.check_lengths(pipe_of(r.unit).receive(widener.sink(r.start, r.stop), timeout, keys=r.keys,
+                                                chunk_bytes=LANDING_CHUNK_BYTES))

@@ -43,12 +43,12 @@ from typing import Iterator
 import numpy as np
 
 from gputq.client.in_place import add_leased, mapped_here
-from gputq.client.landing import LANDING_CHUNK_BYTES, LandingWidener
+from gputq.client.landing import land_replies
 from gputq.client.stream_plan import FieldPlan, MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.refs import uses_by_unit
 from gputq.data.slices import ParallelSlice, pad_block
-from gputq.errors import ClosedError, GputqError, InvalidInputError, LayoutError, TransferError
+from gputq.errors import ClosedError, GputqError, InvalidInputError, LayoutError
 from gputq.kernels import MappedSource, widen_scatter
 from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
 
@@ -57,12 +57,6 @@ __all__ = ["MicroBatch", "LayerRef", "MicroBatchStream"]
 
 #: Rows of each stored piece the empty-layer check looks at before it scans a layer whole.
 _FIRST_ROWS = 64
-
-
-def _check_length(r, lengths: list) -> None:
-    if sum(lengths) != r.stop - r.start:
-        raise TransferError(f"unit {r.unit} returned {sum(lengths)} bytes for {len(r.spans)} spans of "
-                            f"{len(r.keys)} keys, expected {r.stop - r.start}", unit=r.unit, keys=r.keys)
 
 
 def _fits_socket_buffers(plan: MicroPlan) -> bool:
@@ -292,7 +286,7 @@ class MicroBatchStream:
         plan.finish()
         for k, r in enumerate(plan.requests):
             if (plan.index, k) not in self._sent:
-                self._send(r)
+                r.send(self._pipe(r.unit), config.read_timeout_s)
         if plan.index + 1 < len(self._plans) and not self._closed:
             ahead = self._plans[plan.index + 1].finish()
             if plan.index + 1 < self._submitted or _fits_socket_buffers(ahead):
@@ -302,11 +296,7 @@ class MicroBatchStream:
         except queue.Empty:
             outputs = self._new_outputs()
         try:
-            widener = LandingWidener([(fp, outputs[name][:fp.out_elements]) for name, fp in plan.fields.items()])
-            widener.fill()
-            for r in plan.requests:
-                _check_length(r, self._pipe(r.unit).receive(widener.sink(r.start, r.stop), config.read_timeout_s,
-                                                            keys=r.keys, chunk_bytes=LANDING_CHUNK_BYTES))
+            land_replies(plan, outputs, self._pipe, config.read_timeout_s)
             return self._shaped(plan, outputs), outputs
         except BaseException:
             self._outputs.put(outputs)
@@ -320,15 +310,11 @@ class MicroBatchStream:
         """
         for k, r in enumerate(plan.requests):
             try:
-                self._send(r)
+                r.send(self._pipe(r.unit), self._reader._config.read_timeout_s)
             except GputqError:
                 self._sent.difference_update((plan.index, j) for j, q in enumerate(plan.requests) if q.unit == r.unit)
                 return
             self._sent.add((plan.index, k))
-
-    def _send(self, r) -> None:
-        self._pipe(r.unit).send(r.keys, self._reader._config.read_timeout_s, generations=r.generations,
-                                incarnation=r.incarnation or None, spans=r.spans)
 
     def _pipe(self, unit: str):
         """The stream's read pipeline to ``unit`` (one connection), opened on first use."""
@@ -389,7 +375,7 @@ class MicroBatchStream:
         for r in requests:
             dest = staging[r.start:r.stop]
             channel = self._reader._clients.channel(r.unit)
-            _check_length(r, channel.read(r.keys, dest, timeout=config.read_timeout_s, generations=r.generations,
+            r.check_lengths(channel.read(r.keys, dest, timeout=config.read_timeout_s, generations=r.generations,
                                           incarnation=r.incarnation or None, spans=r.spans))
 
     # -- consuming ---------------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 
 from gputq.data.refs import FieldRef, Layout
 from gputq.data.slices import ParallelSlice, blob_spans, expert_pieces, layer_major, logprob_ranges
-from gputq.errors import InvalidInputError, LayoutError
+from gputq.errors import InvalidInputError, LayoutError, TransferError
 from gputq.transport.spans import MAX_SPANS
 
 __all__ = ["plan_stream", "MicroPlan", "FieldPlan", "SpanRequest"]
@@ -44,6 +44,19 @@ class SpanRequest:
     keys: list = field(default_factory=list)
     generations: list = field(default_factory=list)
     spans: list = field(default_factory=list)  # (key index, offset, nbytes); int64 [m, 3] once planned
+
+    def send(self, pipe, timeout: float | None) -> None:
+        """Send this read on ``pipe`` (a :meth:`UnitChannel.pipeline <gputq.client.clients.UnitChannel.pipeline>`
+        to its unit); its reply is left queued."""
+        pipe.send(self.keys, timeout, generations=self.generations, incarnation=self.incarnation or None,
+                  spans=self.spans)
+
+    def check_lengths(self, lengths: list) -> None:
+        """Refuse a reply whose lengths do not add up to the request's bytes (``TransferError``)."""
+        if sum(lengths) != self.stop - self.start:
+            raise TransferError(f"unit {self.unit} returned {sum(lengths)} bytes for {len(self.spans)} spans of "
+                                f"{len(self.keys)} keys, expected {self.stop - self.start}", unit=self.unit,
+                                keys=self.keys)
 
 
 @dataclass

@@ -69,6 +69,7 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
         assert row["cpu_per_byte_vs_baseline"] > 0
         assert row["ceiling"] == "socket, widened as it lands" and row["ceiling_GBps"] > 0
         assert row["ceiling_vs_baseline"] > 0 and row["stream_vs_ceiling"] > 0
+        assert row["reads_GBps"] > 0 and row["reads_vs_baseline"] > 0 and row["stream_vs_reads"] > 0
     assert gc.get_freeze_count() == 0  # the trainer's frozen objects are thawed once the bench ends
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from gputq.client.landing import LandingWidener
-from gputq.client.stream_plan import FieldPlan
+from gputq.client.stream_plan import FieldPlan, SpanRequest
+from gputq.errors import TransferError
 from gputq.kernels import reference_widen_scatter
 
 
@@ -49,9 +50,10 @@ def test_chunks_widened_as_they_land_equal_the_staged_widen(seed, chunk):
     for fp, source, out in zip(fields, compact, want):
         reference_widen_scatter(source, fp.plan, fp.width, out, fp.fill)
     got = [np.full(fp.out_elements, -99, fp.restored) for fp in fields]
-    widener = LandingWidener(list(zip(fields, got)))
+    reads = [(0, experts.nbytes), (second, second + logprobs.nbytes)]
+    widener = LandingWidener(list(zip(fields, got)), reads)
     widener.fill()
-    for start, stop in ((0, experts.nbytes), (second, second + logprobs.nbytes)):
+    for start, stop in reads:
         sink = widener.sink(start, stop)
         for offset in range(0, stop - start, chunk):
             sink(offset, staging[start + offset:min(stop, start + offset + chunk)].copy())  # a reused buffer's bytes
@@ -63,6 +65,35 @@ def test_chunks_widened_as_they_land_equal_the_staged_widen(seed, chunk):
 def test_a_sink_sees_only_the_plan_rows_of_its_read():
     fp = _field("routed_experts", np.uint8, np.int32, 4, np.array([[0, 0, 2], [2, 2, 2]], np.int64), 0, 4)
     out = np.zeros(16, np.int32)
-    widener = LandingWidener([(fp, out)])
+    # The two rows follow each other in staging and in the output, but come from two reads.
+    widener = LandingWidener([(fp, out)], [(0, 8), (8, 16)])
     widener.sink(8, 16)(0, np.arange(10, 18, dtype=np.uint8))  # the second read: stored rows 2 and 3
     np.testing.assert_array_equal(out, [0] * 8 + list(range(10, 18)))
+
+
+@pytest.mark.parametrize("chunk", [16, 48, 208])
+def test_rows_that_follow_each_other_are_widened_as_one_across_chunks(chunk):
+    # A rank's two CP chunks of each layer land back to back and fill adjacent output tokens
+    # (merged into one copy per layer); between layers the output jumps to the next layer's tokens.
+    layers, first, second, width = 3, 5, 4, 8
+    rows = first + second
+    plan = np.array([(layer * rows + part, layer * (rows + 1) + part, n)
+                     for layer in range(layers) for part, n in ((0, first), (first, second))], np.int64)
+    fp = _field("routed_experts", np.uint16, np.int32, width, plan, 0, layers * (rows + 1))
+    staging = np.arange(layers * rows * width, dtype=np.uint16).view(np.uint8)
+    want = np.full(fp.out_elements, -1, np.int32)
+    reference_widen_scatter(staging.view(np.uint16), plan, width, want, 0)
+    got = np.full(fp.out_elements, -1, np.int32)
+    sink = LandingWidener([(fp, got)], [(0, staging.nbytes)]).sink(0, staging.nbytes)
+    for offset in range(0, staging.nbytes, chunk):
+        sink(offset, staging[offset:offset + chunk].copy())
+    np.testing.assert_array_equal(got, want)
+    assert (got.reshape(layers, rows + 1, width)[:, rows] == -1).all()  # the pad row is the stream's to write
+
+
+def test_a_reply_whose_lengths_miss_the_request_bytes_is_refused_naming_unit_and_keys():
+    request = SpanRequest("su-1", "inc", 32, 96, ["a", "b"], [1, 1], np.array([[0, 0, 32], [1, 0, 32]], np.int64))
+    request.check_lengths([32, 32])
+    with pytest.raises(TransferError, match="unit su-1 returned 48 bytes for 2 spans of 2 keys, expected 64") as info:
+        request.check_lengths([32, 16])
+    assert info.value.unit == "su-1" and info.value.keys == ("a", "b")
