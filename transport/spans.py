@@ -45,11 +45,12 @@ def as_spans(spans, nkeys: int) -> np.ndarray:
     if len(array) > MAX_SPANS:
         raise InvalidInputError(f"{len(array)} spans in one read, more than {MAX_SPANS}; split it")
     array = np.ascontiguousarray(array, dtype=np.int64)
-    keys = array[:, 0]
-    if (keys < 0).any() or (keys >= nkeys).any():
-        raise InvalidInputError(f"a span names key index {int(keys.max() if (keys >= nkeys).any() else keys.min())}"
+    # Two reductions, not one per check: every read request is checked on both sides.
+    lowest, highest = array.min(axis=0).tolist(), int(array[:, 0].max())
+    if lowest[0] < 0 or highest >= nkeys:
+        raise InvalidInputError(f"a span names key index {highest if highest >= nkeys else lowest[0]}"
                                 f"; the read has {nkeys} keys")
-    if (array[:, 1:] < 0).any():
+    if min(lowest[1:]) < 0:
         row = int(np.flatnonzero((array[:, 1:] < 0).any(axis=1))[0])
         raise InvalidInputError(f"span {row} {array[row].tolist()} has a negative offset or length")
     return array

@@ -295,7 +295,8 @@ class FrameWriter:
         if len(raw) > MAX_BODY_BYTES:  # the peer would drop the connection: refuse here, in sync
             raise RequestTooLargeError(f"control body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}; "
                                        f"split the request (e.g. fewer keys per read)")
-        views = [byte_view(p) for p in payloads]
+        # A unit's arena slices are byte views already: a span costs no check.
+        views = [p if type(p) is memoryview and p.format == "B" and p.ndim == 1 else byte_view(p) for p in payloads]
         if self.frame_timeout is None:
             self._send_frame(opcode, raw, views)
             return
@@ -321,7 +322,7 @@ class FrameWriter:
         A read of a rank's slice is one span per layer and token chunk:
         gathering them in one system call costs what one span does.
         """
-        views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if v.nbytes]
+        views = [v for v in views if v.nbytes]  # byte views (send made them so)
         first = 0
         while first < len(views):
             _arm(self._sock, self.deadline)

@@ -7,6 +7,7 @@ import pytest
 
 from gputq.errors import InvalidInputError
 from gputq.transport.spans import MAX_SPANS, as_spans, span_regions, spans_from_wire, spans_to_wire
+from gputq.transport.tcp_server import _coalesce
 from gputq.unit.storage_unit import StorageUnit
 from tests.conftest import TRANSPORT_PARAMS, local_units
 
@@ -74,3 +75,12 @@ def test_a_read_of_spans_returns_and_moves_exactly_them(transport):
         assert units[0].stats()["bytes_read"] - before == 156
         with pytest.raises(InvalidInputError, match="outside key 'k'"):
             channel.read(["k"], dest, timeout=10, spans=np.array([[0, 4090, 10]]))
+
+
+def test_a_reply_sends_regions_back_to_back_in_the_arena_as_one_buffer_in_their_order():
+    arena = memoryview(bytes(range(64)))
+    regions = np.array([[0, 4], [4, 4], [8, 0], [8, 2], [20, 4], [16, 4], [20, 4], [0, 0]], np.int64)
+    views = _coalesce(arena, regions)
+    assert [bytes(v) for v in views] == [bytes(range(10)), bytes(range(20, 24)), bytes(range(16, 24))]
+    assert b"".join(views) == b"".join(bytes(arena[a:a + n]) for a, n in regions.tolist())
+    assert _coalesce(arena, np.array([[3, 0]], np.int64)) == []
