@@ -242,14 +242,16 @@ def _serve_write(reader, writer, handler, body, payload_len: int, receive_s: flo
 
 
 def _coalesce(arena: memoryview, regions: np.ndarray) -> list[memoryview]:
-    # Regions laid out back to back in the arena go out as one buffer (a rank's slice names dozens).
-    regions = regions[regions[:, 1] > 0]
-    if not len(regions):
-        return []
-    stops = regions[:, 0] + regions[:, 1]
-    first = np.flatnonzero(np.r_[True, regions[1:, 0] != stops[:-1]])
-    last = np.r_[first[1:] - 1, len(regions) - 1]
-    return [arena[a:b] for a, b in zip(regions[first, 0].tolist(), stops[last].tolist())]
+    # Regions laid out back to back in the arena go out in one sendall.
+    spans: list[list[int]] = []
+    for offset, nbytes in regions.tolist():
+        if nbytes == 0:
+            continue
+        if spans and spans[-1][0] + spans[-1][1] == offset:
+            spans[-1][1] += nbytes
+        else:
+            spans.append([offset, nbytes])
+    return [arena[off:off + n] for off, n in spans]
 
 
 def _serve_read(writer, handler, body, max_frame_bytes: int) -> None:

@@ -295,8 +295,7 @@ class FrameWriter:
         if len(raw) > MAX_BODY_BYTES:  # the peer would drop the connection: refuse here, in sync
             raise RequestTooLargeError(f"control body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}; "
                                        f"split the request (e.g. fewer keys per read)")
-        # A unit's arena slices are byte views already: a span costs no check.
-        views = [p if type(p) is memoryview and p.format == "B" and p.ndim == 1 else byte_view(p) for p in payloads]
+        views = [byte_view(p) for p in payloads]
         if self.frame_timeout is None:
             self._send_frame(opcode, raw, views)
             return
