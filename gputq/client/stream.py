@@ -160,6 +160,7 @@ class MicroBatchStream:
                  hold: bool = False):
         self._reader, self._plans, self._depth, self._release = reader, plans, prefetch, release
         self._rank, self._hold = rank, hold
+        self._pad_blocks: dict[tuple, np.ndarray] = {}
         units = sorted({unit for plan in plans for unit in plan.units})
         on_host = reader._device == "cpu" and bool(units)
         # Host restores from same-host arenas read the spans where they lie: no staging copy.
@@ -514,7 +515,12 @@ class MicroBatchStream:
 
     def _pad(self, fp: FieldPlan, shaped) -> None:
         for offset, start, stop in fp.pads:
-            block = pad_block(start, stop, fp.layers, fp.stored_layers, fp.width, self._rank.num_experts)
+            # The same few blocks in every micro-batch of the rank (a sample's pad row is its last):
+            # built once, not on the fetch thread each time.
+            shape = (start, stop, fp.layers, fp.stored_layers, fp.width)
+            block = self._pad_blocks.get(shape)
+            if block is None:
+                block = self._pad_blocks[shape] = pad_block(*shape, self._rank.num_experts)
             if self._reader._device == "cpu":
                 shaped[:, offset:offset + stop - start] = block
             else:
@@ -534,12 +540,11 @@ class MicroBatchStream:
 
         # Real routes are nonzero within a few tokens (top-k IDs are distinct): look at a few first,
         # and scan whole only the layers that start with zeros. On the host the first look takes
-        # every layer at once, a call per chunk: a numpy call per layer and chunk would each wait
-        # for the GIL while the fetch thread runs Python.
+        # every layer at once in one call, over the first stored chunk: a numpy call per layer and
+        # chunk would each wait for the GIL while the fetch thread runs Python.
         if on_host:
-            seen = np.zeros(len(fp.layers), bool)
-            for offset, rows in fp.data:
-                seen |= shaped[:, offset:offset + min(rows, _FIRST_ROWS)].any(axis=(1, 2))
+            offset, rows = fp.data[0]
+            seen = shaped[:, offset:offset + min(rows, _FIRST_ROWS)].any(axis=(1, 2))
             empty = [j for j in np.flatnonzero(~seen).tolist() if not nonzero(j, None)]
         else:
             empty = [j for j in range(len(fp.layers)) if not nonzero(j, _FIRST_ROWS) and not nonzero(j, None)]
