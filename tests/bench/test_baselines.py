@@ -50,8 +50,9 @@ def test_the_tcp_ceiling_widens_every_read_from_its_own_offset_as_it_lands():
     from gputq.client.landing import LANDING_CHUNK_BYTES
 
     chunk = 3 * LANDING_CHUNK_BYTES + 48  # a read of three landings and a partial one
-    held = baseline_bytes(1 << 20)
-    with SocketBaseline(1 << 20) as sock:
+    size = 4 * chunk
+    held = baseline_bytes(size)
+    with SocketBaseline(size) as sock:
         ceiling = SocketWidened(sock, chunk, np.dtype(np.uint16))
         ceiling.read(3 * chunk + 1000)  # four reads, the last a partial one of 1000 bytes
         first, second = ceiling._outputs  # reads 0 and 2, then 1 and 3 (500 IDs)
