@@ -45,6 +45,11 @@ side also reports the cores kept busy over a quarter second of its passes
 by this process and the ones doing its work (the units for the stream, the
 server for the socket) (``stream_cores``, ``baseline_cores``), and the
 stream's CPU per byte against the baseline's: what a miss is spent on.
+Per MiB moved, each side's CPU microseconds are split between this
+process, which receives and restores (``*_receiver_us_per_MiB``, for the
+ceiling and the reads alone too), and the processes that send
+(``stream_units_us_per_MiB``, ``baseline_sender_us_per_MiB``): a process
+kept busy all the time bounds its side's throughput by its CPU per byte.
 
 Beside each baseline the same pass times a **ceiling**: the same bytes
 restored with no gputq in it, from the plainest parts. Over tcp,
@@ -217,22 +222,23 @@ def _peak_rss(clients, config, shard, args, path: str) -> int:
 
 # -- baselines -------------------------------------------------------------------------
 
-def _cpu_seconds(pids) -> float:
-    """CPU seconds so far of this process and of the child processes ``pids`` (units, a baseline's server)."""
-    total = time.process_time()
+def _cpu_seconds(pids) -> tuple[float, float]:
+    """CPU seconds so far of this process, and of the child processes ``pids`` (units, a baseline's server)."""
+    others = 0.0
     for pid in pids:
         # Linux's process-wide CPU clock of another process: (~pid << 3) | CPUCLOCK_SCHED. One call each,
         # in ns, where /proc/<pid>/stat counts clock ticks (10 ms: a pass takes tens).
         with contextlib.suppress(OSError):  # a child that just exited
-            total += time.clock_gettime(((~pid) << 3) | 2)
-    return total
+            others += time.clock_gettime(((~pid) << 3) | 2)
+    return time.process_time(), others
 
 
 _CORES_WINDOW_S = 0.25
 
 
-def _cores(work, pids) -> float:
-    """The cores ``work()`` keeps busy: CPU seconds of this process and ``pids`` over wall seconds.
+def _cores(work, pids) -> tuple[float, float, float]:
+    """The cores ``work()`` keeps busy in this process and in ``pids`` (CPU seconds of each over wall seconds),
+    and the wall seconds of one ``work()``.
 
     The work repeats for at least ``_CORES_WINDOW_S``. A process's CPU clock
     counts its threads running on other cores only up to their last
@@ -241,11 +247,18 @@ def _cores(work, pids) -> float:
     read 19.7 cores). Only the processes that do the work count: the units
     idle through a baseline's pass.
     """
-    passes, cpu, started = 0, _cpu_seconds(pids), time.perf_counter()
+    passes, (own, others), started = 0, _cpu_seconds(pids), time.perf_counter()
     while not passes or time.perf_counter() - started < _CORES_WINDOW_S:
         work()
         passes += 1
-    return (_cpu_seconds(pids) - cpu) / (time.perf_counter() - started)
+    wall = time.perf_counter() - started
+    own_after, others_after = _cpu_seconds(pids)
+    return (own_after - own) / wall, (others_after - others) / wall, wall / passes
+
+
+def _us_per_mib(cores: float, pass_s: float, nbytes: int) -> float:
+    """CPU microseconds per MiB moved of a process that kept ``cores`` busy over passes of ``pass_s``."""
+    return round(cores * pass_s / (nbytes / _MIB) * 1e6)
 
 
 def _reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
@@ -326,7 +339,19 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
             if reads_pass is not None:
                 alone.append(wall_time(reads_pass))
             loops.append(wall_time(stream_pass))
-        base_cores, loop_cores = _cores(baseline_pass, baseline_pids), _cores(stream_pass, units)
+        base_own, base_senders, base_pass_s = _cores(baseline_pass, baseline_pids)
+        loop_own, loop_units, loop_pass_s = _cores(stream_pass, units)
+        # Where the receiving process is the one kept busy, its CPU per byte bounds the throughput.
+        receiving = {"stream_receiver_us_per_MiB": _us_per_mib(loop_own, loop_pass_s, nbytes),
+                     "stream_units_us_per_MiB": _us_per_mib(loop_units, loop_pass_s, nbytes),
+                     "baseline_receiver_us_per_MiB": _us_per_mib(base_own, base_pass_s, nbytes)}
+        if baseline_pids:
+            receiving["baseline_sender_us_per_MiB"] = _us_per_mib(base_senders, base_pass_s, nbytes)
+        for side, work in (("ceiling", ceiling_pass), ("reads", reads_pass)):
+            if work is not None:
+                own, _, pass_s = _cores(work, ())
+                receiving[f"{side}_receiver_us_per_MiB"] = _us_per_mib(own, pass_s, nbytes)
+        base_cores, loop_cores = base_own + base_senders, loop_own + loop_units
     ratio = statistics.median(b / t for b, t in zip(base, loops))
     ceiling_ratio = statistics.median(b / c for b, c in zip(base, top))
     vs_ceiling = statistics.median(c / t for c, t in zip(top, loops))
@@ -335,7 +360,7 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
             "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(base_cores, 2),
             "stream_GBps": round(gbps(nbytes, loop_s), 2), "stream_cores": round(loop_cores, 2),
             "ratio": round(ratio, 3),
-            "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2),
+            "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2), **receiving,
             "ceiling": ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(top)), 2),
             "ceiling_vs_baseline": round(ceiling_ratio, 3), "stream_vs_ceiling": round(vs_ceiling, 3),
             **({} if not alone else {

@@ -70,6 +70,11 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
         assert row["ceiling"] == "socket, widened as it lands" and row["ceiling_GBps"] > 0
         assert row["ceiling_vs_baseline"] > 0 and row["stream_vs_ceiling"] > 0
         assert row["reads_GBps"] > 0 and row["reads_vs_baseline"] > 0 and row["stream_vs_reads"] > 0
+        receiving = ("stream_receiver", "stream_units", "baseline_receiver", "baseline_sender", "ceiling_receiver",
+                     "reads_receiver")
+        assert all(row[f"{side}_us_per_MiB"] > 0 for side in receiving), row
+        # Widening costs the receiving process CPU the plain socket's receiver never spends.
+        assert row["ceiling_receiver_us_per_MiB"] > row["baseline_receiver_us_per_MiB"]
     assert gc.get_freeze_count() == 0  # the trainer's frozen objects are thawed once the bench ends
 
 
@@ -96,7 +101,7 @@ def test_trainer_cores_count_a_busy_child_as_a_core_though_its_clock_trails_by_a
     try:
         assert spinning.wait(30), "the spinning child never started"
         os.sched_setaffinity(0, {ours})
-        readings = [trainer._cores(lambda: None, (child.pid,)) for _ in range(12)]
+        readings = [sum(trainer._cores(lambda: None, (child.pid,))[:2]) for _ in range(12)]
     finally:
         os.sched_setaffinity(0, affinity)
         child.kill()
