@@ -178,8 +178,8 @@ def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, i
     :data:`_REQUEST_KEYS`, :data:`MAX_SPANS` or ``max_bytes``.
 
     Returns, per field, ``{(unit, key): [(start, stop, plan row of row start
-    in the first layer)]}`` (a run's layers follow each other, ``stop -
-    start`` rows apart: spans go layer after layer, merged or not), and
+    in the first layer, plan rows from one layer to the next)]}`` (spans go
+    layer after layer, each layer's runs back to back, merged or not), and
     the staging size.
     """
     placed: list[dict] = [{} for _ in fields]
@@ -193,10 +193,8 @@ def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, i
         current = None
         for f, key, ref, runs, layers in entries:
             item, major, row_bytes, align = _row_geometry(ref.dtype, ref.row_shape)
-            spans_of_key = [(start, stop, offset, nbytes) for start, stop in runs
-                            for offset, nbytes in blob_spans(ref.rows, ref.row_shape, item, start, stop,
-                                                             layers if major else None)]
-            nbytes_key = sum(span[3] for span in spans_of_key)
+            spans_of_key = blob_spans(ref.rows, ref.row_shape, item, runs, layers if major else None)
+            nbytes_key = sum(span[1] for span in spans_of_key)
             if current is None or cursor % row_bytes or len(current.keys) >= _REQUEST_KEYS \
                     or len(current.spans) + len(spans_of_key) > MAX_SPANS \
                     or (max_bytes is not None and current.keys and cursor + nbytes_key - current.start > max_bytes):
@@ -206,14 +204,24 @@ def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, i
             index = len(current.keys)
             current.keys.append(key)
             current.generations.append(ref.generation)
-            first_rows = {}
-            for start, stop, offset, nbytes in spans_of_key:
-                current.spans.append((index, offset, nbytes))
-                first_rows.setdefault(start, cursor // row_bytes)
-                cursor += nbytes
+            # Each layer holds the key's runs back to back: a run's first layer starts where the
+            # runs before it end, and its next layers follow a whole layer of runs apart.
+            first, step = cursor // row_bytes, sum(stop - start for start, stop in runs)
+            placed[f][(unit, key)] = [(start, stop, first + before, step)
+                                      for (start, stop), before in zip(runs, _starts(runs))]
+            current.spans.extend((index, offset, nbytes) for offset, nbytes in spans_of_key)
+            cursor += nbytes_key
             current.stop = cursor
-            placed[f][(unit, key)] = [(start, stop, first_rows[start]) for start, stop in runs]
     return placed, cursor
+
+
+def _starts(runs: list) -> list[int]:
+    """Rows of the runs before each run."""
+    out, total = [], 0
+    for start, stop in runs:
+        out.append(total)
+        total += stop - start
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -227,9 +235,9 @@ def _row_geometry(dtype: str, row_shape: tuple) -> tuple[int, bool, int, int]:
 
 def _source_row(placed: dict, ref: FieldRef, row: int) -> tuple[int, int]:
     """The plan row of stored ``row`` of ``ref`` in the first layer read, and the rows between layers."""
-    for start, stop, first in placed[(ref.unit, ref.key)]:
+    for start, stop, first, step in placed[(ref.unit, ref.key)]:
         if start <= row < stop:
-            return first + row - start, stop - start
+            return first + row - start, step
     raise AssertionError("a fragment outside the rows placed for it")  # _Needs holds every fragment's rows
 
 

@@ -211,22 +211,25 @@ def pad_block(start: int, stop: int, layers: Sequence[int], stored_layers: int, 
     return ((p * stored_layers * topk + layer * topk + k) % num_experts).astype(np.int32)
 
 
-def blob_spans(rows: int, row_shape: Sequence[int], itemsize: int, start: int, stop: int,
+def blob_spans(rows: int, row_shape: Sequence[int], itemsize: int, runs: Sequence[tuple[int, int]],
                layers: Sequence[int] | None) -> list[tuple[int, int]]:
-    """Byte ``(offset, nbytes)`` spans of rows ``[start, stop)`` (of ``layers``) in a stored blob.
+    """Byte ``(offset, nbytes)`` spans of row ``runs`` (sorted, disjoint ``(start, stop)``) in a stored blob.
 
-    Layer-major blobs give one span per layer (adjacent ones merged); other
-    blobs one span, and take no ``layers``.
+    Layer-major blobs give the runs of each layer back to back, layer after
+    layer (of ``layers``), adjacent spans merged: a rank's CP chunks of one
+    layer then follow each other in the reply as in the layer's output.
+    Other blobs give one span per run, and take no ``layers``.
     """
     if not layer_major(row_shape):
         row = math.prod(row_shape) * itemsize
-        return [(start * row, (stop - start) * row)]
+        return [(start * row, (stop - start) * row) for start, stop in runs]
     inner = math.prod(row_shape[1:]) * itemsize
     spans: list[tuple[int, int]] = []
     for layer in (range(row_shape[0]) if layers is None else layers):
-        offset, nbytes = (layer * rows + start) * inner, (stop - start) * inner
-        if spans and spans[-1][0] + spans[-1][1] == offset:
-            spans[-1] = (spans[-1][0], spans[-1][1] + nbytes)
-        else:
-            spans.append((offset, nbytes))
+        for start, stop in runs:
+            offset, nbytes = (layer * rows + start) * inner, (stop - start) * inner
+            if spans and spans[-1][0] + spans[-1][1] == offset:
+                spans[-1] = (spans[-1][0], spans[-1][1] + nbytes)
+            else:
+                spans.append((offset, nbytes))
     return spans

@@ -97,3 +97,39 @@ def test_a_reply_whose_lengths_miss_the_request_bytes_is_refused_naming_unit_and
     with pytest.raises(TransferError, match="unit su-1 returned 48 bytes for 2 spans of 2 keys, expected 64") as info:
         request.check_lengths([32, 16])
     assert info.value.unit == "su-1" and info.value.keys == ("a", "b")
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_a_cp_ranks_planned_reads_land_one_copy_per_layer_and_sample(cp_rank):
+    """The planner lays each key's reads out layer after layer, the rank's zigzag chunks of a layer back to
+    back: they then land as they go to the layer's output, merged into one copy, and widen exactly."""
+    from gputq.client.stream_plan import plan_stream
+    from gputq.data.refs import FieldRef, Layout
+    from gputq.data.slices import ParallelSlice, expert_pieces
+
+    layers, topk, rows = 6, 4, 63  # tokens 64: four zigzag chunks of 16 (the last 15 rows) for CP 2
+    stored = [np.random.default_rng(i).integers(0, 1 << 16, (rows, layers, topk)).astype(np.uint16)
+              for i in range(2)]
+    refs = [FieldRef(key=f"k{i}", field="routed_experts", unit="su-0", rows=rows, dtype="uint16",
+                     row_shape=(layers, topk), partition="p") for i in range(2)]
+    shard = [{"routed_experts": Layout.from_ref(ref)} for ref in refs]
+    rank = ParallelSlice(layers=range(1, 5), cp_rank=cp_rank, cp_size=2, num_experts=1 << 16)
+    plan = plan_stream(shard, [[0, 1]], rank)[0].finish()
+    (request,) = plan.requests
+    blobs = [np.ascontiguousarray(s.transpose(1, 0, 2)).view(np.uint8).reshape(-1) for s in stored]  # layer-major
+    reply = np.concatenate([blobs[k][offset:offset + n] for k, offset, n in request.spans.tolist()])
+    fp = plan.fields["routed_experts"]
+    want = np.full(fp.out_elements, -1, np.int32)
+    reference_widen_scatter(reply.view(np.uint16), fp.plan, fp.width, want, fp.fill)
+    got = np.full(fp.out_elements, -1, np.int32)
+    widener = LandingWidener([(fp, got)], [(request.start, request.stop)])
+    assert len(widener._reads[(request.start, request.stop)]) == len(rank.layers) * len(shard)
+    sink = widener.sink(request.start, request.stop)
+    for offset in range(0, reply.nbytes, 96):
+        sink(offset, reply[offset:offset + 96].copy())
+    np.testing.assert_array_equal(got, want)
+    pieces = [(p, a, b) for p, a, b in expert_pieces([rows] * len(shard), rank) if p >= 0]
+    shaped = got.reshape(len(rank.layers), -1, topk)
+    for j, layer in enumerate(rank.layers):  # the stored routes of the rank's chunks, layer by layer
+        kept = np.concatenate([stored[p][a:b, layer] for p, a, b in pieces])
+        np.testing.assert_array_equal(shaped[j][shaped[j, :, 0] >= 0], kept)
