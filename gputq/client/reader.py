@@ -289,10 +289,12 @@ class Reader(Closeable):
 
         Streams of later steps reuse the buffers of earlier ones: fresh pages
         would fault in during the first micro-batches (about 0.5 GB/s here).
+        Of the smallest that fit, the one given back last: its lines are the
+        likeliest still in the CPU's caches.
         """
         with self._spare_lock:
             fits = [i for i, b in enumerate(self._spare) if b.nbytes >= nbytes]
-            buffer = self._spare.pop(min(fits, key=lambda i: self._spare[i].nbytes)) if fits else None
+            buffer = self._spare.pop(min(fits, key=lambda i: (self._spare[i].nbytes, -i))) if fits else None
         if buffer is None:
             buffer = self._empty(nbytes)
         lent.callback(self._give_back, buffer)

@@ -298,3 +298,17 @@ def test_a_torch_without_uint16_tensors_leaves_uint16_blobs_to_numpy(monkeypatch
     assert reader_module._host_torch(np.dtype(np.uint8)) is old_torch
     monkeypatch.delitem(sys.modules, "torch")
     assert reader_module._host_torch(np.dtype(np.int32)) is None  # not loaded: gputq does not import it
+
+
+def test_a_stream_buffer_is_lent_from_the_smallest_that_fit_the_one_given_back_last():
+    """Of the buffers earlier streams gave back, the smallest that fit, and of those the warmest in cache."""
+    import contextlib
+
+    with local_units("tcp", units=1) as (config, _, clients), Reader(clients, config) as reader:
+        with contextlib.ExitStack() as first:
+            large, one, other = reader._lend(1000, first), reader._lend(100, first), reader._lend(100, first)
+            # Given back in reverse: other, one, then large.
+        with contextlib.ExitStack() as second:
+            assert reader._lend(100, second).base is one.base  # of the two smallest, the one given back last
+            assert reader._lend(100, second).base is other.base
+            assert reader._lend(100, second).base is large.base  # the only one left that fits
