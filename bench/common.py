@@ -44,6 +44,7 @@ __all__ = [
     "add_json_flag",
     "SocketBaseline",
     "SocketWidened",
+    "CEILING_LANDING_BYTES",
     "baseline_bytes",
     "Progress",
     "progress_range",
@@ -379,16 +380,23 @@ class SocketBaseline:
         self.close()
 
 
+#: The ceiling's landing size. It asks for each read only once the one before is widened (nothing is
+#: sent ahead, as a plain socket client's reads are not), so each read's first bytes wait for a whole
+#: landing before the widen starts: smaller than the stream's (which sends its next reads ahead), it
+#: ran faster on the dev box, and a ceiling is the fastest of the plain parts.
+CEILING_LANDING_BYTES = 64 << 10
+
+
 class SocketWidened:
     """A ceiling for fetch+restore over tcp: the plain socket's reads widened to int32 as they land.
 
     Each read (a micro-batch's bytes, from its own offset of the server's
     buffer: distinct bytes, as a stored slice's are) is received
-    :data:`~gputq.client.landing.LANDING_CHUNK_BYTES` at a time into one
-    small buffer, and each chunk widened from there into the read's output
-    on the same thread, while the server's next bytes queue in the socket
-    buffers: the plainest form of what a tcp host restore can do, with no
-    gputq in it. Outputs alternate between two, touched once and reused.
+    :data:`CEILING_LANDING_BYTES` at a time into one small buffer, and each
+    chunk widened from there into the read's output on the same thread,
+    while the server's next bytes queue in the socket buffers: the plainest
+    form of what a tcp host restore can do, with no gputq in it. Outputs
+    alternate between two, touched once and reused.
 
     Parameters
     ----------
@@ -402,10 +410,8 @@ class SocketWidened:
     """
 
     def __init__(self, socket: SocketBaseline, chunk: int, dtype: np.dtype):
-        from gputq.client.landing import LANDING_CHUNK_BYTES
-
         self._socket, self._chunk, self._dtype = socket, chunk, dtype
-        self._landing = page_aligned(LANDING_CHUNK_BYTES)
+        self._landing = page_aligned(CEILING_LANDING_BYTES)
         self._outputs = [np.ones(chunk // dtype.itemsize, np.int32) for _ in range(2)]
 
     def read(self, nbytes: int) -> None:

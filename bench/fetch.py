@@ -31,8 +31,7 @@ line's ``goal_met`` say whether every such row met its goal.
 Each pass also times a **ceiling**, with no gputq in it: the same bytes
 restored from the plainest parts. Over tcp and rdma, the plain
 socket read in requests of :data:`CEILING_CHUNK_BYTES`, each widened to
-int32 as it lands, :data:`~gputq.client.landing.LANDING_CHUNK_BYTES` (256 KiB)
-at a time, on the receiving thread
+int32 as it lands, 64 KiB at a time, on the receiving thread
 (:class:`~bench.common.SocketWidened`); over shm, the bytes widened to
 int32 on the memcpy's threads. ``ceiling_vs_goal_base`` is its ratio to
 the goal's baseline: below the goal's factor, the goal asks more of this

@@ -54,8 +54,7 @@ kept busy all the time bounds its side's throughput by its CPU per byte.
 Beside each baseline the same pass times a **ceiling**: the same bytes
 restored with no gputq in it, from the plainest parts. Over tcp,
 the plain socket's reads of each micro-batch's bytes, widened to int32 as
-they land, :data:`~gputq.client.landing.LANDING_CHUNK_BYTES` (256 KiB) at a time,
-on the receiving thread
+they land, 64 KiB at a time, on the receiving thread
 (:class:`~bench.common.SocketWidened`); over shm, the same bytes widened
 to int32 on the memcpy's threads.
 ``ceiling_vs_baseline`` is its ratio to the baseline (where it is below a

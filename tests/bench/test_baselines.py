@@ -47,9 +47,9 @@ def test_socket_baseline_reads_its_buffer_from_an_offset_into_a_given_buffer():
 
 @pytest.mark.timeout(60)
 def test_the_tcp_ceiling_widens_every_read_from_its_own_offset_as_it_lands():
-    from gputq.client.landing import LANDING_CHUNK_BYTES
+    from bench.common import CEILING_LANDING_BYTES
 
-    chunk = 3 * LANDING_CHUNK_BYTES + 48  # a read of three landings and a partial one
+    chunk = 3 * CEILING_LANDING_BYTES + 48  # a read of three landings and a partial one
     size = 4 * chunk
     held = baseline_bytes(size)
     with SocketBaseline(size) as sock:
