@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -206,22 +207,14 @@ def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, i
             current.generations.append(ref.generation)
             # Each layer holds the key's runs back to back: a run's first layer starts where the
             # runs before it end, and its next layers follow a whole layer of runs apart.
-            first, step = cursor // row_bytes, sum(stop - start for start, stop in runs)
+            lengths = [stop - start for start, stop in runs]
+            first, step = cursor // row_bytes, sum(lengths)
             placed[f][(unit, key)] = [(start, stop, first + before, step)
-                                      for (start, stop), before in zip(runs, _starts(runs))]
+                                      for (start, stop), before in zip(runs, accumulate(lengths, initial=0))]
             current.spans.extend((index, offset, nbytes) for offset, nbytes in spans_of_key)
             cursor += nbytes_key
             current.stop = cursor
     return placed, cursor
-
-
-def _starts(runs: list) -> list[int]:
-    """Rows of the runs before each run."""
-    out, total = [], 0
-    for start, stop in runs:
-        out.append(total)
-        total += stop - start
-    return out
 
 
 @functools.lru_cache(maxsize=64)

@@ -116,6 +116,9 @@ def test_a_cp_ranks_planned_reads_land_one_copy_per_layer_and_sample(cp_rank):
     rank = ParallelSlice(layers=range(1, 5), cp_rank=cp_rank, cp_size=2, num_experts=1 << 16)
     plan = plan_stream(shard, [[0, 1]], rank)[0].finish()
     (request,) = plan.requests
+    # CP rank 0 keeps a sample's first and last chunks: a layer's last and the next layer's first lie back
+    # to back in the stored blob, and go out as one span.
+    assert len(request.spans) == len(shard) * (len(rank.layers) + (cp_rank == 0))
     blobs = [np.ascontiguousarray(s.transpose(1, 0, 2)).view(np.uint8).reshape(-1) for s in stored]  # layer-major
     reply = np.concatenate([blobs[k][offset:offset + n] for k, offset, n in request.spans.tolist()])
     fp = plan.fields["routed_experts"]
