@@ -255,7 +255,7 @@ def _cores(work, pids) -> tuple[float, float, float]:
     return (own_after - own) / wall, (others_after - others) / wall, wall / passes
 
 
-def _us_per_mib(cores: float, pass_s: float, nbytes: int) -> float:
+def _us_per_mib(cores: float, pass_s: float, nbytes: int) -> int:
     """CPU microseconds per MiB moved of a process that kept ``cores`` busy over passes of ``pass_s``."""
     return round(cores * pass_s / (nbytes / _MIB) * 1e6)
 

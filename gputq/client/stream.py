@@ -377,7 +377,7 @@ class MicroBatchStream:
             dest = staging[r.start:r.stop]
             channel = self._reader._clients.channel(r.unit)
             r.check_lengths(channel.read(r.keys, dest, timeout=config.read_timeout_s, generations=r.generations,
-                                          incarnation=r.incarnation or None, spans=r.spans))
+                                         incarnation=r.incarnation or None, spans=r.spans))
 
     # -- consuming ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:

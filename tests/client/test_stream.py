@@ -295,8 +295,9 @@ def test_memory_is_bounded_by_the_prefetch_depth_not_the_shard():
     assert peaks[12] <= peaks[4] * 1.1 + (64 << 10), peaks  # flat in the shard size
 
 
+@pytest.mark.parametrize("cp_rank", [0, 1])  # 0: two runs of tokens per sample (zigzag chunks 0 and 3)
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_stream_into_device_memory_under_the_cuda_stand_in(host_cuda, transport):
+def test_stream_into_device_memory_under_the_cuda_stand_in(host_cuda, transport, cp_rank):
     """device="cuda": compact staging and the widened layers live in device memory; the kernel runs there."""
     from tests.host_cuda import DEVICE
 
@@ -304,7 +305,7 @@ def test_stream_into_device_memory_under_the_cuda_stand_in(host_cuda, transport)
     with local_units(transport, units=2, routed_experts_dtype="uint8") as (config, _, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, rng, [33, 47, 21])
-        rank = ParallelSlice(layers=range(2, 5), cp_rank=1, cp_size=2, num_experts=EXPERTS)
+        rank = ParallelSlice(layers=range(2, 5), cp_rank=cp_rank, cp_size=2, num_experts=EXPERTS)
         with Reader(clients, config, device="cuda") as reader, reader.stream(shard, [[0, 2], [1]], rank) as stream:
             consumed = [mb.index for mb in stream if _check(mb, [[0, 2], [1]][mb.index], data, range(2, 5), rank)]
         assert consumed == [0, 1]
