@@ -50,6 +50,10 @@ process, which receives and restores (``*_receiver_us_per_MiB``, for the
 ceiling and the reads alone too), and the processes that send
 (``stream_units_us_per_MiB``, ``baseline_sender_us_per_MiB``): a process
 kept busy all the time bounds its side's throughput by its CPU per byte.
+Where the kernel says (Linux), ``*_waiting_cores`` are the cores' worth
+of each side's threads that were runnable but waiting for a core over
+the passes: with more runnable threads than cores at moments and idle
+cores at others, a side is slower than its CPU per byte alone implies.
 
 Beside each baseline the same pass times a **ceiling**: the same bytes
 restored with no gputq in it, from the plainest parts. Over tcp,
@@ -84,9 +88,11 @@ import contextlib
 import functools
 import gc
 import multiprocessing
+import os
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -235,24 +241,68 @@ def _cpu_seconds(pids) -> tuple[float, float]:
 _CORES_WINDOW_S = 0.25
 
 
-def _cores(work, pids) -> tuple[float, float, float]:
-    """The cores ``work()`` keeps busy in this process and in ``pids`` (CPU seconds of each over wall seconds),
-    and the wall seconds of one ``work()``.
+def _thread_waits(pids) -> dict | None:
+    """Nanoseconds each thread of ``pids`` has spent runnable but waiting for a core (Linux's ``schedstat``),
+    by ``(pid, thread id)``, or None where the kernel does not say."""
+    waits = {}
+    for pid in pids:
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return None
+        for tid in threads:
+            with contextlib.suppress(OSError):  # a thread that just exited
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                    waits[(pid, tid)] = int(f.read().split()[1])
+    return waits
+
+
+def _waited(before: dict | None, after: dict | None) -> float | None:
+    """Seconds waited for a core between two :func:`_thread_waits`: by the threads alive at the end (one that
+    exited meanwhile, a unit's connection thread, takes its part along), those started meanwhile in whole."""
+    if before is None or after is None:
+        return None
+    return sum(ns - before.get(thread, 0) for thread, ns in after.items()) / 1e9
+
+
+@dataclass(frozen=True)
+class _Cores:
+    """What one side's passes kept busy: cores of this process and of ``pids`` (CPU seconds over wall
+    seconds), cores' worth of their threads runnable but waiting for one (None where the kernel does not
+    say), and the wall seconds of one pass."""
+
+    own: float
+    others: float
+    own_waiting: float | None
+    others_waiting: float | None
+    pass_s: float
+
+
+def _cores(work, pids) -> _Cores:
+    """The cores ``work()`` keeps busy and waited for, in this process and in ``pids``, and its pass time.
 
     The work repeats for at least ``_CORES_WINDOW_S``. A process's CPU clock
     counts its threads running on other cores only up to their last
     scheduler tick (milliseconds): over a single pass of a fraction of a
     millisecond, CPU spent just before the window lands in it (a 2-core box
     read 19.7 cores). Only the processes that do the work count: the units
-    idle through a baseline's pass.
+    idle through a baseline's pass. A thread that waits for a core while
+    the box has cores to spare (more runnable threads than cores at
+    moments, none at others) is what a busy side's CPU per byte does not
+    show.
     """
+    me = os.getpid()
     passes, (own, others), started = 0, _cpu_seconds(pids), time.perf_counter()
+    own_wait, others_wait = _thread_waits((me,)), _thread_waits(pids)
     while not passes or time.perf_counter() - started < _CORES_WINDOW_S:
         work()
         passes += 1
     wall = time.perf_counter() - started
     own_after, others_after = _cpu_seconds(pids)
-    return (own_after - own) / wall, (others_after - others) / wall, wall / passes
+    own_waited, others_waited = _waited(own_wait, _thread_waits((me,))), _waited(others_wait, _thread_waits(pids))
+    return _Cores((own_after - own) / wall, (others_after - others) / wall,
+                  None if own_waited is None else own_waited / wall,
+                  None if others_waited is None else others_waited / wall, wall / passes)
 
 
 def _us_per_mib(cores: float, pass_s: float, nbytes: int) -> int:
@@ -338,19 +388,23 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
             if reads_pass is not None:
                 alone.append(wall_time(reads_pass))
             loops.append(wall_time(stream_pass))
-        base_own, base_senders, base_pass_s = _cores(baseline_pass, baseline_pids)
-        loop_own, loop_units, loop_pass_s = _cores(stream_pass, units)
+        base_use, loop_use = _cores(baseline_pass, baseline_pids), _cores(stream_pass, units)
         # Where the receiving process is the one kept busy, its CPU per byte bounds the throughput.
-        receiving = {"stream_receiver_us_per_MiB": _us_per_mib(loop_own, loop_pass_s, nbytes),
-                     "stream_units_us_per_MiB": _us_per_mib(loop_units, loop_pass_s, nbytes),
-                     "baseline_receiver_us_per_MiB": _us_per_mib(base_own, base_pass_s, nbytes)}
+        receiving = {"stream_receiver_us_per_MiB": _us_per_mib(loop_use.own, loop_use.pass_s, nbytes),
+                     "stream_units_us_per_MiB": _us_per_mib(loop_use.others, loop_use.pass_s, nbytes),
+                     "baseline_receiver_us_per_MiB": _us_per_mib(base_use.own, base_use.pass_s, nbytes)}
         if baseline_pids:
-            receiving["baseline_sender_us_per_MiB"] = _us_per_mib(base_senders, base_pass_s, nbytes)
+            receiving["baseline_sender_us_per_MiB"] = _us_per_mib(base_use.others, base_use.pass_s, nbytes)
         for side, work in (("ceiling", ceiling_pass), ("reads", reads_pass)):
             if work is not None:
-                own, _, pass_s = _cores(work, ())
-                receiving[f"{side}_receiver_us_per_MiB"] = _us_per_mib(own, pass_s, nbytes)
-        base_cores, loop_cores = base_own + base_senders, loop_own + loop_units
+                top_side = _cores(work, ())
+                receiving[f"{side}_receiver_us_per_MiB"] = _us_per_mib(top_side.own, top_side.pass_s, nbytes)
+        waiting = {"stream_receiver": loop_use.own_waiting, "stream_units": loop_use.others_waiting,
+                   "baseline_receiver": base_use.own_waiting}
+        if baseline_pids:
+            waiting["baseline_sender"] = base_use.others_waiting
+        waiting = {f"{side}_waiting_cores": round(v, 2) for side, v in waiting.items() if v is not None}
+        base_cores, loop_cores = base_use.own + base_use.others, loop_use.own + loop_use.others
     ratio = statistics.median(b / t for b, t in zip(base, loops))
     ceiling_ratio = statistics.median(b / c for b, c in zip(base, top))
     vs_ceiling = statistics.median(c / t for c, t in zip(top, loops))
@@ -359,7 +413,7 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
             "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(base_cores, 2),
             "stream_GBps": round(gbps(nbytes, loop_s), 2), "stream_cores": round(loop_cores, 2),
             "ratio": round(ratio, 3),
-            "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2), **receiving,
+            "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2), **receiving, **waiting,
             "ceiling": ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(top)), 2),
             "ceiling_vs_baseline": round(ceiling_ratio, 3), "stream_vs_ceiling": round(vs_ceiling, 3),
             **({} if not alone else {

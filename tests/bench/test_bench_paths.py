@@ -75,6 +75,9 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
         assert all(row[f"{side}_us_per_MiB"] > 0 for side in receiving), row
         # Widening costs the receiving process CPU the plain socket's receiver never spends.
         assert row["ceiling_receiver_us_per_MiB"] > row["baseline_receiver_us_per_MiB"]
+        if os.path.exists("/proc/self/task"):  # the kernel says how long each side's threads waited for a core
+            waiting = ("stream_receiver", "stream_units", "baseline_receiver", "baseline_sender")
+            assert all(row[f"{side}_waiting_cores"] >= 0 for side in waiting), row
     assert gc.get_freeze_count() == 0  # the trainer's frozen objects are thawed once the bench ends
 
 
@@ -101,12 +104,41 @@ def test_trainer_cores_count_a_busy_child_as_a_core_though_its_clock_trails_by_a
     try:
         assert spinning.wait(30), "the spinning child never started"
         os.sched_setaffinity(0, {ours})
-        readings = [sum(trainer._cores(lambda: None, (child.pid,))[:2]) for _ in range(12)]
+        readings = []
+        for _ in range(12):
+            cores = trainer._cores(lambda: None, (child.pid,))
+            readings.append(cores.own + cores.others)
     finally:
         os.sched_setaffinity(0, affinity)
         child.kill()
         child.join(10)
     assert all(1.4 < cores < 2.6 for cores in readings), readings
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: the children share one")
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="the kernel's schedstat is Linux's")
+def test_trainer_counts_the_waiting_for_a_core_of_two_children_sharing_one():
+    # Two spinning children on one core: one runs while the other waits, a core's worth of waiting
+    # between them; this process, alone on another core, waits for none.
+    ours, theirs, *_ = sorted(os.sched_getaffinity(0))
+    context = multiprocessing.get_context("spawn")
+    spinning = [context.Event() for _ in range(2)]
+    children = [context.Process(target=_spin, args=(event, theirs), daemon=True) for event in spinning]
+    for child in children:
+        child.start()
+    affinity = os.sched_getaffinity(0)
+    try:
+        assert all(event.wait(30) for event in spinning), "a spinning child never started"
+        os.sched_setaffinity(0, {ours})
+        cores = trainer._cores(lambda: None, [child.pid for child in children])
+    finally:
+        os.sched_setaffinity(0, affinity)
+        for child in children:
+            child.kill()
+            child.join(10)
+    assert 0.7 < cores.others_waiting < 1.3 and 0.7 < cores.others < 1.3, cores
+    assert cores.own_waiting < 0.2, cores
 
 
 @pytest.mark.slow
