@@ -257,12 +257,13 @@ def _thread_waits(pids) -> dict | None:
     return waits
 
 
-def _waited(before: dict | None, after: dict | None) -> float | None:
-    """Seconds waited for a core between two :func:`_thread_waits`: by the threads alive at the end (one that
-    exited meanwhile, a unit's connection thread, takes its part along), those started meanwhile in whole."""
+def _waited(before: dict | None, after: dict | None, wall: float) -> float | None:
+    """Cores' worth of waiting for a core between two :func:`_thread_waits` ``wall`` seconds apart: by the
+    threads alive at the end (one that exited meanwhile, a unit's connection thread, takes its part along),
+    those started meanwhile in whole."""
     if before is None or after is None:
         return None
-    return sum(ns - before.get(thread, 0) for thread, ns in after.items()) / 1e9
+    return sum(ns - before.get(thread, 0) for thread, ns in after.items()) / 1e9 / wall
 
 
 @dataclass(frozen=True)
@@ -299,10 +300,9 @@ def _cores(work, pids) -> _Cores:
         passes += 1
     wall = time.perf_counter() - started
     own_after, others_after = _cpu_seconds(pids)
-    own_waited, others_waited = _waited(own_wait, _thread_waits((me,))), _waited(others_wait, _thread_waits(pids))
     return _Cores((own_after - own) / wall, (others_after - others) / wall,
-                  None if own_waited is None else own_waited / wall,
-                  None if others_waited is None else others_waited / wall, wall / passes)
+                  _waited(own_wait, _thread_waits((me,)), wall), _waited(others_wait, _thread_waits(pids), wall),
+                  wall / passes)
 
 
 def _us_per_mib(cores: float, pass_s: float, nbytes: int) -> int:

@@ -12,7 +12,7 @@ and while the receiving thread widens, the unit's next bytes queue in the
 socket buffers. No second thread, no hand-off between threads.
 
 The chunk is :data:`LANDING_CHUNK_BYTES`: a few times larger, a chunk no
-longer stays in the core's cache it landed in (a core's L2, 512 KiB on the
+longer stays in the core's cache it landed in (a core's L2, 2 MiB on the
 dev box) before it is widened; smaller, the receiving thread spends more on
 the Python and system calls of each chunk, and it is the busiest thread of
 a host restore over tcp.
