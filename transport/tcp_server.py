@@ -537,6 +537,9 @@ class TcpServer(Server):
             hs = Handshake(sock, peer, time.monotonic() + self.limits.handshake_timeout_s)
             self._pending[sock] = hs
             self._selector.register(sock, selectors.EVENT_READ, hs)
+            # A client's HELLO may have come in before its accept (a backlog filled by a flood): read it now,
+            # or the accepts behind it in this loop can take its place as the oldest handshake first.
+            self._advance(hs)
 
     def _admit_at_cap(self, sock: socket.socket, peer) -> bool:
         """At the cap: close the oldest handshaking connection for ``sock``, or refuse ``sock``.
@@ -566,30 +569,33 @@ class TcpServer(Server):
         return False
 
     def _advance(self, hs: Handshake) -> None:
-        try:
-            data = hs.sock.recv(min(hs.draining, 1 << 16) if hs.draining else hs.missing())
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if hs.draining:
-            hs.draining -= len(data)
-            if not data or hs.draining <= 0:
-                self._drop(hs)
-            return
-        try:
-            if not data:
-                raise ProtocolError(f"truncated HELLO: connection closed after {len(hs.buf)} bytes")
-            body = hs.feed(data)
-            if body is None:
+        # Read on until the socket would block: a HELLO already in (header, then body) completes in one call.
+        while True:
+            try:
+                data = hs.sock.recv(min(hs.draining, 1 << 16) if hs.draining else hs.missing())
+            except (BlockingIOError, InterruptedError):
                 return
-            if not _token_ok(body, self._token):
-                raise AuthenticationError(f"tcp handshake refused by unit {self._handler.name}")
-        except (ProtocolError, AuthenticationError) as exc:
-            self._fail(hs, exc, linger=bool(data))
-            if not hs.draining:
-                self._drop(hs)
-            return
+            except OSError:
+                data = b""
+            if hs.draining:
+                hs.draining -= len(data)
+                if not data or hs.draining <= 0:
+                    self._drop(hs)
+                return
+            try:
+                if not data:
+                    raise ProtocolError(f"truncated HELLO: connection closed after {len(hs.buf)} bytes")
+                body = hs.feed(data)
+                if body is None:
+                    continue
+                if not _token_ok(body, self._token):
+                    raise AuthenticationError(f"tcp handshake refused by unit {self._handler.name}")
+            except (ProtocolError, AuthenticationError) as exc:
+                self._fail(hs, exc, linger=bool(data))
+                if not hs.draining:
+                    self._drop(hs)
+                return
+            break
         self._selector.unregister(hs.sock)
         del self._pending[hs.sock]
         thread = threading.Thread(target=self._run, args=(hs.sock,), daemon=True,

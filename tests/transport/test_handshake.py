@@ -11,10 +11,12 @@ import time
 import numpy as np
 import pytest
 
+from bench.faults import UnitProcess
+from gputq.config import GputqConfig
 from gputq.errors import AuthenticationError, UnitBusyError
 from gputq.transport.base import ServerLimits
 from gputq.transport.tcp import TcpTransport
-from gputq.transport.wire import HEADER, MAGIC, VERSION, Op
+from gputq.transport.wire import HEADER, MAGIC, VERSION, Op, decode_header, encode_header, pack_body
 from tests.transport.units import make_unit
 from tests.waiting import pause, wait_until
 
@@ -163,6 +165,35 @@ def test_at_the_cap_a_new_connection_takes_the_place_of_the_oldest_handshake():
             assert not any(closed_now(sock) for sock in idle[1:])
         for sock in idle:
             sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_whose_hello_came_before_its_accept_is_admitted_however_many_silent_ones_follow(tmp_path):
+    # A flood fills the unit's backlog behind a token holder: the unit, stopped meanwhile, accepts them in
+    # one go once it runs, and each silent one over the cap takes the place of the oldest handshake. The
+    # holder's HELLO is in already: it is admitted at its accept, before the next accept can evict it.
+    config = GputqConfig(enabled=True, transport="tcp", host="127.0.0.1", unit_capacity_bytes=1 << 20,
+                         max_connections=4, handshake_timeout_s=30.0, token=TOKEN, shm_dir=str(tmp_path))
+    unit = UnitProcess("su-backlog", config)
+    try:
+        address = (unit.address["host"], unit.address["port"])
+        unit.stop()
+        holder = socket.create_connection(address, timeout=10)
+        body = pack_body({"token": TOKEN})
+        holder.sendall(encode_header(Op.HELLO, len(body), 0) + body)
+        silent = [socket.create_connection(address, timeout=10) for _ in range(12)]
+        unit.cont()
+        reply = holder.recv(HEADER.size, socket.MSG_WAITALL)
+        assert decode_header(reply, 0).opcode == Op.OK, reply
+        for sock in silent:
+            sock.setblocking(False)
+        # The holder holds one slot of 4: 3 silent handshakes stay, the other 9 made way one by one.
+        assert wait_until(lambda: sum(closed_now(sock) for sock in silent) == 9, what="9 silent ones closed")
+        assert not any(closed_now(sock) for sock in silent[-3:])
+        for sock in (holder, *silent):
+            sock.close()
+    finally:
+        unit.close()
 
 
 def test_at_a_cap_of_authenticated_connections_a_client_waits_for_a_slot_and_gets_it():
