@@ -52,8 +52,10 @@ def test_fetch_over_shm_reports_the_staged_and_the_in_place_restore_against_memc
 
 @pytest.mark.timeout(300)
 def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
-    # Scales from 2: the stream's buffers are sized over the smallest scale's shard, not --samples.
-    trainer.main(["--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "2048",
+    # Scales from 2: the stream's buffers are sized over the smallest scale's shard, not --samples. Segments of
+    # 32K tokens: slices of 0.5 and 1 MiB, over which a widen's CPU shows beside a pass's fixed costs (at 2K
+    # tokens, slices of tens of KiB, the receivers' CPU per MiB was those costs, in either order).
+    trainer.main(["--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "32768",
                   "--samples", "2", "--scales", "2,4", "--repeats", "1", "--step-samples", "10",
                   "--figures", str(tmp_path), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
