@@ -146,7 +146,9 @@ class MicroBatchStream:
     no compact buffers and no restore thread: the fetch thread widens each
     micro-batch as its replies land, into one of ``prefetch + 1`` output
     buffers, reading one pipeline per unit (its reads sent ahead of their
-    replies: :class:`~gputq.transport.tcp.ReadPipeline`). Either way the
+    replies: :class:`~gputq.transport.tcp.ReadPipeline`); while the
+    consumer waits for a micro-batch, holding none, the one after the
+    prefetched ones is fetched too. Either way the
     stream holds at most ``prefetch + 1`` widened micro-batch slices.
 
     With ``hold=True`` the consumer releases each micro-batch itself
@@ -209,8 +211,7 @@ class MicroBatchStream:
             self._outputs.put(self._new_outputs())
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
         self.buffer_bytes = compact * staging + outputs * self._output_bytes
-        while self._submitted < min(prefetch, len(plans)):
-            self._submit()
+        self._submit_until(prefetch)
 
     @property
     def slice_bytes(self) -> int:
@@ -227,6 +228,11 @@ class MicroBatchStream:
                 for name, (n, dtype) in self._largest.items()}
 
     # -- background stages -------------------------------------------------------------
+    def _submit_until(self, count: int) -> None:
+        """Queue the fetches of the micro-batches before position ``count`` that are not queued yet."""
+        while self._submitted < min(count, len(self._plans)):
+            self._submit()
+
     def _submit(self) -> None:
         plan = self._plans[self._submitted]
         fetch = self._fetches[plan.index] = self._fetcher.submit(self._land if self._landing else self._fetch, plan)
@@ -401,6 +407,10 @@ class MicroBatchStream:
     def _advance(self) -> MicroBatch:
         """Restore the next micro-batch (or take the one restored ahead); it is live until released."""
         plan = self._plans[self._next]
+        if self._landing and not self._hold and self._lazy is None:
+            # The consumer holds no micro-batch now, so one more may land in the buffer it gave back
+            # while it waits: its wake-up can lag the landing by milliseconds on a busy host.
+            self._submit_until(self._next + self._depth + 1)
         try:
             if self._ahead:
                 batch, outputs = self._restores.pop(plan.index).result()
@@ -420,8 +430,7 @@ class MicroBatchStream:
             raise
         self._live[plan.index] = (batch, outputs)
         self._next += 1
-        if self._submitted < len(self._plans):
-            self._submit()
+        self._submit_until(self._next + self._depth)
         return batch
 
     def _finish(self, batch: MicroBatch) -> None:

@@ -210,6 +210,52 @@ def test_a_read_that_fails_to_go_ahead_is_sent_again_by_its_own_micro_batch(monk
     assert consumed == [0, 1, 2] and len(refused) == 1
 
 
+def test_over_tcp_on_the_host_the_fetch_after_the_prefetched_ones_starts_while_the_consumer_waits(monkeypatch):
+    """A consumer waiting for a micro-batch holds none: the fetch after the prefetched ones is queued then,
+    not once the consumer has woken up with its micro-batch (on a busy host, milliseconds after it landed),
+    and it lands in the buffer the consumer gave back: never more than prefetch + 1 output buffers."""
+    import gputq.client.stream as stream_module
+
+    lengths = [37, 50, 64, 23, 41, 58]
+    batches = [[0, 1], [2, 3], [4, 5]]
+    rank = ParallelSlice(layers=range(0, 3), cp_rank=1, cp_size=2, num_experts=EXPERTS)
+    first_may_land, second_queued = threading.Event(), threading.Event()
+    real_land, real_submit = stream_module.land_replies, stream_module.MicroBatchStream._submit
+    real_outputs = stream_module.MicroBatchStream._new_outputs
+    made = []
+
+    def land(plan, *args, **kwargs):
+        if plan.index == 0:
+            assert first_may_land.wait(30)
+        return real_land(plan, *args, **kwargs)
+
+    def submit(stream):
+        if stream._submitted == 1:
+            second_queued.set()
+        real_submit(stream)
+
+    def new_outputs(stream):
+        made.append(1)
+        return real_outputs(stream)
+
+    monkeypatch.setattr(stream_module, "land_replies", land)
+    monkeypatch.setattr(stream_module.MicroBatchStream, "_submit", submit)
+    monkeypatch.setattr(stream_module.MicroBatchStream, "_new_outputs", new_outputs)
+    with _stored(2, lengths) as (config, _, clients, shard, data), Reader(clients, config) as reader:
+        with reader.stream(shard, batches, rank, prefetch=1) as stream:
+            consumed, first = [], threading.Thread(target=lambda: consumed.append(next(stream).index))
+            first.start()
+            try:
+                assert second_queued.wait(10), "the next fetch waited for the consumer to take its micro-batch"
+            finally:
+                first_may_land.set()
+                first.join(30)
+            assert consumed == [0]
+            consumed += [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, 3), rank)]
+    assert consumed == [0, 1, 2]
+    assert len(made) == 2  # prefetch + 1, made up front: the third micro-batch landed in the first's buffer
+
+
 def _check(mb, batch, data, stage, rank) -> bool:
     """The micro-batch as slime would build it from the whole samples (its tensors live until the next)."""
     want = slime_replay_rows([torch.from_numpy(data[i][0]) for i in batch], rank)
