@@ -57,7 +57,7 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
     # tokens, slices of tens of KiB, the receivers' CPU per MiB was those costs, in either order).
     trainer.main(["--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "32768",
                   "--samples", "2", "--scales", "2,4", "--repeats", "1", "--step-samples", "10",
-                  "--figures", str(tmp_path), "--json"])
+                  "--overlap-steps", "3", "--figures", str(tmp_path), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["rank"] for r in out["bytes_rows"]] == ["dp0/pp0/cp0", "dp0/pp0/cp1", "dp0/pp1/cp0", "dp0/pp1/cp1"]
     assert out["every_rank_exactly_its_slice"] and out["bytes_goal"] == 0.25
@@ -66,6 +66,8 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
     assert paths == {(2, "stream"), (2, "whole"), (4, "stream"), (4, "whole")}
     assert out["overlap_ratio"] > 0 and out["peak_growth_4x"] > 0
     assert out["overlap"]["step_samples"] == 10 and out["overlap"]["micro_batches"] == 5  # cycling the 8 stored
+    ratios = out["overlap"]["step_ratios"]  # the figure is the median step's, every step's shown beside it
+    assert len(ratios) == out["overlap"]["steps"] == 3 and out["overlap_ratio"] == sorted(ratios)[1]
     for row in out["throughput_rows"]:  # the cores each side kept busy: the miss reason on a CPU-bound box
         assert 0 < row["stream_cores"] <= os.cpu_count() + 0.5 and 0 < row["baseline_cores"] <= os.cpu_count() + 0.5
         assert row["cpu_per_byte_vs_baseline"] > 0
