@@ -176,7 +176,6 @@ def _stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float
     return time.perf_counter() - started, planned, steps
 
 
-
 def _overlap_step(reader: Reader, step, args, compute_s: float) -> dict:
     """One training step's streamed loop with ``compute_s`` of compute per micro-batch, against that compute."""
     loop, _, steps = _stream_pass(reader, step, args, 0, 0, compute_s)

@@ -219,17 +219,20 @@ def test_over_tcp_on_the_host_the_fetch_after_the_prefetched_ones_starts_while_t
     lengths = [37, 50, 64, 23, 41, 58]
     batches = [[0, 1], [2, 3], [4, 5]]
     rank = ParallelSlice(layers=range(0, 3), cp_rank=1, cp_size=2, num_experts=EXPERTS)
-    first_may_land, second_queued = threading.Event(), threading.Event()
+    first_may_land, second_queued, second_landed = threading.Event(), threading.Event(), threading.Event()
     real_land, real_submit = stream_module.land_replies, stream_module.MicroBatchStream._submit
     real_outputs = stream_module.MicroBatchStream._new_outputs
-    made = []
+    made, queued = [], []
 
     def land(plan, *args, **kwargs):
         if plan.index == 0:
             assert first_may_land.wait(30)
-        return real_land(plan, *args, **kwargs)
+        real_land(plan, *args, **kwargs)
+        if plan.index == 1:
+            second_landed.set()
 
     def submit(stream):
+        queued.append(stream._submitted)
         if stream._submitted == 1:
             second_queued.set()
         real_submit(stream)
@@ -251,6 +254,9 @@ def test_over_tcp_on_the_host_the_fetch_after_the_prefetched_ones_starts_while_t
                 first_may_land.set()
                 first.join(30)
             assert consumed == [0]
+            # While the consumer holds the first, one fetch is in flight (prefetch 1), however long it holds it.
+            assert second_landed.wait(30)
+            assert queued == [0, 1]
             consumed += [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, 3), rank)]
     assert consumed == [0, 1, 2]
     assert len(made) == 2  # prefetch + 1, made up front: the third micro-batch landed in the first's buffer
