@@ -1,25 +1,32 @@
-"""What a process listens on, read from /proc: no ``ss`` or ``netstat`` needed."""
+"""What a process holds open and listens on, read from /proc: no ``ss``, ``lsof`` or ``netstat`` needed."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
 
-__all__ = ["listening_sockets"]
+__all__ = ["descriptor_targets", "listening_sockets"]
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
+def descriptor_targets(pid: int | None = None) -> list[str]:
+    """What each open descriptor of process ``pid`` (default: this one) points to.
+
+    A file removed while open reads ``"PATH (deleted)"``, a socket ``"socket:[INODE]"``.
+    """
+    pid = os.getpid() if pid is None else pid
+    targets = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:  # closed meanwhile
             continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    return inodes
+    return targets
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    return {target[8:-1] for target in descriptor_targets(pid) if target.startswith("socket:[")}
 
 
 def _address(hex_address: str) -> tuple[str, int]:

@@ -20,6 +20,7 @@ from gputq.errors import (
 from gputq.transport.base import ArenaHandler, Lease
 from gputq.unit.arena import Arena, default_shm_dir
 from gputq.unit.storage_unit import DEFAULT_PARTITION, StorageUnit
+from tests.sockets import descriptor_targets
 from tests.waiting import wait_until
 
 KIB = 1024
@@ -499,12 +500,20 @@ def test_waiting_writer_gets_space_when_a_stale_lease_expires():
 
 
 def test_a_closed_unit_leaves_no_open_descriptor_behind():
-    """Its key directory's view used to keep the mapping, and a descriptor, until garbage collection."""
+    """Its key directory's view used to keep the mapping, and a descriptor, until garbage collection.
+
+    The test looks for the units' own files (arena and key directory): a count of all
+    descriptors also moves when an earlier test's sockets are collected meanwhile.
+    """
     closed = []  # still referenced, as tests and services keep closed units
-    before = len(os.listdir("/proc/self/fd"))
     for i in range(20):
         unit = StorageUnit(f"fd-{i}", 1 << 16)
         unit.put("a", np.zeros(16, np.uint8))
+        files = (unit.arena_path, unit.directory_file["path"])
+        assert sum(t.startswith(files) for t in descriptor_targets()) == 2  # each mapping holds one
         unit.close()
         closed.append(unit)
-    assert len(os.listdir("/proc/self/fd")) == before
+    paths = [path for unit in closed for path in (unit.arena_path, unit.directory_file["path"])]
+    assert [t for t in descriptor_targets() if t.startswith(tuple(paths))] == []
+    with open("/proc/self/maps") as maps:
+        assert [line for line in maps if any(path in line for path in paths)] == []
