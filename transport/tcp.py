@@ -395,8 +395,10 @@ def _deadline(conn: _Connection, timeout: float | None) -> Deadline | None:
 _REARM_SHARE = 0.9
 
 
-def _land_payload(conn: _Connection, total: int, sink, chunk_bytes: int, deadline: Deadline | None) -> None:
-    """Receive ``total`` payload bytes chunk by chunk into ``conn``'s buffer, handing each to ``sink``.
+def _land_payload(conn: _Connection, total: int, sink, chunk_bytes: int, deadline: Deadline | None,
+                  breaks: Sequence[int] = ()) -> None:
+    """Receive ``total`` payload bytes chunk by chunk into ``conn``'s buffer, handing each to ``sink``;
+    a chunk also ends at each offset of ``breaks``.
 
     One system call a chunk: the socket blocks in the kernel, bounded by a
     kernel receive timeout (``SO_RCVTIMEO``) armed from ``deadline``, not by
@@ -412,6 +414,7 @@ def _land_payload(conn: _Connection, total: int, sink, chunk_bytes: int, deadlin
     sock.settimeout(None)
     try:
         got = 0
+        upcoming = 0  # the first of ``breaks`` past ``got``
         while got < total:
             if deadline is not None:
                 left = deadline.remaining()  # raises once expired
@@ -419,6 +422,10 @@ def _land_payload(conn: _Connection, total: int, sink, chunk_bytes: int, deadlin
                     _receive_timeout(sock, left)
                     armed = left
             n = min(chunk_bytes, total - got)
+            while upcoming < len(breaks) and breaks[upcoming] <= got:
+                upcoming += 1
+            if upcoming < len(breaks) and breaks[upcoming] < got + n:
+                n = breaks[upcoming] - got
             landed = 0
             while landed < n:
                 try:
@@ -436,6 +443,14 @@ def _land_payload(conn: _Connection, total: int, sink, chunk_bytes: int, deadlin
         if armed is not None:
             with contextlib.suppress(OSError):
                 _receive_timeout(sock, 0.0)
+
+
+def _check_breaks(breaks: Sequence[int]) -> None:
+    previous = 0
+    for offset in breaks:
+        if type(offset) is not int or offset <= previous or offset % 16:
+            raise InvalidInputError(f"breaks must be increasing positive multiples of 16, got {list(breaks)[:8]}")
+        previous = offset
 
 
 def _receive_timeout(sock: socket.socket, seconds: float) -> None:
@@ -474,7 +489,9 @@ class ReadPipeline:
     offset in the reply's payload and a uint8 array valid only during the
     call. A consumer that widens each chunk there reads it from cache while
     the unit's next bytes queue in the socket buffers: no staging buffer,
-    no hand-off to another thread.
+    no hand-off to another thread. A consumer whose work divides the payload
+    into runs (each widened to its own place) names where they end, as
+    ``breaks``: a chunk then never spans two runs, and each is one copy.
 
     The unit's typed errors (a stale or unknown key) come from the
     :meth:`receive` of their read, and the reads behind it stay in flight.
@@ -515,12 +532,18 @@ class ReadPipeline:
             self._sent.append((list(keys), pieces))
 
     def receive(self, sink: Callable[[int, np.ndarray], None], timeout: float | None = None, *,
-                chunk_bytes: int) -> list[int]:
-        """Receive the oldest pending reply into ``sink``, ``chunk_bytes`` (a positive multiple of 16, so that
-        no element of a span starting on 16 bytes straddles two chunks) at a time; returns its lengths."""
+                chunk_bytes: int, breaks: Sequence[int] = ()) -> list[int]:
+        """Receive the oldest pending reply into ``sink``, ``chunk_bytes`` at a time; returns its lengths.
+
+        ``chunk_bytes`` is a positive multiple of 16, and ``breaks`` (payload
+        offsets where a chunk also ends; those past the payload are ignored)
+        are increasing positive multiples of 16: no element of a span
+        starting on 16 bytes then straddles two chunks.
+        """
         chunk_bytes = int(chunk_bytes)
         if chunk_bytes < 16 or chunk_bytes % 16:
             raise InvalidInputError(f"chunk_bytes must be a positive multiple of 16, got {chunk_bytes}")
+        _check_breaks(breaks)
         if not self._sent:
             if self._dropped is not None:  # the reads in flight went with the connection
                 raise type(self._dropped)(f"{self._dropped} (the read was in flight on that connection)")
@@ -531,7 +554,7 @@ class ReadPipeline:
             deadline = conn.reader.deadline = _deadline(conn, timeout)
             conn.in_sync = False
             lengths, total = _reply_lengths(conn, pieces)
-            _land_payload(conn, total, sink, chunk_bytes, deadline)
+            _land_payload(conn, total, sink, chunk_bytes, deadline, breaks)
             conn.in_sync = True
             return lengths
 

@@ -97,14 +97,15 @@ class UnitReadPipeline:
 
         self._owner._run(self.unit, keys, "read", request)
 
-    def receive(self, sink, timeout: float | None = None, *, keys: Sequence[str] = (), chunk_bytes: int) -> list[int]:
+    def receive(self, sink, timeout: float | None = None, *, keys: Sequence[str] = (), chunk_bytes: int,
+                breaks: Sequence[int] = ()) -> list[int]:
         """:meth:`ReadPipeline.receive <gputq.transport.tcp.ReadPipeline.receive>`; ``keys``, those of
         the read being received, name it in a loss."""
         if self._pipe is None:
             raise ClosedError(f"no read of unit {self.unit} is in flight on this pipeline")
         pipe = self._pipe
         return self._owner._guarded(self.unit, keys, "read",
-                                    lambda: pipe.receive(sink, timeout, chunk_bytes=chunk_bytes))
+                                    lambda: pipe.receive(sink, timeout, chunk_bytes=chunk_bytes, breaks=breaks))
 
     def close(self) -> None:
         """Hand the connection back (dropped if a reply is pending). Idempotent."""

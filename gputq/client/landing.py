@@ -11,11 +11,15 @@ caches and widens it from there: the compact bytes never reach memory,
 and while the receiving thread widens, the unit's next bytes queue in the
 socket buffers. No second thread, no hand-off between threads.
 
-The chunk is :data:`LANDING_CHUNK_BYTES`: a few times larger, a chunk no
-longer stays in the core's cache it landed in (a core's L2, 2 MiB on the
-dev box) before it is widened; smaller, the receiving thread spends more on
-the Python and system calls of each chunk, and it is the busiest thread of
-a host restore over tcp.
+The chunk is at most :data:`LANDING_CHUNK_BYTES`: larger, a chunk and its
+widened int32 (twice its bytes) no longer stay in the core's cache (a
+core's L2, 2 MiB on the dev box) while it is widened, and the widen starts
+later after each chunk's first byte; smaller, the receiving thread spends
+more on the Python and system calls of each chunk, and it is the busiest
+thread of a host restore over tcp. A chunk also ends where a run of the
+plan of at least a quarter chunk ends (the receive's ``breaks``): a run
+(a layer's tokens of one sample) is then widened in one copy per chunk
+instead of being split across two chunks, in two.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from gputq.kernels import widen_scatter
 
 __all__ = ["LANDING_CHUNK_BYTES", "LandingWidener", "land_replies"]
 
-#: Bytes received at a time before they are widened: small enough to stay in a core's L2 cache.
-LANDING_CHUNK_BYTES = 256 << 10
+#: Bytes received at a time, at most, before they are widened: small enough to stay in a core's L2 cache.
+LANDING_CHUNK_BYTES = 128 << 10
+
+#: Runs at least this long end a chunk where they end (shorter ones share chunks).
+_BREAK_RUN_BYTES = LANDING_CHUNK_BYTES // 4
 
 
 class LandingWidener:
@@ -71,7 +78,8 @@ class LandingWidener:
             widen_scatter(np.empty(0, fp.stored), plan, fp.width, out, fill=fp.fill, validate=False)
 
     def sink(self, start: int, stop: int) -> "_RequestSink":
-        """The sink of the read whose payload lands at staging bytes ``[start, stop)`` (one of ``reads``)."""
+        """The sink of the read whose payload lands at staging bytes ``[start, stop)`` (one of ``reads``); its
+        ``breaks`` are where the receive should end a chunk."""
         return _RequestSink(start, self._reads[(start, stop)])
 
 
@@ -100,10 +108,13 @@ class _RequestSink:
     and a chunk several plan rows (kept in ``_active`` until their last byte).
     """
 
-    __slots__ = ("_base", "_entries", "_next", "_active")
+    __slots__ = ("_base", "_entries", "_next", "_active", "breaks")
 
     def __init__(self, base: int, entries: list):
         self._base, self._entries, self._next, self._active = base, entries, 0, []
+        #: Payload offsets where a long run ends (on 16 bytes, as the receive asks), increasing.
+        self.breaks = [stop - base for start, stop, *_ in entries
+                       if stop - start >= _BREAK_RUN_BYTES and (stop - base) % 16 == 0]
 
     def __call__(self, offset: int, chunk: np.ndarray) -> None:
         lo = self._base + offset
@@ -145,5 +156,6 @@ def land_replies(plan: MicroPlan, outputs: dict, pipe_of, timeout: float | None)
                              [(r.start, r.stop) for r in plan.requests])
     widener.fill()
     for r in plan.requests:
-        r.check_lengths(pipe_of(r.unit).receive(widener.sink(r.start, r.stop), timeout, keys=r.keys,
-                                                chunk_bytes=LANDING_CHUNK_BYTES))
+        sink = widener.sink(r.start, r.stop)
+        r.check_lengths(pipe_of(r.unit).receive(sink, timeout, keys=r.keys, chunk_bytes=LANDING_CHUNK_BYTES,
+                                                breaks=sink.breaks))

@@ -137,11 +137,17 @@ def test_stream_matches_slime_and_moves_exactly_the_slice(transport):
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
 def test_over_tcp_on_the_host_micro_batches_land_widened_with_no_staging(monkeypatch, dtype):
     """Each chunk of a reply is widened as it lands (no compact buffer, no staged read), and gives the
-    micro-batches the staged path gives."""
-    from gputq.client.clients import UnitChannel
+    micro-batches the staged path gives; a long sample's runs (a layer's tokens) end chunks where they end."""
+    from gputq.client.clients import UnitChannel, UnitReadPipeline
 
     rng = np.random.default_rng(3)
-    lengths = [37, 50, 64, 23, 41, 58]
+    lengths = [37, 50, 64, 23, 41, 40_000]  # the last: a run of 20,000 tokens per layer, at least a quarter chunk
+    breaks = []
+    receive = UnitReadPipeline.receive
+
+    def spied(self, sink, timeout=None, **kwargs):
+        breaks.extend(kwargs.get("breaks", ()))
+        return receive(self, sink, timeout, **kwargs)
     with local_units("tcp", units=2, routed_experts_dtype=np.dtype(dtype).name) as (config, _, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, rng, lengths, dtype)
@@ -158,7 +164,9 @@ def test_over_tcp_on_the_host_micro_batches_land_widened_with_no_staging(monkeyp
         with Reader(clients, config) as reader:
             with monkeypatch.context() as patch:
                 patch.setattr(UnitChannel, "read", lambda *a, **k: pytest.fail("a staged read over tcp"))
+                patch.setattr(UnitReadPipeline, "receive", spied)
                 landed, held = consume(reader)
+            assert len(breaks) >= 3  # the long sample's layers, each a run that ends a chunk
             with monkeypatch.context() as patch:
                 patch.setattr(UnitChannel, "pipelines_reads", property(lambda self: False))
                 staged, _ = consume(reader)

@@ -178,6 +178,24 @@ def test_pipelined_reads_hand_over_their_replies_in_order_in_chunks_of_one_buffe
     assert wait_until(lambda: handler.stats()["leases"] == 0)
 
 
+def test_a_reply_is_cut_at_its_breaks_as_well_as_every_chunk_bytes(channel):
+    blob = random_bytes(100_000, 4)
+    channel.write("k", blob)
+    pipe = channel.pipeline()
+    for bad in ([0], [32, 32], [48, 16], [40], [16.0]):
+        with pytest.raises(InvalidInputError, match="increasing positive multiples of 16"):
+            pipe.receive(lambda offset, view: None, chunk_bytes=64 << 10, breaks=bad)
+    pipe.send(["k"], 10)
+    got = []
+    # A chunk ends at 1,024 and at 40,000, then every 32 KiB from there; a break past the payload changes nothing.
+    assert pipe.receive(lambda offset, view: got.append((offset, view.copy())), 10, chunk_bytes=32 << 10,
+                        breaks=[1024, 40_000, 200_000]) == [100_000]
+    assert [(offset, view.nbytes) for offset, view in got] == [(0, 1024), (1024, 32768), (33792, 6208),
+                                                              (40_000, 32768), (72_768, 27_232)]
+    np.testing.assert_array_equal(np.concatenate([view for _, view in got]), blob)
+    pipe.close()
+
+
 def test_a_typed_error_stays_with_its_read_and_a_failure_mid_reply_drops_every_read_in_flight(channel):
     channel.write("k", random_bytes(1 << 20))
     pipe = channel.pipeline()
