@@ -18,8 +18,8 @@ later after each chunk's first byte; smaller, the receiving thread spends
 more on the Python and system calls of each chunk, and it is the busiest
 thread of a host restore over tcp. A chunk also ends where a run of the
 plan of at least a quarter chunk ends (the receive's ``breaks``): a run
-(a layer's tokens of one sample) is then widened in one copy per chunk
-instead of being split across two chunks, in two.
+(a layer's tokens of one sample) then never shares a chunk with the next
+one, and each chunk of it is widened in one copy.
 """
 
 from __future__ import annotations
