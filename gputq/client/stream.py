@@ -146,12 +146,9 @@ class MicroBatchStream:
     no compact buffers and no restore thread: the fetch thread widens each
     micro-batch as its replies land, into one of ``prefetch + 1`` output
     buffers, reading one pipeline per unit (its reads sent ahead of their
-    replies: :class:`~gputq.transport.tcp.ReadPipeline`). There the
-    micro-batches land in order on whichever thread gets to one first: the
-    fetch thread lands ahead while the consumer trains, and a consumer that
-    asks for a micro-batch no thread has begun lands it itself, rather than
-    wait for the fetch thread to wake, land it and wake the consumer in
-    turn (each hand-off costs a scheduler's wake-up). Either way the
+    replies: :class:`~gputq.transport.tcp.ReadPipeline`); while the
+    consumer waits for a micro-batch, holding none, the one after the
+    prefetched ones is fetched too. Either way the
     stream holds at most ``prefetch + 1`` widened micro-batch slices.
 
     With ``hold=True`` the consumer releases each micro-batch itself
@@ -175,14 +172,6 @@ class MicroBatchStream:
             reader._clients.channel(unit).pipelines_reads for unit in units)
         self._pipes: dict = {}  # unit -> its read pipeline (landing)
         self._sent: set = set()  # (micro-batch, request) sent ahead of its fetch (landing)
-        # Landing, in order: one thread at a time lands micro-batch _land_next; the fetch thread's
-        # landing-ahead task stops while the consumer waits, which then lands what it waits for.
-        self._land_cond = threading.Condition()
-        self._landed: dict[int, tuple] = {}  # index -> (micro-batch and its outputs, or None; error or None)
-        self._land_next = 0
-        self._landing_now = False
-        self._consumer_waits = False
-        self._land_ahead_task: Future | None = None
         self._ahead = reader._device == "cpu" and prefetch >= 2 and not hold and not self._landing
         self._compact: queue.Queue = queue.Queue()
         self._outputs: queue.Queue = queue.Queue()
@@ -241,17 +230,12 @@ class MicroBatchStream:
     # -- background stages -------------------------------------------------------------
     def _submit_until(self, count: int) -> None:
         """Queue the fetches of the micro-batches before position ``count`` that are not queued yet."""
-        if self._landing:
-            with self._land_cond:
-                self._submitted = max(self._submitted, min(count, len(self._plans)))
-                self._start_landing_ahead()
-            return
         while self._submitted < min(count, len(self._plans)):
             self._submit()
 
     def _submit(self) -> None:
         plan = self._plans[self._submitted]
-        fetch = self._fetches[plan.index] = self._fetcher.submit(self._fetch, plan)
+        fetch = self._fetches[plan.index] = self._fetcher.submit(self._land if self._landing else self._fetch, plan)
         if self._ahead:
             self._restores[plan.index] = self._restorer.submit(self._restore_ahead, plan, fetch)
         self._submitted += 1
@@ -324,58 +308,6 @@ class MicroBatchStream:
         except BaseException:
             self._outputs.put(outputs)
             raise
-
-    def _start_landing_ahead(self) -> None:
-        """Queue the fetch thread's landing-ahead task if there is work for it and none is queued (under the cond)."""
-        if self._land_ahead_task is None and not self._closed and not self._consumer_waits \
-                and self._land_next < self._submitted:
-            self._land_ahead_task = self._fetcher.submit(self._land_ahead)
-
-    def _land_ahead(self) -> None:
-        """On the fetch thread: land the allowed micro-batches in order, until the consumer waits for one."""
-        while True:
-            with self._land_cond:
-                if self._closed or self._consumer_waits or self._landing_now or self._land_next >= self._submitted:
-                    self._land_ahead_task = None
-                    self._land_cond.notify_all()
-                    return
-                self._landing_now = True
-                index = self._land_next
-            self._land_one(index)
-
-    def _land_one(self, index: int) -> None:
-        """Land micro-batch ``index`` (this thread set ``_landing_now``); its result or error waits for the consumer."""
-        try:
-            landed = (self._land(self._plans[index]), None)
-        except BaseException as error:  # raised at the consumer, when it reaches this micro-batch
-            landed = (None, error)
-        with self._land_cond:
-            self._landed[index] = landed
-            self._land_next = index + 1
-            self._landing_now = False
-            self._land_cond.notify_all()
-
-    def _take_landed(self, index: int) -> tuple:
-        """Micro-batch ``index`` landed, with its outputs: landed here if no thread has begun it, else waited for."""
-        with self._land_cond:
-            try:
-                while index not in self._landed:
-                    if self._closed:
-                        raise ClosedError("the stream was closed")
-                    if not self._landing_now and self._land_next == index:
-                        self._landing_now = True
-                        break
-                    self._consumer_waits = True  # the landing-ahead task stops after the one it lands
-                    self._land_cond.wait()
-            finally:
-                self._consumer_waits = False
-        if index not in self._landed:
-            self._land_one(index)
-        with self._land_cond:
-            landed, error = self._landed.pop(index)
-        if error is not None:
-            raise error
-        return landed
 
     def _send_ahead(self, plan: MicroPlan) -> None:
         """Send ``plan``'s reads now; one that fails is left to its own fetch, which raises it there.
@@ -475,12 +407,16 @@ class MicroBatchStream:
     def _advance(self) -> MicroBatch:
         """Restore the next micro-batch (or take the one restored ahead); it is live until released."""
         plan = self._plans[self._next]
+        if self._landing and not self._hold and self._lazy is None:
+            # The consumer holds no micro-batch now, so one more may land in the buffer it gave back
+            # while it waits: its wake-up can lag the landing by milliseconds on a busy host.
+            self._submit_until(self._next + self._depth + 1)
         try:
             if self._ahead:
                 batch, outputs = self._restores.pop(plan.index).result()
                 self._fetches.pop(plan.index)
             elif self._landing:
-                batch, outputs = self._take_landed(plan.index)
+                batch, outputs = self._fetches.pop(plan.index).result()
             else:
                 fetched = self._fetches.pop(plan.index).result()
                 outputs = self._outputs.get_nowait() if not self._outputs.empty() else self._new_outputs()
@@ -641,18 +577,11 @@ class MicroBatchStream:
         retiring, self._retiring = self._retiring, None
         if retiring is not None:
             self._finish(retiring)  # it was consumed: its references go
-        with self._land_cond:
-            self._closed = True
-            self._land_cond.notify_all()
-            ahead = self._land_ahead_task
-        pending = [*self._restores.values(), *self._fetches.values(), *([ahead] if ahead is not None else [])]
+        self._closed = True
+        pending = [*self._restores.values(), *self._fetches.values()]
         for future in pending:
             future.cancel()
         wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)
-        with self._land_cond:  # a consumer's landing on another thread finishes its read too
-            while self._landing_now:
-                self._land_cond.wait()
-            self._landed.clear()
         for future in self._fetches.values() if self._in_place else ():  # fetched, never restored: leases end
             if future.done() and not future.cancelled() and future.exception() is None \
                     and future.result()[1] is not None:

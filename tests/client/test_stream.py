@@ -218,69 +218,54 @@ def test_a_read_that_fails_to_go_ahead_is_sent_again_by_its_own_micro_batch(monk
     assert consumed == [0, 1, 2] and len(refused) == 1
 
 
-def _landings_by_thread(monkeypatch) -> dict:
-    """Record, per micro-batch, the thread its replies landed on; ``landed[i]`` is set once they have."""
+def test_over_tcp_on_the_host_the_fetch_after_the_prefetched_ones_starts_while_the_consumer_waits(monkeypatch):
+    """A consumer waiting for a micro-batch holds none: the fetch after the prefetched ones is queued then,
+    not once the consumer has woken up with its micro-batch (on a busy host, milliseconds after it landed),
+    and it lands in the buffer the consumer gave back: never more than prefetch + 1 output buffers."""
     import gputq.client.stream as stream_module
 
-    real_land = stream_module.land_replies
-    threads, landed = {}, {i: threading.Event() for i in range(8)}
-
-    def land(plan, *args, **kwargs):
-        real_land(plan, *args, **kwargs)
-        threads[plan.index] = threading.current_thread()
-        landed[plan.index].set()
-
-    monkeypatch.setattr(stream_module, "land_replies", land)
-    return threads, landed
-
-
-def test_over_tcp_on_the_host_a_consumer_that_waits_lands_its_micro_batch_itself(monkeypatch):
-    """A micro-batch no thread has begun is landed by the consumer asking for it: it does not wait for the
-    fetch thread (here kept busy the whole time) to wake, land it and wake the consumer in turn."""
-    threads, _ = _landings_by_thread(monkeypatch)
     lengths = [37, 50, 64, 23, 41, 58]
     batches = [[0, 1], [2, 3], [4, 5]]
     rank = ParallelSlice(layers=range(0, 3), cp_rank=1, cp_size=2, num_experts=EXPERTS)
-    busy = threading.Event()
-    with _stored(3, lengths) as (config, _, clients, shard, data), Reader(clients, config) as reader:
-        blocker = reader._stream_threads()[0].submit(busy.wait, 60)
-        try:
-            with reader.stream(shard, batches, rank, prefetch=2) as stream:
-                consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, 3), rank)]
-        finally:
-            busy.set()
-            blocker.result(30)
-    assert consumed == [0, 1, 2]
-    assert {i: t.name for i, t in threads.items()} == {i: threading.main_thread().name for i in range(3)}
-
-
-def test_over_tcp_on_the_host_the_fetch_thread_lands_ahead_while_the_consumer_is_away(monkeypatch):
-    """While the consumer holds a micro-batch, the fetch thread lands the next ``prefetch`` ones, no more,
-    each in an output buffer made up front: never more than prefetch + 1 of them."""
-    import gputq.client.stream as stream_module
-
-    threads, landed = _landings_by_thread(monkeypatch)
+    first_may_land, second_queued, second_landed = threading.Event(), threading.Event(), threading.Event()
+    real_land, real_submit = stream_module.land_replies, stream_module.MicroBatchStream._submit
     real_outputs = stream_module.MicroBatchStream._new_outputs
-    made = []
+    made, queued = [], []
+
+    def land(plan, *args, **kwargs):
+        if plan.index == 0:
+            assert first_may_land.wait(30)
+        real_land(plan, *args, **kwargs)
+        if plan.index == 1:
+            second_landed.set()
+
+    def submit(stream):
+        queued.append(stream._submitted)
+        if stream._submitted == 1:
+            second_queued.set()
+        real_submit(stream)
 
     def new_outputs(stream):
         made.append(1)
         return real_outputs(stream)
 
+    monkeypatch.setattr(stream_module, "land_replies", land)
+    monkeypatch.setattr(stream_module.MicroBatchStream, "_submit", submit)
     monkeypatch.setattr(stream_module.MicroBatchStream, "_new_outputs", new_outputs)
-    lengths = [37, 50, 64, 23, 41, 58]
-    batches = [[0, 1], [2, 3], [4, 5]]
-    rank = ParallelSlice(layers=range(0, 3), cp_rank=0, cp_size=2, num_experts=EXPERTS)
-    with _stored(4, lengths) as (config, _, clients, shard, data), Reader(clients, config) as reader:
+    with _stored(2, lengths) as (config, _, clients, shard, data), Reader(clients, config) as reader:
         with reader.stream(shard, batches, rank, prefetch=1) as stream:
-            first = next(stream)
-            assert _check(first, batches[0], data, range(0, 3), rank)
-            assert landed[1].wait(30), "the next micro-batch did not land while the consumer held the first"
-            assert threads[1].name.startswith("gputq-prefetch")
-            with stream._land_cond:  # the landing-ahead task stops at the prefetch depth
-                assert stream._land_cond.wait_for(lambda: stream._land_ahead_task is None, 30)
-            assert 2 not in threads
-            consumed = [0] + [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, 3), rank)]
+            consumed, first = [], threading.Thread(target=lambda: consumed.append(next(stream).index))
+            first.start()
+            try:
+                assert second_queued.wait(10), "the next fetch waited for the consumer to take its micro-batch"
+            finally:
+                first_may_land.set()
+                first.join(30)
+            assert consumed == [0]
+            # While the consumer holds the first, one fetch is in flight (prefetch 1), however long it holds it.
+            assert second_landed.wait(30)
+            assert queued == [0, 1]
+            consumed += [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, 3), rank)]
     assert consumed == [0, 1, 2]
     assert len(made) == 2  # prefetch + 1, made up front: the third micro-batch landed in the first's buffer
 
