@@ -142,7 +142,11 @@ class MicroBatchStream:
     widens the next micro-batch while the current one trains, into a second
     output buffer, since there the widen is CPU work that would otherwise
     add to every step; with int32 IDs (compact as large as widened) it then
-    keeps ``prefetch - 1`` compact buffers. On the host over tcp there are
+    keeps ``prefetch - 1`` compact buffers. Read where they lie in
+    same-host arenas (shm), micro-batches need no compact buffer: the
+    fetch thread leases each one's spans from all its units at once, and
+    the restore thread widens every prefetched one into an output buffer
+    of its own, ``prefetch + 1`` in all. On the host over tcp there are
     no compact buffers and no restore thread: the fetch thread widens each
     micro-batch as its replies land, into one of ``prefetch + 1`` output
     buffers, reading one pipeline per unit (its reads sent ahead of their
@@ -196,8 +200,13 @@ class MicroBatchStream:
         self._lent = contextlib.ExitStack()
         outputs = 2 if self._ahead else 1
         compact = prefetch
-        if self._landing:  # every micro-batch in flight lands widened, in an output buffer of its own
+        if self._landing or (self._in_place and self._ahead):
+            # No compact bytes to hold (they land widened, or are read where they lie): every
+            # micro-batch in flight is restored ahead into an output buffer of its own, so the
+            # restore never waits for the one the consumer gives back (nor needs waking then).
             outputs, compact = min(prefetch, len(plans)) + 1, 0
+        elif self._in_place:
+            compact = 0
         elif self._ahead:
             # A second output buffer costs compact ones, within (prefetch + 1) slices: with narrow IDs
             # (compact is half the widened bytes or less) it costs none, and a fetch never waits
@@ -237,8 +246,29 @@ class MicroBatchStream:
         plan = self._plans[self._submitted]
         fetch = self._fetches[plan.index] = self._fetcher.submit(self._land if self._landing else self._fetch, plan)
         if self._ahead:
-            self._restores[plan.index] = self._restorer.submit(self._restore_ahead, plan, fetch)
+            # Queued on the restore thread by the fetch once it is done, not here: a task queued now
+            # would only wait for the fetch, and waking the idle thread for it costs the consumer
+            # (who queues the next fetch as it takes a micro-batch) about 20 us each time on the 2-core dev box.
+            restore = self._restores[plan.index] = Future()
+            fetch.add_done_callback(lambda done: self._queue_restore(plan, done, restore))
         self._submitted += 1
+
+    def _queue_restore(self, plan: MicroPlan, fetch: Future, restore: Future) -> None:
+        """Restore ``plan`` on the restore thread into ``restore`` once ``fetch`` is done (its done callback)."""
+        try:
+            self._restorer.submit(self._run_restore, plan, fetch, restore)
+        except BaseException as exc:  # the reader's threads are shut down: the consumer gets the error
+            if restore.set_running_or_notify_cancel():
+                self._drop_fetched(fetch)
+                restore.set_exception(exc)
+
+    def _run_restore(self, plan: MicroPlan, fetch: Future, restore: Future) -> None:
+        if not restore.set_running_or_notify_cancel():
+            return  # the stream closed: close() ends the leases of fetches never restored
+        try:
+            restore.set_result(self._restore_ahead(plan, fetch))
+        except BaseException as exc:
+            restore.set_exception(exc)
 
     def _take(self, pool: queue.Queue):
         """A free buffer of ``pool``; waits while the consumer holds them all, gives up once closed."""
@@ -250,15 +280,11 @@ class MicroBatchStream:
                     raise ClosedError("the stream was closed") from None
 
     def _fetch(self, plan: MicroPlan):
-        """A micro-batch's compact bytes: ``(compact buffer, None)``, or in place ``(buffer, (source, leases))``."""
+        """A micro-batch's compact bytes: ``(compact buffer, None)``, or in place ``(None, (source, leases))``."""
         plan.finish()  # here, not up front: the first micro-batch waits for its own planning alone
-        buffer = self._take(self._compact)
         if self._in_place:
-            try:
-                return buffer, self._lease_in_place(plan)
-            except BaseException:
-                self._compact.put(buffer)
-                raise
+            return None, self._lease_in_place(plan)
+        buffer = self._take(self._compact)
         try:
             staging = buffer[:plan.nbytes]
             per_unit: dict[str, list] = {}
@@ -339,12 +365,23 @@ class MicroBatchStream:
         config = self._reader._config
         leases = contextlib.ExitStack()
         try:
+            sources = [self._reader._clients.channel(r.unit).mapped_source(
+                r.keys, config.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
+                device=False, ahead=False, spans=r.spans) for r in plan.requests]
+            # A lease is a round trip to its unit's process: the units' leases go out together,
+            # the others' from the reader's pool, and the micro-batch waits for one round trip, not one per unit.
+            jobs = [self._reader._pool.submit(source.__enter__) for source in sources[1:]]
+            try:
+                leased = [leases.enter_context(sources[0])] if sources else []
+            finally:
+                wait(jobs)
+                for source, job in zip(sources[1:], jobs):
+                    if job.exception() is None:
+                        leases.push(source)
+            leased += [job.result() for job in jobs]
             starts, addresses, lengths = [], [], []
-            for r in plan.requests:
-                regions = leases.enter_context(self._reader._clients.channel(r.unit).mapped_source(
-                    r.keys, config.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
-                    device=False, ahead=False, spans=r.spans)).tolist()
-                add_leased(r, regions, starts, addresses, lengths)
+            for r, regions in zip(plan.requests, leased):
+                add_leased(r, regions.tolist(), starts, addresses, lengths)
             return MappedSource(starts, addresses, lengths, plan.nbytes), leases
         except BaseException:
             leases.close()
@@ -353,12 +390,12 @@ class MicroBatchStream:
     def _restored(self, plan: MicroPlan, fetched, outputs: dict) -> MicroBatch:
         """Restore a fetched micro-batch into ``outputs``; its compact buffer goes back, its leases end."""
         buffer, in_place = fetched
-        try:
-            if in_place is None:
-                return self._restore(plan, buffer[:plan.nbytes], outputs)
+        if in_place is not None:
             source, leases = in_place
             with leases:  # confirmed once the restore read the mappings
                 return self._restore(plan, source, outputs)
+        try:
+            return self._restore(plan, buffer[:plan.nbytes], outputs)
         finally:
             self._compact.put(buffer)
 
@@ -367,15 +404,23 @@ class MicroBatchStream:
         try:
             outputs = self._take(self._outputs)
         except BaseException:
-            self._compact.put(fetched[0])
-            if fetched[1] is not None:
-                fetched[1][1].close()
+            self._drop_fetched(fetch)
             raise
         try:
             return self._restored(plan, fetched, outputs), outputs
         except BaseException:
             self._outputs.put(outputs)
             raise
+
+    def _drop_fetched(self, fetch: Future) -> None:
+        """Give back what a fetch that will not be restored holds: its compact buffer, its leases."""
+        if fetch.cancelled() or fetch.exception() is not None:
+            return
+        buffer, in_place = fetch.result()
+        if in_place is not None:
+            in_place[1].close()
+        else:
+            self._compact.put(buffer)
 
     def _read_group(self, requests: list, staging) -> None:
         config = self._reader._config
