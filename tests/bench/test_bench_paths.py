@@ -66,6 +66,8 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
     assert paths == {(2, "stream"), (2, "whole"), (4, "stream"), (4, "whole")}
     assert out["overlap_ratio"] > 0 and out["peak_growth_4x"] > 0
     assert out["overlap"]["step_samples"] == 10 and out["overlap"]["micro_batches"] == 5  # cycling the 8 stored
+    assert out["overlap"]["compute"] == "twice the fetch+restore"
+    assert abs(out["overlap"]["compute_ms"] - 2 * out["overlap"]["fetch_restore_ms"]) <= 0.011  # each rounded
     ratios = out["overlap"]["step_ratios"]  # the figure is the median step's, every step's shown beside it
     assert len(ratios) == out["overlap"]["steps"] == 3 and out["overlap_ratio"] == sorted(ratios)[1]
     for row in out["throughput_rows"]:  # the cores each side kept busy: the miss reason on a CPU-bound box
@@ -83,6 +85,20 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
             waiting = ("stream_receiver", "stream_units", "baseline_receiver", "baseline_sender")
             assert all(row[f"{side}_waiting_cores"] >= 0 for side in waiting), row
     assert gc.get_freeze_count() == 0  # the trainer's frozen objects are thawed once the bench ends
+
+
+@pytest.mark.timeout(300)
+def test_trainer_overlap_at_a_fixed_compute(capsys, tmp_path):
+    # Two libraries compared at one compute: the goal's (twice the fetch+restore) grows with a slower stream.
+    trainer.main(["--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "8192",
+                  "--samples", "2", "--scales", "2,4", "--repeats", "1", "--step-samples", "8",
+                  "--overlap-steps", "1", "--overlap-compute-ms", "3.5", "--figures", "", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["overlap"]["compute"] == "fixed" and out["overlap"]["compute_ms"] == 3.5
+    # Four micro-batches of 3.5 ms each: the compute alone, however long the fetches took.
+    assert 4 * 3.5e-3 <= out["overlap"]["compute_alone_s"] < 4 * 3.5e-3 + 0.5
+    with pytest.raises(SystemExit):
+        trainer.main(["--overlap-compute-ms", "-1"])
 
 
 def _spin(spinning, cpu):
