@@ -144,9 +144,8 @@ class MicroBatchStream:
     add to every step; with int32 IDs (compact as large as widened) it then
     keeps ``prefetch - 1`` compact buffers. Read where they lie in
     same-host arenas (shm), micro-batches need no compact buffer: the
-    fetch thread leases each one's spans from all its units at once, and
-    the restore thread widens every prefetched one into an output buffer
-    of its own, ``prefetch + 1`` in all. On the host over tcp there are
+    restore thread widens every prefetched one into an output buffer of
+    its own, ``prefetch + 1`` in all. On the host over tcp there are
     no compact buffers and no restore thread: the fetch thread widens each
     micro-batch as its replies land, into one of ``prefetch + 1`` output
     buffers, reading one pipeline per unit (its reads sent ahead of their
@@ -365,23 +364,12 @@ class MicroBatchStream:
         config = self._reader._config
         leases = contextlib.ExitStack()
         try:
-            sources = [self._reader._clients.channel(r.unit).mapped_source(
-                r.keys, config.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
-                device=False, ahead=False, spans=r.spans) for r in plan.requests]
-            # A lease is a round trip to its unit's process: the units' leases go out together,
-            # the others' from the reader's pool, and the micro-batch waits for one round trip, not one per unit.
-            jobs = [self._reader._pool.submit(source.__enter__) for source in sources[1:]]
-            try:
-                leased = [leases.enter_context(sources[0])] if sources else []
-            finally:
-                wait(jobs)
-                for source, job in zip(sources[1:], jobs):
-                    if job.exception() is None:
-                        leases.push(source)
-            leased += [job.result() for job in jobs]
             starts, addresses, lengths = [], [], []
-            for r, regions in zip(plan.requests, leased):
-                add_leased(r, regions.tolist(), starts, addresses, lengths)
+            for r in plan.requests:
+                regions = leases.enter_context(self._reader._clients.channel(r.unit).mapped_source(
+                    r.keys, config.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
+                    device=False, ahead=False, spans=r.spans)).tolist()
+                add_leased(r, regions, starts, addresses, lengths)
             return MappedSource(starts, addresses, lengths, plan.nbytes), leases
         except BaseException:
             leases.close()

@@ -327,36 +327,6 @@ def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consume
     assert len(queuing) == 4 and threading.main_thread() not in queuing
 
 
-def test_in_place_the_leases_of_a_micro_batch_go_to_its_units_together(monkeypatch):
-    """A micro-batch read from two units' arenas leases from both at once: each unit's lease is held
-    until the other unit has its request too, which a reader asking one unit after the other never does."""
-    from gputq.unit.storage_unit import StorageUnit
-
-    real_lease = StorageUnit.lease_regions
-    asked = {"su-0": threading.Event(), "su-1": threading.Event()}
-    waited_in_vain = []
-
-    def lease_when_both_asked(unit, keys, *args, **kwargs):
-        if kwargs.get("spans") is not None and not asked[unit.name].is_set():
-            asked[unit.name].set()
-            other = asked["su-1" if unit.name == "su-0" else "su-0"]
-            if not other.wait(5):
-                waited_in_vain.append(unit.name)
-        return real_lease(unit, keys, *args, **kwargs)
-
-    monkeypatch.setattr(StorageUnit, "lease_regions", lease_when_both_asked)
-    lengths = [37, 50, 64, 23]
-    rank = ParallelSlice(layers=range(3, 6), cp_rank=1, cp_size=2, num_experts=EXPERTS)
-    with local_units("shm", units=2, routed_experts_dtype="uint16") as (config, _, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, np.random.default_rng(9), lengths)
-        assert {layout.fragments[0].ref.unit for sample in shard for layout in sample.values()} == set(asked)
-        with Reader(clients, config) as reader, reader.stream(shard, [[0, 1, 2, 3]], rank) as stream:
-            consumed = [mb.index for mb in stream if _check(mb, [0, 1, 2, 3], data, range(3, 6), rank)]
-    assert consumed == [0]
-    assert all(event.is_set() for event in asked.values()) and waited_in_vain == []
-
-
 def test_stream_validates_before_reading():
     with _stored(1, [20, 30]) as (config, units, clients, shard, _):
         with Reader(clients, config) as reader:
