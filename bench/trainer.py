@@ -580,7 +580,8 @@ def main(argv=None) -> None:
                  segment=f"{args.tokens} tokens, R3 [T-1, {args.layers}, {args.topk}] {args.dtype} + logprobs",
                  samples_per_dp_rank=args.samples, mb_samples=args.mb_samples, prefetch=args.prefetch,
                  step_samples=args.step_samples or "the largest stored shard", overlap_steps=args.overlap_steps,
-                 overlap_compute=f"{args.overlap_compute_ms} ms" if args.overlap_compute_ms else "twice the fetch+restore",
+                 overlap_compute=(f"{args.overlap_compute_ms} ms" if args.overlap_compute_ms
+                                  else "twice the fetch+restore"),
                  transport=args.transport, units=args.units, scales=args.scales, device="cpu",
                  gc="objects alive after setup frozen (gc.freeze)")
     result = run(args)
