@@ -82,7 +82,8 @@ class MappedSource:
         plan : numpy.ndarray, int64 [n, 3]
             ``(src_elem, dst_elem, elems)`` relative to ``base`` (``-1`` fill).
         base : int
-            Device address of source element 0 (the lowest segment address).
+            Device address of source element 0 (the lowest segment address,
+            rounded down to an element).
         src_elems : int
             Elements readable from ``base`` (up to the highest segment end).
 
@@ -94,7 +95,10 @@ class MappedSource:
         plan = as_plan_array(plan)
         itemsize = self.dtype.itemsize
         row_bytes = width * itemsize
-        base = int(self.addresses.min()) if len(self.addresses) else 0
+        lowest = int(self.addresses.min()) if len(self.addresses) else 0
+        # Element-aligned: another field's segments (uint16 rows of an odd top-k) may start the
+        # lowest on 2 bytes, and offsets from there would misalign this field's 4-byte elements.
+        base = lowest - lowest % itemsize
         top = int((self.addresses + self.lengths).max()) if len(self.addresses) else 0
         out = np.empty_like(plan)
         np.multiply(plan[:, 1:], width, out=out[:, 1:])

@@ -245,10 +245,11 @@ def _field_spec(name: str, layouts: Sequence[Layout]) -> tuple[np.dtype, tuple, 
     return np.dtype(stored), tuple(row_shape), np.dtype(layouts[0].dtype), fills.pop()
 
 
-def _expert_field(name: str, layouts: list, positions: list, rank: ParallelSlice, ranges, needs: _Needs):
-    """The plan of a layer-major field: layer-major output ``[layers, tokens, ...]``, slime's pads."""
+def _expert_field(name: str, layouts: list, m: int, rank: ParallelSlice, ranges, needs: _Needs):
+    """The plan of a layer-major field of micro-batch ``m``: layer-major output ``[layers, tokens, ...]``,
+    slime's pads."""
     stored, row_shape, restored, fill = _field_spec(name, layouts)
-    where = f"field {name!r} of samples {positions[0]}..{positions[-1]}"
+    where = f"micro-batch {m}, field {name!r}"
     layers = rank.layer_indices(row_shape[0], where)
     if ranges is None:
         pieces = expert_pieces([layout.rows for layout in layouts], rank)
@@ -277,7 +278,7 @@ def _expert_field(name: str, layouts: list, positions: list, rank: ParallelSlice
     return fp, frags, gaps
 
 
-def _token_field(name: str, layouts: list, positions: list, rank: ParallelSlice, totals, needs: _Needs):
+def _token_field(name: str, layouts: list, positions: list, m: int, rank: ParallelSlice, totals, needs: _Needs):
     """The plan of a row-after-row field (logprobs): each sample's CP-kept rows, back to back."""
     stored, row_shape, restored, fill = _field_spec(name, layouts)
     width = max(1, math.prod(row_shape))
@@ -286,10 +287,10 @@ def _token_field(name: str, layouts: list, positions: list, rank: ParallelSlice,
     for i, layout in enumerate(layouts):
         if rank.cp_size > 1:
             if totals is None or totals[i] is None:
-                raise InvalidInputError(f"sample {positions[i]}: cutting field {name!r} for CP needs the sample's "
+                raise InvalidInputError(f"micro-batch {m}, sample {positions[i]}: cutting field {name!r} for CP needs the sample's "
                                         f"total length (R3 rows + 1, or total_lengths)")
             if not 0 <= layout.rows <= totals[i]:
-                raise InvalidInputError(f"sample {positions[i]}: field {name!r} has {layout.rows} rows, more than "
+                raise InvalidInputError(f"micro-batch {m}, sample {positions[i]}: field {name!r} has {layout.rows} rows, more than "
                                         f"its {totals[i]} tokens")
             ranges = logprob_ranges(totals[i], layout.rows, rank.cp_rank, rank.cp_size)
         else:
@@ -339,6 +340,9 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
         raise InvalidInputError(f"{len(total_lengths)} total lengths for {len(shard)} samples")
     if token_ranges is not None and len(token_ranges) != len(shard):
         raise InvalidInputError(f"{len(token_ranges)} token range lists for {len(shard)} samples")
+    if token_ranges is not None and rank.allgather_cp and rank.cp_size > 1:
+        raise InvalidInputError("token_ranges replace the CP rule: give them with a ParallelSlice without "
+                                "allgather_cp, not both")
     plans = []
     for m, batch in enumerate(batches):
         names = sorted({name for i in batch for name in shard[i]} if fields is None else set(fields))
@@ -365,9 +369,9 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
                 ranges = None
                 if token_ranges is not None:
                     ranges = [_checked_ranges(token_ranges[i], shard[i][name].rows, i) for i in batch]
-                fp, frags, gaps = _expert_field(name, layouts, batch, rank, ranges, needs)
+                fp, frags, gaps = _expert_field(name, layouts, m, rank, ranges, needs)
             else:
-                fp, frags, gaps = _token_field(name, layouts, batch, rank, totals, needs)
+                fp, frags, gaps = _token_field(name, layouts, batch, m, rank, totals, needs)
             work.append((fp, frags, gaps, needs))
             planned[name] = fp
         units, slice_bytes, bound = _extent([(needs, fp.layers) for fp, _, _, needs in work])

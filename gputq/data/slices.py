@@ -7,15 +7,20 @@ the functions here turn it into row pieces of each sample, exactly as slime
 prepares routed experts for Megatron's router replay:
 
 1. every sample's ``[T-1, L, K]`` rows get one pad row (``T`` rows);
-2. with CP, each sample is padded to ``2 * cp_size`` equal chunks and the
-   rank keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``;
+2. with zigzag CP, each sample is padded to ``2 * cp_size`` equal chunks
+   and the rank keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``;
 3. the micro-batch's samples are concatenated and padded to a multiple of
-   ``tp_size * pad_multiple`` rows;
+   ``tp_size * pad_multiple`` rows; with allgather CP instead, the whole
+   concatenation is padded to a multiple of ``cp_size * tp_size *
+   pad_multiple`` rows and the rank keeps its contiguous ``1 / cp_size``
+   (a chunk that crosses sample boundaries, pad rows counted);
 4. with sequence parallelism, the rank keeps its ``1 / tp_size`` of them.
 
 Every pad block holds ``arange(rows * L * K) % num_experts`` (not expert 0),
 each block counted from 0. Logprobs are cut by the logits offsets of the
-same chunks (``rollout_log_probs`` is response-only).
+zigzag chunks in both CP modes (``rollout_log_probs`` is response-only):
+slime cuts them so before training, and with allgather CP redistributes the
+log-probs it computes to that same zigzag layout before comparing them.
 
 How slices meet storage: a blob whose rows have two or more dimensions (R3's
 ``[L, K]``) is stored *layer-major*, its first row dimension outermost
@@ -70,7 +75,11 @@ class ParallelSlice:
         index) this rank's pipeline stage replays, ascending: a ``range`` or
         a tuple of indices (its MoE layers only, say). ``None``: all.
     cp_rank, cp_size:
-        Context-parallel position (zigzag, slime's ``thd`` layout).
+        Context-parallel position (slime's ``thd`` layout).
+    allgather_cp:
+        slime's ``--allgather-cp``: the rank's R3 rows are one contiguous
+        chunk of the micro-batch's concatenation instead of two zigzag
+        chunks per sample.
     tp_rank, tp_size, sequence_parallel:
         Tensor-parallel position; with ``sequence_parallel`` the rank keeps
         its ``1 / tp_size`` of each micro-batch's rows.
@@ -90,6 +99,7 @@ class ParallelSlice:
     sequence_parallel: bool = False
     pad_multiple: int = 1
     num_experts: int | None = None
+    allgather_cp: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("cp_rank", 0), ("cp_size", 1), ("tp_rank", 0), ("tp_size", 1), ("pad_multiple", 1)):
@@ -97,8 +107,9 @@ class ParallelSlice:
         if self.cp_rank >= self.cp_size or self.tp_rank >= self.tp_size:
             raise InvalidInputError(f"ParallelSlice: cp_rank {self.cp_rank} of {self.cp_size}, tp_rank "
                                     f"{self.tp_rank} of {self.tp_size}: a rank must be below its size")
-        if not isinstance(self.sequence_parallel, bool):
-            raise InvalidInputError(f"ParallelSlice.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        for name in ("sequence_parallel", "allgather_cp"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"ParallelSlice.{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_experts is not None:
             object.__setattr__(self, "num_experts", _int("num_experts", self.num_experts, 1))
         if self.layers is not None:
@@ -168,16 +179,20 @@ def expert_pieces(rows: Sequence[int], rank: ParallelSlice) -> list[Piece]:
     ``rows`` holds each sample's stored rows (``T - 1``); samples are
     numbered by their position in ``rows``.
     """
+    allgather = rank.allgather_cp and rank.cp_size > 1
     pieces: list[Piece] = []
     for sample, n in enumerate(rows):
-        _, ranges = zigzag_chunks(n + 1, rank.cp_rank, rank.cp_size)
+        _, ranges = zigzag_chunks(n + 1, 0, 1) if allgather else zigzag_chunks(n + 1, rank.cp_rank, rank.cp_size)
         pieces.extend(_sample_pieces(sample, n, ranges))
     total = sum(b - a for _, a, b in pieces)
-    pad_size = rank.tp_size * rank.pad_multiple
+    pad_size = rank.tp_size * rank.pad_multiple * (rank.cp_size if allgather else 1)
     pad = (pad_size - total % pad_size) % pad_size
     if pad:
         pieces.append((-1, 0, pad))
         total += pad
+    if allgather:  # the rank's contiguous chunk of the whole micro-batch, pad rows counted
+        chunk = total // rank.cp_size
+        pieces, total = _cut(pieces, chunk * rank.cp_rank, chunk * (rank.cp_rank + 1)), chunk
     if rank.sequence_parallel and rank.tp_size > 1:
         share = total // rank.tp_size  # a multiple of tp_size by the padding above
         pieces = _cut(pieces, share * rank.tp_rank, share * (rank.tp_rank + 1))

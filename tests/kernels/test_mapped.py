@@ -119,3 +119,18 @@ def test_host_array_views_a_staging_range_where_it_lies_and_refuses_one_across_s
     assert source.host_array(2, 5).__array_interface__["data"][0] == base + 68  # a view, not a copy
     with pytest.raises(PlanError, match="no single mapped segment"):
         source.host_array(10, 12)  # staging bytes 20..44 straddle the two
+
+
+def test_a_field_whose_segments_lie_above_an_odd_aligned_one_reads_its_own_elements():
+    """Two fields leased together: uint16 rows of an odd top-k put the lowest segment on 2 bytes mod 4,
+    while the float32 field's segments lie 4-byte aligned above it. Its elements must still be read."""
+    memory = np.zeros(256, np.uint8)
+    values = np.arange(8, dtype=np.float32) + 0.5
+    memory[104:136] = values.view(np.uint8)
+    # staging bytes 0..6: a 3-ID uint16 row at address 66; bytes 8..40: eight float32 at address 104
+    source = MappedSource([0, 8], [66, 104], [6, 32], 40)
+    elements, base, src_elems = source.view(np.float32)[:10].element_plan([[2, 0, 8]], 1)
+    assert base % 4 == 0 and base <= 66
+    flat = memory[base:base + src_elems * 4].view(np.float32)
+    out = reference_widen_scatter(flat, elements, 1, np.zeros(8, np.float32), 0)
+    np.testing.assert_array_equal(out, values)
