@@ -66,13 +66,13 @@ class Mutation:
 
 MUTATIONS = (
     Mutation("the reader returns tensors and ends leases without waiting for its kernels",
-             "gputq/client/reader.py", "cp.cuda.get_current_stream().synchronize()", "None",
+             "gputq/client/read_context.py", "cp.cuda.get_current_stream().synchronize()", "None",
              (_TCP_RESTORE,)),
     Mutation("the reader ends an in-place restore's leases before the device read the mappings",
              "gputq/client/in_place.py", "leases = lent if in_place else copied", "leases = copied",
              (_IN_PLACE,), fast=True),
     Mutation("a cuda:1 restore waits on device 0's stream",
-             "gputq/client/reader.py", "cp.cuda.Device(_device_index(self._device)):  # the kernels ran",
+             "gputq/client/read_context.py", "cp.cuda.Device(device_index(self.device)):  # the kernels ran",
              "cp.cuda.Device(0):  # the kernels ran",
              (f"{_RESTORE}::test_a_reader_on_the_second_device_restores_there[tcp]",)),
     Mutation("a staging slot is refilled without waiting for its last copy",

@@ -1,4 +1,5 @@
-"""The import graph of gputq's own modules: layers point downwards, and no cycle exists.
+"""The import graph of gputq's own modules: layers point downwards, and no cycle exists; and no module
+reads another object's private attributes.
 
 The graph is read from the source with ``ast`` (nothing is imported), with
 ``transport/`` and ``kernels/`` named as they install: ``gputq.transport``
@@ -180,3 +181,45 @@ def test_the_package_exports_every_name_it_lists():
     assert gputq.Reader.__module__ == "gputq.client.reader"
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         getattr(gputq, "Nope")
+
+
+def _defines_private(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions and classes, and the attributes its classes set."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                targets = item.targets if isinstance(item, ast.Assign) else \
+                    [item.target] if isinstance(item, ast.AnnAssign) else []
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+    return {name for name in names if name.startswith("_")}
+
+
+def private_reaches(source: str, where: str = "<source>") -> list[str]:
+    """Reads of another object's private attribute: ``x._name`` where ``x`` is not ``self`` or ``cls``
+    and no class of the same module defines ``_name`` (a module's classes may share their privates)."""
+    tree = ast.parse(source, where)
+    own = _defines_private(tree)
+    return [f"{where}:{node.lineno} {ast.unparse(node)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.endswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) and node.attr not in own]
+
+
+def test_the_private_attribute_rule_catches_a_reach_into_another_object():
+    assert private_reaches("class S:\n    def f(self):\n        return self._reader._clients\n") == \
+        ["<source>:3 self._reader._clients"]
+    assert private_reaches("def f(reader):\n    return reader._device\n") == ["<source>:2 reader._device"]
+    # Its own objects' privates, set by a class of the same module, are the module's to read.
+    assert private_reaches("class A:\n    def __init__(self):\n        self._x = 1\n"
+                           "class B:\n    def f(self, a):\n        return a._x, a.__class__\n") == []
+
+
+def test_no_module_reads_a_private_attribute_of_an_object_it_does_not_own():
+    """A stage gets what it needs through a narrow context, never another object's privates."""
+    reaches = [hit for module, path in MODULES.items() for hit in private_reaches(path.read_text(), module)]
+    assert reaches == []

@@ -16,7 +16,7 @@ from gputq.transport import arena_copies
 __all__ = ["mapped_staging", "mapped_here", "add_leased"]
 
 
-def mapped_staging(reader, requests: list, nbytes: int, stats, lent: contextlib.ExitStack, *,
+def mapped_staging(context, requests: list, nbytes: int, stats, lent: contextlib.ExitStack, *,
                    ahead: bool = True):
     """The shard's compact bytes as they lie in the units' arenas, or copied out of them in spans.
 
@@ -34,15 +34,16 @@ def mapped_staging(reader, requests: list, nbytes: int, stats, lent: contextlib.
     name while the leases are requested; a lease naming other ones raises
     ``HintMissedError`` when confirmed. Returns ``None`` to stage as usual.
 
-    ``reader`` is the :class:`~gputq.client.reader.Reader` restoring (its
-    device, clients, config and staging buffer); ``stats`` its
+    ``context`` is the restoring reader's
+    :class:`~gputq.client.read_context.ReadContext` (its device, channels,
+    config and staging buffer); ``stats`` its
     :class:`~gputq.client.reader.FetchStats`, counted here.
     """
-    on_device = reader._device != "cpu"
-    channels = {r.unit: reader._clients.channel(r.unit) for r in requests}
+    on_device = not context.on_host
+    channels = {r.unit: context.channel(r.unit) for r in requests}
     if not channels or not all(mapped_here(channel, on_device) for channel in channels.values()):
         return None
-    in_place = nbytes <= reader._config.zero_copy_max_bytes
+    in_place = nbytes <= context.config.zero_copy_max_bytes
     with contextlib.ExitStack() as copied:  # the leases of a copy end with it, before the restore
         leases = lent if in_place else copied
         # Plain lists: a shard has a few keys per unit, and numpy calls on arrays that small
@@ -50,7 +51,7 @@ def mapped_staging(reader, requests: list, nbytes: int, stats, lent: contextlib.
         starts, addresses, lengths = [], [], []
         for r in requests:
             regions = leases.enter_context(channels[r.unit].mapped_source(
-                r.keys, reader._config.read_timeout_s, generations=r.generations,
+                r.keys, context.read_timeout_s, generations=r.generations,
                 incarnation=r.incarnation or None, device=on_device and in_place, ahead=ahead)).tolist()
             add_leased(r, regions, starts, addresses, lengths)
             stats.unique_keys += len(r.keys)
@@ -59,7 +60,7 @@ def mapped_staging(reader, requests: list, nbytes: int, stats, lent: contextlib.
         source = MappedSource(starts, addresses, lengths, nbytes)
         if in_place:
             return source
-        return source.staged_in(reader._own_staging,
+        return source.staged_in(context.buffers.staging,
                                 arena_copies.device_copy_runs if on_device else arena_copies.copy_runs)
 
 

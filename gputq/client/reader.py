@@ -24,13 +24,14 @@ The restored fields are exactly what the non-offloaded path gives:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import sys
 import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -40,6 +41,7 @@ from gputq.client.clients import UnitClients
 from gputq.client.host_outputs import HostOutputs
 from gputq.client.in_place import mapped_staging
 from gputq.client.lifecycle import release
+from gputq.client.read_context import ReadContext
 from gputq.client.stream import MicroBatchStream
 from gputq.client.stream_plan import plan_stream
 from gputq.config import GputqConfig
@@ -47,10 +49,8 @@ from gputq.data.fields import sample_key_of
 from gputq.data.refs import FieldRef, Layout, uses_by_unit
 from gputq.data.slices import ParallelSlice, layer_major
 from gputq.errors import ClosedError, HintMissedError, InvalidInputError, LayoutError, StaleReadError, TransferError
-from gputq.kernels import MappedSource, cuda_available, widen_scatter
-from gputq.transport import get_transport
+from gputq.kernels import MappedSource, widen_scatter
 from gputq.transport.base import Closeable
-from gputq.transport.cuda import require_cupy
 
 __all__ = ["Reader", "FetchStats", "build_plan"]
 
@@ -239,92 +239,22 @@ class Reader(Closeable):
 
     def __init__(self, clients: UnitClients, config: GputqConfig, device: str = "cpu", *,
                  reader_id: str | None = None):
-        if not (isinstance(device, str) and (device == "cpu" or device.startswith("cuda"))):
-            raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        self._ctx = ReadContext(clients, config, device)
         if reader_id is None:
             reader_id = uuid.uuid4().hex
         if not isinstance(reader_id, str) or not reader_id:
+            self._ctx.close()
             raise InvalidInputError(f"reader_id must be a non-empty str, got {reader_id!r}")
         self.reader_id = reader_id
-        if device != "cpu":
-            if not cuda_available():
-                raise InvalidInputError(f"device={device!r}, but no usable CUDA device (CuPy sees none)")
-        self._clients = clients
-        self._config = config
-        self._device = device
-        self._pool = ThreadPoolExecutor(max(2, len(clients.units) * 2), thread_name_prefix="gputq-reader")
         self._lock = threading.Lock()
-        # Staging is reused across fetches: fresh pages would fault in during the receive.
-        self._staging = None
         self._outputs = HostOutputs()
-        self._spare: list = []  # buffers of closed streams, for the next ones
-        self._spare_lock = threading.Lock()
-        self._stream_workers: tuple | None = None
         self._closed = False
         self.last_stats = FetchStats()
 
-    # -- buffers ---------------------------------------------------------
-    def _empty(self, nbytes: int):
-        if self._device == "cpu":
-            return np.empty(nbytes, dtype=np.uint8)
-        cp = _cupy()
-        with cp.cuda.Device(_device_index(self._device)):
-            return cp.empty(nbytes, dtype=cp.uint8)
-
-    def _own_staging(self, nbytes: int):
-        """This reader's staging buffer, grown geometrically, cut to ``nbytes``."""
-        if self._staging is None or self._staging.nbytes < nbytes:
-            grown = int(1.5 * self._staging.nbytes) if self._staging is not None else 0
-            self._staging = self._empty(max(nbytes, grown))
-        return self._staging[:nbytes]
-
-    def _stream_staging(self, nbytes: int, plans, lent: contextlib.ExitStack):
-        """A compact buffer of a stream: registered memory when every unit it reads is over rdma."""
-        units = sorted({unit for plan in plans for unit in plan.units})
-        registered = self._registered(nbytes, units, lent)
-        return self._lend(nbytes, lent) if registered is None else registered
-
-    def _lend(self, nbytes: int, lent: contextlib.ExitStack):
-        """A buffer of at least ``nbytes`` for a stream, given back when ``lent`` closes.
-
-        Streams of later steps reuse the buffers of earlier ones: fresh pages
-        would fault in during the first micro-batches (about 0.5 GB/s here).
-        Of the smallest that fit, the one given back last: its lines are the
-        likeliest still in the CPU's caches.
-        """
-        with self._spare_lock:
-            fits = [i for i, b in enumerate(self._spare) if b.nbytes >= nbytes]
-            buffer = self._spare.pop(min(fits, key=lambda i: (self._spare[i].nbytes, -i))) if fits else None
-        if buffer is None:
-            buffer = self._empty(nbytes)
-        lent.callback(self._give_back, buffer)
-        return buffer[:nbytes]
-
-    def _give_back(self, buffer) -> None:
-        with self._spare_lock:
-            if not self._closed:
-                self._spare.append(buffer)
-
-    def _stream_threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """The fetch and restore threads of this reader's streams, started once."""
-        with self._spare_lock:
-            if self._stream_workers is None:
-                self._stream_workers = (ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch"),
-                                        ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"))
-            return self._stream_workers
-
-    def _synchronize(self) -> None:
-        """Wait for the restore's device work: before tensors are returned and leases end."""
-        cp = _cupy()
-        with cp.cuda.Device(_device_index(self._device)):  # the kernels ran on that device's stream
-            cp.cuda.get_current_stream().synchronize()
-
-    def _to_output(self, array):
-        if self._device == "cpu":
-            return array
-        import torch
-
-        return torch.from_dlpack(array)
+    @property
+    def device(self) -> str:
+        """Where restored fields live: ``"cpu"`` or ``"cuda[:N]"``."""
+        return self._ctx.device
 
     # -- fetching --------------------------------------------------------
     def fetch(self, shard: Sequence[Mapping[str, Layout]]) -> list[dict]:
@@ -363,9 +293,9 @@ class Reader(Closeable):
         stats = FetchStats(samples=samples)
         with contextlib.ExitStack() as lent:  # pooled staging goes back once restored
             started = time.perf_counter()
-            requests, nbytes = _lay_out([stage for _, stage in per_field.values()], self._config.max_frame_bytes)
+            requests, nbytes = _lay_out([stage for _, stage in per_field.values()], self._ctx.config.max_frame_bytes)
             # zero-copy over shm, else None
-            staging = mapped_staging(self, requests, nbytes, stats, lent, ahead=ahead)
+            staging = mapped_staging(self._ctx, requests, nbytes, stats, lent, ahead=ahead)
             if staging is None:
                 staging = self._read_all(requests, nbytes, stats, lent)
             stats.fetch_seconds = time.perf_counter() - started
@@ -377,15 +307,8 @@ class Reader(Closeable):
     def _staging_buffer(self, nbytes: int, units, lent: contextlib.ExitStack):
         """Where a shard's blobs land: transport-registered memory when every unit is read
         over a zero-copy transport (rdma), else this reader's reusable buffer."""
-        registered = self._registered(nbytes, units, lent)
-        return self._own_staging(nbytes) if registered is None else registered
-
-    def _registered(self, nbytes: int, units, lent: contextlib.ExitStack):
-        """The rdma transport's registered memory, lent until ``lent`` closes, when every unit of ``units``
-        is read over rdma into host memory (its READs then land with no copy); else None."""
-        if self._device == "cpu" and units and {self._clients.transport_of(u)[0] for u in units} == {"rdma"}:
-            return lent.enter_context(get_transport("rdma").destination(nbytes))
-        return None
+        registered = self._ctx.registered(nbytes, units, lent)
+        return self._ctx.buffers.staging(nbytes) if registered is None else registered
 
     def _read_all(self, requests: list[_Request], nbytes: int, stats: FetchStats, lent: contextlib.ExitStack):
         staging = self._staging_buffer(nbytes, sorted({r.unit for r in requests}), lent)
@@ -400,7 +323,7 @@ class Reader(Closeable):
         for request in requests:
             per_unit.setdefault(request.unit, []).append((request, staging[request.start:request.stop]))
         groups = sorted(per_unit.values(), key=lambda group: sum(dest.nbytes for _, dest in group))
-        jobs = [self._pool.submit(self._read_group, group) for group in groups[:-1]]
+        jobs = [self._ctx.pool.submit(self._read_group, group) for group in groups[:-1]]
         try:
             if groups:
                 self._read_group(groups[-1])
@@ -423,12 +346,12 @@ class Reader(Closeable):
                 raise LayoutError(f"field {name!r} has several fill values in one shard: {fills}")
             restored = np.dtype(layouts[0].dtype) if layouts else np.dtype(np.float32)
             nbytes = total * stage.width * restored.itemsize
-            out = (self._outputs.take(nbytes) if self._device == "cpu" else self._empty(nbytes)).view(restored)
+            out = (self._outputs.take(nbytes) if self._ctx.on_host else self._ctx.buffers.empty(nbytes)).view(restored)
             rows = staging.nbytes // stage.row_bytes  # a view of whole rows from byte 0
             compact = staging[:rows * stage.row_bytes].view(stage.dtype)
             if layer_major(stage.row_shape):
                 fill = fills.pop() if fills else 0
-                if self._device == "cpu":
+                if self._ctx.on_host:
                     _token_major_on_host(compact, stage, layouts, offsets, out, fill)
                 else:
                     out = self._token_major(compact, plan, stage, out, fill, total)
@@ -437,9 +360,9 @@ class Reader(Closeable):
             out_name = sample_key_of(name)
             for i, (layout, offset) in enumerate(zip(layouts, offsets)):
                 view = out[offset * stage.width:(offset + layout.rows) * stage.width]
-                results[i][out_name] = self._to_output(view.reshape((layout.rows, *layout.row_shape)))
-        if self._device != "cpu":
-            self._synchronize()
+                results[i][out_name] = self._ctx.to_output(view.reshape((layout.rows, *layout.row_shape)))
+        if not self._ctx.on_host:
+            self._ctx.synchronize()
         return results
 
     def _token_major(self, compact, plan, stage: _FieldStage, out, fill, total: int):
@@ -452,10 +375,10 @@ class Reader(Closeable):
         import torch
 
         inner = stage.width // stage.row_shape[0]
-        by_layer = self._empty(out.nbytes).view(out.dtype)
+        by_layer = self._ctx.buffers.empty(out.nbytes).view(out.dtype)
         widen_scatter(compact, plan, inner, by_layer, fill=fill)
         shape = (stage.row_shape[0], total, inner)
-        self._synchronize()  # torch's stream runs the transpose
+        self._ctx.synchronize()  # torch's stream runs the transpose
         source, target = torch.from_dlpack(by_layer), torch.from_dlpack(out)
         target.view(total, shape[0], inner).copy_(source.view(shape).permute(1, 0, 2))
         if target.is_cuda and torch.cuda.is_available():  # (a CUDA stand-in's tensors copy synchronously)
@@ -463,8 +386,8 @@ class Reader(Closeable):
         return out
 
     def _read(self, request: _Request, dest) -> None:
-        channel = self._clients.channel(request.unit)
-        lengths = channel.read(request.keys, dest, timeout=self._config.read_timeout_s,
+        channel = self._ctx.channel(request.unit)
+        lengths = channel.read(request.keys, dest, timeout=self._ctx.read_timeout_s,
                                generations=request.generations, incarnation=request.incarnation or None)
         if sum(lengths) != dest.nbytes:
             raise TransferError(f"unit {request.unit} returned {sum(lengths)} bytes for {len(request.keys)} "
@@ -530,10 +453,12 @@ class Reader(Closeable):
         if fields is not None and (isinstance(fields, str) or not all(isinstance(f, str) for f in fields)):
             raise InvalidInputError(f"fields must be a list of field names, got {fields!r}")
         plans = plan_stream(shard, micro_batches, rank, total_lengths=total_lengths, token_ranges=token_ranges,
-                            fields=fields, max_bytes=self._config.max_frame_bytes)
+                            fields=fields, max_bytes=self._ctx.config.max_frame_bytes)
         if not isinstance(hold, bool):
             raise InvalidInputError(f"hold must be a bool, got {hold!r}")
-        return MicroBatchStream(self, plans, prefetch, release, rank, hold=hold)
+        return MicroBatchStream(self._ctx, plans, prefetch, rank, hold=hold,
+                                release=None if release is None else functools.partial(self._release_micro_batch,
+                                                                                      release))
 
     def release(self, shard: Sequence[Mapping[str, Layout]], partition: str, *,
                 release_id: str | None = None) -> dict:
@@ -573,9 +498,15 @@ class Reader(Closeable):
             release_id = self._default_release_id(uses, partition)
         elif not isinstance(release_id, str) or not release_id:
             raise InvalidInputError(f"release_id must be a non-empty str, got {release_id!r}")
-        return release(uses, partition, self._clients, missing_ok=True, release_id=release_id,
-                       timeout=self._config.control_timeout_s,
+        return release(uses, partition, self._ctx.clients, missing_ok=True, release_id=release_id,
+                       timeout=self._ctx.config.control_timeout_s,
                        what=f"release of a shard of partition {partition!r}")
+
+    def _release_micro_batch(self, partition: str, layouts: list, index: int) -> None:
+        """Drop a streamed micro-batch's references (its index in the id: two micro-batches with the
+        same uses are two releases)."""
+        release_id = self._default_release_id(uses_by_unit(layouts), partition) + f"/mb{index}"
+        self.release(layouts, partition, release_id=release_id)
 
     def _default_release_id(self, uses: Mapping[str, list[str]], partition: str) -> str:
         """The default release id of a shard: ``reader_id`` and a digest of its ``uses`` per unit."""
@@ -590,13 +521,8 @@ class Reader(Closeable):
         """Stop the read threads. Idempotent; the clients stay open."""
         if not self._closed:
             self._closed = True
-            self._pool.shutdown(wait=True)
+            self._ctx.close()
             self._outputs.close()
-            with self._spare_lock:
-                self._spare.clear()
-                workers, self._stream_workers = self._stream_workers, None
-            for worker in workers or ():
-                worker.shutdown(wait=True)
 
 
 #: Tokens transposed at a time: every layer's run of a chunk is read while the chunk's rows stay in cache.
@@ -667,9 +593,3 @@ def _host_torch(dtype: np.dtype):
     return torch
 
 
-def _cupy():
-    return require_cupy("device='cuda'")
-
-
-def _device_index(device: str) -> int:
-    return int(device.split(":", 1)[1]) if ":" in device else 0

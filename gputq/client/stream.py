@@ -38,15 +38,15 @@ import queue
 import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from gputq.client.in_place import add_leased, mapped_here
 from gputq.client.landing import land_replies
+from gputq.client.read_context import ReadContext
 from gputq.client.stream_plan import FieldPlan, MicroPlan
 from gputq.data.fields import sample_key_of
-from gputq.data.refs import uses_by_unit
 from gputq.data.slices import ParallelSlice, pad_block
 from gputq.errors import ClosedError, GputqError, InvalidInputError, LayoutError
 from gputq.kernels import MappedSource, widen_scatter
@@ -161,26 +161,26 @@ class MicroBatchStream:
     of iteration.
     """
 
-    def __init__(self, reader, plans: list, prefetch: int, release: str | None, rank: ParallelSlice, *,
-                 hold: bool = False):
-        self._reader, self._plans, self._depth, self._release = reader, plans, prefetch, release
+    def __init__(self, context: ReadContext, plans: list, prefetch: int, rank: ParallelSlice, *,
+                 hold: bool = False, release: Callable[[list, int], None] | None = None):
+        self._ctx, self._plans, self._depth, self._release = context, plans, prefetch, release
         self._rank, self._hold = rank, hold
         self._pad_blocks: dict[tuple, np.ndarray] = {}
         units = sorted({unit for plan in plans for unit in plan.units})
-        on_host = reader._device == "cpu" and bool(units)
+        on_host = context.on_host and bool(units)
         # Host restores from same-host arenas read the spans where they lie: no staging copy.
-        self._in_place = on_host and all(mapped_here(reader._clients.channel(unit), False) for unit in units)
+        self._in_place = on_host and all(mapped_here(context.channel(unit), False) for unit in units)
         # Host restores over tcp widen each chunk as it lands, on the fetch thread: no staging either.
         self._landing = on_host and not self._in_place and all(
-            reader._clients.channel(unit).pipelines_reads for unit in units)
+            context.channel(unit).pipelines_reads for unit in units)
         self._pipes: dict = {}  # unit -> its read pipeline (landing)
         self._sent: set = set()  # (micro-batch, request) sent ahead of its fetch (landing)
-        self._ahead = reader._device == "cpu" and prefetch >= 2 and not hold and not self._landing
+        self._ahead = context.on_host and prefetch >= 2 and not hold and not self._landing
         self._compact: queue.Queue = queue.Queue()
         self._outputs: queue.Queue = queue.Queue()
         self._fetches: dict[int, Future] = {}
         self._restores: dict[int, Future] = {}
-        self._fetcher, self._restorer = reader._stream_threads()
+        self._fetcher, self._restorer = context.stream_threads()
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._uses: dict[int, int] = {}
         self._lazy: str | None = None
@@ -213,8 +213,9 @@ class MicroBatchStream:
             room = (prefetch + 1 - outputs) * self._output_bytes
             compact = max(prefetch - 1, min(prefetch, room // staging if staging else prefetch))
         compact = min(compact, len(plans))
-        for _ in range(compact):
-            self._compact.put(reader._stream_staging(staging, plans, self._lent))
+        for _ in range(compact):  # registered memory where every unit is read over rdma
+            registered = context.registered(staging, units, self._lent)
+            self._compact.put(context.buffers.lend(staging, self._lent) if registered is None else registered)
         for _ in range(outputs):
             self._outputs.put(self._new_outputs())
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
@@ -232,7 +233,7 @@ class MicroBatchStream:
 
     def _new_outputs(self) -> dict:
         """Output buffers sized once for the largest micro-batch, reused after."""
-        return {name: self._reader._lend(n * dtype.itemsize, self._lent).view(dtype)
+        return {name: self._ctx.buffers.lend(n * dtype.itemsize, self._lent).view(dtype)
                 for name, (n, dtype) in self._largest.items()}
 
     # -- background stages -------------------------------------------------------------
@@ -290,7 +291,7 @@ class MicroBatchStream:
             for r in plan.requests:
                 per_unit.setdefault(r.unit, []).append(r)
             groups = list(per_unit.values())
-            jobs = [self._reader._pool.submit(self._read_group, group, staging) for group in groups[1:]]
+            jobs = [self._ctx.pool.submit(self._read_group, group, staging) for group in groups[1:]]
             try:
                 if groups:
                     self._read_group(groups[0], staging)
@@ -314,11 +315,11 @@ class MicroBatchStream:
         reading (the consumer may take a training step before that fetch
         starts). The replies are received in request order, on this thread.
         """
-        config = self._reader._config
+        timeout = self._ctx.read_timeout_s
         plan.finish()
         for k, r in enumerate(plan.requests):
             if (plan.index, k) not in self._sent:
-                r.send(self._pipe(r.unit), config.read_timeout_s)
+                r.send(self._pipe(r.unit), timeout)
         if plan.index + 1 < len(self._plans) and not self._closed:
             ahead = self._plans[plan.index + 1].finish()
             if plan.index + 1 < self._submitted or _fits_socket_buffers(ahead):
@@ -328,7 +329,7 @@ class MicroBatchStream:
         except queue.Empty:
             outputs = self._new_outputs()
         try:
-            land_replies(plan, outputs, self._pipe, config.read_timeout_s)
+            land_replies(plan, outputs, self._pipe, timeout)
             return self._shaped(plan, outputs), outputs
         except BaseException:
             self._outputs.put(outputs)
@@ -342,7 +343,7 @@ class MicroBatchStream:
         """
         for k, r in enumerate(plan.requests):
             try:
-                r.send(self._pipe(r.unit), self._reader._config.read_timeout_s)
+                r.send(self._pipe(r.unit), self._ctx.read_timeout_s)
             except GputqError:
                 self._sent.difference_update((plan.index, j) for j, q in enumerate(plan.requests) if q.unit == r.unit)
                 return
@@ -352,7 +353,7 @@ class MicroBatchStream:
         """The stream's read pipeline to ``unit`` (one connection), opened on first use."""
         pipe = self._pipes.get(unit)
         if pipe is None:
-            pipe = self._pipes[unit] = self._reader._clients.channel(unit).pipeline()
+            pipe = self._pipes[unit] = self._ctx.channel(unit).pipeline()
         return pipe
 
     def _lease_in_place(self, plan: MicroPlan):
@@ -361,13 +362,12 @@ class MicroBatchStream:
         Its leases are confirmed after the restore (an expired one raises
         ``StaleReadError`` then): one pass over the compact bytes, no copy.
         """
-        config = self._reader._config
         leases = contextlib.ExitStack()
         try:
             starts, addresses, lengths = [], [], []
             for r in plan.requests:
-                regions = leases.enter_context(self._reader._clients.channel(r.unit).mapped_source(
-                    r.keys, config.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
+                regions = leases.enter_context(self._ctx.channel(r.unit).mapped_source(
+                    r.keys, self._ctx.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
                     device=False, ahead=False, spans=r.spans)).tolist()
                 add_leased(r, regions, starts, addresses, lengths)
             return MappedSource(starts, addresses, lengths, plan.nbytes), leases
@@ -411,11 +411,10 @@ class MicroBatchStream:
             self._compact.put(buffer)
 
     def _read_group(self, requests: list, staging) -> None:
-        config = self._reader._config
         for r in requests:
             dest = staging[r.start:r.stop]
-            channel = self._reader._clients.channel(r.unit)
-            r.check_lengths(channel.read(r.keys, dest, timeout=config.read_timeout_s, generations=r.generations,
+            channel = self._ctx.channel(r.unit)
+            r.check_lengths(channel.read(r.keys, dest, timeout=self._ctx.read_timeout_s, generations=r.generations,
                                          incarnation=r.incarnation or None, spans=r.spans))
 
     # -- consuming ---------------------------------------------------------------------
@@ -533,15 +532,15 @@ class MicroBatchStream:
             rows = staging.nbytes // (fp.width * fp.stored.itemsize)
             compact = staging[:rows * fp.width * fp.stored.itemsize].view(fp.stored)
             widen_scatter(compact, fp.plan, fp.width, out, fill=fp.fill, validate=False)
-        if self._reader._device != "cpu":
+        if not self._ctx.on_host:
             # The kernels ran on CuPy's stream; the pad rows and the check below go through torch's.
-            self._reader._synchronize()
+            self._ctx.synchronize()
         return self._shaped(plan, outputs)
 
     def _shaped(self, plan: MicroPlan, outputs: dict) -> MicroBatch:
         """The micro-batch of widened ``outputs``: slime's pad rows written, empty layers refused, views shaped."""
         fields, experts, layers = {}, [], ()
-        to_output = self._reader._to_output
+        to_output = self._ctx.to_output
         for name, fp in plan.fields.items():
             out = outputs[name][:fp.out_elements]
             if fp.layers:
@@ -563,7 +562,7 @@ class MicroBatchStream:
             block = self._pad_blocks.get(shape)
             if block is None:
                 block = self._pad_blocks[shape] = pad_block(*shape, self._rank.num_experts)
-            if self._reader._device == "cpu":
+            if self._ctx.on_host:
                 shaped[:, offset:offset + stop - start] = block
             else:
                 import torch
@@ -574,11 +573,11 @@ class MicroBatchStream:
         """slime refuses to replay a MoE layer whose captured routes are all zero (top-k > 1)."""
         if fp.width < 2 or not fp.data:
             return
-        on_host = self._reader._device == "cpu"
+        on_host = self._ctx.on_host
 
         def nonzero(j: int, look: int | None) -> bool:
             parts = (shaped[j, offset:offset + (rows if look is None else min(rows, look))] for offset, rows in fp.data)
-            return any(bool(part.any() if on_host else self._reader._to_output(part).any()) for part in parts)
+            return any(bool(part.any() if on_host else self._ctx.to_output(part).any()) for part in parts)
 
         # Real routes are nonzero within a few tokens (top-k IDs are distinct): look at a few first,
         # and scan whole only the layers that start with zeros. On the host the first look takes
@@ -599,9 +598,7 @@ class MicroBatchStream:
         if plan.index in self.released:
             return
         self.released.append(plan.index)
-        # The micro-batch's index in the id: two micro-batches with the same uses are two releases.
-        release_id = self._reader._default_release_id(uses_by_unit(plan.layouts), self._release) + f"/mb{plan.index}"
-        self._reader.release(plan.layouts, self._release, release_id=release_id)
+        self._release(plan.layouts, plan.index)
 
     def close(self) -> None:
         """Stop prefetching and wait for the work in flight. Idempotent; the buffers go."""

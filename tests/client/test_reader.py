@@ -304,11 +304,17 @@ def test_a_stream_buffer_is_lent_from_the_smallest_that_fit_the_one_given_back_l
     """Of the buffers earlier streams gave back, the smallest that fit, and of those the warmest in cache."""
     import contextlib
 
-    with local_units("tcp", units=1) as (config, _, clients), Reader(clients, config) as reader:
-        with contextlib.ExitStack() as first:
-            large, one, other = reader._lend(1000, first), reader._lend(100, first), reader._lend(100, first)
-            # Given back in reverse: other, one, then large.
-        with contextlib.ExitStack() as second:
-            assert reader._lend(100, second).base is one.base  # of the two smallest, the one given back last
-            assert reader._lend(100, second).base is other.base
-            assert reader._lend(100, second).base is large.base  # the only one left that fits
+    from gputq.client.read_context import Buffers
+
+    buffers = Buffers("cpu")
+    with contextlib.ExitStack() as first:
+        large, one, other = buffers.lend(1000, first), buffers.lend(100, first), buffers.lend(100, first)
+        # Given back in reverse: other, one, then large.
+    with contextlib.ExitStack() as second:
+        assert buffers.lend(100, second).base is one.base  # of the two smallest, the one given back last
+        assert buffers.lend(100, second).base is other.base
+        assert buffers.lend(100, second).base is large.base  # the only one left that fits
+    buffers.close()
+    with contextlib.ExitStack() as third:
+        fresh = buffers.lend(100, third).base  # closed: none was kept
+        assert all(fresh is not kept.base for kept in (one, other, large))

@@ -311,7 +311,7 @@ def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consume
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(8), lengths)
         with Reader(clients, config) as reader:
-            restorer = reader._stream_threads()[1]
+            restorer = reader._ctx.stream_threads()[1]
             real_submit = restorer.submit
             monkeypatch.setattr(restorer, "submit", lambda *a, **k: (queuing.append(threading.current_thread()),
                                                                      real_submit(*a, **k))[1])

@@ -1,0 +1,166 @@
+"""What the read stages of one trainer rank share: channels, config, device, buffers and threads.
+
+A :class:`~gputq.client.reader.Reader` owns one :class:`ReadContext` and
+hands it to every stage it runs (the whole-shard fetch, each
+:class:`~gputq.client.stream.MicroBatchStream`, the same-host restores).
+A stage reaches the units, the config, the output device and reusable
+memory through it alone, never through the Reader's own attributes: what a
+stage may touch is what this class declares.
+
+:class:`Buffers` is the one place memory is lent. Streams of later steps
+reuse the buffers of earlier ones, and fetches reuse one staging buffer:
+fresh pages fault in slowly, during the very receive they should serve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from gputq.client.clients import UnitChannel, UnitClients
+from gputq.config import GputqConfig
+from gputq.errors import InvalidInputError
+from gputq.kernels import cuda_available
+from gputq.transport import get_transport
+from gputq.transport.cuda import require_cupy
+
+__all__ = ["ReadContext", "Buffers"]
+
+
+def _cupy():
+    return require_cupy("device='cuda'")
+
+
+def device_index(device: str) -> int:
+    """The CUDA ordinal of ``"cuda"`` or ``"cuda:N"``."""
+    return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
+class Buffers:
+    """Byte buffers on one device: lent to streams and given back, plus one growing staging buffer."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self._spare: list = []  # buffers given back, for the next streams
+        self._lock = threading.Lock()
+        self._staging = None
+        self._closed = False
+
+    def empty(self, nbytes: int):
+        """A new uint8 buffer of ``nbytes`` (numpy, or CuPy on the device)."""
+        if self.device == "cpu":
+            return np.empty(nbytes, dtype=np.uint8)
+        cp = _cupy()
+        with cp.cuda.Device(device_index(self.device)):
+            return cp.empty(nbytes, dtype=cp.uint8)
+
+    def staging(self, nbytes: int):
+        """The one reusable staging buffer, grown geometrically, cut to ``nbytes`` (one user at a time)."""
+        if self._staging is None or self._staging.nbytes < nbytes:
+            grown = int(1.5 * self._staging.nbytes) if self._staging is not None else 0
+            self._staging = self.empty(max(nbytes, grown))
+        return self._staging[:nbytes]
+
+    def lend(self, nbytes: int, lent: contextlib.ExitStack):
+        """A buffer of at least ``nbytes``, given back when ``lent`` closes.
+
+        Of the smallest spare ones that fit, the one given back last: its
+        lines are the likeliest still in the CPU's caches.
+        """
+        with self._lock:
+            fits = [i for i, b in enumerate(self._spare) if b.nbytes >= nbytes]
+            buffer = self._spare.pop(min(fits, key=lambda i: (self._spare[i].nbytes, -i))) if fits else None
+        if buffer is None:
+            buffer = self.empty(nbytes)
+        lent.callback(self._give_back, buffer)
+        return buffer[:nbytes]
+
+    def _give_back(self, buffer) -> None:
+        with self._lock:
+            if not self._closed:
+                self._spare.append(buffer)
+
+    def close(self) -> None:
+        """Drop every spare buffer; buffers still lent are dropped when given back. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._spare.clear()
+            self._staging = None
+
+
+class ReadContext:
+    """The narrow view of a Reader its read stages get.
+
+    Parameters
+    ----------
+    clients:
+        Channels to the units.
+    config:
+        Read timeout, frame limit, zero-copy threshold.
+    device:
+        ``"cpu"`` or ``"cuda[:N]"``: where restored fields live.
+    """
+
+    def __init__(self, clients: UnitClients, config: GputqConfig, device: str = "cpu"):
+        if not (isinstance(device, str) and (device == "cpu" or device.startswith("cuda"))):
+            raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        if device != "cpu" and not cuda_available():
+            raise InvalidInputError(f"device={device!r}, but no usable CUDA device (CuPy sees none)")
+        self.clients, self.config, self.device = clients, config, device
+        self.buffers = Buffers(device)
+        #: Reads of several units at once (a fetch's, a staged micro-batch's).
+        self.pool = ThreadPoolExecutor(max(2, len(clients.units) * 2), thread_name_prefix="gputq-reader")
+        self._stream_workers: tuple | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def on_host(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def read_timeout_s(self) -> float | None:
+        return self.config.read_timeout_s
+
+    def channel(self, unit: str) -> UnitChannel:
+        return self.clients.channel(unit)
+
+    def stream_threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The fetch and restore threads of the reader's streams, started once."""
+        with self._lock:
+            if self._stream_workers is None:
+                self._stream_workers = (ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch"),
+                                        ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"))
+            return self._stream_workers
+
+    def registered(self, nbytes: int, units, lent: contextlib.ExitStack):
+        """The rdma transport's registered memory, lent until ``lent`` closes, when every unit of ``units``
+        is read over rdma into host memory (its READs then land with no copy); else None."""
+        if self.on_host and units and {self.clients.transport_of(u)[0] for u in units} == {"rdma"}:
+            return lent.enter_context(get_transport("rdma").destination(nbytes))
+        return None
+
+    def synchronize(self) -> None:
+        """Wait for the restore's device work: before tensors are returned and leases end."""
+        cp = _cupy()
+        with cp.cuda.Device(device_index(self.device)):  # the kernels ran on that device's stream
+            cp.cuda.get_current_stream().synchronize()
+
+    def to_output(self, array):
+        """``array`` as the caller gets it: numpy on the host, a CUDA torch tensor on the device."""
+        if self.on_host:
+            return array
+        import torch
+
+        return torch.from_dlpack(array)
+
+    def close(self) -> None:
+        """Stop the read threads and drop the buffers. Idempotent; the clients stay open."""
+        self.pool.shutdown(wait=True)
+        self.buffers.close()
+        with self._lock:
+            workers, self._stream_workers = self._stream_workers, None
+        for worker in workers or ():
+            worker.shutdown(wait=True)
