@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from gputq.data.fields import LOGPROBS, ROUTED_EXPERTS, ROUTED_EXPERTS_DTYPES, FieldRegistry
 from gputq.errors import ConfigError, InvalidInputError
-from gputq.transport.base import ServerLimits
+from gputq.transport.base import MAX_TIMEOUT_S, ServerLimits
 from gputq.transport.policy import TRANSPORT_NAMES
 
 __all__ = [
@@ -209,8 +209,11 @@ class GputqConfig:
                 raise _error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("put_timeout_s", "reservation_timeout_s", "read_timeout_s", "control_timeout_s",
                      "heartbeat_interval_s", "probe_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise _error(name, f"{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            # inf would pass here and fail every call at run time, in a clock's arithmetic.
+            if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+                raise _error(name, f"{name} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                                   f"got {value}")
         for name in _SERVER_LIMIT_FIELDS:  # one at a time, so the error names the setting's source
             try:
                 ServerLimits(**{name: getattr(self, name)})
@@ -417,6 +420,9 @@ def _read_yaml(path: str) -> dict:
             data = yaml.safe_load(fh)
     except OSError as exc:
         raise ConfigError(f"cannot read transfer-queue config {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                          f"a transfer-queue config is a YAML file") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""

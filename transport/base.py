@@ -35,6 +35,7 @@ from gputq.errors import InvalidInputError, ProtocolError
 from .spans import span_regions, spans_to_wire
 
 __all__ = [
+    "MAX_TIMEOUT_S",
     "Region",
     "Lease",
     "ServerLimits",
@@ -80,6 +81,11 @@ class Lease:
     lease_id: int
     regions: tuple[Region, ...]
     generations: tuple[int, ...] = field(default=())
+
+
+#: The longest timeout anything accepts, in seconds (a week): sockets, thread waits and deadlines all
+#: take it, where an infinite or astronomically long one overflows their clocks.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -130,8 +136,9 @@ class ServerLimits:
                 continue
             # inf would reach socket.settimeout, which refuses it; NaN compares false to everything.
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not (math.isfinite(value) and value > 0):
-                raise InvalidInputError(f"{f.name} must be a finite number of seconds > 0, got {value!r}")
+                    or not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+                raise InvalidInputError(f"{f.name} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                                        f"got {value!r}")
             object.__setattr__(self, f.name, float(value))
 
 

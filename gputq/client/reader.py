@@ -46,7 +46,7 @@ from gputq.client.stream import MicroBatchStream
 from gputq.client.stream_plan import plan_stream
 from gputq.config import GputqConfig
 from gputq.data.fields import sample_key_of
-from gputq.data.refs import FieldRef, Layout, uses_by_unit
+from gputq.data.refs import FieldRef, Layout, checked_shard, uses_by_unit
 from gputq.data.slices import ParallelSlice, layer_major
 from gputq.errors import ClosedError, HintMissedError, InvalidInputError, LayoutError, StaleReadError, TransferError
 from gputq.kernels import MappedSource, widen_scatter
@@ -269,6 +269,7 @@ class Reader(Closeable):
         """
         if self._closed:
             raise ClosedError("Reader is closed")
+        shard = checked_shard(shard)
         with self._lock:  # one fetch at a time: they share the staging buffers
             return self._fetch(shard)
 
@@ -449,6 +450,7 @@ class Reader(Closeable):
             raise InvalidInputError(f"prefetch must be an int >= 1, got {prefetch!r}")
         if release is not None and (not isinstance(release, str) or not release):
             raise InvalidInputError(f"release must be a partition name or None, got {release!r}")
+        shard = checked_shard(shard)
         rank = ParallelSlice() if rank is None else rank
         if fields is not None and (isinstance(fields, str) or not all(isinstance(f, str) for f in fields)):
             raise InvalidInputError(f"fields must be a list of field names, got {fields!r}")
@@ -493,7 +495,7 @@ class Reader(Closeable):
             released its keys, with ``{"freed", "unreachable": {unit:
             reason}}`` as ``.result``.
         """
-        uses = uses_by_unit(shard)
+        uses = uses_by_unit(checked_shard(shard))
         if release_id is None:
             release_id = self._default_release_id(uses, partition)
         elif not isinstance(release_id, str) or not release_id:

@@ -19,7 +19,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -319,9 +319,14 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
     """
     if not isinstance(rank, ParallelSlice):
         raise InvalidInputError(f"rank must be a ParallelSlice, got {type(rank).__name__}")
+    if isinstance(micro_batches, (str, bytes)) or not isinstance(micro_batches, Iterable):
+        raise InvalidInputError(f"micro_batches must be a list of lists of shard positions, got "
+                                f"{type(micro_batches).__name__}")
     seen: dict[int, int] = {}
     batches = []
     for m, batch in enumerate(micro_batches):
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):
+            raise InvalidInputError(f"micro-batch {m} must be a list of shard positions, got {type(batch).__name__}")
         batch = list(batch)
         if not batch:
             raise InvalidInputError(f"micro-batch {m} is empty")
@@ -336,8 +341,8 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
     missing = sorted(set(range(len(shard))) - set(seen))
     if missing:
         raise InvalidInputError(f"samples {missing[:8]} are in no micro-batch: micro-batches must partition the shard")
-    if total_lengths is not None and len(total_lengths) != len(shard):
-        raise InvalidInputError(f"{len(total_lengths)} total lengths for {len(shard)} samples")
+    if total_lengths is not None:
+        total_lengths = _checked_lengths(total_lengths, len(shard))
     if token_ranges is not None and len(token_ranges) != len(shard):
         raise InvalidInputError(f"{len(token_ranges)} token range lists for {len(shard)} samples")
     if token_ranges is not None and rank.allgather_cp and rank.cp_size > 1:
@@ -398,6 +403,19 @@ def _extent(fields: list) -> tuple[tuple, int, int]:
             keys += 1
             align = max(align, key_align)
     return tuple(sorted(units)), nbytes, nbytes + keys * align + 16
+
+
+def _checked_lengths(total_lengths, samples: int) -> list[int]:
+    """Each sample's ``len(tokens)``: an int >= 1 (a float is refused, not cut)."""
+    if isinstance(total_lengths, (str, bytes)) or not isinstance(total_lengths, Iterable):
+        raise InvalidInputError(f"total_lengths must be a list of ints, got {type(total_lengths).__name__}")
+    lengths = list(total_lengths)
+    if len(lengths) != samples:
+        raise InvalidInputError(f"{len(lengths)} total lengths for {samples} samples")
+    for i, n in enumerate(lengths):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise InvalidInputError(f"sample {i}: total length must be an int >= 1, got {n!r}")
+    return [int(n) for n in lengths]
 
 
 def _checked_ranges(ranges, rows: int, sample: int) -> list:

@@ -36,9 +36,19 @@ from gputq.client.fanout import fan_out, tally
 from gputq.client.placement import rendezvous_unit
 from gputq.config import GputqConfig
 from gputq.data.fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
+from gputq.data.keys import checked_name
 from gputq.data.refs import FieldRef, uses_by_unit
 from gputq.data.slices import layer_major
-from gputq.errors import ClosedError, DuplicateKeyError, GputqTimeoutError, InvalidInputError, TransferError
+from gputq.errors import (
+    ClosedError,
+    DuplicateKeyError,
+    FieldValueError,
+    GputqError,
+    GputqTimeoutError,
+    InvalidInputError,
+    RequestTooLargeError,
+    TransferError,
+)
 from gputq.transport.base import Closeable, byte_view
 
 __all__ = ["Writer", "CommitRegion", "SENDER_NICE", "stored_key"]
@@ -102,21 +112,32 @@ class Writer(Closeable):
 
         Returns the references at once; bytes are sent in the background.
         Raises ``FieldValueError`` (a ValueError) before anything is sent if
-        any field cannot be stored exactly: a put stores all its fields or
-        none. The caller may reuse its arrays as soon as this returns.
+        any field cannot be stored exactly, ``RequestTooLargeError`` if the
+        step cannot fit a unit's arena, ``InvalidInputError`` for a key,
+        partition or ``fields`` that is not of the documented types. A put
+        stores all its fields or none: if one fails to land, those of the
+        step already stored are deleted before :meth:`flush` reports it.
+        The caller may reuse its arrays as soon as this returns.
         """
         if self._closed:
             raise ClosedError("Writer is closed")
+        key, partition = checked_name(key, "key"), checked_name(partition, "partition")
+        if not isinstance(fields, Mapping):
+            raise InvalidInputError(f"{key}: fields must be a mapping of field name to array, got "
+                                    f"{type(fields).__name__}")
         if not fields:
             raise InvalidInputError(f"{key}: no fields to put")
+        arrays = {checked_name(field, f"{key}: a field name"): _as_array(key, field, array)
+                  for field, array in fields.items()}
         unit = rendezvous_unit(key, self._clients.live_units)
         incarnation = self._clients.membership[unit].get("incarnation", "")
+        specs = {field: self._spec(field, arr) for field, arr in arrays.items()}
+        self._check_fits(key, arrays, specs)
         prepared: list[tuple[FieldRef, np.ndarray, np.ndarray]] = []
         taken: list[np.ndarray] = []
         try:
-            for field, array in fields.items():
-                spec = self._spec(field, array)
-                arr = np.asarray(array)
+            for field, arr in arrays.items():
+                spec = specs[field]
                 # The one pass: checked and compacted straight into a buffer the writer owns.
                 buffer = self._buffers.take(arr.shape[0] * row_nbytes(spec) if arr.ndim else 0)
                 taken.append(buffer)
@@ -132,6 +153,13 @@ class Writer(Closeable):
                 self._buffers.give(buffer, self._inflight_bytes)
             raise
         return {ref.field: ref for ref, _, _ in prepared}
+
+    def _check_fits(self, key: str, arrays: dict, specs: dict) -> None:
+        """Refuse a step that no unit's arena could ever hold whole (``RequestTooLargeError``)."""
+        sizes = {field: arr.shape[0] * row_nbytes(specs[field]) if arr.ndim else 0 for field, arr in arrays.items()}
+        if sum(sizes.values()) > self._config.unit_capacity_bytes:
+            raise RequestTooLargeError(f"key {key!r}: its fields need {sum(sizes.values())} bytes ({sizes}), more "
+                                       f"than a unit's arena of {self._config.unit_capacity_bytes}; nothing was stored")
 
     def _submit(self, prepared: list) -> None:
         """Queue every field of one put, or none of them."""
@@ -152,35 +180,56 @@ class Writer(Closeable):
                 self._pending[ref.key] = future
 
     def _send_all(self, prepared: list) -> None:
+        """Send one put's fields in order: once one fails, the rest are not sent and those already stored
+        are deleted, before any of the step's keys stops being pending (a flush then sees the step gone)."""
+        stored, failure = [], None
         for ref, compact, buffer in prepared:
-            with contextlib.suppress(Exception):  # recorded in _failures by _send
-                self._send(ref, compact, buffer)
+            attempted, let_go = failure is None, False
+            if attempted:
+                let_go, failure = self._send(ref, compact)
+                if failure is None:
+                    stored.append(ref)
+            with self._cond:
+                self._inflight_bytes -= compact.nbytes
+                # Back in the pool before the key stops being pending: a put right after flush() must find
+                # it there, not fault in a fresh one. A failed send may have left the transport holding it.
+                if let_go or not attempted:
+                    self._buffers.give(buffer, self._inflight_bytes)
+        if failure is not None:
+            self._undo(stored, failure)
+        with self._cond:
+            for ref, _, _ in prepared:
+                if failure is not None:
+                    self._failures[ref.key] = failure
+                self._pending.pop(ref.key, None)
+            self._cond.notify_all()
 
-    def _send(self, ref: FieldRef, compact: np.ndarray, buffer: np.ndarray) -> None:
+    def _send(self, ref: FieldRef, compact: np.ndarray) -> tuple[bool, Exception | None]:
+        """Write one field: (whether the transport let go of its buffer, the failure or None)."""
         meta = {"field": ref.field, "dtype": ref.dtype, "rows": ref.rows,
                 "row_shape": list(ref.row_shape), "partition": ref.partition, "generation": ref.generation}
-        sent = False
+        let_go = False
         try:
             receipt = self._clients.channel(ref.unit).write(ref.key, byte_view(compact), meta,
                                                             timeout=self._config.put_timeout_s)
-            sent = True
+            let_go = True
             _check_receipt(ref, receipt)
-        except BaseException as exc:
-            with self._cond:
-                self._failures[ref.key] = exc
-            raise
-        else:
-            with self._cond:
-                self.bytes_written += compact.nbytes
-        finally:
-            with self._cond:
-                self._inflight_bytes -= compact.nbytes
-                # Back in the pool before the key stops being pending: a put right after
-                # flush() must find it there, not fault in a fresh one.
-                if sent:  # a failed send may have left the transport holding the buffer
-                    self._buffers.give(buffer, self._inflight_bytes)
-                self._pending.pop(ref.key, None)
-                self._cond.notify_all()
+        except Exception as exc:  # recorded for flush; a BaseException (interpreter exit) goes on up
+            return let_go, exc
+        with self._cond:
+            self.bytes_written += compact.nbytes
+        return True, None
+
+    def _undo(self, stored: list, failure: BaseException) -> None:
+        """Delete the fields of a failed step that did land: a step is stored whole or not at all."""
+        by_unit: dict[str, list[str]] = {}
+        for ref in stored:
+            by_unit.setdefault(ref.unit, []).append(ref.key)
+        for unit, keys in by_unit.items():
+            try:
+                self._clients.channel(unit).call("delete", timeout=self._config.control_timeout_s, keys=keys)
+            except Exception as exc:  # the unit is gone with them, or will be: say so with the failure
+                failure.add_note(f"gputq: deleting the step's stored keys {keys} from unit {unit} failed: {exc!r}")
 
     @property
     def buffers_kept(self) -> int:
@@ -191,8 +240,11 @@ class Writer(Closeable):
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued write has landed.
 
-        Raises ``TransferError`` naming the keys that failed (and forgets
-        them), or ``GputqTimeoutError`` if writes are still pending.
+        Raises for the writes that failed (and forgets them): an error of
+        their own class where they share one (``CapacityError``,
+        ``DuplicateKeyError``, ``UnitLostError``, ...), else a
+        ``TransferError``; its ``keys`` name every key of the failed steps.
+        Raises ``GputqTimeoutError`` if writes are still pending.
         """
         with self._cond:
             if not self._cond.wait_for(lambda: not self._pending, timeout):
@@ -204,8 +256,8 @@ class Writer(Closeable):
             failures, self._failures = self._failures, {}
         if failures:
             first = next(iter(failures.values()))
-            raise TransferError(f"{len(failures)} writes failed, first: {first!r}; keys: "
-                                f"{sorted(failures)[:8]}", keys=sorted(failures)) from first
+            raise _one_error(failures, f"{len(failures)} writes failed, first: {first!r}; keys: "
+                                       f"{sorted(failures)[:8]}") from first
 
     def wait(self, keys, timeout: float | None = None) -> None:
         """Wait for the writes of ``keys`` only (failures stay recorded)."""
@@ -314,9 +366,9 @@ class Writer(Closeable):
     def close(self) -> None:
         """Send what is queued, then stop the sender threads. Idempotent.
 
-        Raises ``TransferError`` naming the writes that failed and were not
-        yet reported by :meth:`flush`: a ref handed out must not silently
-        point at nothing.
+        Raises, as :meth:`flush` does, for the writes that failed and were
+        not yet reported by it: a ref handed out must not silently point at
+        nothing.
         """
         if self._closed:
             return
@@ -330,7 +382,7 @@ class Writer(Closeable):
     def __exit__(self, exc_type, exc, tb):
         try:
             self.close()
-        except TransferError as failure:
+        except GputqError as failure:  # failed writes, of whichever class they share
             if exc is None:
                 raise
             exc.add_note(f"gputq: writes also failed: {failure}")
@@ -355,6 +407,31 @@ def _background_priority() -> None:
     with contextlib.suppress(OSError):
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + SENDER_NICE))
+
+
+def _one_error(failures: dict, message: str) -> GputqError:
+    """Failed writes as one error, with ``keys`` naming them all: of the failures' own class where they
+    share one (a full arena's ``CapacityError`` stays a TimeoutError, a ``DuplicateKeyError`` a
+    ValueError), else a ``TransferError``."""
+    kinds = {type(exc) for exc in failures.values()}
+    kind = kinds.pop() if len(kinds) == 1 else TransferError
+    error = None
+    if issubclass(kind, GputqError):
+        with contextlib.suppress(TypeError):  # a class whose constructor needs more than a message
+            error = kind(message)
+    if error is None:
+        error = TransferError(message)
+    error.keys = tuple(sorted(failures))
+    return error
+
+
+def _as_array(key: str, field: str, value) -> np.ndarray:
+    """``value`` as one numpy array, or ``FieldValueError`` (ragged nesting, mixed objects)."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as exc:
+        raise FieldValueError(f"key {key!r} field {field!r}: not an array of one shape and dtype "
+                              f"({type(exc).__name__}: {exc})") from None
 
 
 def _check_receipt(ref: FieldRef, receipt) -> None:

@@ -29,7 +29,7 @@ from gputq.cluster.controller import Controller
 from gputq.cluster.metrics import controller_metrics, require_prometheus, rss_bytes, serve_metrics, unit_metrics
 from gputq.cluster.names import CONTROLLER_NAME, NAMESPACE, import_ray, unit_actor_name
 from gputq.config import GputqConfig
-from gputq.errors import MissingDependencyError
+from gputq.errors import ConfigError, MissingDependencyError
 from gputq.transport import get_transport
 from gputq.transport.base import Closeable
 from gputq.transport.policy import nixl_fix, nixl_import_error
@@ -246,7 +246,16 @@ class Deployment:
             if node is not None:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
             handles[name] = actor_cls.options(**options).remote(name, self.config)
-        addresses = ray.get([handle.address.remote() for handle in handles.values()])
+        try:
+            addresses = ray.get([handle.address.remote() for handle in handles.values()])
+        except ray.exceptions.RayActorError as exc:
+            if not exc.actor_init_failed:
+                raise
+            for handle in handles.values():  # the others started: they go with the failed start
+                ray.kill(handle)
+            # Ray's text ends with the unit's own error: "ConfigError: cannot reserve ...", say.
+            reason = str(exc).strip().splitlines()[-1]
+            raise ConfigError(f"a StorageUnit could not start with this config: {reason}") from None
         ray.get([self.controller.register_unit.remote(name, address, node)
                  for (name, node), address in zip(placements, addresses)])
         self.units.update(handles)

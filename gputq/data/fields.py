@@ -339,8 +339,9 @@ def _check_range(where: str, src: np.ndarray, dst: np.ndarray, row0: int) -> Non
     stored = dst.dtype
     info = np.iinfo(stored)
     if stored.kind == "u" and src.dtype.itemsize > stored.itemsize:
-        # Negative IDs read as unsigned are huge, so one max checks both ends.
-        unsigned = src.view(f"u{src.dtype.itemsize}")
+        # Negative IDs read as unsigned are huge, so one max checks both ends. The view keeps the
+        # input's byte order: a big-endian array read as native would check other numbers.
+        unsigned = src.view(np.dtype(f"u{src.dtype.itemsize}").newbyteorder(src.dtype.byteorder))
         if int(np.maximum.reduce(unsigned, axis=None)) <= info.max:
             return
     elif info.min <= int(np.minimum.reduce(src, axis=None)) and int(np.maximum.reduce(src, axis=None)) <= info.max:

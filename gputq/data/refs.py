@@ -25,7 +25,7 @@ import numpy as np
 from gputq.errors import InvalidInputError, LayoutError
 
 __all__ = ["SCHEMA_VERSION", "GENERATION_LIMIT", "FieldRef", "Fragment", "Layout", "check_fill", "read_record",
-           "uses_by_unit"]
+           "uses_by_unit", "checked_shard"]
 
 SCHEMA_VERSION = 2
 #: Writers choose generations in [1, 2**63); 0 means "unknown: don't check".
@@ -401,3 +401,26 @@ def uses_by_unit(samples: Iterable[Mapping[str, Layout]]) -> dict[str, list[str]
         for ref in {(ref.unit, ref.key) for layout in sample.values() for ref in layout.refs()}:
             uses.setdefault(ref[0], []).append(ref[1])
     return uses
+
+
+def checked_shard(shard: Any) -> list[Mapping[str, Layout]]:
+    """``shard`` as a list of samples, each a mapping of field name to that field's :class:`Layout`.
+
+    The one check every read entry point runs first: anything else raises
+    ``InvalidInputError`` (``LayoutError`` for a layout under another
+    field's name) naming the sample and field, before anything is read.
+    """
+    if isinstance(shard, (str, bytes, Mapping)) or not isinstance(shard, Iterable):
+        raise InvalidInputError(f"shard must be a list of samples (mappings of field name to Layout), "
+                                f"got {type(shard).__name__}")
+    shard = list(shard)
+    for i, sample in enumerate(shard):
+        if not isinstance(sample, Mapping):
+            raise InvalidInputError(f"sample {i} must be a mapping of field name to Layout, got "
+                                    f"{type(sample).__name__}")
+        for name, layout in sample.items():
+            if not isinstance(layout, Layout):
+                raise InvalidInputError(f"sample {i} field {name!r}: expected a Layout, got {type(layout).__name__}")
+            if layout.field != name:
+                raise LayoutError(f"sample {i}: field {name!r} holds a layout of field {layout.field!r}")
+    return shard

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -82,10 +83,10 @@ class RolloutShape:
         if self.dtype not in BYTES_PER_ID:
             raise ConfigError(f"dtype must be one of {sorted(BYTES_PER_ID)}, got {self.dtype!r}")
         for name in ("context", "layers", "topk", "prompts", "samples_per_prompt", "units"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.segments <= 0:
-            raise ConfigError(f"segments must be > 0, got {self.segments}")
+            if not 1 <= int(getattr(self, name)) <= _MAX_COUNT:
+                raise ConfigError(f"{name} must be in [1, {_MAX_COUNT:g}], got {getattr(self, name)}")
+        if not (math.isfinite(self.segments) and 0 < self.segments <= _MAX_COUNT):
+            raise ConfigError(f"segments must be a finite number in (0, {_MAX_COUNT:g}], got {self.segments}")
 
     @property
     def trajectories(self) -> int:
@@ -97,6 +98,10 @@ class RolloutShape:
         if self.token_lengths is not None:
             return float(sum(self.token_lengths))
         return float(self.trajectories) * self.segments * self.context
+
+
+#: The largest count (tokens, layers, prompts, ...) a projection takes: beyond it figures are no rollout's.
+_MAX_COUNT = 10**9
 
 
 #: The two models of the reference write-up.
@@ -130,19 +135,27 @@ class Calibration:
     local_unit: float
     source: str = ""
 
+    def __post_init__(self) -> None:
+        for name, low in (("centralised", 0.0), ("residual", None), ("local_unit", 0.0)):
+            value = getattr(self, name)  # residual may be 0: an offloaded master holding no R3 bytes
+            if not (math.isfinite(value) and (value >= 0 if low is None else value > low)):
+                raise ConfigError(f"{self.source or 'calibration'}: {name} must be a finite number "
+                                  f"{'>= 0' if low is None else '> 0'}, got {value}")
+
     @classmethod
     def from_bench(cls, path: str) -> "Calibration":
         """Read the ``calibration`` object of the last ``bench.memory --json`` line in ``path``.
 
         A committed log (command line first, status after) reads as well as the bare output.
         """
-        with open(path, encoding="utf-8") as fh:
-            lines = [line for line in fh.read().splitlines() if line.startswith("{")]
+        lines = [line for line in _text(path).splitlines() if line.startswith("{")]
         for line in reversed(lines):
             try:
                 data = json.loads(line)["calibration"]
                 return cls(float(data["centralised"]), float(data["residual"]), float(data["local_unit"]),
                            source=path)
+            except ConfigError:
+                raise  # a calibration line with figures no run can give
             except (KeyError, TypeError, ValueError):
                 continue
         raise ConfigError(f"{path}: no bench.memory --json line with a calibration in it")
@@ -171,15 +184,24 @@ def parse_tokens(text: str) -> int:
 
 def read_token_lengths(path: str) -> tuple[int, ...]:
     """Token counts of every segment of a batch: whitespace- or comma-separated integers."""
-    with open(path, encoding="utf-8") as fh:
-        words = fh.read().replace(",", " ").split()
+    words = _text(path).replace(",", " ").split()
     try:
         lengths = tuple(int(w) for w in words)
     except ValueError:
         raise ConfigError(f"{path}: expected integers (token counts), one per segment") from None
-    if not lengths or min(lengths) < 1:
-        raise ConfigError(f"{path}: needs at least one segment, each of >= 1 token")
+    if not lengths or min(lengths) < 1 or max(lengths) > _MAX_COUNT:
+        raise ConfigError(f"{path}: needs at least one segment, each of 1 to {_MAX_COUNT:g} tokens")
     return lengths
+
+
+def _text(path: str) -> str:
+    """The text of ``path``; ``ConfigError`` for a file that is not UTF-8 text."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start})") from None
 
 
 def r3_bytes(shape: RolloutShape, dtype: str | None = None) -> float:
@@ -357,6 +379,8 @@ def run(args: argparse.Namespace) -> int:
     """Print the projection for parsed ``args``; returns the exit status."""
     try:
         calibration = Calibration.from_bench(args.calibration) if args.calibration else DEFAULT_CALIBRATION
+        if not (math.isfinite(args.host_tb) and 0 < args.host_tb <= _MAX_COUNT):
+            raise ConfigError(f"--host-tb must be a finite number of TB in (0, {_MAX_COUNT:g}], got {args.host_tb}")
         result = project(shape_from_args(args), calibration, args.host_tb * 1e12)
     except (ConfigError, OSError) as exc:
         print(f"gputq capacity: {exc}", file=sys.stderr)

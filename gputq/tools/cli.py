@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -17,10 +18,11 @@ from gputq.cluster.deploy import serving_transport
 from gputq.cluster.names import import_ray
 from gputq.config import EXPERT_DTYPES, TRANSPORTS, GputqConfig
 from gputq.errors import InvalidInputError, MissingDependencyError
+from gputq.transport.base import MAX_TIMEOUT_S
 from gputq.kernels import cuda_available
 from gputq.tools.capacity import build_parser as capacity_parser
 from gputq.tools.capacity import run
-from gputq.tools.demo import DemoOptions, run_demo
+from gputq.tools.demo import DemoOptions, demo_bytes, run_demo
 from gputq.tools.info import collect_info, format_info
 from gputq.tools.stats import run_stats
 
@@ -56,13 +58,23 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value}")
     return value
 
 
@@ -92,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu", help="trainer restore device: cpu or cuda[:N]")
     demo.add_argument("--view", choices=("timeline", "lineage"), default="lineage",
                       help="segments: one per step (timeline) or one per context (lineage)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic rollout")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of the synthetic rollout")
     demo.add_argument("--config", metavar="PATH", default=None,
                       help="gputq YAML config (default: $GPUTQ_CONFIG if set)")
     demo.add_argument("--overlap", action="store_true",
@@ -135,6 +147,11 @@ def demo_setup(args: argparse.Namespace, env=None):
                          f"(at most {top + 1} experts); pick --dtype {'uint16' if dtype == 'uint8' else 'int32'}")
     if args.topk > args.experts:
         raise InvalidInputError(f"--topk {args.topk} is more than --experts {args.experts}")
+    stored = demo_bytes(args.sessions, args.steps, args.tokens, args.layers, args.topk, np.dtype(dtype).itemsize)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 2 * stored > memory:  # the inline reference holds a copy beside the units' arenas
+        raise InvalidInputError(f"the demo would store about {stored / 2**30:.1f} GiB of expert IDs twice, more "
+                                f"than this machine's {memory / 2**30:.1f} GiB; lower --tokens, --sessions or --steps")
     device = args.device
     if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
         raise InvalidInputError(f"--device must be cpu, cuda or cuda:N, got {device!r}")

@@ -36,7 +36,7 @@ from gputq.integrations.slime import LOG_PROBS, ROUTED_EXPERTS_KEY, hydrate, to_
 from gputq.tools.scenarios import blocking, overlapping_rollouts
 from gputq.tools.synthetic import SyntheticConfig, ingest_synthetic
 
-__all__ = ["DemoOptions", "run_demo", "format_summary", "TrainerRank", "RolloutManager", "digest_fields"]
+__all__ = ["DemoOptions", "run_demo", "demo_bytes", "format_summary", "TrainerRank", "RolloutManager", "digest_fields"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,13 @@ def _say(progress: bool, message: str) -> None:
         print(message, file=sys.stdout, flush=True)
 
 
+def demo_bytes(sessions: int, steps: int, tokens: int, layers: int, topk: int, itemsize: int) -> int:
+    """About the expert-ID bytes the demo stores: per session ~(prompt + steps*(out+tool)) rows of L*K IDs,
+    with the prompt half a call's output and a tool reply an eighth (as :func:`run_demo` sets them)."""
+    per_session = tokens // 2 + 2 * steps * (tokens + max(1, tokens // 8))
+    return sessions * per_session * layers * topk * itemsize
+
+
 def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progress: bool = True) -> dict:
     """Run the demo; returns the summary (``verified`` and the figures).
 
@@ -137,9 +144,8 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
                             prompt_tokens=options.tokens // 2, tokens_per_step=options.tokens,
                             tool_tokens=max(1, options.tokens // 8), branch_prob=0.25, rewrite_prob=0.2,
                             seed=options.seed)
-    # Expert IDs of one step: ~(prompt + steps*(out+tool)) rows of L*K IDs; size arenas with headroom.
-    per_session = (synth.prompt_tokens + 2 * options.steps * (options.tokens + synth.tool_tokens))
-    estimate = options.sessions * per_session * options.layers * options.topk * np.dtype(options.dtype).itemsize
+    estimate = demo_bytes(options.sessions, options.steps, options.tokens, options.layers, options.topk,
+                          np.dtype(options.dtype).itemsize)
     capacity = max(64 << 20, int(1.5 * estimate / options.units))
     config = (config if config is not None else GputqConfig.load()).replace(
         enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=options.dtype,

@@ -11,7 +11,7 @@ from gputq.client.clients import UnitClients
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.data.refs import Layout, uses_by_unit
-from gputq.errors import GputqTimeoutError, PartialFailureError, TransferError, UnknownKeyError
+from gputq.errors import CapacityError, GputqTimeoutError, PartialFailureError, TransferError, UnknownKeyError
 from tests.conftest import local_units
 
 
@@ -43,8 +43,10 @@ def test_zero_row_fields_round_trip():
 def test_close_reports_failures_that_flush_never_saw():
     with local_units("tcp", units=1, capacity=1 << 20, put_timeout_s=0.2) as (config, _, clients):
         writer = Writer(clients, config)
-        writer.put("too-big", "p", {"logprobs": np.zeros((2 << 20) // 4, np.float32)})
-        with pytest.raises(TransferError, match="too-big"):
+        writer.put("first", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})
+        writer.flush()
+        writer.put("no-room", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})  # the arena stays full
+        with pytest.raises(CapacityError, match="no-room"):
             writer.close()
         writer.close()  # idempotent, reported once
 
@@ -53,7 +55,9 @@ def test_exit_keeps_the_callers_exception_and_notes_failed_writes():
     with local_units("tcp", units=1, capacity=1 << 20, put_timeout_s=0.2) as (config, _, clients):
         with pytest.raises(KeyError) as info:
             with Writer(clients, config) as writer:
-                writer.put("too-big", "p", {"logprobs": np.zeros((2 << 20) // 4, np.float32)})
+                writer.put("first", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})
+                writer.flush()
+                writer.put("no-room", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})
                 raise KeyError("local failure")
         assert any("writes also failed" in note for note in info.value.__notes__)
 
@@ -66,7 +70,7 @@ def test_wait_and_flush_time_out_typed():
 
             def slow_send(*args):
                 gate.wait(5)
-                original(*args)
+                return original(*args)
 
             writer._send = slow_send
             writer.put("slow", "p", {"logprobs": np.ones(4, np.float32)})

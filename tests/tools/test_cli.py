@@ -50,7 +50,7 @@ def test_demo_reads_the_libraries_file_and_environment(tmp_path):
     (["demo"], {"GPUTQ_TRANSPORT": "udp"}, "environment variable GPUTQ_TRANSPORT='udp': transport must be one of"),
     (["demo"], {"GPUTQ_NUM_UNITS": "2.5"}, "GPUTQ_NUM_UNITS='2.5': num_units must be an integer"),
     (["demo", "--config", "/nonexistent/tq.yaml"], {}, "cannot read transfer-queue config /nonexistent/tq.yaml"),
-    (["stats", "--interval", "0"], {}, "argument --interval: must be > 0"),
+    (["stats", "--interval", "0"], {}, "argument --interval: must be a finite number of seconds in (0, 604800]"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_ray(args, env, message):
     started = time.monotonic()
@@ -120,3 +120,47 @@ def test_a_numeric_token_in_the_config_file_is_refused_without_showing_it(tmp_pa
     (line,) = proc.stderr.strip().splitlines()
     assert "token must be a string" in line and "tq.yaml" in line
     assert "1234567890123456" not in proc.stderr + proc.stdout
+
+
+_BINARY = b"\xff\xfe\x00\x81binary"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["capacity", "--calibration", "{binary}"], "not UTF-8 text"),
+    (["capacity", "--context", "{binary}"], "not UTF-8 text"),
+    (["capacity", "--layers", "1" + "0" * 400], "layers must be in [1, 1e+09]"),
+    (["capacity", "--segments", "nan"], "segments must be a finite number"),
+    (["capacity", "--segments", "inf"], "segments must be a finite number"),
+    (["capacity", "--host-tb", "-1"], "--host-tb must be a finite number of TB"),
+    (["capacity", "--host-tb", "0"], "--host-tb must be a finite number of TB"),
+    (["capacity", "--host-tb", "nan"], "--host-tb must be a finite number of TB"),
+    (["capacity", "--calibration", "{negative}"], "centralised must be a finite number > 0, got -1.0"),
+    (["capacity", "--calibration", "{nan}"], "residual must be a finite number >= 0, got nan"),
+    (["demo", "--config", "{binary}"], "not UTF-8 text"),
+    (["demo", "--seed", "-1"], "--seed: must be in [0, 2**63)"),
+    (["demo", "--tokens", "1000000000"], "GiB of expert IDs twice, more than this machine's"),
+    (["stats", "--interval", "inf"], "--interval: must be a finite number of seconds"),
+])
+def test_every_bad_cli_value_is_one_line_and_exit_2_before_anything_starts(argv, message, tmp_path, capsys,
+                                                                           monkeypatch):
+    """Values that once ended in a traceback (exit 1) or printed NaN and negative figures (exit 0)."""
+    from gputq.cluster import names
+    from gputq.tools.cli import main
+
+    def no_ray():
+        raise AssertionError("Ray must not start for a bad value")
+
+    monkeypatch.setattr(names, "import_ray", no_ray)
+    monkeypatch.setattr("gputq.tools.cli.import_ray", no_ray)
+    files = {"binary": tmp_path / "binary", "negative": tmp_path / "negative.json", "nan": tmp_path / "nan.json"}
+    files["binary"].write_bytes(_BINARY)
+    files["negative"].write_text(json.dumps({"calibration": {"centralised": -1, "residual": 0.1, "local_unit": 1.1}}))
+    files["nan"].write_text('{"calibration": {"centralised": 2.0, "residual": NaN, "local_unit": 1.1}}')
+    argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusal of a flag's value
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert message in err and len(err.splitlines()) == 1, err
