@@ -9,6 +9,7 @@ rates between refreshes; ``--once``/``--json`` print one snapshot and
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 
@@ -49,9 +50,25 @@ def format_table(units: dict[str, dict], previous: dict[str, dict] | None = None
     return "\n".join(lines)
 
 
+#: How long ``gputq stats`` tries to reach an explicit ``--address`` before giving up.
+CONNECT_TIMEOUT_S = 10.0
+
+
+def _check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse an explicit ``host:port`` nothing listens on (Ray's own connect retries it for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or address.startswith(("ray://", "auto")):
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise InvalidInputError(f"no Ray cluster at --address {address!r}: {exc}") from None
+
+
 def _attach(address: str):
     ray = import_ray()
     if not ray.is_initialized():
+        _check_reachable(address)
         try:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
         except ConnectionError as exc:

@@ -108,9 +108,11 @@ def _spin(spinning, cpu):
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: the child spins on one")
 def test_trainer_cores_count_a_busy_child_as_a_core_though_its_clock_trails_by_a_tick():
+    """Slow, not fast: it measures the machine (the child must get a whole core), so a busy machine fails it."""
     # A spinning process's CPU clock, read from another, moves only at scheduler ticks (4 ms at
     # HZ=250): over one pass of a few microseconds it reads no core of the child's or thousands,
     # over a quarter second one. This process's own loop keeps the other core busy: two in all.
@@ -135,10 +137,12 @@ def test_trainer_cores_count_a_busy_child_as_a_core_though_its_clock_trails_by_a
     assert all(1.4 < cores < 2.6 for cores in readings), readings
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: the children share one")
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="the kernel's schedstat is Linux's")
 def test_trainer_counts_the_waiting_for_a_core_of_two_children_sharing_one():
+    """Slow, not fast: it measures the machine (a core of its own for this process), so a busy machine fails it."""
     # Two spinning children on one core: one runs while the other waits, a core's worth of waiting
     # between them; this process, alone on another core, waits for none.
     ours, theirs, *_ = sorted(os.sched_getaffinity(0))

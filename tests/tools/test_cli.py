@@ -140,6 +140,7 @@ _BINARY = b"\xff\xfe\x00\x81binary"
     (["demo", "--seed", "-1"], "--seed: must be in [0, 2**63)"),
     (["demo", "--tokens", "1000000000"], "GiB of expert IDs twice, more than this machine's"),
     (["stats", "--interval", "inf"], "--interval: must be a finite number of seconds"),
+    (["stats", "--once", "--address", "127.0.0.1:1"], "no Ray cluster at --address '127.0.0.1:1'"),
 ])
 def test_every_bad_cli_value_is_one_line_and_exit_2_before_anything_starts(argv, message, tmp_path, capsys,
                                                                            monkeypatch):
