@@ -9,14 +9,15 @@ import pytest
 
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
-from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice, expert_pieces
 from gputq.errors import InvalidInputError
+from tests.client.test_stream import EXPERTS
+from tests.client.test_stream import _rollout as rollout
 from tests.conftest import TRANSPORT_PARAMS, local_units
 
 pytestmark = pytest.mark.timeout(180)
 
-LAYERS, TOPK, EXPERTS = 4, 3, 16
+LAYERS, TOPK = 4, 3  # an odd top-k: uint16 rows of 6 bytes
 #: Uneven lengths, so that chunks cross sample boundaries and pads land mid-chunk.
 LENGTHS = [37, 50, 9, 64, 23, 41]
 BATCHES = [[0, 1, 2], [3], [4, 5]]
@@ -68,15 +69,7 @@ def _stored_rows_of_chunk(lengths: list[int], rank: ParallelSlice) -> int:
 
 
 def _rollout(writer, rng):
-    shard, data = [], []
-    for i, total in enumerate(LENGTHS):
-        experts = rng.integers(0, EXPERTS, (total - 1, LAYERS, TOPK)).astype(np.int32)
-        log_probs = rng.standard_normal(total // 2).astype(np.float32)
-        refs = writer.put(f"s{i}/0", "p", {"routed_experts": experts, "logprobs": log_probs})
-        shard.append({name: Layout.from_ref(ref) for name, ref in refs.items()})
-        data.append((experts, log_probs, total))
-    writer.flush()
-    return shard, data
+    return rollout(writer, rng, LENGTHS, layers=LAYERS, topk=TOPK)
 
 
 def test_the_rule_matches_slime_on_whole_arrays_for_every_rank():

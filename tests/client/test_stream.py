@@ -72,11 +72,11 @@ def slime_log_probs(log_probs: torch.Tensor, total: int, rank: ParallelSlice) ->
     return torch.cat(out) if out else log_probs[:0]
 
 
-def _rollout(writer, rng, lengths, dtype=np.uint16):
+def _rollout(writer, rng, lengths, dtype=np.uint16, *, layers=LAYERS, topk=TOPK):
     """Samples of one step each (R3 rows T-1, logprobs over the response's last half)."""
     shard, data = [], []
     for i, total in enumerate(lengths):
-        experts = rng.integers(0, EXPERTS, (total - 1, LAYERS, TOPK)).astype(np.int32)
+        experts = rng.integers(0, EXPERTS, (total - 1, layers, topk)).astype(np.int32)
         log_probs = rng.standard_normal(total // 2).astype(np.float32)
         refs = writer.put(f"s{i}/0", "p", {"routed_experts": experts, "logprobs": log_probs})
         shard.append({name: Layout.from_ref(ref) for name, ref in refs.items()})
