@@ -67,6 +67,17 @@ def _fits_socket_buffers(plan: MicroPlan) -> bool:
     return max(per_unit.values(), default=0) <= SOCKET_BUFFER_BYTES
 
 
+def _run_into(future: Future, work: Callable, *args) -> None:
+    """Run ``work(*args)`` into ``future``, unless it was cancelled first (the stream closed: close() ends
+    the leases of fetches never restored)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(work(*args))
+    except BaseException as exc:
+        future.set_exception(exc)
+
+
 class LayerRef:
     """One layer of one micro-batch for slime's ``RoutingReplay.record``, restored when first replayed.
 
@@ -244,31 +255,30 @@ class MicroBatchStream:
 
     def _submit(self) -> None:
         plan = self._plans[self._submitted]
-        fetch = self._fetches[plan.index] = self._fetcher.submit(self._land if self._landing else self._fetch, plan)
+        fetch = self._fetches[plan.index] = Future()
         if self._ahead:
             # Queued on the restore thread by the fetch once it is done, not here: a task queued now
-            # would only wait for the fetch, and waking the idle thread for it costs the consumer
-            # (who queues the next fetch as it takes a micro-batch) about 20 us each time on the 2-core dev box.
+            # would only wait for the fetch, and waking the idle thread for it costs the consumer (who
+            # queues the next fetch as it takes a micro-batch). The callback goes on before the fetch
+            # can start, so it always runs on the fetch thread, never on a consumer that came late.
             restore = self._restores[plan.index] = Future()
             fetch.add_done_callback(lambda done: self._queue_restore(plan, done, restore))
+        try:
+            self._fetcher.submit(_run_into, fetch, self._land if self._landing else self._fetch, plan)
+        except BaseException as exc:  # the reader's threads are shut down
+            if fetch.set_running_or_notify_cancel():
+                fetch.set_exception(exc)
+            raise
         self._submitted += 1
 
     def _queue_restore(self, plan: MicroPlan, fetch: Future, restore: Future) -> None:
         """Restore ``plan`` on the restore thread into ``restore`` once ``fetch`` is done (its done callback)."""
         try:
-            self._restorer.submit(self._run_restore, plan, fetch, restore)
+            self._restorer.submit(_run_into, restore, self._restore_ahead, plan, fetch)
         except BaseException as exc:  # the reader's threads are shut down: the consumer gets the error
             if restore.set_running_or_notify_cancel():
                 self._drop_fetched(fetch)
                 restore.set_exception(exc)
-
-    def _run_restore(self, plan: MicroPlan, fetch: Future, restore: Future) -> None:
-        if not restore.set_running_or_notify_cancel():
-            return  # the stream closed: close() ends the leases of fetches never restored
-        try:
-            restore.set_result(self._restore_ahead(plan, fetch))
-        except BaseException as exc:
-            restore.set_exception(exc)
 
     def _take(self, pool: queue.Queue):
         """A free buffer of ``pool``; waits while the consumer holds them all, gives up once closed."""
