@@ -389,6 +389,17 @@ class Channel(Closeable):
     def close(self) -> None:
         """Release sockets and registrations. Idempotent."""
 
+    def abandon(self) -> None:
+        """Close a channel whose unit is lost, sending it nothing and waiting on it for nothing.
+
+        :meth:`close` may first tell a live unit what it can free (a
+        one-sided reader's deferred lease ends); a unit that stopped
+        answering would hold that for a whole control timeout, on top of the
+        read's own. What a lost unit is not told expires there by itself.
+        Idempotent; the default is :meth:`close`.
+        """
+        self.close()
+
 
 class Server(Closeable):
     """The serving side of one arena."""

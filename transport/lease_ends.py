@@ -89,6 +89,7 @@ class LeaseEnds:
         self._ids: list[int] = []
         self._scheduled = False  # the ender thread will send what is pending
         self._closed = False
+        self._dropped = False  # the unit is lost: nothing more is sent, nothing waited for
 
     def request_lease(self, send: Callable[[dict], dict], args: dict) -> tuple[dict, float]:
         """Send a ``lease`` request with ``send(args)``, carrying the ends still pending.
@@ -150,10 +151,24 @@ class LeaseEnds:
                 self._end(ids)
 
     def close(self) -> None:
-        """Flush, and end later deferrals at once. Idempotent."""
+        """Flush, and end later deferrals at once. Idempotent; after :meth:`drop`, returns at once."""
         with self._lock:
             self._closed = True
-        self.flush()
+            dropped = self._dropped
+        if not dropped:
+            self.flush()
+
+    def drop(self) -> None:
+        """The unit is lost: forget the deferred ends unsent (they expire on the unit) and take no more.
+
+        Returns at once, also while the ender thread is sending; later
+        deferrals are ended at once (on a closed channel: they fail fast).
+        """
+        with self._lock:
+            self._closed = self._dropped = True
+            dropped, self._ids = len(self._ids), []
+        if dropped:
+            _log.info("unit %s: %d lease ends dropped with the unit (they expire on the unit)", self._unit, dropped)
 
     def _end(self, ids: list[int]) -> None:
         try:

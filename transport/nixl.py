@@ -477,6 +477,13 @@ class NixlChannel(Channel):
         self._local.remove_remote(self._remote)
         self._tcp.close()
 
+    def abandon(self) -> None:
+        """The unit is lost: its deferred lease ends are dropped and its control connection closed first,
+        so that an end being sent fails now instead of holding :meth:`close` for its timeout."""
+        self._ends.drop()
+        self._tcp.close()
+        self.close()
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"rdma channel to {self.unit} is closed")

@@ -568,6 +568,13 @@ class ShmChannel(Channel):
             self._fallback.close()
         self._tcp.close()
 
+    def abandon(self) -> None:
+        """The unit is lost: its deferred lease ends are dropped and its control connection closed first,
+        so that an end being sent fails now instead of holding :meth:`close` for its timeout."""
+        self._ends.drop()
+        self._tcp.close()
+        self.close()
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"shm channel to {self.unit} is closed")

@@ -341,7 +341,7 @@ class UnitClients(Closeable):
                 self._prober.start()
         log.warning("StorageUnit %s marked lost: %s", unit, reason)
         if chan is not None:
-            chan.close()  # requests still in flight on it end now, not at their own timeouts
+            chan.abandon()  # requests in flight on it end now, not at their own timeouts; nothing more is sent
 
     def ping(self, unit: str, timeout: float | None = None) -> bool:
         """Probe ``unit`` with one cheap control call; True when it answered.

@@ -92,6 +92,41 @@ def test_reader_of_keys_on_a_killed_unit_gets_a_typed_error_naming_unit_and_keys
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_stream_whose_unit_is_stopped_raises_within_the_read_timeout(transport):
+    """SIGSTOP after micro-batch 2: what was yielded is exact and in order, and the first micro-batch
+    that needs the unit raises UnitTimeoutError within the read timeout and a small margin. Over shm
+    the lost channel's close once sent its deferred lease ends first, for another 10 s."""
+    from gputq.data.slices import ParallelSlice
+
+    timeout, margin = 1.0, 1.0
+    with unit_processes(1, read_timeout_s=timeout) as (config, units):
+        config = config.replace(transport=transport)
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            assert clients.transport_of("su-0")[0] == transport
+            with Writer(clients, config) as writer:
+                data = [np.full((200, 4, 2), i + 1, np.int32) for i in range(8)]
+                refs = [writer.put(f"s{i}", "p", {"routed_experts": d}) for i, d in enumerate(data)]
+                writer.flush()
+            shard = [{"routed_experts": Layout.from_ref(r["routed_experts"])} for r in refs]
+            seen = []
+            with Reader(clients, config) as reader, \
+                    reader.stream(shard, [[i] for i in range(8)], ParallelSlice(num_experts=16)) as stream:
+                with pytest.raises(UnitTimeoutError, match="su-0"):
+                    for mb in stream:
+                        assert (mb.routed_experts[0][:200] == mb.index + 1).all()
+                        seen.append(mb.index)
+                        if mb.index == 2:
+                            units["su-0"].stop()
+                            stopped = time.monotonic()
+                elapsed = time.monotonic() - stopped
+            units["su-0"].cont()
+    assert seen[:3] == [0, 1, 2] and seen == list(range(len(seen)))
+    assert elapsed < timeout + margin, elapsed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_hung_unit_costs_one_timeout_not_one_per_request():
     with unit_processes(2) as (config, units):
         with UnitClients({n: u.address for n, u in units.items()}, config) as clients:

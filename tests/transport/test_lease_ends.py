@@ -85,6 +85,32 @@ def test_close_waits_for_an_end_the_ender_thread_is_sending():
     assert closed.wait(5) and sent == [[3]]
 
 
+@pytest.mark.timeout(30)
+def test_a_dropped_unit_closes_at_once_though_the_ender_thread_is_sending_to_it():
+    """A lost unit's channel closes without its ends: the one being sent (to a hung unit, say) is not
+    waited for, those still pending are not sent, and later ones go at once."""
+    sending, release = threading.Event(), threading.Event()
+    sent = []
+
+    def hung_send(ids):
+        sent.append(list(ids))
+        sending.set()
+        release.wait(20)
+
+    ends = LeaseEnds(hung_send, "u")
+    ends.defer(3)
+    assert sending.wait(5), "the ender thread never started sending"
+    ends.defer(4)
+    ends.drop()
+    closed = threading.Event()
+    threading.Thread(target=lambda: (ends.close(), closed.set()), daemon=True).start()
+    try:
+        assert closed.wait(5)  # the hung send is not waited for
+        assert sent == [[3]] and ends.take() == []  # 4 was dropped, never sent
+    finally:
+        release.set()
+
+
 def test_take_hands_pending_ids_to_a_request_and_restore_gives_them_back():
     ends = LeaseEnds(lambda ids: None, "u")
     with ends._lock:  # queue without waking the ender, to look at take/restore alone
