@@ -30,9 +30,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gputq.errors import InvalidInputError, ProtocolError
+from gputq.errors import InvalidInputError, MissingDependencyError, ProtocolError
 
-from .spans import span_regions, spans_to_wire
+from .spans import SPAN_WIRE_BYTES, span_regions, spans_to_wire
 
 __all__ = [
     "MAX_TIMEOUT_S",
@@ -348,10 +348,45 @@ class Channel(Closeable):
     """A client connection to one StorageUnit. Thread-safe unless noted.
 
     ``unit`` and ``incarnation`` come from the unit's HELLO reply.
+
+    Optional capabilities are declared here with what a backend without
+    them answers; a backend that has one overrides it:
+
+    - reads sent ahead of their replies, received chunk by chunk as they
+      land (tcp): :attr:`pipelines_reads`, :meth:`pipeline`;
+    - the unit's arena mapped here for zero-copy reads (shm):
+      :attr:`mapping`, :meth:`mapped_source`, :meth:`device_mappable`,
+      and the counters :attr:`reads_ahead` and :attr:`hint_misses`;
+    - :attr:`fallback_reason`: why a channel reads another way than asked.
     """
 
     unit: str
     incarnation: str
+    #: The unit's arena mapped into this process, or None.
+    mapping = None
+    #: Why this channel reads over another transport than the one asked for, or None.
+    fallback_reason: str | None = None
+    #: Reads copied from the unit's key directory ahead of their lease.
+    reads_ahead: int = 0
+    #: Such reads whose lease named other regions (copied again).
+    hint_misses: int = 0
+
+    @property
+    def pipelines_reads(self) -> bool:
+        """Whether :meth:`pipeline` is available."""
+        return False
+
+    def pipeline(self):
+        """Reads sent ahead of their replies on one connection (see :class:`~gputq.transport.tcp.ReadPipeline`)."""
+        raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} sends no reads ahead")
+
+    def mapped_source(self, keys: Sequence[str], timeout: float | None = None, **kwargs):
+        """Lease ``keys`` and lend their bytes where they lie in the mapped arena (a context manager)."""
+        raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} maps no arena for zero-copy reads")
+
+    def device_mappable(self) -> bool:
+        """Whether the mapped arena is also registered with CUDA, for the kernel to read in place."""
+        return False
 
     @abc.abstractmethod
     def write(self, key: str, payload, meta: dict, timeout: float | None = None) -> dict:
@@ -418,6 +453,9 @@ class TransportType(abc.ABC):
     """Builds servers and channels of one backend."""
 
     name: str
+    #: Whether :meth:`destination` lends memory the backend registered for its one-sided reads, which
+    #: then land with no copy (a reader stages in it instead of its own buffer).
+    registered_destinations: bool = False
 
     @abc.abstractmethod
     def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0, token: str,
@@ -538,7 +576,7 @@ def read_args(keys: Sequence[str], generations=None, incarnation: str | None = N
     if spans is None:
         return args, None
     args["spans"] = spans_to_wire(spans, len(keys))
-    return args, len(args["spans"]) // 24
+    return args, len(args["spans"]) // SPAN_WIRE_BYTES
 
 
 def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str, rows: int | None = None) -> np.ndarray:

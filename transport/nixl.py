@@ -55,32 +55,28 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from gputq.errors import (
-    ClosedError,
     GputqError,
     GputqTimeoutError,
     InvalidInputError,
     RequestTooLargeError,
-    StaleReadError,
     TransferError,
 )
 from gputq.transport.base import (
     ArenaHandler,
-    Channel,
     ServerLimits,
     TransportType,
     byte_view,
     describe_keys,
     is_device_buffer,
-    leased_regions,
     read_args,
     write_window,
 )
-from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
+from gputq.transport.one_sided import LeaseProtocol, LeasingChannel
 from gputq.transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
 from gputq.transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
 from gputq.transport.policy import gpudirect_support
@@ -151,7 +147,7 @@ def _descriptors(regions: np.ndarray, local_base: int, remote_base: int, device:
 _CLEANUP_TIMEOUT_S = 5.0
 
 
-class NixlChannel(Channel):
+class NixlChannel(LeasingChannel):
     """A client of one unit: NIXL READs for data, tcp for control.
 
     Build it with :meth:`NixlTransport.connect`. Thread-safe: each read takes
@@ -169,6 +165,8 @@ class NixlChannel(Channel):
         into ``dest`` because ``dest`` was not registered memory.
     """
 
+    kind = "rdma"
+
     def __init__(self, address: dict, *, token: str, max_frame_bytes: int,
                  timeout: float | None = None, write_path: str = "auto"):
         if address.get("transport") != "rdma" or not isinstance(address.get("control"), dict):
@@ -184,7 +182,7 @@ class NixlChannel(Channel):
         self._tcp = TcpTransport().connect(address["control"], token=token,
                                            max_frame_bytes=max_frame_bytes, timeout=timeout)
         self.unit, self.incarnation = self._tcp.unit, self._tcp.incarnation
-        self._ends = LeaseEnds(self._send_ends, self.unit)
+        self._leases = LeaseProtocol(self._tcp, self.unit)
         try:
             info = self._tcp.call(CONNECT, timeout=timeout)
             self._base, self._arena_nbytes = int(info["arena_base"]), int(info["arena_nbytes"])
@@ -246,41 +244,27 @@ class NixlChannel(Channel):
         if not keys:
             return []
         args, rows = read_args(keys, generations, incarnation, spans)
-        lease, started = self._ends.request_lease(
-            lambda a: self._tcp.request("lease", a, _left(deadline), keys=keys), args)
-        lease_id, staged, confirmed = lease["lease_id"], None, False
+        lease, started = self._leases.request(args, _left(deadline), keys)
+        staged, copied = None, False
         try:
-            regions = leased_regions(lease["regions"], keys, self._arena_nbytes, self.unit, rows)
-            lengths = regions[:, 1]
-            total = int(lengths.sum())
-            if total > capacity:
-                raise RequestTooLargeError(
-                    f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
-            staged = self._read_leased(keys, regions, total, ptr, device, on_device, deadline)
-            if lease_covered(started, expires_in_of(lease)):
-                self._ends.defer(lease_id)  # held from first to last byte: no round trip
-                held = [True]
-            else:
-                held = self._tcp.request("end_lease", {"lease_ids": [lease_id]}, _left(deadline), keys=keys)["held"]
-            confirmed = True
-            if held != [True]:
-                raise StaleReadError(
-                    f"unit {self.unit}: the lease of keys {describe_keys(keys)} expired before the read "
-                    f"was confirmed; the regions may have been reused, nothing is returned")
-            if staged is not None:
+            try:
+                regions = self._leases.regions(lease, keys, self._arena_nbytes, rows)
+                lengths = regions[:, 1]
+                total = int(lengths.sum())
+                if total > capacity:
+                    raise RequestTooLargeError(
+                        f"read of {len(keys)} keys from {self.unit} needs {total} bytes, dest holds {capacity}")
+                staged = self._read_leased(keys, regions, total, ptr, device, on_device, deadline)
+                copied = True
+            finally:  # held from first to last byte: ended in the background; else confirmed in the read's time
+                self._leases.settle(lease, started, keys, ok=copied,
+                                    timeout=_left(deadline) if copied else _CLEANUP_TIMEOUT_S)
+            if staged is not None:  # copied out of the pool buffer only once confirmed
                 self._copy_out(staged[0], staged[1], ptr, dest, total, device, on_device)
         finally:
-            if not confirmed:
-                try:
-                    self._tcp.call("end_lease", timeout=_CLEANUP_TIMEOUT_S, lease_ids=[lease_id])
-                except GputqError as exc:  # the unit's own lease timeout ends it
-                    _log.warning("unit %s: could not end lease %s: %s", self.unit, lease_id, exc)
             if staged is not None:
                 self.pool.release(staged[0])
         return lengths.tolist()
-
-    def _send_ends(self, lease_ids: list[int]) -> None:
-        self._tcp.call("end_lease", timeout=_CLEANUP_TIMEOUT_S, lease_ids=lease_ids)
 
     def _read_leased(self, keys, regions, total, ptr, device, on_device, deadline):
         """READ the leased regions; return ``(pool buffer, kind)`` when a copy-out is due."""
@@ -465,28 +449,14 @@ class NixlChannel(Channel):
             raise
         self.pool.release(buf)
 
-    def call(self, method: str, timeout: float | None = None, **args) -> Any:
-        self._check_open()
-        return self._tcp.call(method, timeout=timeout, **args)
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._ends.close()
+        self._leases.close()
         self._local.remove_remote(self._remote)
         self._tcp.close()
 
-    def abandon(self) -> None:
-        """The unit is lost: its deferred lease ends are dropped and its control connection closed first,
-        so that an end being sent fails now instead of holding :meth:`close` for its timeout."""
-        self._ends.drop()
-        self._tcp.close()
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"rdma channel to {self.unit} is closed")
 
 
 class _SetupError(TransferError):
@@ -522,6 +492,8 @@ class NixlTransport(TransportType):
                 timeout: float | None = None) -> NixlChannel:
         return NixlChannel(address, token=token, max_frame_bytes=max_frame_bytes, timeout=timeout,
                            write_path=self.write_path)
+
+    registered_destinations = True
 
     def destination(self, nbytes: int):
         """Lend a registered host buffer of ``nbytes`` from the process-wide pool.

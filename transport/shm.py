@@ -57,7 +57,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -67,7 +67,6 @@ from gputq.errors import (
     InvalidInputError,
     MissingDependencyError,
     RequestTooLargeError,
-    StaleReadError,
     TransferError,
 )
 from gputq.transport import arena_copies
@@ -79,7 +78,6 @@ from gputq.transport.base import (
     byte_view,
     describe_keys,
     is_device_buffer,
-    leased_regions,
 )
 from gputq.transport.cuda import (
     HOST_REGISTER_MAPPED,
@@ -91,21 +89,17 @@ from gputq.transport.cuda import (
     read_only_register_supported,
 )
 from gputq.transport.directory import DirectoryView, directory_nbytes
-from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
+from gputq.transport.one_sided import ARENA_FILE, LeaseProtocol, LeasingChannel
 from gputq.transport.nixl import NixlTransport
 from gputq.transport.policy import local_hostname, nixl_import_error
-from gputq.transport.spans import span_regions, spans_from_wire, spans_to_wire
+from gputq.transport.spans import SPAN_WIRE_BYTES, span_regions, spans_from_wire, spans_to_wire
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
 
-__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "LEASE_THREADS", "LEASE", "END_LEASE", "ARENA_FILE"]
+__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "LEASE_THREADS"]
 
 _log = logging.getLogger(__name__)
 
-#: Control methods every tcp server answers for one-sided readers.
-LEASE, END_LEASE, ARENA_FILE = "lease", "end_lease", "arena_file"
-# The confirmation must get through even when the read's own timeout is spent.
-_END_TIMEOUT_S = 10.0
 
 #: Helper threads of one channel running lease requests while their copies run (a unit's
 #: reads at once). Each channel has its own: a unit that stops answering holds up its own
@@ -260,7 +254,7 @@ class _LeaseHelpers:
                 self._jobs.put(None)
 
 
-class ShmChannel(Channel):
+class ShmChannel(LeasingChannel):
     """A channel reading a same-host unit's arena through a read-only mapping.
 
     Build it with :meth:`ShmTransport.connect`. Writes and control calls go
@@ -282,6 +276,8 @@ class ShmChannel(Channel):
         Reads whose directory regions the lease did not confirm (copied again).
     """
 
+    kind = "shm"
+
     def __init__(self, address: dict, *, token: str, max_frame_bytes: int, timeout: float | None = None):
         control = address.get("control") if address.get("transport") == "rdma" else address
         if not isinstance(control, dict):
@@ -291,7 +287,7 @@ class ShmChannel(Channel):
                                            timeout=timeout)
         self.unit = self._tcp.unit
         self.incarnation = getattr(self._tcp, "incarnation", address.get("incarnation"))
-        self._ends = LeaseEnds(self._send_ends, self.unit)
+        self._leases = LeaseProtocol(self._tcp, self.unit)
         self._exchanges = _LeaseHelpers(LEASE_THREADS, f"gputq-shm-lease-{self.unit}")
         self.mapping: ArenaMapping | None = None
         self.directory: DirectoryView | None = None
@@ -353,8 +349,7 @@ class ShmChannel(Channel):
         Raises
         ------
         gputq.errors.UnknownKeyError
-            A key is not stored on the unit (the unit's error, rebuilt by
-            class name where ``gputq.errors`` is imported).
+            The unit stores no such key (its own error, rebuilt by class name).
         StaleReadError
             A generation or the incarnation does not match, or the lease
             expired before the copy finished (``dest`` is then garbage).
@@ -468,20 +463,19 @@ class ShmChannel(Channel):
         args = {"keys": keys, **_read_checks(generations, incarnation)}
         rows = None
         if spans is not None:
-            args["spans"], rows = spans, len(spans) // 24
+            args["spans"], rows = spans, len(spans) // SPAN_WIRE_BYTES
         if hinted is None:
-            reply, started = self._ends.request_lease(lambda a: self._tcp.request(LEASE, a, timeout, keys=keys),
-                                                      args)
+            reply, started = self._leases.request(args, timeout, keys)
             with self._confirmed(reply, started, keys, rows) as regions:
                 yield regions
             return
-        ended = self._ends.take()
+        ended = self._leases.ends.take()
         if ended:
             args["end"] = ended
         started, reply, done = time.monotonic(), None, False
         # The exchange runs on a helper thread: its Python work (send, receive, decode) then
         # runs while the block copies or restores with the GIL released, not after it.
-        exchange = self._exchanges.submit(lambda: self._tcp.request(LEASE, args, timeout, keys=keys))
+        exchange = self._exchanges.submit(lambda: self._leases.ask(args, timeout, keys))
         try:
             try:
                 yield hinted
@@ -492,7 +486,7 @@ class ShmChannel(Channel):
             reply = exchange.result()
             done = True  # from here the confirmation ends the lease, whatever happens
             if reply.get("regions") == hinted.astype("<i8", copy=False).tobytes():  # checked when hinted
-                self._settle(reply, started, keys)
+                self._leases.settle(reply, started, keys)
                 self.reads_ahead += 1
                 return
             with self._confirmed(reply, started, keys, rows):
@@ -501,9 +495,9 @@ class ShmChannel(Channel):
                                       f"lease of keys {describe_keys(keys)}; read them again after the lease")
         except BaseException:
             if reply is None:
-                self._ends.restore(ended)  # the request may never have reached the unit
+                self._leases.ends.restore(ended)  # the request may never have reached the unit
             elif not done:
-                self._end_lease(int(reply["lease_id"]), quiet=True)
+                self._leases.end(int(reply["lease_id"]), quiet=True)
             raise
 
     @contextlib.contextmanager
@@ -512,38 +506,10 @@ class ShmChannel(Channel):
         the lease settled after it."""
         ok = False
         try:
-            yield leased_regions(reply["regions"], keys, self.mapping.nbytes, self.unit, rows)
+            yield self._leases.regions(reply, keys, self.mapping.nbytes, rows)
             ok = True
         finally:
-            self._settle(reply, started, keys, ok=ok)
-
-    def _settle(self, reply: dict, started: float, keys: list, *, ok: bool = True) -> None:
-        """End the lease of ``reply`` once its copy is done (``ok``) or failed.
-
-        A lease its stated lifetime proves held is ended in the background;
-        otherwise ``end_lease`` asks, and a lease that had expired raises
-        :class:`StaleReadError` (the copy may hold other keys' bytes).
-        """
-        lease_id = int(reply["lease_id"])
-        if ok and lease_covered(started, expires_in_of(reply)):
-            self._ends.defer(lease_id)
-        elif not self._end_lease(lease_id, quiet=not ok):
-            raise StaleReadError(
-                f"unit {self.unit}: the lease on {len(keys)} keys expired before the copy finished; "
-                "the bytes read may belong to other keys")
-
-    def _send_ends(self, lease_ids: list[int]) -> None:
-        self._tcp.call(END_LEASE, timeout=_END_TIMEOUT_S, lease_ids=lease_ids)
-
-    def _end_lease(self, lease_id: int, *, quiet: bool) -> bool:
-        try:
-            reply = self._tcp.call(END_LEASE, timeout=_END_TIMEOUT_S, lease_ids=[lease_id])
-        except Exception:
-            if quiet:  # the read already failed; its error is the one to see
-                return True
-            raise
-        held = (reply or {}).get("held") if isinstance(reply, dict) else None
-        return bool(held[0]) if held else False
+            self._leases.settle(reply, started, keys, ok=ok)
 
     # -- writes and control ------------------------------------------------------------
 
@@ -551,15 +517,11 @@ class ShmChannel(Channel):
         self._check_open()
         return self._tcp.write(key, payload, meta, timeout=timeout)
 
-    def call(self, method: str, timeout: float | None = None, **args) -> Any:
-        self._check_open()
-        return self._tcp.call(method, timeout=timeout, **args)
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._ends.close()
+        self._leases.close()
         self._exchanges.close()
         for mapping in (self.mapping, self._directory_mapping):
             if mapping is not None:
@@ -568,16 +530,6 @@ class ShmChannel(Channel):
             self._fallback.close()
         self._tcp.close()
 
-    def abandon(self) -> None:
-        """The unit is lost: its deferred lease ends are dropped and its control connection closed first,
-        so that an end being sent fails now instead of holding :meth:`close` for its timeout."""
-        self._ends.drop()
-        self._tcp.close()
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"shm channel to {self.unit} is closed")
 
 
 def _read_checks(generations, incarnation) -> dict:

@@ -21,9 +21,11 @@ import numpy as np
 
 from gputq.errors import InvalidInputError
 
-__all__ = ["MAX_SPANS", "as_spans", "spans_to_wire", "spans_from_wire", "span_regions"]
+__all__ = ["MAX_SPANS", "SPAN_WIRE_BYTES", "as_spans", "spans_to_wire", "spans_from_wire", "span_regions"]
 
-#: Spans per request: a READ body must fit a control frame (24 bytes a span on the wire).
+#: Bytes of one span on the wire: three little-endian int64 (key index, offset, nbytes).
+SPAN_WIRE_BYTES = 24
+#: Spans per request: a READ body must fit a control frame.
 MAX_SPANS = 1 << 15
 
 
@@ -65,7 +67,7 @@ def spans_from_wire(raw, nkeys: int) -> np.ndarray | None:
     """Decode a request's ``"spans"`` (``None``: whole keys); raises ``InvalidInputError``."""
     if raw is None:
         return None
-    if not isinstance(raw, (bytes, bytearray)) or len(raw) % 24:
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) % SPAN_WIRE_BYTES:
         raise InvalidInputError("spans must be bytes of little-endian int64 (key index, offset, nbytes) rows")
     return as_spans(np.frombuffer(raw, dtype="<i8").reshape(-1, 3), nkeys)
 

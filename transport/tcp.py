@@ -348,6 +348,10 @@ class TcpChannel(Channel):
             conn.in_sync = True
             return lengths
 
+    @property
+    def pipelines_reads(self) -> bool:
+        return True
+
     def pipeline(self) -> "ReadPipeline":
         """Reads sent ahead of their replies on one connection of this channel (see :class:`ReadPipeline`)."""
         if self._closed:

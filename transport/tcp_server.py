@@ -60,6 +60,7 @@ from gputq.transport.base import (
     check_handler,
     write_window,
 )
+from gputq.transport.one_sided import ARENA_FILE, END_LEASE, LEASE
 from gputq.transport.policy import local_hostname
 from gputq.transport.spans import spans_from_wire
 from gputq.transport.wire import (
@@ -169,7 +170,7 @@ def _generic_call(handler: ArenaHandler, method: str, args: dict):
 
     Returns ``NotImplemented`` for other methods (the handler's own).
     """
-    if method == "lease":
+    if method == LEASE:
         for lease_id in _list_of(args.get("end", []), int, "end"):
             handler.end_lease(lease_id)  # first: a unit short of space frees them before leasing more
         keys = _list_of(args.get("keys"), str, "keys")
@@ -182,9 +183,9 @@ def _generic_call(handler: ArenaHandler, method: str, args: dict):
         if lifetime is not None:
             reply["expires_in"] = float(lifetime)  # lets the reader skip the confirm (gputq.transport.lease_ends)
         return reply
-    if method == "end_lease":
+    if method == END_LEASE:
         return {"held": [_held(handler.end_lease(i)) for i in _list_of(args.get("lease_ids"), int, "lease_ids")]}
-    if method == "arena_file":
+    if method == ARENA_FILE:
         reply = {"path": handler.arena_path, "nbytes": byte_view(handler.arena).nbytes}
         directory = handler.directory_file
         if directory is not None:

@@ -41,7 +41,6 @@ from gputq.errors import (
     GputqError,
     GputqTimeoutError,
     InvalidInputError,
-    MissingDependencyError,
     PeerLostError,
     UnitBusyError,
     UnitLostError,
@@ -89,10 +88,7 @@ class UnitReadPipeline:
         """
         def request(chan):
             if self._pipe is None:
-                make = getattr(chan, "pipeline", None)
-                if make is None:
-                    raise MissingDependencyError(f"unit {self.unit}: {type(chan).__name__} sends no reads ahead")
-                self._pipe = make()
+                self._pipe = chan.pipeline()
             self._pipe.send(keys, timeout, **kwargs)
 
         self._owner._run(self.unit, keys, "read", request)
@@ -152,7 +148,8 @@ class UnitChannel(Channel):
     def pipelines_reads(self) -> bool:
         """True when reads of the unit can be sent ahead of their replies and received chunk by chunk as they
         land (tcp; False for other transports and while the unit is lost)."""
-        return hasattr(self._live(), "pipeline")
+        chan = self._live()
+        return chan is not None and chan.pipelines_reads
 
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
         keys = args.get("keys") or ()
@@ -182,11 +179,7 @@ class UnitChannel(Channel):
         keys, owner = list(keys), self._owner
 
         def enter(chan):
-            lend = getattr(chan, "mapped_source", None)
-            if lend is None:
-                raise MissingDependencyError(f"unit {self.unit}: {type(chan).__name__} maps no arena "
-                                             f"for zero-copy reads")
-            source = lend(keys, timeout, **kwargs)
+            source = chan.mapped_source(keys, timeout, **kwargs)
             return source, source.__enter__()
 
         source, regions = owner._run(self.unit, keys, "read", enter)
@@ -201,30 +194,34 @@ class UnitChannel(Channel):
     @property
     def mapping(self):
         """The unit's arena as mapped here (shm), or None: the transport maps none, or the unit is lost."""
-        return getattr(self._live(), "mapping", None)
+        chan = self._live()
+        return None if chan is None else chan.mapping
 
     def device_mappable(self) -> bool:
         """True when the arena is mapped here and registered with CUDA (False for other transports
         and while the unit is lost)."""
         chan = self._live()
-        if chan is None or not hasattr(chan, "device_mappable"):
+        if chan is None:
             return False
         return bool(self._owner._guarded(self.unit, (), "device_mappable", chan.device_mappable))
 
     @property
     def fallback_reason(self) -> str | None:
         """Why an shm channel reads over rdma or tcp, when it does (None otherwise, or while lost)."""
-        return getattr(self._live(), "fallback_reason", None)
+        chan = self._live()
+        return None if chan is None else chan.fallback_reason
 
     @property
     def reads_ahead(self) -> int:
         """Reads of the current shm channel copied from the key directory ahead of their lease."""
-        return int(getattr(self._live(), "reads_ahead", 0))
+        chan = self._live()
+        return 0 if chan is None else int(chan.reads_ahead)
 
     @property
     def hint_misses(self) -> int:
         """Reads of the current shm channel whose directory regions the lease did not confirm."""
-        return int(getattr(self._live(), "hint_misses", 0))
+        chan = self._live()
+        return 0 if chan is None else int(chan.hint_misses)
 
     @property
     def incarnation(self) -> str:

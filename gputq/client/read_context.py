@@ -136,11 +136,14 @@ class ReadContext:
             return self._stream_workers
 
     def registered(self, nbytes: int, units, lent: contextlib.ExitStack):
-        """The rdma transport's registered memory, lent until ``lent`` closes, when every unit of ``units``
-        is read over rdma into host memory (its READs then land with no copy); else None."""
-        if self.on_host and units and {self.clients.transport_of(u)[0] for u in units} == {"rdma"}:
-            return lent.enter_context(get_transport("rdma").destination(nbytes))
-        return None
+        """Memory the units' transport registered for its one-sided reads (they then land with no copy),
+        lent until ``lent`` closes, when every unit of ``units`` is read over one such transport into
+        host memory; else None."""
+        names = {self.clients.transport_of(u)[0] for u in units}
+        if not (self.on_host and len(names) == 1):
+            return None
+        transport = get_transport(names.pop())
+        return lent.enter_context(transport.destination(nbytes)) if transport.registered_destinations else None
 
     def synchronize(self) -> None:
         """Wait for the restore's device work: before tensors are returned and leases end."""
