@@ -414,25 +414,25 @@ class UnitClients(Closeable):
         cls = UnitTimeoutError if isinstance(cause, GputqTimeoutError) else UnitLostError
         return cls(message, unit=unit, keys=keys, reason=reason)
 
-    def _transport_channel(self, unit: str, keys: Sequence[str], what: str, connect_timeout: float | None = None):
-        """The live transport channel of ``unit``, connected if need be; UnitLostError if lost."""
+    def _connected(self, unit: str, keys: Sequence[str], what: str):
+        """The transport channel of ``unit`` if one is open, else None; UnitLostError while it is lost."""
         with self._lock:
             self._check_open()
             lost = unit in self._lost
             chan = self._channels.get(unit)
         if lost:
             raise self._lost_error(unit, keys, what)
+        return chan
+
+    def _transport_channel(self, unit: str, keys: Sequence[str], what: str, connect_timeout: float | None = None):
+        """The live transport channel of ``unit``, connected if need be; UnitLostError if lost."""
+        chan = self._connected(unit, keys, what)
         if chan is not None:
             return chan
         address = self._address(unit)
         # Connect outside the shared lock: a slow unit must not stall the others' channels.
         with self._connecting[unit]:
-            with self._lock:
-                self._check_open()
-                lost = unit in self._lost
-                chan = self._channels.get(unit)
-            if lost:
-                raise self._lost_error(unit, keys, what)
+            chan = self._connected(unit, keys, what)  # another thread may have connected meanwhile
             if chan is not None:
                 return chan
             try:

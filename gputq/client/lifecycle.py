@@ -105,19 +105,7 @@ def carry(what: Any, from_partition: str, to_partition: str, clients, *,
     ``to_partition`` on the controller first, or ``check_invariants`` will
     not count it as live.
 
-    Returns
-    -------
-    int
-        Keys moved.
-
-    Raises
-    ------
-    InvalidInputError
-        ``from_partition`` holds no reference to some key (nothing moved on
-        that unit).
-    PartialFailureError
-        Some units were unreachable; the others moved their keys
-        (``.result``: ``{"moved", "unreachable"}``).
+    Returns the keys moved; raises as :func:`transfer` does.
     """
     return transfer(keys_by_unit(what), from_partition, to_partition, clients, timeout=timeout)
 

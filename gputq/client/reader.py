@@ -479,21 +479,12 @@ class Reader(Closeable):
         e.g. a training step.
 
         Every unit of the shard is asked, in parallel; a lost unit does not
-        keep the others from freeing their keys. Retrying with the same
-        ``release_id`` once the lost unit is back frees its keys and nothing
-        more elsewhere.
-
-        Returns
-        -------
-        dict
-            ``{"freed": keys freed, "unreachable": {}}``.
-
-        Raises
-        ------
-        PartialFailureError
-            Some units were unreachable; raised after every other unit
-            released its keys, with ``{"freed", "unreachable": {unit:
-            reason}}`` as ``.result``.
+        keep the others from freeing their keys, and a retry with the same
+        ``release_id`` once it is back frees its keys and nothing more
+        elsewhere. Returns and raises as
+        :func:`~gputq.client.lifecycle.release` does: ``{"freed": keys
+        freed, "unreachable": {}}``, or ``PartialFailureError`` with that as
+        ``.result`` after every reachable unit released its keys.
         """
         uses = uses_by_unit(checked_shard(shard))
         if release_id is None:
