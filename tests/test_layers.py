@@ -223,3 +223,12 @@ def test_no_module_reads_a_private_attribute_of_an_object_it_does_not_own():
     """A stage gets what it needs through a narrow context, never another object's privates."""
     reaches = [hit for module, path in MODULES.items() for hit in private_reaches(path.read_text(), module)]
     assert reaches == []
+
+
+def test_no_function_of_the_client_room_is_over_60_lines():
+    """One job a function: the read and write paths are stages of small functions (docstrings count)."""
+    long = [f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for module, path in MODULES.items() if module.startswith("gputq.client")
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
+    assert long == []

@@ -446,18 +446,10 @@ class Reader(Closeable):
         """
         if self._closed:
             raise ClosedError("Reader is closed")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise InvalidInputError(f"prefetch must be an int >= 1, got {prefetch!r}")
-        if release is not None and (not isinstance(release, str) or not release):
-            raise InvalidInputError(f"release must be a partition name or None, got {release!r}")
-        shard = checked_shard(shard)
+        _check_stream_options(prefetch, release, fields, hold)
         rank = ParallelSlice() if rank is None else rank
-        if fields is not None and (isinstance(fields, str) or not all(isinstance(f, str) for f in fields)):
-            raise InvalidInputError(f"fields must be a list of field names, got {fields!r}")
-        plans = plan_stream(shard, micro_batches, rank, total_lengths=total_lengths, token_ranges=token_ranges,
-                            fields=fields, max_bytes=self._ctx.config.max_frame_bytes)
-        if not isinstance(hold, bool):
-            raise InvalidInputError(f"hold must be a bool, got {hold!r}")
+        plans = plan_stream(checked_shard(shard), micro_batches, rank, total_lengths=total_lengths,
+                            token_ranges=token_ranges, fields=fields, max_bytes=self._ctx.config.max_frame_bytes)
         return MicroBatchStream(self._ctx, plans, prefetch, rank, hold=hold,
                                 release=None if release is None else functools.partial(self._release_micro_batch,
                                                                                       release))
@@ -516,6 +508,18 @@ class Reader(Closeable):
             self._closed = True
             self._ctx.close()
             self._outputs.close()
+
+
+def _check_stream_options(prefetch, release, fields, hold) -> None:
+    """Refuse a stream option of the wrong type or range (``InvalidInputError``)."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise InvalidInputError(f"prefetch must be an int >= 1, got {prefetch!r}")
+    if release is not None and (not isinstance(release, str) or not release):
+        raise InvalidInputError(f"release must be a partition name or None, got {release!r}")
+    if fields is not None and (isinstance(fields, str) or not all(isinstance(f, str) for f in fields)):
+        raise InvalidInputError(f"fields must be a list of field names, got {fields!r}")
+    if not isinstance(hold, bool):
+        raise InvalidInputError(f"hold must be a bool, got {hold!r}")
 
 
 #: Tokens transposed at a time: every layer's run of a chunk is read while the chunk's rows stay in cache.

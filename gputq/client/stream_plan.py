@@ -319,6 +319,20 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
     """
     if not isinstance(rank, ParallelSlice):
         raise InvalidInputError(f"rank must be a ParallelSlice, got {type(rank).__name__}")
+    batches = _checked_batches(micro_batches, len(shard))
+    if total_lengths is not None:
+        total_lengths = _checked_lengths(total_lengths, len(shard))
+    if token_ranges is not None and len(token_ranges) != len(shard):
+        raise InvalidInputError(f"{len(token_ranges)} token range lists for {len(shard)} samples")
+    if token_ranges is not None and rank.allgather_cp and rank.cp_size > 1:
+        raise InvalidInputError("token_ranges replace the CP rule: give them with a ParallelSlice without "
+                                "allgather_cp, not both")
+    return [_plan_micro_batch(shard, m, batch, rank, total_lengths, token_ranges, fields, max_bytes)
+            for m, batch in enumerate(batches)]
+
+
+def _checked_batches(micro_batches, samples: int) -> list[list[int]]:
+    """The micro-batch split as lists of shard positions that partition the shard's ``samples``."""
     if isinstance(micro_batches, (str, bytes)) or not isinstance(micro_batches, Iterable):
         raise InvalidInputError(f"micro_batches must be a list of lists of shard positions, got "
                                 f"{type(micro_batches).__name__}")
@@ -331,58 +345,59 @@ def plan_stream(shard: Sequence[Mapping[str, Layout]], micro_batches: Sequence[S
         if not batch:
             raise InvalidInputError(f"micro-batch {m} is empty")
         for i in batch:
-            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or not 0 <= i < len(shard):
-                raise InvalidInputError(f"micro-batch {m} names sample {i!r}; the shard has {len(shard)} samples")
+            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or not 0 <= i < samples:
+                raise InvalidInputError(f"micro-batch {m} names sample {i!r}; the shard has {samples} samples")
             if int(i) in seen:
                 raise InvalidInputError(f"sample {i} is in micro-batches {seen[int(i)]} and {m}: micro-batches must "
                                         f"partition the shard")
             seen[int(i)] = m
         batches.append([int(i) for i in batch])
-    missing = sorted(set(range(len(shard))) - set(seen))
+    missing = sorted(set(range(samples)) - set(seen))
     if missing:
         raise InvalidInputError(f"samples {missing[:8]} are in no micro-batch: micro-batches must partition the shard")
-    if total_lengths is not None:
-        total_lengths = _checked_lengths(total_lengths, len(shard))
-    if token_ranges is not None and len(token_ranges) != len(shard):
-        raise InvalidInputError(f"{len(token_ranges)} token range lists for {len(shard)} samples")
-    if token_ranges is not None and rank.allgather_cp and rank.cp_size > 1:
-        raise InvalidInputError("token_ranges replace the CP rule: give them with a ParallelSlice without "
-                                "allgather_cp, not both")
-    plans = []
-    for m, batch in enumerate(batches):
-        names = sorted({name for i in batch for name in shard[i]} if fields is None else set(fields))
-        planned = {}
-        work = []
-        totals = [None] * len(batch)
-        for name in names:
-            if any(name not in shard[i] for i in batch):
-                raise LayoutError(f"field {name!r} is missing from some samples of micro-batch {m}")
-        for j, i in enumerate(batch):
-            expert_rows = [shard[i][n].rows for n in names if layer_major(shard[i][n].row_shape)]
-            if total_lengths is not None:
-                totals[j] = int(total_lengths[i])
-                if expert_rows and expert_rows[0] != totals[j] - 1:
-                    raise InvalidInputError(f"sample {i}: R3 has {expert_rows[0]} rows, expected len(tokens) - 1 = "
-                                            f"{totals[j] - 1}")
-            elif expert_rows:
-                totals[j] = expert_rows[0] + 1
-        # Widest rows first: a narrower field's requests then rarely need padding to start aligned.
-        for name in sorted(names, key=lambda n: -len(shard[batch[0]][n].row_shape)):
-            layouts = [shard[i][name] for i in batch]
-            needs = _Needs()
-            if layer_major(layouts[0].row_shape):
-                ranges = None
-                if token_ranges is not None:
-                    ranges = [_checked_ranges(token_ranges[i], shard[i][name].rows, i) for i in batch]
-                fp, frags, gaps = _expert_field(name, layouts, m, rank, ranges, needs)
-            else:
-                fp, frags, gaps = _token_field(name, layouts, batch, m, rank, totals, needs)
-            work.append((fp, frags, gaps, needs))
-            planned[name] = fp
-        units, slice_bytes, bound = _extent([(needs, fp.layers) for fp, _, _, needs in work])
-        plans.append(MicroPlan(m, tuple(batch), planned, [shard[i] for i in batch], units, slice_bytes, bound,
-                               _pending=(work, max_bytes)))
-    return plans
+    return batches
+
+
+def _sample_totals(shard, m: int, batch: list, names: list, total_lengths) -> list:
+    """Each sample's ``len(tokens)``: given, and then checked against R3's rows, or R3's rows + 1."""
+    for name in names:
+        if any(name not in shard[i] for i in batch):
+            raise LayoutError(f"field {name!r} is missing from some samples of micro-batch {m}")
+    totals = [None] * len(batch)
+    for j, i in enumerate(batch):
+        expert_rows = [shard[i][n].rows for n in names if layer_major(shard[i][n].row_shape)]
+        if total_lengths is not None:
+            totals[j] = total_lengths[i]
+            if expert_rows and expert_rows[0] != totals[j] - 1:
+                raise InvalidInputError(f"sample {i}: R3 has {expert_rows[0]} rows, expected len(tokens) - 1 = "
+                                        f"{totals[j] - 1}")
+        elif expert_rows:
+            totals[j] = expert_rows[0] + 1
+    return totals
+
+
+def _plan_micro_batch(shard, m: int, batch: list, rank: ParallelSlice, total_lengths, token_ranges, fields,
+                      max_bytes) -> MicroPlan:
+    """Micro-batch ``m``'s fields checked and sized; their placement waits for :meth:`MicroPlan.finish`."""
+    names = sorted({name for i in batch for name in shard[i]} if fields is None else set(fields))
+    totals = _sample_totals(shard, m, batch, names, total_lengths)
+    planned, work = {}, []
+    # Widest rows first: a narrower field's requests then rarely need padding to start aligned.
+    for name in sorted(names, key=lambda n: -len(shard[batch[0]][n].row_shape)):
+        layouts = [shard[i][name] for i in batch]
+        needs = _Needs()
+        if layer_major(layouts[0].row_shape):
+            ranges = None
+            if token_ranges is not None:
+                ranges = [_checked_ranges(token_ranges[i], shard[i][name].rows, i) for i in batch]
+            fp, frags, gaps = _expert_field(name, layouts, m, rank, ranges, needs)
+        else:
+            fp, frags, gaps = _token_field(name, layouts, batch, m, rank, totals, needs)
+        work.append((fp, frags, gaps, needs))
+        planned[name] = fp
+    units, slice_bytes, bound = _extent([(needs, fp.layers) for fp, _, _, needs in work])
+    return MicroPlan(m, tuple(batch), planned, [shard[i] for i in batch], units, slice_bytes, bound,
+                     _pending=(work, max_bytes))
 
 
 def _extent(fields: list) -> tuple[tuple, int, int]:

@@ -320,17 +320,17 @@ class Writer(Closeable):
             failed = sorted(written & set(self._failures))
         if failed:
             raise TransferError(f"cannot finalize: writes of {failed[:8]} failed", keys=failed)
-        timeout = self._config.control_timeout_s
+        tally(fan_out(uses, lambda unit: self._finalize_on(unit, uses[unit] * readers, partition)),
+              f"finalize of partition {partition!r}", "finalized")
 
-        def finalize_on(unit: str) -> int:
-            channel, keys = self._clients.channel(unit), uses[unit] * readers
-            # Segment references first: the count never touches zero in between.
-            channel.call("add_ref", timeout=timeout, keys=keys, partition=partition)
-            written = sorted(set(keys))
-            channel.call("release", timeout=timeout, keys=written, partition=partition)
-            return len(written)
-
-        tally(fan_out(uses, finalize_on), f"finalize of partition {partition!r}", "finalized")
+    def _finalize_on(self, unit: str, keys: list, partition: str) -> int:
+        """One unit's part of :meth:`finalize`: the segments' references on, the writes' off."""
+        channel, timeout = self._clients.channel(unit), self._config.control_timeout_s
+        # Segment references first: the count never touches zero in between.
+        channel.call("add_ref", timeout=timeout, keys=keys, partition=partition)
+        written = sorted(set(keys))
+        channel.call("release", timeout=timeout, keys=written, partition=partition)
+        return len(written)
 
     def delete(self, refs) -> None:
         """Remove the stored blobs of ``refs`` regardless of who references them."""
