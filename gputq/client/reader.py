@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import sys
 import threading
 import time
 import uuid
@@ -39,26 +38,22 @@ import numpy as np
 
 from gputq.client.clients import UnitClients
 from gputq.client.host_outputs import HostOutputs
+from gputq.client.host_restore import token_major_on_host
 from gputq.client.in_place import mapped_staging
 from gputq.client.lifecycle import release
 from gputq.client.read_context import ReadContext
+from gputq.client.shard_plan import FieldStage, ReadRequest, build_plan, lay_out, stage_field
 from gputq.client.stream import MicroBatchStream
 from gputq.client.stream_plan import plan_stream
 from gputq.config import GputqConfig
 from gputq.data.fields import sample_key_of
-from gputq.data.refs import FieldRef, Layout, checked_shard, uses_by_unit
+from gputq.data.refs import Layout, checked_shard, uses_by_unit
 from gputq.data.slices import ParallelSlice, layer_major
-from gputq.errors import ClosedError, HintMissedError, InvalidInputError, LayoutError, StaleReadError, TransferError
-from gputq.kernels import MappedSource, widen_scatter
+from gputq.errors import ClosedError, HintMissedError, InvalidInputError, LayoutError, TransferError
+from gputq.kernels import widen_scatter
 from gputq.transport.base import Closeable
 
-__all__ = ["Reader", "FetchStats", "build_plan"]
-
-#: Keys per read request.
-READ_BATCH_KEYS = 4096
-#: Bytes of key names per read request, well inside one control frame's body.
-READ_BATCH_KEY_BYTES = 256 << 10
-
+__all__ = ["Reader", "FetchStats"]
 
 @dataclass
 class FetchStats:
@@ -75,147 +70,6 @@ class FetchStats:
     @property
     def fetch_gbps(self) -> float:
         return self.bytes_fetched / self.fetch_seconds / 1e9 if self.fetch_seconds else 0.0
-
-
-@dataclass
-class _FieldStage:
-    """One field of a shard: its stored dtype and row shape, its blobs, their staging rows."""
-
-    name: str
-    dtype: np.dtype
-    row_shape: tuple
-    width: int
-    refs_by_unit: dict  # unit -> [(key, FieldRef)], sorted by key
-    ref_row: dict = field(default_factory=dict)  # (unit, key) -> first row in the staging view
-
-    @property
-    def row_bytes(self) -> int:
-        return self.width * self.dtype.itemsize
-
-
-@dataclass
-class _Request:
-    """One read: ``keys`` of ``unit`` land back to back in staging bytes [start, stop).
-
-    ``generations`` (one per key, 0: unknown) and ``incarnation`` ("":
-    unknown) come from the references, for the unit to check.
-    """
-
-    unit: str
-    incarnation: str
-    start: int
-    stop: int
-    keys: list = field(default_factory=list)
-    generations: list = field(default_factory=list)
-    key_bytes: int = 0
-
-
-def _stage_field(name: str, layouts: Sequence[Layout]) -> _FieldStage:
-    refs: dict[tuple[str, str], FieldRef] = {}
-    for layout in layouts:
-        for fragment in layout.fragments:  # refs seen twice are the same key: no need to dedupe first
-            ref = fragment.ref
-            known = refs.setdefault((ref.unit, ref.key), ref)
-            if known is not ref and _versions_differ(known, ref):
-                raise StaleReadError(f"the shard references two versions of key {ref.key!r} on unit "
-                                     f"{ref.unit} (incarnation {known.incarnation!r} generation "
-                                     f"{known.generation}, and {ref.incarnation!r} {ref.generation}); "
-                                     f"at most one is current")
-    specs = {(ref.dtype, tuple(ref.row_shape)) for ref in refs.values()}
-    if len(specs) > 1:
-        raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one shard: {sorted(specs)}")
-    # A field whose samples are all fill rows still has a dtype and row shape: its layouts'.
-    dtype, row_shape = specs.pop() if specs else (layouts[0].dtype, tuple(layouts[0].row_shape))
-    width = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
-    by_unit: dict[str, list] = {}
-    for (unit, key), ref in sorted(refs.items()):
-        by_unit.setdefault(unit, []).append((key, ref))
-    return _FieldStage(name, np.dtype(dtype), tuple(row_shape), width, by_unit)
-
-
-def _versions_differ(a: FieldRef, b: FieldRef) -> bool:
-    """True when two references to one key name different known generations or incarnations."""
-    return bool(a.generation and b.generation and a.generation != b.generation) or \
-        bool(a.incarnation and b.incarnation and a.incarnation != b.incarnation)
-
-
-def _lay_out(stages: Sequence[_FieldStage], max_bytes: int | None = None) -> tuple[list[_Request], int]:
-    """Place every blob of a shard in one staging buffer; return the reads and its size.
-
-    Unit by unit, the unit's fields back to back, so one request per unit
-    covers them all. Each field's staging view indexes rows from byte 0, so
-    its blobs must start at multiples of its row size: fields go widest row
-    first (then a narrower row size usually divides the cursor). A new
-    request starts where padding is still needed, where the references
-    name another incarnation of the unit (the unit checks one per read),
-    and before a request would pass :data:`READ_BATCH_KEYS` keys,
-    :data:`READ_BATCH_KEY_BYTES` of key names or ``max_bytes`` of payload
-    (the transport's frame limit; a single larger key goes alone).
-    """
-    order = sorted(stages, key=lambda stage: (-stage.row_bytes, stage.name))
-    groups = sorted({(unit, ref.incarnation) for stage in stages
-                     for unit, refs in stage.refs_by_unit.items() for _, ref in refs})
-    requests: list[_Request] = []
-    cursor = 0
-    for unit, incarnation in groups:
-        current = None
-        for stage in order:
-            row_bytes = stage.row_bytes
-            for key, ref in stage.refs_by_unit.get(unit, ()):
-                if ref.incarnation != incarnation:
-                    continue
-                aligned = -(-cursor // row_bytes) * row_bytes
-                nbytes, key_bytes = ref.rows * row_bytes, len(key.encode()) + 8
-                if current is None or aligned != cursor or len(current.keys) >= READ_BATCH_KEYS \
-                        or current.key_bytes + key_bytes > READ_BATCH_KEY_BYTES \
-                        or (max_bytes is not None and current.keys and
-                            cursor + nbytes - current.start > max_bytes):
-                    current = _Request(unit, incarnation, aligned, aligned)
-                    requests.append(current)
-                    cursor = aligned
-                stage.ref_row[(unit, key)] = cursor // row_bytes
-                current.keys.append(key)
-                current.generations.append(ref.generation)
-                current.key_bytes += key_bytes
-                cursor += nbytes
-                current.stop = cursor
-    return requests, -(-cursor // 16) * 16  # whole rows of every dtype view
-
-
-def build_plan(stage: _FieldStage, layouts: Sequence[Layout]) -> tuple[np.ndarray, list[int], int]:
-    """The widen-and-scatter plan of one field over a shard.
-
-    Returns the ``[n, 3]`` int64 plan (source row, target row, rows; source
-    -1 marks fill rows), each sample's first target row, and the total rows.
-    For a layer-major field (see :mod:`gputq.data.slices`) plan rows are one
-    layer of one token (``row_shape[1:]``) and the target is layer-major
-    too, ``[L, total, ...]``: one plan row per fragment and layer.
-    """
-    offsets: list[int] = []
-    base = 0
-    for layout in layouts:
-        offsets.append(base)
-        base += layout.rows
-    layers = stage.row_shape[0] if layer_major(stage.row_shape) else 1
-    plan: list[tuple[int, int, int]] = []
-    for layout, first in zip(layouts, offsets):
-        covered = []
-        for frag in layout.fragments:
-            blob = stage.ref_row[(frag.ref.unit, frag.ref.key)] * layers  # in plan rows
-            for layer in range(layers):
-                plan.append((blob + layer * frag.ref.rows + frag.src_row, layer * base + first + frag.dst_row,
-                             frag.rows))
-            covered.append((frag.dst_row, frag.rows))
-        gaps, cursor = [], 0
-        for start, rows in sorted(covered):
-            if start > cursor:
-                gaps.append((cursor, start - cursor))
-            cursor = start + rows
-        if cursor < layout.rows:
-            gaps.append((cursor, layout.rows - cursor))
-        plan.extend((-1, layer * base + first + start, rows) for layer in range(layers) for start, rows in gaps)
-    array = np.asarray(plan, dtype=np.int64).reshape(-1, 3)
-    return array, offsets, base
 
 
 class Reader(Closeable):
@@ -279,7 +133,7 @@ class Reader(Closeable):
             layouts = [sample[name] for sample in shard if name in sample]
             if len(layouts) != len(shard):
                 raise LayoutError(f"field {name!r} is missing from some samples of the shard")
-            per_field[name] = (layouts, _stage_field(name, layouts))
+            per_field[name] = (layouts, stage_field(name, layouts))
         referenced = sum(len({(f.ref.unit, f.ref.key) for f in layout.fragments})
                          for layouts, _ in per_field.values() for layout in layouts)
         try:
@@ -294,7 +148,7 @@ class Reader(Closeable):
         stats = FetchStats(samples=samples)
         with contextlib.ExitStack() as lent:  # pooled staging goes back once restored
             started = time.perf_counter()
-            requests, nbytes = _lay_out([stage for _, stage in per_field.values()], self._ctx.config.max_frame_bytes)
+            requests, nbytes = lay_out([stage for _, stage in per_field.values()], self._ctx.config.max_frame_bytes)
             # zero-copy over shm, else None
             staging = mapped_staging(self._ctx, requests, nbytes, stats, lent, ahead=ahead)
             if staging is None:
@@ -311,7 +165,7 @@ class Reader(Closeable):
         registered = self._ctx.registered(nbytes, units, lent)
         return self._ctx.buffers.staging(nbytes) if registered is None else registered
 
-    def _read_all(self, requests: list[_Request], nbytes: int, stats: FetchStats, lent: contextlib.ExitStack):
+    def _read_all(self, requests: list[ReadRequest], nbytes: int, stats: FetchStats, lent: contextlib.ExitStack):
         staging = self._staging_buffer(nbytes, sorted({r.unit for r in requests}), lent)
         for request in requests:
             stats.unique_keys += len(request.keys)
@@ -353,7 +207,7 @@ class Reader(Closeable):
             if layer_major(stage.row_shape):
                 fill = fills.pop() if fills else 0
                 if self._ctx.on_host:
-                    _token_major_on_host(compact, stage, layouts, offsets, out, fill)
+                    token_major_on_host(compact, stage, layouts, offsets, out, fill)
                 else:
                     out = self._token_major(compact, plan, stage, out, fill, total)
             else:
@@ -366,7 +220,7 @@ class Reader(Closeable):
             self._ctx.synchronize()
         return results
 
-    def _token_major(self, compact, plan, stage: _FieldStage, out, fill, total: int):
+    def _token_major(self, compact, plan, stage: FieldStage, out, fill, total: int):
         """Widen a layer-major field into ``[L, total, ...]`` in device memory, then lay it out token-major in ``out``.
 
         The whole-shard path pays this second pass (and a second buffer) for
@@ -386,7 +240,7 @@ class Reader(Closeable):
             torch.cuda.current_stream(target.device).synchronize()
         return out
 
-    def _read(self, request: _Request, dest) -> None:
+    def _read(self, request: ReadRequest, dest) -> None:
         channel = self._ctx.channel(request.unit)
         lengths = channel.read(request.keys, dest, timeout=self._ctx.read_timeout_s,
                                generations=request.generations, incarnation=request.incarnation or None)
@@ -520,73 +374,5 @@ def _check_stream_options(prefetch, release, fields, hold) -> None:
         raise InvalidInputError(f"fields must be a list of field names, got {fields!r}")
     if not isinstance(hold, bool):
         raise InvalidInputError(f"hold must be a bool, got {hold!r}")
-
-
-#: Tokens transposed at a time: every layer's run of a chunk is read while the chunk's rows stay in cache.
-_TRANSPOSE_ROWS = 512
-
-
-def _token_major_on_host(compact, stage: _FieldStage, layouts, offsets, out: np.ndarray, fill) -> None:
-    """Widen a layer-major field's blobs straight into token-major ``out`` ``[total, L, ...]``.
-
-    ``compact`` is the staging view (numpy) or, read in place, the
-    :class:`~gputq.kernels.MappedSource` over the units' arenas: each blob is
-    read where it lies, once.
-    Fragment by fragment with torch's transposing copy where the process has
-    torch loaded (a trainer has). Without torch, chunk by chunk of tokens: the chunk's
-    layer runs are gathered token-major into a scratch chunk that stays in
-    cache, a token's ``row_shape[1:]`` moved as one item (element by element
-    numpy's transposing copy runs at half that speed), then widened into
-    ``out`` in one contiguous cast.
-    """
-    layers = stage.row_shape[0]
-    inner = stage.width // layers
-    item = np.dtype((np.void, inner * stage.dtype.itemsize))
-    if isinstance(compact, MappedSource):
-        blob_at = compact.host_array
-    else:
-        flat = compact.reshape(-1)
-
-        def blob_at(first: int, count: int) -> np.ndarray:
-            return flat[first:first + count]
-    target = out.reshape(-1, layers, inner)
-    torch = _host_torch(stage.dtype)
-    if torch is None:
-        scratch = np.empty((_TRANSPOSE_ROWS, layers, inner), stage.dtype)
-        gathered = scratch.view(item).reshape(_TRANSPOSE_ROWS, layers)
-    for layout, first in zip(layouts, offsets):
-        cursor = 0
-        for frag in layout.fragments:  # sorted by target row
-            if frag.dst_row > cursor:
-                target[first + cursor:first + frag.dst_row] = fill
-            blob = blob_at(stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.width, layers * frag.ref.rows * inner)
-            dst = first + frag.dst_row
-            if torch is not None:
-                source = blob.reshape(layers, frag.ref.rows, inner)[:, frag.src_row:frag.src_row + frag.rows]
-                torch.from_numpy(target[dst:dst + frag.rows]).copy_(torch.from_numpy(source).permute(1, 0, 2))
-            else:
-                by_item = blob.view(item).reshape(layers, frag.ref.rows)
-                for done in range(0, frag.rows, _TRANSPOSE_ROWS):
-                    n = min(_TRANSPOSE_ROWS, frag.rows - done)
-                    src = frag.src_row + done
-                    np.copyto(gathered[:n], by_item[:, src:src + n].T)
-                    np.copyto(target[dst + done:dst + done + n], scratch[:n], casting="unsafe")
-            cursor = frag.dst_row + frag.rows
-        if cursor < layout.rows:
-            target[first + cursor:first + layout.rows] = fill
-
-
-def _host_torch(dtype: np.dtype):
-    """torch, where this process has imported it (a trainer has) and it holds ``dtype``; else None.
-
-    Its transposing copy moves a ``[L, T, K]`` int32 blob token-major 2.5x as
-    fast as numpy's in-cache gather on one core. gputq does not import it for
-    that: a numpy-only process would pay seconds and hundreds of MiB for it.
-    torch before 2.3 has no uint16 tensors.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or (dtype == np.uint16 and not hasattr(torch, "uint16")):
-        return None
-    return torch
 
 

@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from gputq.client.reader import READ_BATCH_KEYS, Reader, _lay_out, _stage_field
+from gputq.client.reader import Reader
+from gputq.client.shard_plan import READ_BATCH_KEYS, lay_out, stage_field
 from gputq.client.writer import Writer
 from gputq.data.refs import FieldRef, Layout
 from gputq.errors import GputqError, InvalidInputError, PartialFailureError, StaleReadError
@@ -43,8 +44,8 @@ def test_one_request_per_unit_when_rows_align():
         samples.append({"routed_experts": Layout.from_ref(_ref(unit, f"s{i}/re", "routed_experts", 10 + i,
                                                                "uint16", (48, 8))),
                         "logprobs": Layout.from_ref(_ref(unit, f"s{i}/lp", "logprobs", 10 + i, "float32", ()))})
-    stages = [_stage_field(name, [s[name] for s in samples]) for name in ("logprobs", "routed_experts")]
-    requests, total = _lay_out(stages)
+    stages = [stage_field(name, [s[name] for s in samples]) for name in ("logprobs", "routed_experts")]
+    requests, total = lay_out(stages)
     assert [r.unit for r in requests] == ["su-0", "su-1"]
     assert sorted(k for r in requests for k in r.keys) == sorted(f"s{i}/{f}" for i in range(5) for f in ("re", "lp"))
     assert total % 16 == 0 and total >= requests[-1].stop
@@ -61,8 +62,8 @@ def test_misaligned_row_sizes_split_requests_and_restore_exactly():
             refs = [writer.put(f"k{i}", "p", {"routed_experts": e, "logprobs": lp}) for i, (e, lp) in enumerate(data)]
             writer.flush()
         shard = [{f: Layout.from_ref(r) for f, r in ref.items()} for ref in refs]
-        stages = [_stage_field(name, [s[name] for s in shard]) for name in ("logprobs", "routed_experts")]
-        requests, total = _lay_out(stages)
+        stages = [stage_field(name, [s[name] for s in shard]) for name in ("logprobs", "routed_experts")]
+        requests, total = lay_out(stages)
         assert [(r.start, r.stop) for r in requests] == [(0, 210), (212, 212 + 4 * 35)]
         assert total == 352  # rounded up to 16 bytes
         with Reader(clients, config) as reader:
@@ -93,7 +94,7 @@ def test_reader_sends_one_read_per_unit_for_all_fields():
 def test_key_lists_are_split_at_the_batch_bound():
     samples = [{"logprobs": Layout.from_ref(_ref("su-0", f"k{i:06d}", "logprobs", 1, "float32", ()))}
                for i in range(READ_BATCH_KEYS + 5)]
-    requests, _ = _lay_out([_stage_field("logprobs", [s["logprobs"] for s in samples])])
+    requests, _ = lay_out([stage_field("logprobs", [s["logprobs"] for s in samples])])
     assert [len(r.keys) for r in requests] == [READ_BATCH_KEYS, 5]
     assert requests[1].start == requests[0].stop  # contiguous: no padding needed
 
@@ -101,14 +102,14 @@ def test_key_lists_are_split_at_the_batch_bound():
 def test_requests_are_split_by_bytes_under_the_frame_limit():
     samples = [{"logprobs": Layout.from_ref(_ref("su-0", f"k{i}", "logprobs", 150 * KIB, "float32", ()))}
                for i in range(3)]  # 600 KiB each
-    stage = _stage_field("logprobs", [s["logprobs"] for s in samples])
-    requests, _ = _lay_out([stage], max_bytes=1 << 20)
+    stage = stage_field("logprobs", [s["logprobs"] for s in samples])
+    requests, _ = lay_out([stage], max_bytes=1 << 20)
     assert [(r.keys, r.start, r.stop) for r in requests] == [
         (["k0"], 0, 600 * KIB), (["k1"], 600 * KIB, 1200 * KIB), (["k2"], 1200 * KIB, 1800 * KIB)]
-    requests, _ = _lay_out([_stage_field("logprobs", [s["logprobs"] for s in samples])], max_bytes=1200 * KIB)
+    requests, _ = lay_out([stage_field("logprobs", [s["logprobs"] for s in samples])], max_bytes=1200 * KIB)
     assert [r.keys for r in requests] == [["k0", "k1"], ["k2"]]  # exactly at the limit still fits
     # A single key over the limit goes alone (the transport refuses it with a typed error).
-    requests, _ = _lay_out([_stage_field("logprobs", [s["logprobs"] for s in samples])], max_bytes=100 * KIB)
+    requests, _ = lay_out([stage_field("logprobs", [s["logprobs"] for s in samples])], max_bytes=100 * KIB)
     assert [r.keys for r in requests] == [["k0"], ["k1"], ["k2"]]
 
 
@@ -151,8 +152,8 @@ def test_reads_carry_the_references_generations_and_incarnation():
 def test_one_request_per_incarnation_of_a_unit():
     old = _ref("su-0", "a", "logprobs", 4, "float32", (), "aaaaaaaaaaaaaaaa", 5)
     new = _ref("su-0", "b", "logprobs", 4, "float32", (), "bbbbbbbbbbbbbbbb", 6)
-    stage = _stage_field("logprobs", [Layout.from_ref(old), Layout.from_ref(new)])
-    requests, _ = _lay_out([stage])
+    stage = stage_field("logprobs", [Layout.from_ref(old), Layout.from_ref(new)])
+    requests, _ = lay_out([stage])
     assert [(r.incarnation, r.keys, r.generations) for r in requests] == [
         ("aaaaaaaaaaaaaaaa", ["a"], [5]), ("bbbbbbbbbbbbbbbb", ["b"], [6])]
 
@@ -161,9 +162,9 @@ def test_two_versions_of_one_key_in_a_shard_are_stale():
     first = _ref("su-0", "k", "logprobs", 4, "float32", (), "aaaaaaaaaaaaaaaa", 5)
     rewritten = _ref("su-0", "k", "logprobs", 4, "float32", (), "aaaaaaaaaaaaaaaa", 9)
     with pytest.raises(StaleReadError, match=r"two versions of key 'k' on unit su-0"):
-        _stage_field("logprobs", [Layout.from_ref(first), Layout.from_ref(rewritten)])
+        stage_field("logprobs", [Layout.from_ref(first), Layout.from_ref(rewritten)])
     unknown = _ref("su-0", "k", "logprobs", 4, "float32", ())  # unknown version: nothing to compare
-    assert _stage_field("logprobs", [Layout.from_ref(first), Layout.from_ref(unknown)]).refs_by_unit == {
+    assert stage_field("logprobs", [Layout.from_ref(first), Layout.from_ref(unknown)]).refs_by_unit == {
         "su-0": [("k", first)]}
 
 
@@ -261,12 +262,12 @@ def test_release_returns_the_keys_freed():
 def test_layer_major_blobs_restore_token_major_with_or_without_torch(transport, with_torch, monkeypatch):
     """Stored ``[L, rows, K]``, returned ``[rows, L, K]``: composed layouts (a slice, a shifted step, fill rows),
     over tcp (the staged gather) and shm (widened in place, then transposed), with torch's copy or numpy's."""
-    from gputq.client import reader as reader_module
+    from gputq.client import host_restore
 
     if with_torch:
         pytest.importorskip("torch", reason="the torch transpose needs torch")  # loaded, as in a trainer
     else:
-        monkeypatch.setattr(reader_module, "_host_torch", lambda dtype: None)
+        monkeypatch.setattr(host_restore, "host_torch", lambda dtype: None)
     with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, _, clients):
         rng = np.random.default_rng(11)
         steps = [rng.integers(0, 1000, (n, 6, 3)).astype(np.int32) for n in (700, 1300, 90)]
@@ -290,14 +291,14 @@ def test_layer_major_blobs_restore_token_major_with_or_without_torch(transport, 
 def test_a_torch_without_uint16_tensors_leaves_uint16_blobs_to_numpy(monkeypatch):
     import types
 
-    from gputq.client import reader as reader_module
+    from gputq.client import host_restore
 
     old_torch = types.SimpleNamespace(__version__="2.1.0")  # torch before 2.3: no torch.uint16
     monkeypatch.setitem(sys.modules, "torch", old_torch)
-    assert reader_module._host_torch(np.dtype(np.uint16)) is None
-    assert reader_module._host_torch(np.dtype(np.uint8)) is old_torch
+    assert host_restore.host_torch(np.dtype(np.uint16)) is None
+    assert host_restore.host_torch(np.dtype(np.uint8)) is old_torch
     monkeypatch.delitem(sys.modules, "torch")
-    assert reader_module._host_torch(np.dtype(np.int32)) is None  # not loaded: gputq does not import it
+    assert host_restore.host_torch(np.dtype(np.int32)) is None  # not loaded: gputq does not import it
 
 
 def test_a_stream_buffer_is_lent_from_the_smallest_that_fit_the_one_given_back_last():
