@@ -45,18 +45,15 @@ import numpy as np
 from gputq.client.in_place import add_leased, mapped_here
 from gputq.client.landing import land_replies
 from gputq.client.read_context import ReadContext
-from gputq.client.stream_plan import FieldPlan, MicroPlan
+from gputq.client.shape import SlimeShaper
+from gputq.client.stream_plan import MicroPlan
 from gputq.data.fields import sample_key_of
-from gputq.data.slices import ParallelSlice, pad_block
-from gputq.errors import ClosedError, GputqError, InvalidInputError, LayoutError
-from gputq.kernels import MappedSource, widen_scatter
+from gputq.data.slices import ParallelSlice
+from gputq.errors import ClosedError, GputqError, InvalidInputError
+from gputq.kernels import MappedSource
 from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
 
 __all__ = ["MicroBatch", "LayerRef", "MicroBatchStream"]
-
-
-#: Rows of each stored piece the empty-layer check looks at before it scans a layer whole.
-_FIRST_ROWS = 64
 
 
 def _fits_socket_buffers(plan: MicroPlan) -> bool:
@@ -176,7 +173,7 @@ class MicroBatchStream:
                  hold: bool = False, release: Callable[[list, int], None] | None = None):
         self._ctx, self._plans, self._depth, self._release = context, plans, prefetch, release
         self._rank, self._hold = rank, hold
-        self._pad_blocks: dict[tuple, np.ndarray] = {}
+        self._shaper = SlimeShaper(context, rank)
         units = sorted({unit for plan in plans for unit in plan.units})
         on_host = context.on_host and bool(units)
         # Host restores from same-host arenas read the spans where they lie: no staging copy.
@@ -537,72 +534,11 @@ class MicroBatchStream:
             return tensor
 
     def _restore(self, plan: MicroPlan, staging, outputs: dict) -> MicroBatch:
-        for name, fp in plan.fields.items():
-            out = outputs[name][:fp.out_elements]
-            rows = staging.nbytes // (fp.width * fp.stored.itemsize)
-            compact = staging[:rows * fp.width * fp.stored.itemsize].view(fp.stored)
-            widen_scatter(compact, fp.plan, fp.width, out, fill=fp.fill, validate=False)
-        if not self._ctx.on_host:
-            # The kernels ran on CuPy's stream; the pad rows and the check below go through torch's.
-            self._ctx.synchronize()
-        return self._shaped(plan, outputs)
+        return self._shaped(plan, self._shaper.widen(plan, staging, outputs))
 
     def _shaped(self, plan: MicroPlan, outputs: dict) -> MicroBatch:
-        """The micro-batch of widened ``outputs``: slime's pad rows written, empty layers refused, views shaped."""
-        fields, experts, layers = {}, [], ()
-        to_output = self._ctx.to_output
-        for name, fp in plan.fields.items():
-            out = outputs[name][:fp.out_elements]
-            if fp.layers:
-                shaped = out.reshape(len(fp.layers), fp.tokens, fp.width)
-                self._pad(fp, shaped)
-                self._check_layers(fp, shaped, plan)
-                fields[name] = to_output(shaped)
-                experts, layers = [to_output(shaped[j]) for j in range(len(fp.layers))], fp.layers
-            else:
-                fields[name] = [to_output(out[a * fp.width:(a + n) * fp.width]) for a, n in fp.sample_rows]
-        return MicroBatch(plan.index, plan.samples, layers, experts, {sample_key_of(n): v for n, v in fields.items()},
-                          self)
-
-    def _pad(self, fp: FieldPlan, shaped) -> None:
-        for offset, start, stop in fp.pads:
-            # The same few blocks in every micro-batch of the rank (a sample's pad row is its last):
-            # built once, not on the fetch thread each time.
-            shape = (start, stop, fp.layers, fp.stored_layers, fp.width)
-            block = self._pad_blocks.get(shape)
-            if block is None:
-                block = self._pad_blocks[shape] = pad_block(*shape, self._rank.num_experts)
-            if self._ctx.on_host:
-                shaped[:, offset:offset + stop - start] = block
-            else:
-                import torch
-
-                torch.from_dlpack(shaped[:, offset:offset + stop - start]).copy_(torch.from_numpy(block))
-
-    def _check_layers(self, fp: FieldPlan, shaped, plan: MicroPlan) -> None:
-        """slime refuses to replay a MoE layer whose captured routes are all zero (top-k > 1)."""
-        if fp.width < 2 or not fp.data:
-            return
-        on_host = self._ctx.on_host
-
-        def nonzero(j: int, look: int | None) -> bool:
-            parts = (shaped[j, offset:offset + (rows if look is None else min(rows, look))] for offset, rows in fp.data)
-            return any(bool(part.any() if on_host else self._ctx.to_output(part).any()) for part in parts)
-
-        # Real routes are nonzero within a few tokens (top-k IDs are distinct): look at a few first,
-        # and scan whole only the layers that start with zeros. On the host the first look takes
-        # every layer at once in one call, over the first stored chunk: a numpy call per layer and
-        # chunk would each wait for the GIL while the fetch thread runs Python.
-        if on_host:
-            offset, rows = fp.data[0]
-            seen = shaped[:, offset:offset + min(rows, _FIRST_ROWS)].any(axis=(1, 2))
-            empty = [j for j in np.flatnonzero(~seen).tolist() if not nonzero(j, None)]
-        else:
-            empty = [j for j in range(len(fp.layers)) if not nonzero(j, _FIRST_ROWS) and not nonzero(j, None)]
-        if empty:
-            raise LayoutError(f"micro-batch {plan.index} (samples {list(plan.samples)}): R3 of layer "
-                              f"{fp.layers[empty[0]]} is all zero for every stored token; refusing to replay "
-                              f"expert 0 everywhere")
+        layers, experts, fields = self._shaper.shape(plan, outputs)
+        return MicroBatch(plan.index, plan.samples, layers, experts, fields, self)
 
     def _release_references(self, plan: MicroPlan) -> None:
         if plan.index in self.released:
