@@ -42,26 +42,17 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from gputq.client.in_place import add_leased, mapped_here
+from gputq.client.fetch import ReadsAhead, fits_socket_buffers, lease_in_place, read_staged
+from gputq.client.in_place import mapped_here
 from gputq.client.landing import land_replies
 from gputq.client.read_context import ReadContext
 from gputq.client.shape import SlimeShaper
 from gputq.client.stream_plan import MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice
-from gputq.errors import ClosedError, GputqError, InvalidInputError
-from gputq.kernels import MappedSource
-from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
+from gputq.errors import ClosedError, InvalidInputError
 
 __all__ = ["MicroBatch", "LayerRef", "MicroBatchStream"]
-
-
-def _fits_socket_buffers(plan: MicroPlan) -> bool:
-    """Whether each unit's replies to ``plan`` fit in the socket buffers (the unit's send then never waits)."""
-    per_unit: dict[str, int] = {}
-    for r in plan.requests:
-        per_unit[r.unit] = per_unit.get(r.unit, 0) + r.stop - r.start
-    return max(per_unit.values(), default=0) <= SOCKET_BUFFER_BYTES
 
 
 def _run_into(future: Future, work: Callable, *args) -> None:
@@ -181,8 +172,7 @@ class MicroBatchStream:
         # Host restores over tcp widen each chunk as it lands, on the fetch thread: no staging either.
         self._landing = on_host and not self._in_place and all(
             context.channel(unit).pipelines_reads for unit in units)
-        self._pipes: dict = {}  # unit -> its read pipeline (landing)
-        self._sent: set = set()  # (micro-batch, request) sent ahead of its fetch (landing)
+        self._reads = ReadsAhead(context)  # the landing's read pipelines, one per unit
         self._ahead = context.on_host and prefetch >= 2 and not hold and not self._landing
         self._compact: queue.Queue = queue.Queue()
         self._outputs: queue.Queue = queue.Queue()
@@ -290,22 +280,10 @@ class MicroBatchStream:
         """A micro-batch's compact bytes: ``(compact buffer, None)``, or in place ``(None, (source, leases))``."""
         plan.finish()  # here, not up front: the first micro-batch waits for its own planning alone
         if self._in_place:
-            return None, self._lease_in_place(plan)
+            return None, lease_in_place(self._ctx, plan)
         buffer = self._take(self._compact)
         try:
-            staging = buffer[:plan.nbytes]
-            per_unit: dict[str, list] = {}
-            for r in plan.requests:
-                per_unit.setdefault(r.unit, []).append(r)
-            groups = list(per_unit.values())
-            jobs = [self._ctx.pool.submit(self._read_group, group, staging) for group in groups[1:]]
-            try:
-                if groups:
-                    self._read_group(groups[0], staging)
-            finally:
-                wait(jobs)
-            for job in jobs:
-                job.result()
+            read_staged(self._ctx, plan, buffer[:plan.nbytes])
         except BaseException:
             self._compact.put(buffer)
             raise
@@ -322,64 +300,21 @@ class MicroBatchStream:
         reading (the consumer may take a training step before that fetch
         starts). The replies are received in request order, on this thread.
         """
-        timeout = self._ctx.read_timeout_s
         plan.finish()
-        for k, r in enumerate(plan.requests):
-            if (plan.index, k) not in self._sent:
-                r.send(self._pipe(r.unit), timeout)
+        self._reads.send(plan)
         if plan.index + 1 < len(self._plans) and not self._closed:
             ahead = self._plans[plan.index + 1].finish()
-            if plan.index + 1 < self._submitted or _fits_socket_buffers(ahead):
-                self._send_ahead(ahead)
+            if plan.index + 1 < self._submitted or fits_socket_buffers(ahead):
+                self._reads.send_ahead(ahead)
         try:  # free unless the consumer holds micro-batches live (hold, replay handles): then one more
             outputs = self._outputs.get_nowait()
         except queue.Empty:
             outputs = self._new_outputs()
         try:
-            land_replies(plan, outputs, self._pipe, timeout)
+            land_replies(plan, outputs, self._reads.pipe, self._ctx.read_timeout_s)
             return self._shaped(plan, outputs), outputs
         except BaseException:
             self._outputs.put(outputs)
-            raise
-
-    def _send_ahead(self, plan: MicroPlan) -> None:
-        """Send ``plan``'s reads now; one that fails is left to its own fetch, which raises it there.
-
-        A failed send drops its unit's connection with every read in flight
-        on it: none of ``plan``'s reads to that unit counts as sent then.
-        """
-        for k, r in enumerate(plan.requests):
-            try:
-                r.send(self._pipe(r.unit), self._ctx.read_timeout_s)
-            except GputqError:
-                self._sent.difference_update((plan.index, j) for j, q in enumerate(plan.requests) if q.unit == r.unit)
-                return
-            self._sent.add((plan.index, k))
-
-    def _pipe(self, unit: str):
-        """The stream's read pipeline to ``unit`` (one connection), opened on first use."""
-        pipe = self._pipes.get(unit)
-        if pipe is None:
-            pipe = self._pipes[unit] = self._ctx.channel(unit).pipeline()
-        return pipe
-
-    def _lease_in_place(self, plan: MicroPlan):
-        """Lease the micro-batch's spans where they lie in the mapped arenas; the restore reads them there.
-
-        Its leases are confirmed after the restore (an expired one raises
-        ``StaleReadError`` then): one pass over the compact bytes, no copy.
-        """
-        leases = contextlib.ExitStack()
-        try:
-            starts, addresses, lengths = [], [], []
-            for r in plan.requests:
-                regions = leases.enter_context(self._ctx.channel(r.unit).mapped_source(
-                    r.keys, self._ctx.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
-                    device=False, ahead=False, spans=r.spans)).tolist()
-                add_leased(r, regions, starts, addresses, lengths)
-            return MappedSource(starts, addresses, lengths, plan.nbytes), leases
-        except BaseException:
-            leases.close()
             raise
 
     def _restored(self, plan: MicroPlan, fetched, outputs: dict) -> MicroBatch:
@@ -416,13 +351,6 @@ class MicroBatchStream:
             in_place[1].close()
         else:
             self._compact.put(buffer)
-
-    def _read_group(self, requests: list, staging) -> None:
-        for r in requests:
-            dest = staging[r.start:r.stop]
-            channel = self._ctx.channel(r.unit)
-            r.check_lengths(channel.read(r.keys, dest, timeout=self._ctx.read_timeout_s, generations=r.generations,
-                                         incarnation=r.incarnation or None, spans=r.spans))
 
     # -- consuming ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:
@@ -565,8 +493,7 @@ class MicroBatchStream:
                     future.result()[1][1].close()
         self._fetches.clear()
         self._restores.clear()
-        for pipe in self._pipes.values():  # replies still queued go with their connections
-            pipe.close()
+        self._reads.close()  # replies still queued go with their connections
         self._lent.close()
 
     def __enter__(self) -> "MicroBatchStream":

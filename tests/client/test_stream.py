@@ -183,7 +183,7 @@ def test_over_tcp_on_the_host_micro_batches_land_widened_with_no_staging(monkeyp
 def test_a_read_that_fails_to_go_ahead_is_sent_again_by_its_own_micro_batch(monkeypatch):
     """A send ahead that fails (here a unit at its connection cap, once) costs the micro-batch behind
     nothing: its own fetch sends the read again and restores it exactly."""
-    from gputq.client.stream import MicroBatchStream
+    from gputq.client.fetch import ReadsAhead
     from gputq.errors import UnitBusyError
     from gputq.transport.tcp import ReadPipeline
 
@@ -192,12 +192,12 @@ def test_a_read_that_fails_to_go_ahead_is_sent_again_by_its_own_micro_batch(monk
     batches = [[0, 1], [2, 3], [4, 5]]
     rank = ParallelSlice(layers=range(0, 3), cp_rank=0, cp_size=2, num_experts=EXPERTS)
     refused, sending_ahead = [], threading.Event()
-    real_send, real_ahead = ReadPipeline.send, MicroBatchStream._send_ahead
+    real_send, real_ahead = ReadPipeline.send, ReadsAhead.send_ahead
 
-    def ahead(stream, plan):
+    def ahead(reads, plan):
         sending_ahead.set()
         try:
-            real_ahead(stream, plan)
+            real_ahead(reads, plan)
         finally:
             sending_ahead.clear()
 
@@ -207,7 +207,7 @@ def test_a_read_that_fails_to_go_ahead_is_sent_again_by_its_own_micro_batch(monk
             raise UnitBusyError(f"unit {pipe._channel.unit} is at its connection cap")
         return real_send(pipe, *args, **kwargs)
 
-    monkeypatch.setattr(MicroBatchStream, "_send_ahead", ahead)
+    monkeypatch.setattr(ReadsAhead, "send_ahead", ahead)
     monkeypatch.setattr(ReadPipeline, "send", send)
     with local_units("tcp", units=2, routed_experts_dtype="uint16") as (config, _, clients):
         with Writer(clients, config) as writer:

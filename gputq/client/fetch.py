@@ -1,0 +1,124 @@
+"""The fetch stage of a stream: one way of moving a micro-batch's bytes each.
+
+- **Staged** (:func:`read_staged`): each unit's span requests read into a
+  compact buffer, units in parallel: rdma (into registered memory) and GPU
+  destinations.
+- **Landed** (:class:`ReadsAhead` with :func:`~gputq.client.landing.land_replies`):
+  over tcp on the host, reads are sent ahead of their replies on one
+  pipeline per unit, and each reply is widened as it lands.
+- **In place** (:func:`lease_in_place`): same-host arenas (shm) are leased
+  and read where they lie, by the restore itself.
+
+Each gets what it needs through the reader's
+:class:`~gputq.client.read_context.ReadContext`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import wait
+
+from gputq.client.in_place import add_leased
+from gputq.client.read_context import ReadContext
+from gputq.client.stream_plan import MicroPlan
+from gputq.errors import GputqError
+from gputq.kernels import MappedSource
+from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
+
+__all__ = ["read_staged", "ReadsAhead", "lease_in_place", "fits_socket_buffers"]
+
+
+def read_staged(context: ReadContext, plan: MicroPlan, staging) -> None:
+    """Read ``plan``'s requests into ``staging``: each unit's in sequence, units in parallel (parallel
+    streams from one unit only contend for its cores), the first unit's on this thread."""
+    per_unit: dict[str, list] = {}
+    for r in plan.requests:
+        per_unit.setdefault(r.unit, []).append(r)
+    groups = list(per_unit.values())
+    jobs = [context.pool.submit(_read_group, context, group, staging) for group in groups[1:]]
+    try:
+        if groups:
+            _read_group(context, groups[0], staging)
+    finally:
+        wait(jobs)  # no read may still be writing into staging when this returns
+    for job in jobs:
+        job.result()
+
+
+def _read_group(context: ReadContext, requests: list, staging) -> None:
+    for r in requests:
+        dest = staging[r.start:r.stop]
+        r.check_lengths(context.channel(r.unit).read(r.keys, dest, timeout=context.read_timeout_s,
+                                                     generations=r.generations, incarnation=r.incarnation or None,
+                                                     spans=r.spans))
+
+
+def fits_socket_buffers(plan: MicroPlan) -> bool:
+    """Whether each unit's replies to ``plan`` fit in the socket buffers (the unit's send then never waits)."""
+    per_unit: dict[str, int] = {}
+    for r in plan.requests:
+        per_unit[r.unit] = per_unit.get(r.unit, 0) + r.stop - r.start
+    return max(per_unit.values(), default=0) <= SOCKET_BUFFER_BYTES
+
+
+class ReadsAhead:
+    """A stream's read pipelines (one connection per unit) and which of its reads went out ahead."""
+
+    def __init__(self, context: ReadContext):
+        self._ctx = context
+        self._pipes: dict = {}  # unit -> its read pipeline
+        self._sent: set = set()  # (micro-batch, request) sent ahead of its fetch
+
+    def pipe(self, unit: str):
+        """The read pipeline to ``unit``, opened on first use."""
+        pipe = self._pipes.get(unit)
+        if pipe is None:
+            pipe = self._pipes[unit] = self._ctx.channel(unit).pipeline()
+        return pipe
+
+    def send(self, plan: MicroPlan) -> None:
+        """Send the reads of ``plan`` not sent ahead; a failure raises (the micro-batch's own fetch)."""
+        for k, r in enumerate(plan.requests):
+            if (plan.index, k) not in self._sent:
+                r.send(self.pipe(r.unit), self._ctx.read_timeout_s)
+
+    def send_ahead(self, plan: MicroPlan) -> None:
+        """Send ``plan``'s reads now; one that fails is left to its own fetch, which raises it there.
+
+        A failed send drops its unit's connection with every read in flight
+        on it: none of ``plan``'s reads to that unit counts as sent then.
+        """
+        for k, r in enumerate(plan.requests):
+            try:
+                r.send(self.pipe(r.unit), self._ctx.read_timeout_s)
+            except GputqError:
+                self._sent.difference_update((plan.index, j) for j, q in enumerate(plan.requests) if q.unit == r.unit)
+                return
+            self._sent.add((plan.index, k))
+
+    def close(self) -> None:
+        """Close every pipeline: replies still queued go with their connections. Idempotent."""
+        pipes, self._pipes = self._pipes, {}
+        for pipe in pipes.values():
+            pipe.close()
+
+
+def lease_in_place(context: ReadContext, plan: MicroPlan) -> tuple[MappedSource, contextlib.ExitStack]:
+    """Lease the micro-batch's spans where they lie in the mapped arenas; the restore reads them there.
+
+    Its leases are confirmed when the returned stack closes, after the
+    restore (an expired one raises ``StaleReadError`` then): one pass over
+    the compact bytes, no copy.
+    """
+    leases = contextlib.ExitStack()
+    try:
+        starts, addresses, lengths = [], [], []
+        for r in plan.requests:
+            regions = leases.enter_context(context.channel(r.unit).mapped_source(
+                r.keys, context.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
+                device=False, ahead=False, spans=r.spans)).tolist()
+            add_leased(r, regions, starts, addresses, lengths)
+        return MappedSource(starts, addresses, lengths, plan.nbytes), leases
+    except BaseException:
+        leases.close()
+        raise
