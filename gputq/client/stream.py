@@ -66,6 +66,37 @@ def _run_into(future: Future, work: Callable, *args) -> None:
         future.set_exception(exc)
 
 
+def _largest_outputs(plans: list) -> dict[str, tuple[int, np.dtype]]:
+    """Per field, the most elements one micro-batch restores and their dtype: the output buffers' sizes."""
+    largest: dict[str, tuple[int, np.dtype]] = {}
+    for plan in plans:
+        for fp in plan.fields.values():
+            known = largest.get(fp.name, (0, fp.restored))[0]
+            largest[fp.name] = (max(known, fp.out_elements), fp.restored)
+    return largest
+
+
+def _buffer_counts(prefetch: int, micro_batches: int, staging: int, output_bytes: int, *, landing: bool,
+                   in_place: bool, ahead: bool) -> tuple[int, int]:
+    """How many output and compact buffers a stream holds, within ``prefetch + 1`` widened slices."""
+    outputs = 2 if ahead else 1
+    compact = prefetch
+    if landing or (in_place and ahead):
+        # No compact bytes to hold (they land widened, or are read where they lie): every
+        # micro-batch in flight is restored ahead into an output buffer of its own, so the
+        # restore never waits for the one the consumer gives back (nor needs waking then).
+        outputs, compact = min(prefetch, micro_batches) + 1, 0
+    elif in_place:
+        compact = 0
+    elif ahead:
+        # A second output buffer costs compact ones, within (prefetch + 1) slices: with narrow IDs
+        # (compact is half the widened bytes or less) it costs none, and a fetch never waits
+        # for the restore before it to give its buffer back.
+        room = (prefetch + 1 - outputs) * output_bytes
+        compact = max(prefetch - 1, min(prefetch, room // staging if staging else prefetch))
+    return outputs, min(compact, micro_batches)
+
+
 class LayerRef:
     """One layer of one micro-batch for slime's ``RoutingReplay.record``, restored when first replayed.
 
@@ -188,29 +219,11 @@ class MicroBatchStream:
         self._submitted = 0
         self._closed = False
         self.released: list[int] = []
-        self._largest: dict[str, tuple[int, np.dtype]] = {}
-        for p in plans:
-            for fp in p.fields.values():
-                known = self._largest.get(fp.name, (0, fp.restored))[0]
-                self._largest[fp.name] = (max(known, fp.out_elements), fp.restored)
+        self._largest = _largest_outputs(plans)
         staging = max((p.max_nbytes for p in plans), default=0)
         self._lent = contextlib.ExitStack()
-        outputs = 2 if self._ahead else 1
-        compact = prefetch
-        if self._landing or (self._in_place and self._ahead):
-            # No compact bytes to hold (they land widened, or are read where they lie): every
-            # micro-batch in flight is restored ahead into an output buffer of its own, so the
-            # restore never waits for the one the consumer gives back (nor needs waking then).
-            outputs, compact = min(prefetch, len(plans)) + 1, 0
-        elif self._in_place:
-            compact = 0
-        elif self._ahead:
-            # A second output buffer costs compact ones, within (prefetch + 1) slices: with narrow IDs
-            # (compact is half the widened bytes or less) it costs none, and a fetch never waits
-            # for the restore before it to give its buffer back.
-            room = (prefetch + 1 - outputs) * self._output_bytes
-            compact = max(prefetch - 1, min(prefetch, room // staging if staging else prefetch))
-        compact = min(compact, len(plans))
+        outputs, compact = _buffer_counts(prefetch, len(plans), staging, self._output_bytes, landing=self._landing,
+                                          in_place=self._in_place, ahead=self._ahead)
         for _ in range(compact):  # registered memory where every unit is read over rdma
             registered = context.registered(staging, units, self._lent)
             self._compact.put(context.buffers.lend(staging, self._lent) if registered is None else registered)
