@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "gputq.client.clients": ("UnitClients",),
     "gputq.client.placement": ("rendezvous_unit",),
+    "gputq.client.reachability": ("unreachable_samples",),
     "gputq.client.reader": ("FetchStats", "Reader"),
     "gputq.client.stream": ("LayerRef", "MicroBatch", "MicroBatchStream"),
     "gputq.client.writer": ("CommitRegion", "Writer"),

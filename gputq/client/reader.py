@@ -41,6 +41,7 @@ from gputq.client.host_outputs import HostOutputs
 from gputq.client.host_restore import token_major_on_host
 from gputq.client.in_place import mapped_staging
 from gputq.client.lifecycle import release
+from gputq.client.reachability import refuse_lost
 from gputq.client.read_context import ReadContext
 from gputq.client.shard_plan import FieldStage, ReadRequest, build_plan, lay_out, stage_field
 from gputq.client.stream import MicroBatchStream
@@ -267,22 +268,19 @@ class Reader(Closeable):
             Micro-batches fetched ahead of the one being consumed (>= 1).
         release:
             A partition: drop each micro-batch's references once the
-            consumer moves past it (one rank per data-parallel group
-            releases, as with :meth:`release`). ``None``: release nothing.
+            consumer moves past it (as :meth:`release`); ``None``: keep them.
         total_lengths:
             Each sample's ``len(tokens)``; checked against R3's rows
             (``T - 1``), and needed to cut logprobs for CP without R3.
         token_ranges:
-            Per sample, explicit R3 row ranges to read instead of the CP
-            rule (no padding).
+            Per sample, R3 row ranges to read instead of the CP rule.
         fields:
             The fields to read (default: all the samples have); a pipeline
             stage before the last, say, replays R3 but computes no loss.
         hold:
             Keep every yielded micro-batch until its ``release()`` (a
-            pipeline schedule that runs several forwards before their
-            backwards); by default each is released when the next is asked
-            for, and its tensors are then invalid.
+            pipeline schedule's several forwards before their backwards);
+            by default each goes (its tensors invalid) at the next.
 
         Returns
         -------
@@ -297,13 +295,17 @@ class Reader(Closeable):
             shard, a prefetch depth below 1, layers outside the stored ones,
             a token range outside its sample, R3 rows that are not
             ``len(tokens) - 1``; each names the sample or micro-batch.
+        UnitLostError
+            Before anything is read: a unit of some samples is known lost.
         """
         if self._closed:
             raise ClosedError("Reader is closed")
         _check_stream_options(prefetch, release, fields, hold)
         rank = ParallelSlice() if rank is None else rank
-        plans = plan_stream(checked_shard(shard), micro_batches, rank, total_lengths=total_lengths,
-                            token_ranges=token_ranges, fields=fields, max_bytes=self._ctx.config.max_frame_bytes)
+        shard = checked_shard(shard)
+        plans = plan_stream(shard, micro_batches, rank, total_lengths=total_lengths, token_ranges=token_ranges,
+                            fields=fields, max_bytes=self._ctx.config.max_frame_bytes)
+        refuse_lost(shard, self._ctx.clients.lost)
         return MicroBatchStream(self._ctx, plans, prefetch, rank, hold=hold,
                                 release=None if release is None else functools.partial(self._release_micro_batch,
                                                                                       release))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from gputq.client.clients import UnitClients
+from gputq.client.reachability import unreachable_samples
 from gputq.cluster.controller import Controller
 from gputq.cluster.metrics import controller_metrics, require_prometheus, rss_bytes, serve_metrics, unit_metrics
 from gputq.cluster.names import CONTROLLER_NAME, NAMESPACE, import_ray, unit_actor_name
@@ -309,6 +310,13 @@ class Deployment:
 
     def stats(self) -> dict:
         return import_ray().get(self.controller.stats.remote())
+
+    def unreachable(self, samples, *, timeout: float | None = None) -> dict[int, list[str]]:
+        """Per sample whose bytes live on a unit lost or unreachable now, those units: the samples a rollout
+        manager drops or rolls again before the data-parallel split. One probe per unit, in parallel
+        (see :func:`~gputq.client.reachability.unreachable_samples`)."""
+        with self.clients() as clients:
+            return unreachable_samples(samples, clients, timeout=timeout)
 
     def release_partition(self, partition: str) -> dict:
         """Drop a rollout's references on every unit: ``{"freed", "unreachable"}`` (see Controller)."""
