@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gputq-installed
 
-.PHONY: demo test test-slow bench install-check clean
+.PHONY: demo test test-busy test-slow bench install-check clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow"
+
+# The fast suite beside two CPU-bound processes, as on a busy CI machine: no fast test may depend on
+# timing or free cores.
+test-busy: $(STAMP)
+	$(PY) scripts/busy.py -n 2 -- $(PY) -m pytest -m "not slow"
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow

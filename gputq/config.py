@@ -183,8 +183,7 @@ class GputqConfig:
     # Which is faster on a GPU awaits a measurement: no GPU log has one yet (the runs in
     # docs/gpu/ predate the same-host path); `bench/gpu_check.sh` times both at 64 and
     # 256 MiB. In place stays the default until it says otherwise. On the host, reading in
-    # place saved the staging memcpy at every size measured (dev box, 18-256 MiB:
-    # docs/logs/fetch-shm-2026-12-01-final.log and docs/PERFORMANCE.md).
+    # place saves the staging memcpy at every size (docs/PERFORMANCE.md, the shard fetch).
     zero_copy_max_bytes: float = math.inf
 
     def __post_init__(self):

@@ -67,7 +67,7 @@ def reference_widen_scatter(staging, plan, width, out, fill=0, *, validate=True)
     staging_rows = staging.reshape(-1, width)
     if len(plan) and plan[:, 2].sum() >= _SLICE_MIN_ROWS * len(plan):
         # Long fragments: widening copies of whole row ranges run at memory speed, where a row
-        # gather costs an index per row (~10x slower on 100 MB shards). One copy per run of
+        # gather costs an index per row. One copy per run of
         # them, not per plan row: each numpy copy lets go of the GIL and must take it back, and
         # beside a busy Python thread (a stream's fetch) taking it back costs more than the copy.
         for src, src_step, dst, dst_step, rows, count in _strided_runs(plan.tolist()):

@@ -13,6 +13,7 @@ truth about what depends on what.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,15 @@ def test_no_function_of_the_client_room_is_over_60_lines():
             for node in ast.walk(ast.parse(path.read_text(), str(path)))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
     assert long == []
+
+
+#: A figure of this machine's in prose: "20 us", "0.7 GB/s", "2.5x faster", "the dev box".
+_TIMING = re.compile(r"\d[\d.,]* ?(?:us|µs|ms|GB/s|MB/s|GiB/s)\b|\d[\d.]*x (?:faster|slower|as fast)|dev box")
+
+
+def test_no_comment_or_docstring_quotes_a_timing():
+    """Timings go stale with every change: the code says why, docs/PERFORMANCE.md says how fast."""
+    quoted = [f"{module}:{i}: {line.strip()}" for module, path in MODULES.items()
+              for i, line in enumerate(path.read_text().splitlines(), 1)
+              if _TIMING.search(line) and "DEFAULT_CALIBRATION" not in line and "source=" not in line]
+    assert quoted == []

@@ -32,15 +32,14 @@ from gputq.transport.cuda import usable_cupy, usable_torch
 __all__ = ["merge_runs", "copy_runs", "device_copy_runs", "help_copies", "COPY_THREADS", "PARALLEL_COPY_BYTES",
            "COPY_PIECE_BYTES"]
 
-#: Threads copying one large host read, the caller's among them: one memcpy thread moves
-#: ~10 GB/s on server CPUs, a few of them saturate more of the memory bus. Half the cores,
-#: at most 4; on a 2-core box the caller alone, joined by lease helpers as they come free.
+#: Threads copying one large host read, the caller's among them: one memcpy thread does not
+#: saturate a server's memory bus, a few of them do more of it. Half the cores, at most 4; on a
+#: 2-core machine the caller alone, joined by lease helpers as they come free.
 COPY_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 #: Host copies from this size are cut into pieces that free threads share.
 PARALLEL_COPY_BYTES = 8 << 20
 #: The piece a thread takes at a time: small enough that a thread coming free late in a copy
-#: still takes a share, large enough that taking one costs nothing beside its copy (about
-#: 0.1 ms each at 10 GB/s).
+#: still takes a share, large enough that taking one costs nothing beside its copy.
 COPY_PIECE_BYTES = 1 << 20
 
 _pool: ThreadPoolExecutor | None = None

@@ -29,16 +29,16 @@ raises :class:`~gputq.errors.StaleReadError` and returns nothing.
 GPU destinations: where a NIC can DMA into GPU memory (GPUDirect, see
 :func:`gputq.transport.policy.gpudirect_support`) the READ lands in a registered
 device buffer; elsewhere it lands in host memory and one copy moves it to
-the device (on one H200 host: 4 GB/s that way, 0.7 GB/s when UCX stages
-device destinations itself).
+the device (faster than letting UCX stage device destinations itself in
+software; docs/gpu/ has the figures).
 
 Writes take the tcp path below :data:`PUSH_MIN_BYTES` and are pushed
 above it: the push copies the payload into a registered staging buffer and
 NIXL-WRITEs it into the region reserved by a control call, then commits. It
 costs two more control round trips than tcp's single WRITE frame
 (``recv_into`` straight into the arena), which loses for small payloads,
-but moved bytes ~1.8x faster from 4 MiB on on the 2-core dev box; in the
-gVisor sandbox of the GPU host the push lost at every size, so
+but moves large payloads faster on loopback; in the gVisor sandbox of the
+GPU host the push lost at every size, so
 ``GPUTQ_RDMA_WRITE_PATH=tcp`` (or ``write_path``) forces the tcp path
 (docs/operations.md has both tables). The unit cannot stop a remote WRITE
 into a region it granted, so the client ends its push within
@@ -89,9 +89,9 @@ __all__ = ["NixlTransport", "NixlServer", "NixlChannel", "import_nixl", "local_p
            "PUSH_MIN_BYTES", "PUSH_CHUNK_BYTES", "WRITE_PATH_ENV"]
 
 WRITE_PATHS = ("auto", "tcp", "push")
-#: ``write_path="auto"`` pushes payloads of at least this size with NIXL WRITE.
-#: Measured on loopback (cma): tcp wins below ~1 MiB (one control round trip
-#: against three), push wins above (2 MiB: 6.3 vs 3.2 GB/s; 128 MiB: 5.1 vs 3.0).
+#: ``write_path="auto"`` pushes payloads of at least this size with NIXL WRITE: below it tcp's
+#: one control round trip beats the push's three, above it the push's one-sided copy wins
+#: (docs/operations.md has the loopback measurement).
 PUSH_MIN_BYTES = 1 << 20
 #: Environment variable choosing the write path of channels built by default.
 WRITE_PATH_ENV = "GPUTQ_RDMA_WRITE_PATH"
@@ -115,8 +115,8 @@ def _descriptors(regions: np.ndarray, local_base: int, remote_base: int, device:
     Regions are packed back to back from ``local_base``. Runs of regions that
     also follow each other in the arena (keys written in sequence usually do)
     become one descriptor: UCX moves one large block faster than many
-    adjacent small ones (1024 x 16 KiB: 3.3 ms as 1024 descriptors, 2.3 ms
-    merged, measured here). Empty runs are dropped.
+    adjacent small ones (each descriptor has its own cost in UCX). Empty runs
+    are dropped.
     """
     offsets, lengths = regions[:, 0], regions[:, 1]
     ends = np.cumsum(lengths)  # packed end of each region in the destination
@@ -175,8 +175,8 @@ class NixlChannel(LeasingChannel):
         self._local = LocalAgent.get()
         self._write_path = write_path
         # READ straight into GPU memory only where a NIC can DMA there; else
-        # UCX stages in software (0.7 GB/s on one H200 host, against 4 GB/s
-        # for READ into host memory plus a host-to-device copy). None: try
+        # UCX stages in software, slower than a READ into host memory plus a
+        # host-to-device copy (docs/gpu/). None: try
         # on the first CUDA read, fall back for good if NIXL refuses.
         self._vram_direct: bool | None = None if gpudirect_support()[0] else False
         self._tcp = TcpTransport().connect(address["control"], token=token,

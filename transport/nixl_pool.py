@@ -311,8 +311,8 @@ class BufferPool:
 class LocalAgent:
     """The reader side's NIXL agent: one per process, shared by all channels.
 
-    Its progress thread is off (the reader polls, which is faster measured
-    here) and its sync mode is RW, so channels may use it from many threads.
+    Its progress thread is off (the reader polls: no thread hand-off per
+    transfer) and its sync mode is RW, so channels may use it from many threads.
     Remote agents are reference-counted: two channels to one unit share it.
     ``pool`` holds the process's registered destination buffers; it keeps
     them while a channel is open (or a buffer lent) and frees the idle ones

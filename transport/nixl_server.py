@@ -156,9 +156,9 @@ class NixlServer(Server):
         self._failures = LogLimiter(log)
         # The target side must make progress for connection wire-up (and for
         # every transfer on UCX's tcp lane). NIXL's own progress thread spins
-        # without pause and holds a full core even when idle (measured: 2.0 s
-        # of CPU per 2 s idle), which a unit cannot afford next to its tcp
-        # server; a thread progressing every millisecond costs ~5% of a core.
+        # without pause and holds a full core even when idle, which a unit
+        # cannot afford next to its tcp server; a thread progressing every
+        # millisecond costs a small fraction of one.
         # UCX listens on every interface it may use: only the one holding `host` (and InfiniBand ports).
         with ucx_bound_to(host):
             self._agent = nixl_agent(agent_name(f"unit-{handler.name}"), nixl_agent_config(

@@ -1,18 +1,18 @@
 """Which backend a channel uses: the ``--transport auto|shm|rdma|tcp`` decision.
 
-``auto`` picks the fastest lane the peer and this host share. The lanes and
-the figures behind the rule (2-core dev box, ``python -m bench.transport``,
-``python -m bench.fetch`` and docs/operations.md):
+``auto`` picks the fastest lane the peer and this host share. The lanes
+(``python -m bench.transport`` and ``python -m bench.fetch`` measure them;
+docs/PERFORMANCE.md has the figures):
 
 - same host: the reader maps the unit's arena file read-only and copies
-  from it (``shm``): one memcpy, against 4-9 GB/s for NIXL's cross-memory
-  attach (cma) and 2-3 GB/s for the tcp backend => shm. Where the file
+  from it (``shm``): one memcpy, faster than NIXL's cross-memory attach
+  (cma) and than the tcp backend's socket => shm. Where the file
   cannot be mapped (another container's /dev/shm, permissions) the shm
   channel reads over rdma (cma) or the unit's tcp lane and says why;
 - InfiniBand on this host (and on the peer, when its address says): one-sided
   RDMA READ with no CPU copy => rdma;
 - remote peer without InfiniBand: UCX falls back to its tcp lane, which
-  emulates READ in software at 1.1-1.5 GB/s, below the tcp backend => tcp.
+  emulates READ in software, slower than the tcp backend => tcp.
 
 What is requested comes from the caller, read once by the config
 (:class:`gputq.config.GputqConfig`): dataclass default ``auto`` < YAML
@@ -194,9 +194,9 @@ def gpudirect_support() -> tuple[bool, str]:
 
     Needs an InfiniBand/RoCE device and either the ``nvidia_peermem`` module
     or the open GPU kernel module (dma-buf). Without it UCX still accepts GPU
-    destinations but stages them in software: measured on one H200 host,
-    0.7 GB/s against 4 GB/s for a host READ plus a host-to-device copy, so
-    the rdma backend then reads into host memory and copies.
+    destinations but stages them in software, slower than a host READ plus
+    a host-to-device copy (docs/gpu/), so the rdma backend then reads into
+    host memory and copies.
     """
     ib = infiniband_devices()
     if not ib:

@@ -74,9 +74,9 @@ def token_major_on_host(compact, stage: FieldStage, layouts, offsets, out: np.nd
 def host_torch(dtype: np.dtype):
     """torch, where this process has imported it (a trainer has) and it holds ``dtype``; else None.
 
-    Its transposing copy moves a ``[L, T, K]`` int32 blob token-major 2.5x as
-    fast as numpy's in-cache gather on one core. gputq does not import it for
-    that: a numpy-only process would pay seconds and hundreds of MiB for it.
+    Its transposing copy moves a ``[L, T, K]`` int32 blob token-major faster
+    than numpy's in-cache gather (docs/PERFORMANCE.md). gputq does not import
+    it for that: a numpy-only process would pay the whole of torch's import.
     torch before 2.3 has no uint16 tensors.
     """
     torch = sys.modules.get("torch")

@@ -13,7 +13,7 @@ socket buffers. No second thread, no hand-off between threads.
 
 The chunk is at most :data:`LANDING_CHUNK_BYTES`: larger, a chunk and its
 widened int32 (twice its bytes) no longer stay in the core's cache (a
-core's L2, 2 MiB on the dev box) while it is widened, and the widen starts
+core's L2) while it is widened, and the widen starts
 later after each chunk's first byte; smaller, the receiving thread spends
 more on the Python and system calls of each chunk, and it is the busiest
 thread of a host restore over tcp. A chunk also ends where a run of the

@@ -368,7 +368,7 @@ def check_generations(unit: str, entries: list[Entry], generations) -> None:
         raise InvalidInputError(
             f"unit {unit}: generations must be a list of {len(entries)} ints, got {generations!r:.200}")
     if [e.generation for e in entries] == list(generations):
-        return  # the common case, compared at C speed: 1024 keys in ~20 us
+        return  # the common case, compared at C speed in one list comparison
     for entry, expected in zip(entries, generations):
         if expected is None:
             continue
