@@ -79,8 +79,6 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
         receiving = ("stream_receiver", "stream_units", "baseline_receiver", "baseline_sender", "ceiling_receiver",
                      "reads_receiver")
         assert all(row[f"{side}_us_per_MiB"] > 0 for side in receiving), row
-        # Widening costs the receiving process CPU the plain socket's receiver never spends.
-        assert row["ceiling_receiver_us_per_MiB"] > row["baseline_receiver_us_per_MiB"]
         if os.path.exists("/proc/self/task"):  # the kernel says how long each side's threads waited for a core
             waiting = ("stream_receiver", "stream_units", "baseline_receiver", "baseline_sender")
             assert all(row[f"{side}_waiting_cores"] >= 0 for side in waiting), row
