@@ -75,7 +75,7 @@ def host_torch(dtype: np.dtype):
     """torch, where this process has imported it (a trainer has) and it holds ``dtype``; else None.
 
     Its transposing copy moves a ``[L, T, K]`` int32 blob token-major faster
-    than numpy's in-cache gather (docs/PERFORMANCE.md). gputq does not import
+    than numpy's in-cache gather. gputq does not import
     it for that: a numpy-only process would pay the whole of torch's import.
     torch before 2.3 has no uint16 tensors.
     """
