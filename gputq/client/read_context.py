@@ -27,7 +27,7 @@ from gputq.kernels import cuda_available
 from gputq.transport import get_transport
 from gputq.transport.cuda import require_cupy
 
-__all__ = ["ReadContext", "Buffers"]
+__all__ = ["ReadContext", "Buffers", "device_index"]
 
 
 def _cupy():
