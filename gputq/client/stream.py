@@ -46,13 +46,14 @@ from gputq.client.fetch import ReadsAhead, fits_socket_buffers, lease_in_place, 
 from gputq.client.in_place import mapped_here
 from gputq.client.landing import land_replies
 from gputq.client.read_context import ReadContext
+from gputq.client.replay import LayerRef, LazyReplay
 from gputq.client.shape import SlimeShaper
 from gputq.client.stream_plan import MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice
 from gputq.errors import ClosedError, InvalidInputError
 
-__all__ = ["MicroBatch", "LayerRef", "MicroBatchStream"]
+__all__ = ["MicroBatch", "MicroBatchStream"]
 
 
 def _run_into(future: Future, work: Callable, *args) -> None:
@@ -95,25 +96,6 @@ def _buffer_counts(prefetch: int, micro_batches: int, staging: int, output_bytes
         room = (prefetch + 1 - outputs) * output_bytes
         compact = max(prefetch - 1, min(prefetch, room // staging if staging else prefetch))
     return outputs, min(compact, micro_batches)
-
-
-class LayerRef:
-    """One layer of one micro-batch for slime's ``RoutingReplay.record``, restored when first replayed.
-
-    From :meth:`MicroBatchStream.replay_handles`. Materialising the first
-    layer of a micro-batch widens the whole micro-batch (its compact bytes
-    were prefetched in order); once every layer was materialised for the
-    stream's ``release_after`` direction, the micro-batch is released.
-    """
-
-    def __init__(self, stream: "MicroBatchStream", index: int, position: int):
-        self._stream, self.index, self.position = stream, index, position
-
-    def materialize_for_routing_replay(self, direction: str):
-        """The layer's int32 ``[tokens, topk]`` tensor for the ``"forward"`` or ``"backward"`` replay."""
-        if direction not in ("forward", "backward"):
-            raise InvalidInputError(f"direction must be 'forward' or 'backward', got {direction!r}")
-        return self._stream._materialize(self.index, self.position, direction)
 
 
 @dataclass
@@ -211,9 +193,7 @@ class MicroBatchStream:
         self._restores: dict[int, Future] = {}
         self._fetcher, self._restorer = context.stream_threads()
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
-        self._uses: dict[int, int] = {}
-        self._lazy: str | None = None
-        self._retiring: MicroBatch | None = None  # consumed for good; its buffers go at the next call
+        self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
         self._lock = threading.RLock()
         self._next = 0
         self._submitted = 0
@@ -426,53 +406,30 @@ class MicroBatchStream:
         """Per micro-batch, one lazy handle per layer, for slime's ``RoutingReplay.record``.
 
         Record them all up front (as slime's ``fill_routing_replay`` does);
-        training then materialises each layer as its router replays it. A
-        micro-batch is restored when its first layer is materialised (in
-        micro-batch order; prefetch keeps the next ones coming) and released
-        once every layer was materialised for ``release_after``:
-        ``"backward"`` for a training pass, ``"forward"`` for a forward-only
-        one (log probs). Live micro-batches are those between their first
-        forward and last backward: a pipeline schedule's in-flight ones.
+        each micro-batch is then restored at its first layer's replay and
+        released after its last for ``release_after`` (``"backward"``, or
+        ``"forward"`` for a forward-only pass); see :mod:`gputq.client.replay`.
         """
-        if release_after not in ("forward", "backward"):
-            raise InvalidInputError(f"release_after must be 'forward' or 'backward', got {release_after!r}")
+        replay = LazyReplay(release_after, self._lock, self._live_batch, self._advance_to, self._finish)
         with self._lock:
             if self._next or self._lazy is not None:
                 raise InvalidInputError("replay_handles are taken once, before any micro-batch is consumed")
-            self._lazy = release_after
-        return [[LayerRef(self, plan.index, j) for j in range(len(self._layers_of(plan)))] for plan in self._plans]
+            self._lazy = replay
+        layers = [next((len(fp.layers) for fp in plan.fields.values() if fp.layers), 0) for plan in self._plans]
+        return replay.handles([(plan.index, count) for plan, count in zip(self._plans, layers)])
 
-    @staticmethod
-    def _layers_of(plan: MicroPlan) -> tuple:
-        return next((fp.layers for fp in plan.fields.values() if fp.layers), ())
+    def _live_batch(self, index: int) -> MicroBatch | None:
+        live = self._live.get(index)
+        return None if live is None else live[0]
 
-    def _materialize(self, index: int, position: int, direction: str):
-        with self._lock:
-            retiring, self._retiring = self._retiring, None
-            if retiring is not None and retiring.index != index:
-                self._finish(retiring)  # the tensor handed out last is used by now
-            elif retiring is not None:
-                self._retiring = retiring
-            live = self._live.get(index)
-            if live is None:
-                if self._closed:
-                    raise ClosedError("the stream was closed")
-                if index != self._next:
-                    state = "was released" if index < self._next else f"comes after micro-batch {self._next}"
-                    raise InvalidInputError(f"micro-batch {index} {state}: micro-batches are replayed in order")
-                batch = self._advance()
-                self._uses[index] = 0
-            else:
-                batch = live[0]
-            tensor = batch.routed_experts[position]
-            if direction == self._lazy:
-                self._uses[index] += 1
-                if self._uses.get(index) == len(batch.routed_experts):
-                    # Released at the next call: the restore thread must not refill a buffer whose
-                    # tensor the caller is still reading.
-                    del self._uses[index]
-                    self._retiring = batch
-            return tensor
+    def _advance_to(self, index: int) -> MicroBatch:
+        """Restore micro-batch ``index`` for a replay handle: the next in order, else a typed error."""
+        if self._closed:
+            raise ClosedError("the stream was closed")
+        if index != self._next:
+            state = "was released" if index < self._next else f"comes after micro-batch {self._next}"
+            raise InvalidInputError(f"micro-batch {index} {state}: micro-batches are replayed in order")
+        return self._advance()
 
     def _restore(self, plan: MicroPlan, staging, outputs: dict) -> MicroBatch:
         return self._shaped(plan, self._shaper.widen(plan, staging, outputs))
@@ -491,9 +448,8 @@ class MicroBatchStream:
         """Stop prefetching and wait for the work in flight. Idempotent; the buffers go."""
         if self._closed:
             return
-        retiring, self._retiring = self._retiring, None
-        if retiring is not None:
-            self._finish(retiring)  # it was consumed: its references go
+        if self._lazy is not None:
+            self._lazy.close()  # the micro-batch replayed last was consumed: its references go
         self._closed = True
         pending = [*self._restores.values(), *self._fetches.values()]
         for future in pending:
