@@ -311,6 +311,11 @@ class Hosts:
         subprocess.run(["tc", "-n", self.namespaces[host], "qdisc", "replace", "dev", "eth0", "root", "tbf",
                         "rate", rate, "burst", "64kb", "latency", "50ms"], check=True, capture_output=True)
 
+    def unshape(self, host: int) -> None:
+        """Remove :meth:`shape`'s limit from ``host``."""
+        subprocess.run(["tc", "-n", self.namespaces[host], "qdisc", "del", "dev", "eth0", "root"],
+                       check=True, capture_output=True)
+
     def partition(self, a: int, b: int, *, heal: bool = False) -> None:
         """Drop every packet between hosts ``a`` and ``b`` (blackhole routes on both); the others still reach both.
 
@@ -322,21 +327,26 @@ class Hosts:
 
 
 # -- Ray across the hosts ------------------------------------------------------
-def ray_env(hosts: Hosts, token: str) -> dict:
-    """The environment of every Ray process and driver of ``hosts``' cluster."""
+def ray_env(hosts: Hosts, token: str, health: dict | None = None) -> dict:
+    """The environment of every Ray process and driver of ``hosts``' cluster.
+
+    ``health`` replaces the node health-check settings (``RAY_health_check_*``);
+    by default a node is declared dead about 2 s after it stops answering.
+    """
     return dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_TMPDIR=hosts.tmp,
-                RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=ROOT, **_HEALTH)
+                RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=ROOT, **(_HEALTH if health is None else health))
 
 
-def start_ray(hosts: Hosts, *, num_cpus: int = 1, object_store_bytes: int = 80 << 20) -> dict:
+def start_ray(hosts: Hosts, *, num_cpus: int = 1, object_store_bytes: int = 80 << 20,
+              health: dict | None = None) -> dict:
     """Start a node on every host (each with a ``host<i>`` resource); return the drivers' environment.
 
     The nodes start in the background; a driver waits for them to be alive
     (:func:`wait_nodes`). Each node has its own temp dir, ``<hosts.tmp>/ray<i>``:
     nodes started at once in one dir race for the same socket names. Their
-    logs go to ``<hosts.tmp>/ray-host<i>.log``.
+    logs go to ``<hosts.tmp>/ray-host<i>.log``. ``health``: see :func:`ray_env`.
     """
-    env = ray_env(hosts, secrets.token_hex(16))
+    env = ray_env(hosts, secrets.token_hex(16), health)
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
     for i in range(hosts.n):
         role = (["--head", "--include-dashboard=false", f"--port={GCS_PORT}"] if i == 0

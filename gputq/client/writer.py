@@ -40,6 +40,7 @@ from gputq.data.keys import checked_name
 from gputq.data.refs import FieldRef, uses_by_unit
 from gputq.data.slices import layer_major
 from gputq.errors import (
+    CapacityError,
     ClosedError,
     DuplicateKeyError,
     FieldValueError,
@@ -85,6 +86,7 @@ class Writer(Closeable):
         self._inflight_bytes = 0
         self._pending: dict[str, Future] = {}
         self._failures: dict[str, BaseException] = {}
+        self._full: set[str] = set()  # units whose last write found no space
         self._closed = False
         self.bytes_written = 0
 
@@ -210,15 +212,34 @@ class Writer(Closeable):
                 "row_shape": list(ref.row_shape), "partition": ref.partition, "generation": ref.generation}
         let_go = False
         try:
+            self._refuse_if_still_full(ref, compact.nbytes)
             receipt = self._clients.channel(ref.unit).write(ref.key, byte_view(compact), meta,
                                                             timeout=self._config.put_timeout_s)
             let_go = True
             _check_receipt(ref, receipt)
         except Exception as exc:  # recorded for flush; a BaseException (interpreter exit) goes on up
+            if isinstance(exc, CapacityError):
+                self._full.add(ref.unit)
             return let_go, exc
         with self._cond:
             self.bytes_written += compact.nbytes
+            self._full.discard(ref.unit)
         return True, None
+
+    def _refuse_if_still_full(self, ref: FieldRef, nbytes: int) -> None:
+        """Raise ``CapacityError`` at once for a unit whose last write found no space and that has none yet.
+
+        A full unit costs the rollout one put timeout, not one per step queued
+        behind it: each later write asks for the largest free block first (one
+        control call, made only while the unit is full) and waits only if it fits.
+        """
+        if ref.unit not in self._full:
+            return
+        stats = self._clients.channel(ref.unit).call("stats", timeout=self._config.control_timeout_s)
+        if int(stats["largest_free"]) < nbytes or stats["writers_waiting"]:
+            raise CapacityError(f"unit {ref.unit}: no space for key {ref.key!r} ({nbytes} bytes): its last write "
+                                f"found it full and its largest free block is {stats['largest_free']} bytes "
+                                f"({stats['writers_waiting']} writers waiting); not waiting again")
 
     def _undo(self, stored: list, failure: BaseException) -> None:
         """Delete the fields of a failed step that did land: a step is stored whole or not at all."""

@@ -51,6 +51,28 @@ def test_close_reports_failures_that_flush_never_saw():
         writer.close()  # idempotent, reported once
 
 
+def test_a_full_unit_costs_one_wait_not_one_per_queued_step_and_takes_writes_again_once_freed():
+    """Only the writes in flight when the unit filled wait for space; the ones queued behind them are refused at
+    once while the unit is still full, and a write after a release lands."""
+    with local_units("tcp", units=1, capacity=1 << 20, put_timeout_s=0.5) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            writer.put("first", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})
+            writer.flush()
+            for i in range(5):
+                writer.put(f"no-room/{i}", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})
+            with pytest.raises(CapacityError) as info:
+                writer.flush()
+            assert sorted(info.value.keys) == [f"no-room/{i}/logprobs" for i in range(5)]
+            stats = services[0].stats()
+            # Writes already in flight on the sender threads each wait; none queued behind them does.
+            assert stats["waits"] == stats["capacity_errors"] <= config.writer_threads < 5
+            assert stats["keys"] == 1
+            clients.channel(services[0].name).call("release_partition", timeout=5, partition="p")
+            writer.put("after", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})
+            writer.flush()
+        assert services[0].stats()["keys"] == 1
+
+
 def test_exit_keeps_the_callers_exception_and_notes_failed_writes():
     with local_units("tcp", units=1, capacity=1 << 20, put_timeout_s=0.2) as (config, _, clients):
         with pytest.raises(KeyError) as info:
