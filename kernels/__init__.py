@@ -24,15 +24,17 @@ import numpy as np
 from gputq.errors import PlanError
 from gputq.transport.cuda import cuda_available
 
-from .cupy_backend import cupy_usable, cupy_widen_scatter, torch_widen_scatter_cupy
+from .cupy_backend import cupy_unpack_scatter, cupy_usable, cupy_widen_scatter, torch_widen_scatter_cupy
 from .mapped import MappedSource
 from .plan import plan_bytes, validate_plan
-from .reference import reference_widen_scatter
+from .reference import reference_unpack_scatter, reference_widen_scatter
 from .torch_backend import torch_widen_scatter
 
 __all__ = [
     "widen_scatter",
     "reference_widen_scatter",
+    "reference_unpack_scatter",
+    "cupy_unpack_scatter",
     "validate_plan",
     "plan_bytes",
     "cuda_available",

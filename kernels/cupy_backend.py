@@ -28,6 +28,7 @@ from gputq.errors import PlanError
 from gputq.transport.cuda import usable_cupy
 
 from .plan import check_call, dtype_name
+from .reference import packed_row_bytes
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -39,6 +40,10 @@ __all__ = [
     "fragment_table",
     "cupy_widen_scatter",
     "torch_widen_scatter_cupy",
+    "cupy_unpack_scatter",
+    "unpack_compile_options",
+    "UNPACK_SOURCE",
+    "UNPACK_KERNEL",
     "widen_scatter_from_pointer",
 ]
 
@@ -50,6 +55,9 @@ THREADS = 256
 TABLE_SLOTS = 4
 
 _SOURCE = Path(__file__).with_name("widen_scatter.cu")
+#: The packed expert-ID kernel: one thread per row (``unpack_scatter.cu``).
+UNPACK_SOURCE = Path(__file__).with_name("unpack_scatter.cu")
+UNPACK_KERNEL = "unpack_scatter_i32"
 _KERNELS = {
     "uint8": "widen_scatter_u8_i32",
     "uint16": "widen_scatter_u16_i32",
@@ -133,18 +141,23 @@ def compile_options(steps: int = DEFAULT_STEPS) -> tuple[str, ...]:
     return ("-std=c++17", f"-DWS_STEPS={steps}", f"-DWS_THREADS={THREADS}")
 
 
-def _module(cp, device_id: int, steps: int):
+def unpack_compile_options() -> tuple[str, ...]:
+    """NVRTC options the unpack module is built with (``UP_THREADS`` rows per block)."""
+    return ("-std=c++17", f"-DUP_THREADS={THREADS}")
+
+
+def _module(cp, device_id: int, steps: int | None):
+    """The widen module for ``steps`` groups per thread, or (``None``) the unpack module, built on first use."""
     key = (device_id, steps)
     with _modules_lock:
         mod = _modules.get(key)
         if mod is None:
+            source, options, names = ((_SOURCE, compile_options(steps), _KERNELS.values()) if steps is not None
+                                      else (UNPACK_SOURCE, unpack_compile_options(), (UNPACK_KERNEL,)))
             with cp.cuda.Device(device_id):
-                mod = cp.RawModule(
-                    code=_SOURCE.read_text(),
-                    options=compile_options(steps),
-                )
+                mod = cp.RawModule(code=source.read_text(), options=options)
                 # Compile and load now, on this device, not at first launch.
-                for name in _KERNELS.values():
+                for name in names:
                     mod.get_function(name)
             _modules[key] = mod
     return mod
@@ -286,6 +299,34 @@ def torch_widen_scatter_cupy(staging, plan, width, out, fill=0, *, validate=True
     cs = _cupy_stream(cp, stream, torch_device=out.device)
     _launch(cp, staging.data_ptr(), in_dtype, out.data_ptr(), plan, int(width), fill,
             out.device.index, cs, steps)
+    return out
+
+
+def cupy_unpack_scatter(staging, plan, topk: int, bits: int, out, fill=0, *, validate=True, stream=None):
+    """Unpack+scatter packed expert-ID rows of a CuPy uint8 array into CuPy int32 ``out`` (one launch).
+
+    Semantics as :func:`~gputq.kernels.reference.reference_unpack_scatter`,
+    its numpy reference; ``stream`` as :func:`cupy_widen_scatter`.
+    """
+    cp = _import_cupy()
+    if not isinstance(staging, cp.ndarray) or not isinstance(out, cp.ndarray):
+        raise PlanError("cupy_unpack_scatter takes CuPy arrays for staging and out")
+    if staging.dtype != np.uint8 or out.dtype != np.int32 or not (staging.flags.c_contiguous
+                                                                   and out.flags.c_contiguous):
+        raise PlanError("staging must be contiguous uint8 and out contiguous int32")
+    if staging.device.id != out.device.id:
+        raise PlanError(f"staging is on device {staging.device.id}, out on {out.device.id}")
+    if not (1 <= int(bits) <= 16 and int(topk) >= 1):
+        raise PlanError(f"topk must be >= 1 and bits in [1, 16], got {topk!r} and {bits!r}")
+    row_bytes = packed_row_bytes(int(topk), int(bits))
+    plan, fill = check_call("int32", staging.size // row_bytes, "int32", out.size // int(topk), plan, 1, fill,
+                            validate)
+    kernel = _module(cp, out.device.id, None).get_function(UNPACK_KERNEL)
+    with cp.cuda.Device(out.device.id):
+        cs = _cupy_stream(cp, stream) or cp.cuda.get_current_stream()
+        _ring(cp, out.device.id).launch(plan, 1, THREADS, cs, kernel,
+                                        (np.uint64(staging.data.ptr), np.uint64(out.data.ptr), fill,
+                                         np.int32(topk), np.int32(bits)))
     return out
 
 

@@ -16,9 +16,10 @@ from numpy.lib.stride_tricks import as_strided
 
 from gputq.errors import PlanError
 
-from .plan import check_call, row_gather_indices
+from .plan import as_plan_array, check_call, row_gather_indices, validate_plan
 
-__all__ = ["reference_widen_scatter"]
+__all__ = ["reference_widen_scatter", "reference_unpack_scatter", "unpack_rows_into", "packed_row_bytes",
+           "packed_words"]
 
 #: Mean rows per plan row from which fragments are copied slice by slice.
 _SLICE_MIN_ROWS = 16
@@ -121,3 +122,79 @@ def _block(rows_2d: np.ndarray, first: int, step: int, rows: int, count: int) ->
     """``count`` ranges of ``rows`` rows, ``step`` rows apart from row ``first``, as one strided view."""
     return as_strided(rows_2d[first:], shape=(count, rows, rows_2d.shape[1]),
                       strides=(step * rows_2d.strides[0], *rows_2d.strides))
+
+
+def packed_row_bytes(topk: int, bits: int) -> int:
+    """Bytes of one packed row of ``topk`` IDs at ``bits`` bits each (``unpack_scatter.cu``'s format)."""
+    return (topk * bits + 7) // 8
+
+
+def packed_words(topk: int, bits: int) -> int:
+    """64-bit words that hold one packed row while it is assembled or taken apart: one more than its
+    bits need, so that an ID's high part always has a word to go to."""
+    return -(-(topk * bits) // 64) + 1
+
+
+def unpack_rows_into(rows: np.ndarray, topk: int, bits: int, out: np.ndarray) -> np.ndarray:
+    """Unpack uint8 ``rows`` ``[n, packed_row_bytes]`` into int32 ``out`` ``[n, topk]``.
+
+    Each row is widened into 64-bit words, then every ID is one shift, one
+    OR of its high part where it straddles two words, and one mask: numpy
+    operations per column of IDs, none per row.
+    """
+    row_bytes = packed_row_bytes(topk, bits)
+    words = np.zeros((len(rows), packed_words(topk, bits) * 8), np.uint8)
+    words[:, :row_bytes] = rows
+    acc = words.view("<u8")
+    mask = np.uint64((1 << bits) - 1)
+    for j in range(topk):
+        word, shift = divmod(j * bits, 64)
+        value = acc[:, word] >> np.uint64(shift)
+        if shift + bits > 64:
+            value |= acc[:, word + 1] << np.uint64(64 - shift)
+        out[:, j] = value & mask
+    return out
+
+
+def reference_unpack_scatter(staging, plan, topk, bits, out, fill=0, *, validate=True):
+    """Unpack and scatter rows of packed expert IDs on the host: ``unpack_scatter.cu``'s definition.
+
+    Parameters
+    ----------
+    staging : numpy.ndarray of uint8
+        Packed rows, ``packed_row_bytes(topk, bits)`` bytes each, read in C order.
+    plan : array-like of int, shape [n, 3]
+        Rows ``(src_row, dst_row, rows)``; ``src_row == -1`` writes ``fill``.
+    topk, bits : int
+        IDs per row and bits per ID (1..16).
+    out : numpy.ndarray of int32
+        C-contiguous output of ``dst_rows * topk`` IDs; rows no plan row
+        covers are left untouched.
+    fill : int
+        ID written to the destination rows of fill plan rows.
+    validate : bool
+        Check the plan's bounds and overlaps.
+
+    Raises
+    ------
+    PlanError
+        On a bad plan, dtype, width or an output that is not writable and contiguous.
+    """
+    if not isinstance(staging, np.ndarray) or staging.dtype != np.uint8:
+        raise PlanError("reference_unpack_scatter takes packed rows as a numpy uint8 array")
+    if not isinstance(out, np.ndarray) or out.dtype != np.int32 or not out.flags.c_contiguous \
+            or not out.flags.writeable:
+        raise PlanError("out must be a writable C-contiguous int32 numpy array")
+    if not (isinstance(topk, (int, np.integer)) and topk >= 1 and isinstance(bits, (int, np.integer))
+            and 1 <= bits <= 16):
+        raise PlanError(f"topk must be >= 1 and bits in [1, 16], got {topk!r} and {bits!r}")
+    row_bytes = packed_row_bytes(topk, bits)
+    if staging.size % row_bytes or out.size % topk:
+        raise PlanError(f"staging ({staging.size} bytes) and out ({out.size} IDs) must hold whole rows of "
+                        f"{row_bytes} bytes and {topk} IDs")
+    src_rows, out_rows = staging.reshape(-1, row_bytes), out.reshape(-1, topk)
+    plan = validate_plan(plan, len(src_rows), len(out_rows)) if validate else as_plan_array(plan)
+    src_idx, dst_idx, fill_idx = row_gather_indices(plan)
+    out_rows[dst_idx] = unpack_rows_into(src_rows[src_idx], topk, bits, np.empty((len(src_idx), topk), np.int32))
+    out_rows[fill_idx] = fill
+    return out

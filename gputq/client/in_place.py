@@ -37,7 +37,7 @@ def mapped_staging(context, requests: list, nbytes: int, stats, lent: contextlib
     ``context`` is the restoring reader's
     :class:`~gputq.client.read_context.ReadContext` (its device, channels,
     config and staging buffer); ``stats`` its
-    :class:`~gputq.client.reader.FetchStats`, counted here.
+    :class:`~gputq.client.shard_fetch.FetchStats`, counted here.
     """
     on_device = not context.on_host
     channels = {r.unit: context.channel(r.unit) for r in requests}

@@ -34,13 +34,10 @@ parallel share; pad rows hold ``arange % num_experts``. Other fields
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
-
-import numpy as np
 
 from gputq.client.fetch import ReadsAhead, fits_socket_buffers, lease_in_place, read_staged
 from gputq.client.in_place import mapped_here
@@ -48,6 +45,7 @@ from gputq.client.landing import land_replies
 from gputq.client.read_context import ReadContext
 from gputq.client.replay import LayerRef, LazyReplay
 from gputq.client.shape import SlimeShaper
+from gputq.client.stream_buffers import StreamBuffers
 from gputq.client.stream_plan import MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice
@@ -65,37 +63,6 @@ def _run_into(future: Future, work: Callable, *args) -> None:
         future.set_result(work(*args))
     except BaseException as exc:
         future.set_exception(exc)
-
-
-def _largest_outputs(plans: list) -> dict[str, tuple[int, np.dtype]]:
-    """Per field, the most elements one micro-batch restores and their dtype: the output buffers' sizes."""
-    largest: dict[str, tuple[int, np.dtype]] = {}
-    for plan in plans:
-        for fp in plan.fields.values():
-            known = largest.get(fp.name, (0, fp.restored))[0]
-            largest[fp.name] = (max(known, fp.out_elements), fp.restored)
-    return largest
-
-
-def _buffer_counts(prefetch: int, micro_batches: int, staging: int, output_bytes: int, *, landing: bool,
-                   in_place: bool, ahead: bool) -> tuple[int, int]:
-    """How many output and compact buffers a stream holds, within ``prefetch + 1`` widened slices."""
-    outputs = 2 if ahead else 1
-    compact = prefetch
-    if landing or (in_place and ahead):
-        # No compact bytes to hold (they land widened, or are read where they lie): every
-        # micro-batch in flight is restored ahead into an output buffer of its own, so the
-        # restore never waits for the one the consumer gives back (nor needs waking then).
-        outputs, compact = min(prefetch, micro_batches) + 1, 0
-    elif in_place:
-        compact = 0
-    elif ahead:
-        # A second output buffer costs compact ones, within (prefetch + 1) slices: with narrow IDs
-        # (compact is half the widened bytes or less) it costs none, and a fetch never waits
-        # for the restore before it to give its buffer back.
-        room = (prefetch + 1 - outputs) * output_bytes
-        compact = max(prefetch - 1, min(prefetch, room // staging if staging else prefetch))
-    return outputs, min(compact, micro_batches)
 
 
 @dataclass
@@ -147,30 +114,18 @@ class MicroBatch:
 class MicroBatchStream:
     """The iterator :meth:`Reader.stream` returns; also a context manager (``close`` stops prefetching).
 
-    A fetch thread reads micro-batches ahead, in order, into ``prefetch``
-    compact buffers. Iterating yields them restored; by default each is
-    released when the next is asked for, so one output buffer is reused.
-    On the host (``device="cpu"``, prefetch >= 2) a restore thread also
-    widens the next micro-batch while the current one trains, into a second
-    output buffer, since there the widen is CPU work that would otherwise
-    add to every step; with int32 IDs (compact as large as widened) it then
-    keeps ``prefetch - 1`` compact buffers. Read where they lie in
-    same-host arenas (shm), micro-batches need no compact buffer: the
-    restore thread widens every prefetched one into an output buffer of
-    its own, ``prefetch + 1`` in all. On the host over tcp there are
-    no compact buffers and no restore thread: the fetch thread widens each
-    micro-batch as its replies land, into one of ``prefetch + 1`` output
-    buffers, reading one pipeline per unit (its reads sent ahead of their
-    replies: :class:`~gputq.transport.tcp.ReadPipeline`); while the
-    consumer waits for a micro-batch, holding none, the one after the
-    prefetched ones is fetched too. Either way the
-    stream holds at most ``prefetch + 1`` widened micro-batch slices.
-
+    A fetch thread reads micro-batches ahead, in order; iterating yields them
+    restored, and by default each is released when the next is asked for.
+    How the bytes move decides the rest (the buffers each way holds:
+    :mod:`gputq.client.stream_buffers`): on the host a restore thread widens
+    the next micro-batch while the current one trains; read where they lie
+    in same-host arenas (shm) micro-batches need no compact buffer; on the
+    host over tcp the fetch thread widens each micro-batch as its replies
+    land, reading one pipeline per unit (:class:`~gputq.transport.tcp.ReadPipeline`).
     With ``hold=True`` the consumer releases each micro-batch itself
     (:meth:`MicroBatch.release`, after its backward in a pipeline schedule
-    that runs several forwards first): live micro-batches then each hold an
-    output buffer. :meth:`replay_handles` gives slime's lazy handles instead
-    of iteration.
+    that runs several forwards first). :meth:`replay_handles` gives slime's
+    lazy handles instead of iteration.
     """
 
     def __init__(self, context: ReadContext, plans: list, prefetch: int, rank: ParallelSlice, *,
@@ -187,8 +142,6 @@ class MicroBatchStream:
             context.channel(unit).pipelines_reads for unit in units)
         self._reads = ReadsAhead(context)  # the landing's read pipelines, one per unit
         self._ahead = context.on_host and prefetch >= 2 and not hold and not self._landing
-        self._compact: queue.Queue = queue.Queue()
-        self._outputs: queue.Queue = queue.Queue()
         self._fetches: dict[int, Future] = {}
         self._restores: dict[int, Future] = {}
         self._fetcher, self._restorer = context.stream_threads()
@@ -199,33 +152,21 @@ class MicroBatchStream:
         self._submitted = 0
         self._closed = False
         self.released: list[int] = []
-        self._largest = _largest_outputs(plans)
-        staging = max((p.max_nbytes for p in plans), default=0)
-        self._lent = contextlib.ExitStack()
-        outputs, compact = _buffer_counts(prefetch, len(plans), staging, self._output_bytes, landing=self._landing,
-                                          in_place=self._in_place, ahead=self._ahead)
-        for _ in range(compact):  # registered memory where every unit is read over rdma
-            registered = context.registered(staging, units, self._lent)
-            self._compact.put(context.buffers.lend(staging, self._lent) if registered is None else registered)
-        for _ in range(outputs):
-            self._outputs.put(self._new_outputs())
+        self._buffers = StreamBuffers(context, plans, prefetch, units, landing=self._landing, in_place=self._in_place,
+                                      ahead=self._ahead, closed=lambda: self._closed)
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
-        self.buffer_bytes = compact * staging + outputs * self._output_bytes
+        self.buffer_bytes = self._buffers.nbytes
         self._submit_until(prefetch)
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of one micro-batch's output buffers (sized for the largest)."""
+        return self._buffers.output_bytes
 
     @property
     def slice_bytes(self) -> int:
         """Bytes the stream's reads name: exactly what its micro-batches move out of the units."""
         return sum(plan.slice_bytes for plan in self._plans)
-
-    @property
-    def _output_bytes(self) -> int:
-        return sum(n * dtype.itemsize for n, dtype in self._largest.values())
-
-    def _new_outputs(self) -> dict:
-        """Output buffers sized once for the largest micro-batch, reused after."""
-        return {name: self._ctx.buffers.lend(n * dtype.itemsize, self._lent).view(dtype)
-                for name, (n, dtype) in self._largest.items()}
 
     # -- background stages -------------------------------------------------------------
     def _submit_until(self, count: int) -> None:
@@ -260,25 +201,16 @@ class MicroBatchStream:
                 self._drop_fetched(fetch)
                 restore.set_exception(exc)
 
-    def _take(self, pool: queue.Queue):
-        """A free buffer of ``pool``; waits while the consumer holds them all, gives up once closed."""
-        while True:
-            try:
-                return pool.get(timeout=0.05)
-            except queue.Empty:
-                if self._closed:
-                    raise ClosedError("the stream was closed") from None
-
     def _fetch(self, plan: MicroPlan):
         """A micro-batch's compact bytes: ``(compact buffer, None)``, or in place ``(None, (source, leases))``."""
         plan.finish()  # here, not up front: the first micro-batch waits for its own planning alone
         if self._in_place:
             return None, lease_in_place(self._ctx, plan)
-        buffer = self._take(self._compact)
+        buffer = self._buffers.take(self._buffers.compact)
         try:
             read_staged(self._ctx, plan, buffer[:plan.nbytes])
         except BaseException:
-            self._compact.put(buffer)
+            self._buffers.compact.put(buffer)
             raise
         return buffer, None
 
@@ -299,15 +231,12 @@ class MicroBatchStream:
             ahead = self._plans[plan.index + 1].finish()
             if plan.index + 1 < self._submitted or fits_socket_buffers(ahead):
                 self._reads.send_ahead(ahead)
-        try:  # free unless the consumer holds micro-batches live (hold, replay handles): then one more
-            outputs = self._outputs.get_nowait()
-        except queue.Empty:
-            outputs = self._new_outputs()
+        outputs = self._buffers.spare_outputs()
         try:
             land_replies(plan, outputs, self._reads.pipe, self._ctx.read_timeout_s)
             return self._shaped(plan, outputs), outputs
         except BaseException:
-            self._outputs.put(outputs)
+            self._buffers.outputs.put(outputs)
             raise
 
     def _restored(self, plan: MicroPlan, fetched, outputs: dict) -> MicroBatch:
@@ -320,19 +249,19 @@ class MicroBatchStream:
         try:
             return self._restore(plan, buffer[:plan.nbytes], outputs)
         finally:
-            self._compact.put(buffer)
+            self._buffers.compact.put(buffer)
 
     def _restore_ahead(self, plan: MicroPlan, fetch: Future):
         fetched = fetch.result()
         try:
-            outputs = self._take(self._outputs)
+            outputs = self._buffers.take(self._buffers.outputs)
         except BaseException:
             self._drop_fetched(fetch)
             raise
         try:
             return self._restored(plan, fetched, outputs), outputs
         except BaseException:
-            self._outputs.put(outputs)
+            self._buffers.outputs.put(outputs)
             raise
 
     def _drop_fetched(self, fetch: Future) -> None:
@@ -343,7 +272,7 @@ class MicroBatchStream:
         if in_place is not None:
             in_place[1].close()
         else:
-            self._compact.put(buffer)
+            self._buffers.compact.put(buffer)
 
     # -- consuming ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:
@@ -379,11 +308,11 @@ class MicroBatchStream:
                 batch, outputs = self._fetches.pop(plan.index).result()
             else:
                 fetched = self._fetches.pop(plan.index).result()
-                outputs = self._outputs.get_nowait() if not self._outputs.empty() else self._new_outputs()
+                outputs = self._buffers.spare_outputs()
                 try:
                     batch = self._restored(plan, fetched, outputs)
                 except BaseException:
-                    self._outputs.put(outputs)
+                    self._buffers.outputs.put(outputs)
                     raise
         except BaseException:
             self.close()
@@ -398,7 +327,7 @@ class MicroBatchStream:
             live = self._live.pop(batch.index, None)
             if live is None:
                 return
-            self._outputs.put(live[1])
+            self._buffers.outputs.put(live[1])
             if self._release is not None:
                 self._release_references(self._plans[batch.index])
 
@@ -463,7 +392,7 @@ class MicroBatchStream:
         self._fetches.clear()
         self._restores.clear()
         self._reads.close()  # replies still queued go with their connections
-        self._lent.close()
+        self._buffers.close()
 
     def __enter__(self) -> "MicroBatchStream":
         return self

@@ -33,6 +33,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
+from gputq.data.packing import bits_for, packed_row_bytes
 from gputq.errors import ConfigError
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "RolloutShape",
     "parse_tokens",
     "r3_bytes",
+    "layer_row_bytes",
+    "CAPACITY_DTYPES",
     "growth",
     "local_unit_increment",
     "master_peak_bytes",
@@ -55,6 +58,8 @@ __all__ = [
 ]
 
 BYTES_PER_ID = {"uint8": 1, "uint16": 2, "int32": 4}
+#: Stored expert-ID formats the planner knows: whole bytes, or ``packed`` at ``ceil(log2 E)`` bits.
+CAPACITY_DTYPES = (*BYTES_PER_ID, "packed")
 TIB = 1 << 40
 GIB = 1 << 30
 #: The host-memory line of the published threshold: 2 TB (decimal) per master node.
@@ -78,10 +83,17 @@ class RolloutShape:
     samples_per_prompt: int = 8
     units: int = 32
     token_lengths: tuple[int, ...] | None = None
+    experts: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in BYTES_PER_ID:
-            raise ConfigError(f"dtype must be one of {sorted(BYTES_PER_ID)}, got {self.dtype!r}")
+        if self.dtype not in CAPACITY_DTYPES:
+            raise ConfigError(f"dtype must be one of {list(CAPACITY_DTYPES)}, got {self.dtype!r}")
+        if self.experts is not None:
+            bits_for(self.experts)  # a ConfigError beyond 65,536 experts
+            if self.dtype in BYTES_PER_ID and self.experts - 1 > _LARGEST_ID[self.dtype]:
+                raise ConfigError(f"{self.experts} experts do not fit {self.dtype} IDs; pick a wider dtype or packed")
+        elif self.dtype == "packed":
+            raise ConfigError("dtype packed needs the expert count (--experts): its width is ceil(log2 E) bits")
         for name in ("context", "layers", "topk", "prompts", "samples_per_prompt", "units"):
             if not 1 <= int(getattr(self, name)) <= _MAX_COUNT:
                 raise ConfigError(f"{name} must be in [1, {_MAX_COUNT:g}], got {getattr(self, name)}")
@@ -100,6 +112,7 @@ class RolloutShape:
         return float(self.trajectories) * self.segments * self.context
 
 
+_LARGEST_ID = {"uint8": 255, "uint16": 65535, "int32": 2**31 - 1}
 #: The largest count (tokens, layers, prompts, ...) a projection takes: beyond it figures are no rollout's.
 _MAX_COUNT = 10**9
 
@@ -204,9 +217,17 @@ def _text(path: str) -> str:
         raise ConfigError(f"{path}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start})") from None
 
 
+def layer_row_bytes(shape: RolloutShape, dtype: str | None = None) -> int:
+    """Stored bytes of one token's K IDs of one layer: ``K × D``, or packed ``ceil(K × ceil(log2 E) / 8)``."""
+    dtype = dtype or shape.dtype
+    if dtype == "packed":
+        return packed_row_bytes(shape.topk, bits_for(shape.experts))
+    return shape.topk * BYTES_PER_ID[dtype]
+
+
 def r3_bytes(shape: RolloutShape, dtype: str | None = None) -> float:
-    """``S_R3 = Σ T × L × K × D`` of the batch, with ``dtype`` overriding the shape's."""
-    return shape.tokens * shape.layers * shape.topk * BYTES_PER_ID[dtype or shape.dtype]
+    """``S_R3 = Σ T × L × (one layer's row bytes)`` of the batch, with ``dtype`` overriding the shape's."""
+    return shape.tokens * shape.layers * layer_row_bytes(shape, dtype)
 
 
 def growth(base: RolloutShape, target: RolloutShape) -> float:
@@ -247,6 +268,8 @@ def project(shape: RolloutShape, calibration: Calibration = DEFAULT_CALIBRATION,
         "shape": {k: v for k, v in asdict(shape).items() if k != "token_lengths"},
         "segments_from_file": len(shape.token_lengths) if shape.token_lengths else None,
         "tokens": shape.tokens,
+        "layer_row_bytes": layer_row_bytes(shape),
+        "token_row_bytes": shape.layers * layer_row_bytes(shape),
         "r3_bytes": r3_bytes(shape),
         "r3_bytes_int32": r3_bytes(shape, "int32"),
         "r3_bytes_per_unit": r3_bytes(shape) / shape.units,
@@ -316,6 +339,12 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.4g} GiB"
 
 
+def _id_format(s: dict) -> str:
+    if s["dtype"] == "packed":
+        return f"packed {bits_for(s['experts'])}-bit IDs ({s['experts']} experts)"
+    return f"{s['dtype']} ({BYTES_PER_ID[s['dtype']]} B)"
+
+
 def format_projection(p: dict) -> str:
     """The readable table of :func:`project`'s output."""
     s = p["shape"]
@@ -325,7 +354,8 @@ def format_projection(p: dict) -> str:
     peak, thr = p["master_peak_bytes"], p["threshold_prompts"]
     rows = [
         ("batch", source),
-        ("row", f"L={s['layers']} x K={s['topk']} x {s['dtype']} ({BYTES_PER_ID[s['dtype']]} B)"),
+        ("row", f"L={s['layers']} x K={s['topk']} x {_id_format(s)}: {p['layer_row_bytes']} B per layer, "
+                f"{p['token_row_bytes']} B per token"),
         ("S_R3", f"{_size(p['r3_bytes'])} ({p['r3_bytes']:.6g} B)"),
         ("S_R3 as int32 (carried)", _size(p["r3_bytes_int32"])),
         (f"per unit ({s['units']} units)", _size(p["r3_bytes_per_unit"])),
@@ -349,7 +379,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--segments", type=float, help="mean segments per trajectory")
     parser.add_argument("--layers", type=int, help="recorded MoE layers L")
     parser.add_argument("--topk", type=int, help="routing top-k K")
-    parser.add_argument("--dtype", choices=sorted(BYTES_PER_ID), help="stored expert-ID dtype")
+    parser.add_argument("--dtype", choices=CAPACITY_DTYPES, help="stored expert-ID format (packed needs --experts)")
+    parser.add_argument("--experts", type=int, help="experts per layer E (packed IDs take ceil(log2 E) bits)")
     parser.add_argument("--prompts", type=int, help="prompts per rollout batch")
     parser.add_argument("--samples-per-prompt", type=int, help="trajectories per prompt")
     parser.add_argument("--units", type=int, help="StorageUnits (one is the master's own)")
@@ -365,7 +396,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def shape_from_args(args: argparse.Namespace) -> RolloutShape:
     """The preset with every given flag applied."""
     overrides = {name: getattr(args, name) for name in
-                 ("segments", "layers", "topk", "dtype", "prompts", "samples_per_prompt", "units")
+                 ("segments", "layers", "topk", "dtype", "prompts", "samples_per_prompt", "units", "experts")
                  if getattr(args, name) is not None}
     if args.context is not None:
         if os.path.isfile(args.context):

@@ -223,13 +223,14 @@ def test_over_tcp_on_the_host_the_fetch_after_the_prefetched_ones_starts_while_t
     not once the consumer has woken up with its micro-batch (on a busy host, milliseconds after it landed),
     and it lands in the buffer the consumer gave back: never more than prefetch + 1 output buffers."""
     import gputq.client.stream as stream_module
+    from gputq.client.stream_buffers import StreamBuffers
 
     lengths = [37, 50, 64, 23, 41, 58]
     batches = [[0, 1], [2, 3], [4, 5]]
     rank = ParallelSlice(layers=range(0, 3), cp_rank=1, cp_size=2, num_experts=EXPERTS)
     first_may_land, second_queued, second_landed = threading.Event(), threading.Event(), threading.Event()
     real_land, real_submit = stream_module.land_replies, stream_module.MicroBatchStream._submit
-    real_outputs = stream_module.MicroBatchStream._new_outputs
+    real_outputs = StreamBuffers.new_outputs
     made, queued = [], []
 
     def land(plan, *args, **kwargs):
@@ -245,13 +246,13 @@ def test_over_tcp_on_the_host_the_fetch_after_the_prefetched_ones_starts_while_t
             second_queued.set()
         real_submit(stream)
 
-    def new_outputs(stream):
+    def new_outputs(buffers):
         made.append(1)
-        return real_outputs(stream)
+        return real_outputs(buffers)
 
     monkeypatch.setattr(stream_module, "land_replies", land)
     monkeypatch.setattr(stream_module.MicroBatchStream, "_submit", submit)
-    monkeypatch.setattr(stream_module.MicroBatchStream, "_new_outputs", new_outputs)
+    monkeypatch.setattr(StreamBuffers, "new_outputs", new_outputs)
     with _stored(2, lengths) as (config, _, clients, shard, data), Reader(clients, config) as reader:
         with reader.stream(shard, batches, rank, prefetch=1) as stream:
             consumed, first = [], threading.Thread(target=lambda: consumed.append(next(stream).index))
@@ -288,12 +289,13 @@ def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consume
     prefetched ones into prefetch + 1 output buffers while the consumer holds one, never waiting for the
     buffer it gives back, and it is the fetch, not the consumer, that queues each restore."""
     import gputq.client.stream as stream_module
+    from gputq.client.stream_buffers import StreamBuffers
 
     lengths = [37, 50, 64, 23, 41, 58, 30, 45]
     batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
     rank = ParallelSlice(layers=range(0, 3), cp_rank=0, cp_size=2, num_experts=EXPERTS)
     restored = {i: threading.Event() for i in range(len(batches))}
-    real_restored, real_outputs = stream_module.MicroBatchStream._restored, stream_module.MicroBatchStream._new_outputs
+    real_restored, real_outputs = stream_module.MicroBatchStream._restored, StreamBuffers.new_outputs
     made, queuing = [], []
 
     def restored_then_told(stream, plan, *args):
@@ -301,12 +303,12 @@ def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consume
         restored[plan.index].set()
         return batch
 
-    def new_outputs(stream):
+    def new_outputs(buffers):
         made.append(1)
-        return real_outputs(stream)
+        return real_outputs(buffers)
 
     monkeypatch.setattr(stream_module.MicroBatchStream, "_restored", restored_then_told)
-    monkeypatch.setattr(stream_module.MicroBatchStream, "_new_outputs", new_outputs)
+    monkeypatch.setattr(StreamBuffers, "new_outputs", new_outputs)
     with local_units("shm", units=2, routed_experts_dtype="uint16") as (config, _, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(8), lengths)
@@ -316,7 +318,7 @@ def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consume
             monkeypatch.setattr(restorer, "submit", lambda *a, **k: (queuing.append(threading.current_thread()),
                                                                      real_submit(*a, **k))[1])
             with reader.stream(shard, batches, rank, prefetch=2) as stream:
-                assert stream.buffer_bytes == 3 * stream._output_bytes  # prefetch + 1 outputs, nothing compact
+                assert stream.buffer_bytes == 3 * stream.output_bytes  # prefetch + 1 outputs, nothing compact
                 first = next(stream)
                 # Held: the two prefetched ones are restored meanwhile, each into a buffer of its own.
                 assert restored[1].wait(10) and restored[2].wait(10), "a restore waited for the consumer's buffer"

@@ -25,7 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from gputq.kernels.cupy_backend import _KERNELS, _SOURCE, DEFAULT_STEPS, compile_options
+from gputq.kernels.cupy_backend import (
+    _KERNELS,
+    _SOURCE,
+    DEFAULT_STEPS,
+    UNPACK_KERNEL,
+    UNPACK_SOURCE,
+    compile_options,
+    unpack_compile_options,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,14 +73,14 @@ class _Build:
         return f"{self.arch}, {self.steps} groups/thread"
 
 
-def _compile(lib, arch: str, steps: int) -> _Build:
-    """The kernel source under the backend's options for ``arch`` and ``steps``."""
+def _compile(lib, arch: str, steps: int, source: Path = _SOURCE, options: tuple = ()) -> _Build:
+    """A kernel source (by default the widen kernel's, under the backend's options for ``steps``) for ``arch``."""
     prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), _SOURCE.read_bytes(), _SOURCE.name.encode(), 0,
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0,
                                   None, None) == 0
     try:
-        options = [*(o.encode() for o in compile_options(steps)), f"--gpu-architecture={arch}".encode(),
-                   b"--ptxas-options=-v"]
+        options = [*(o.encode() for o in (options or compile_options(steps))),
+                   f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v"]
         result = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         log = _text(lib, prog, lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog)
         ptx = _text(lib, prog, lib.nvrtcGetPTXSize, lib.nvrtcGetPTX) if result == 0 else ""
@@ -81,9 +89,7 @@ def _compile(lib, arch: str, steps: int) -> _Build:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-@pytest.fixture(scope="module", params=[(arch, steps) for arch in _ARCHS for steps in _STEPS],
-                ids=lambda param: f"{param[0]}-steps{param[1]}")
-def build(request) -> _Build:
+def _nvrtc():
     path = _libnvrtc_path()
     if path is None:
         pytest.skip("no NVRTC here: pip install nvidia-cuda-nvrtc-cu12 (in the dev extra on Linux x86-64)")
@@ -91,7 +97,13 @@ def build(request) -> _Build:
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     print(f"\nNVRTC {major.value}.{minor.value} ({path})")
-    return _compile(lib, *request.param)
+    return lib
+
+
+@pytest.fixture(scope="module", params=[(arch, steps) for arch in _ARCHS for steps in _STEPS],
+                ids=lambda param: f"{param[0]}-steps{param[1]}")
+def build(request) -> _Build:
+    return _compile(_nvrtc(), *request.param)
 
 
 def _entries(ptx: str) -> dict[str, str]:
@@ -126,3 +138,13 @@ def test_nothing_spills_to_local_memory(build):
     for name, registers in re.findall(r"entry function '(\w+)' for '\w+'\n(?:.*\n)*?.*Used (\d+) registers",
                                       build.log):
         print(f"{build} {name}: {registers} registers, no spills")
+
+
+@pytest.mark.parametrize("arch", _ARCHS)
+def test_the_unpack_kernel_compiles_clean_and_spills_nothing(arch):
+    build = _compile(_nvrtc(), arch, 0, UNPACK_SOURCE, unpack_compile_options())
+    assert build.result == 0 and "warning" not in build.log.lower(), build.log
+    assert set(_entries(build.ptx)) == {UNPACK_KERNEL}
+    assert ".local" not in build.ptx
+    assert re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                      build.log) == [("0", "0", "0")], build.log

@@ -50,6 +50,26 @@ def test_dtype_scales_bytes_per_id():
     assert r3_bytes(LARGE, "uint8") * 4 == r3_bytes(LARGE, "uint16") * 2 == r3_bytes(LARGE)
 
 
+@pytest.mark.parametrize("experts, topk, per_layer", [(128, 8, 7), (384, 8, 9), (512, 10, 12), (256, 8, 8)])
+def test_packed_ids_take_ceil_log2_e_bits_per_id(experts, topk, per_layer, capsys):
+    shape = replace(LARGE, topk=topk, dtype="packed", experts=experts)
+    assert r3_bytes(shape) == 262144 * 4096 * 75 * per_layer
+    assert main(["--dtype", "packed", "--experts", str(experts), "--topk", str(topk), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["layer_row_bytes"], out["token_row_bytes"]) == (per_layer, 75 * per_layer)
+    assert out["r3_bytes"] == r3_bytes(shape)
+    assert main(["--dtype", "packed", "--experts", str(experts), "--topk", str(topk)]) == 0
+    assert f"{per_layer} B per layer, {75 * per_layer} B per token" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [(["--dtype", "packed"], "needs the expert count"),
+                                           (["--dtype", "uint8", "--experts", "384"], "do not fit uint8"),
+                                           (["--dtype", "packed", "--experts", "70000"], "at most 16")])
+def test_packed_without_experts_or_experts_beyond_the_dtype_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_token_lengths_replace_the_product():
     shape = RolloutShape(layers=2, topk=3, dtype="uint16", token_lengths=(10, 20, 5))
     assert r3_bytes(shape) == 35 * 2 * 3 * 2
