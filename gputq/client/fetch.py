@@ -25,7 +25,7 @@ from gputq.errors import GputqError
 from gputq.kernels import MappedSource
 from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
 
-__all__ = ["read_staged", "ReadsAhead", "lease_in_place", "fits_socket_buffers"]
+__all__ = ["read_staged", "ReadsAhead", "lease_in_place", "fits_socket_buffers", "Fetched"]
 
 
 def read_staged(context: ReadContext, plan: MicroPlan, staging) -> None:
@@ -122,3 +122,35 @@ def lease_in_place(context: ReadContext, plan: MicroPlan) -> tuple[MappedSource,
     except BaseException:
         leases.close()
         raise
+
+
+class Fetched:
+    """A micro-batch's bytes once fetched: staged in a compact buffer of ``pool``, or leased where they lie (shm).
+
+    Exactly one of :meth:`restore` and :meth:`drop` is called: the buffer
+    then goes back to its pool, or the leases end.
+    """
+
+    def __init__(self, *, buffer=None, pool=None, in_place: tuple | None = None):
+        self._buffer, self._pool, self._in_place = buffer, pool, in_place
+
+    def restore(self, restore, nbytes: int):
+        """``restore(source)`` over the micro-batch's ``nbytes``; then the buffer goes back, or the leases end
+        (confirmed: the restore read the mappings under them)."""
+        if self._in_place is not None:
+            source, leases = self._in_place
+            with leases:
+                return restore(source)
+        try:
+            return restore(self._buffer[:nbytes])
+        finally:
+            self._pool.put(self._buffer)
+
+    def drop(self) -> None:
+        """Give back what a fetch that will not be restored holds: its compact buffer, or its leases (unread)."""
+        if self._in_place is None:
+            self._pool.put(self._buffer)
+            return
+        with contextlib.suppress(Exception):  # an unread lease that expires costs nothing
+            self._in_place[1].close()
+

@@ -33,13 +33,12 @@ parallel share; pad rows hold ``arange % num_experts``. Other fields
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from gputq.client.fetch import ReadsAhead, fits_socket_buffers, lease_in_place, read_staged
+from gputq.client.fetch import Fetched, ReadsAhead, fits_socket_buffers, lease_in_place, read_staged
 from gputq.client.in_place import mapped_here
 from gputq.client.landing import land_replies
 from gputq.client.read_context import ReadContext
@@ -201,29 +200,25 @@ class MicroBatchStream:
                 self._drop_fetched(fetch)
                 restore.set_exception(exc)
 
-    def _fetch(self, plan: MicroPlan):
-        """A micro-batch's compact bytes: ``(compact buffer, None)``, or in place ``(None, (source, leases))``."""
+    def _fetch(self, plan: MicroPlan) -> Fetched:
+        """A micro-batch's compact bytes: staged in a compact buffer, or leased in place."""
         plan.finish()  # here, not up front: the first micro-batch waits for its own planning alone
         if self._in_place:
-            return None, lease_in_place(self._ctx, plan)
+            return Fetched(in_place=lease_in_place(self._ctx, plan))
         buffer = self._buffers.take(self._buffers.compact)
         try:
             read_staged(self._ctx, plan, buffer[:plan.nbytes])
         except BaseException:
             self._buffers.compact.put(buffer)
             raise
-        return buffer, None
+        return Fetched(buffer=buffer, pool=self._buffers.compact)
 
     def _land(self, plan: MicroPlan):
         """A micro-batch restored as its bytes land (tcp, on the host): ``(micro-batch, its output buffers)``.
 
-        Its reads go out first (those not sent ahead), then those of the
-        next micro-batch: each unit then works on them while this one's
-        replies arrive. The next micro-batch's reads go ahead only when its
-        fetch is queued behind this one, or when each unit's replies fit in
-        the socket buffers: a unit never waits on a reader that stopped
-        reading (the consumer may take a training step before that fetch
-        starts). The replies are received in request order, on this thread.
+        Its reads go out, then the next micro-batch's, if that fetch is queued
+        behind this one or its replies fit the socket buffers (a unit never
+        waits on a reader that stopped reading; see :class:`ReadsAhead`).
         """
         plan.finish()
         self._reads.send(plan)
@@ -239,17 +234,9 @@ class MicroBatchStream:
             self._buffers.outputs.put(outputs)
             raise
 
-    def _restored(self, plan: MicroPlan, fetched, outputs: dict) -> MicroBatch:
+    def _restored(self, plan: MicroPlan, fetched: Fetched, outputs: dict) -> MicroBatch:
         """Restore a fetched micro-batch into ``outputs``; its compact buffer goes back, its leases end."""
-        buffer, in_place = fetched
-        if in_place is not None:
-            source, leases = in_place
-            with leases:  # confirmed once the restore read the mappings
-                return self._restore(plan, source, outputs)
-        try:
-            return self._restore(plan, buffer[:plan.nbytes], outputs)
-        finally:
-            self._buffers.compact.put(buffer)
+        return fetched.restore(lambda source: self._restore(plan, source, outputs), plan.nbytes)
 
     def _restore_ahead(self, plan: MicroPlan, fetch: Future):
         fetched = fetch.result()
@@ -264,15 +251,11 @@ class MicroBatchStream:
             self._buffers.outputs.put(outputs)
             raise
 
-    def _drop_fetched(self, fetch: Future) -> None:
-        """Give back what a fetch that will not be restored holds: its compact buffer, its leases."""
-        if fetch.cancelled() or fetch.exception() is not None:
-            return
-        buffer, in_place = fetch.result()
-        if in_place is not None:
-            in_place[1].close()
-        else:
-            self._buffers.compact.put(buffer)
+    @staticmethod
+    def _drop_fetched(fetch: Future) -> None:
+        """Give back what a fetch that will not be restored holds (if it fetched anything)."""
+        if fetch.done() and not fetch.cancelled() and fetch.exception() is None:
+            fetch.result().drop()
 
     # -- consuming ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:
@@ -385,10 +368,7 @@ class MicroBatchStream:
             future.cancel()
         wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)
         for future in self._fetches.values() if self._in_place else ():  # fetched, never restored: leases end
-            if future.done() and not future.cancelled() and future.exception() is None \
-                    and future.result()[1] is not None:
-                with contextlib.suppress(Exception):  # unread: an expired lease costs nothing here
-                    future.result()[1][1].close()
+            self._drop_fetched(future)
         self._fetches.clear()
         self._restores.clear()
         self._reads.close()  # replies still queued go with their connections
