@@ -71,8 +71,10 @@ from collections import deque
 import numpy as np
 
 from gputq.kernels import cupy_backend
-from gputq.kernels.cupy_backend import _KERNELS, _SOURCE, THREADS
+from gputq.kernels.cupy_backend import _KERNELS, _SOURCE, THREADS, UNPACK_KERNEL, UNPACK_SOURCE
+from gputq.kernels.reference import packed_row_bytes
 from tests.kernels.test_kernel_on_host import _KINDS, _kernel
+from tests.kernels.test_unpack_kernel import unpack_kernel
 
 __all__ = ["DEVICE_BASE", "DeviceArray", "DeviceTensor", "HostCupy", "installed", "UNREGISTERED", "HOST",
            "DEVICE", "CUDARuntimeError"]
@@ -518,12 +520,19 @@ class HostCupy:
 
 class _HostModule:
     def __init__(self, cupy: HostCupy, compiled, code: str, options):
+        if code == UNPACK_SOURCE.read_text():
+            assert f"-DUP_THREADS={THREADS}" in options
+            self._cupy, self._unpack = cupy, _UnpackModule(cupy, compiled(None))
+            return
         assert code == _SOURCE.read_text()
         self._steps = int(re.search(r"-DWS_STEPS=(\d+)", " ".join(options)).group(1))
         assert f"-DWS_THREADS={THREADS}" in options
-        self._cupy, self._launch = cupy, compiled(self._steps)
+        self._cupy, self._launch, self._unpack = cupy, compiled(self._steps), None
 
     def get_function(self, name: str):
+        if self._unpack is not None:
+            assert name == UNPACK_KERNEL
+            return self._unpack.run
         kind = _KINDS[{kernel: dtype for dtype, kernel in _KERNELS.items()}[name]]
         return lambda grid, block, args, stream=None: self._run(kind, grid, block, args, stream)
 
@@ -577,6 +586,47 @@ class _HostModule:
         entries_buffer = np.ascontiguousarray(entries)
         self._launch(kind, src_host or 0, dst_host, entries_buffer.ctypes.data, nfrag, nblocks,
                      int(fill) if type(fill) is np.int32 else 0, float(fill) if type(fill) is np.float32 else 0.0)
+
+
+class _UnpackModule:
+    """``unpack_scatter.cu`` on the stand-in: launches checked as the widen kernel's are, run by its CPU build."""
+
+    def __init__(self, cupy: HostCupy, launch):
+        self._cupy, self._launch = cupy, launch
+
+    def run(self, grid, block, args, stream=None) -> None:
+        cupy = self._cupy
+        src, dst, table, nfrag, fill, topk, bits = args
+        # The C types of unpack_scatter_i32's parameters: two pointers, a table, then four ints.
+        assert block == (THREADS,) and len(grid) == 1
+        assert type(src) is np.uint64 and type(dst) is np.uint64 and isinstance(table, DeviceArray)
+        assert all(type(v) is np.int32 for v in (nfrag, fill, topk, bits))
+        stream = cupy.cuda.get_current_stream() if stream is None else stream
+        device = cupy.current_device()
+        cupy.log.append(("launch", table.data.ptr, stream.ptr, int(src), int(dst), cupy.memory_type(int(src)), device))
+        cupy._enqueue(stream, lambda: self._execute(int(grid[0]), int(src), int(dst), table, int(nfrag), int(fill),
+                                                    int(topk), int(bits), device))
+
+    def _execute(self, nblocks: int, src: int, dst: int, table: DeviceArray, nfrag: int, fill: int, topk: int,
+                 bits: int, device: int) -> None:
+        cupy = self._cupy
+        table_host = cupy._device_range(table.data.ptr, 32 * nfrag, device, write=False, what="a launch's table")
+        entries = np.frombuffer((ctypes.c_char * (32 * nfrag)).from_address(table_host), np.int64).copy()
+        fragments, first = entries[:3 * nfrag].reshape(nfrag, 3), entries[3 * nfrag:]
+        blocks = -(-fragments[:, 2] // THREADS)
+        if nblocks != int(blocks.sum()) or (first != np.cumsum(blocks) - blocks).any():
+            raise CUDARuntimeError(f"an unpack launch's grid ({nblocks} blocks) is not its table's ({int(blocks.sum())})")
+        row_bytes, src_host, dst_host = packed_row_bytes(topk, bits), None, None
+        for s, d, n in fragments.tolist():
+            if n:
+                dst_host = cupy._device_range(dst + 4 * topk * d, 4 * topk * n, device, write=True,
+                                              what="an unpack launch") - 4 * topk * d
+                if s >= 0:
+                    src_host = cupy._device_range(src + row_bytes * s, row_bytes * n, device, write=False,
+                                                  what="an unpack launch") - row_bytes * s
+        if dst_host is not None:
+            self._launch(src_host or 0, dst_host, np.ascontiguousarray(entries).ctypes.data, nfrag, nblocks, fill,
+                         topk, bits)
 
 
 def _from_dlpack(real):
@@ -647,7 +697,7 @@ def installed(monkeypatch, tmp_path_factory):
     The ``host_cuda`` fixture of ``tests/conftest.py``. Leaving the block
     runs the work still queued and fails on what is still registered.
     """
-    fake = HostCupy(lambda steps: _kernel(tmp_path_factory, steps))
+    fake = HostCupy(lambda steps: unpack_kernel(tmp_path_factory) if steps is None else _kernel(tmp_path_factory, steps))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cupy_backend, "_modules", {})  # no stand-in module left for a real GPU test
     monkeypatch.setattr(cupy_backend, "_rings", {})

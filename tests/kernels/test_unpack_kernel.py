@@ -44,19 +44,30 @@ extern "C" void launch(const unsigned char* src, int* dst, const long long* tabl
 """
 
 
+_built: list = []
+
+
+def unpack_kernel(tmp_path_factory):
+    """The CPU build of ``unpack_scatter.cu``: ``launch(src, dst, table, nfrag, nblocks, fill, topk, bits)``
+    runs the whole grid (shared with the stand-in CuPy, ``tests/host_cuda.py``)."""
+    if not _built:
+        if shutil.which("g++") is None:
+            pytest.skip("no host C++ compiler (g++) to run the kernel source on the CPU")
+        folder = tmp_path_factory.mktemp("unpack")
+        (folder / "harness.cpp").write_text(_HARNESS.replace("SOURCE", str(UNPACK_SOURCE)))
+        lib = folder / "harness.so"
+        subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", f"-DUP_THREADS={THREADS}", "-o", str(lib),
+                        str(folder / "harness.cpp")], check=True, capture_output=True, timeout=120)
+        fn = ctypes.CDLL(str(lib)).launch
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        _built.append(fn)
+    return _built[0]
+
+
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("no host C++ compiler (g++) to run the kernel source on the CPU")
-    folder = tmp_path_factory.mktemp("unpack")
-    (folder / "harness.cpp").write_text(_HARNESS.replace("SOURCE", str(UNPACK_SOURCE)))
-    lib = folder / "harness.so"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", f"-DUP_THREADS={THREADS}", "-o", str(lib),
-                    str(folder / "harness.cpp")], check=True, capture_output=True, timeout=120)
-    fn = ctypes.CDLL(str(lib)).launch
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    return fn
+    return unpack_kernel(tmp_path_factory)
 
 
 def _rows(rng, n: int, topk: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,6 +104,23 @@ def test_kernel_source_matches_the_reference(launch, topk, bits):
     table, nblocks = fragment_table(plan, 1, THREADS)
     launch(packed.ctypes.data, got.ctypes.data, table.ctypes.data, len(plan), nblocks, 5, topk, bits)
     np.testing.assert_array_equal(got, want)
+
+
+def test_cupy_unpack_scatter_launches_the_kernel_on_the_stand_in(host_cuda):
+    """The CuPy launcher itself: its table, its arguments' C types and its grid, on the stand-in CuPy, whose
+    launch runs the CPU build of the CUDA source, against the reference."""
+    from gputq.kernels import cupy_unpack_scatter
+
+    rng = np.random.default_rng(12)
+    for topk, bits in ((8, 9), (10, 9), (8, 7), (3, 16)):
+        _, packed = _rows(rng, 600, topk, bits)
+        plan = random_plan(rng, 600, 900, max_frag=300)
+        want = reference_unpack_scatter(packed.reshape(-1), plan, topk, bits, np.full(900 * topk, -1, np.int32), 4)
+        out = host_cuda.device_array(np.full(900 * topk, -1, np.int32))
+        staging = packed.reshape(-1)  # alive until the launch ran (the stand-in faults on freed memory, as a GPU)
+        cupy_unpack_scatter(host_cuda.device_array(staging), plan, topk, bits, out, 4)
+        np.testing.assert_array_equal(host_cuda.to_host(out), want, err_msg=f"K={topk} b={bits}")
+    assert sum(entry[0] == "launch" for entry in host_cuda.log) == 4
 
 
 def test_bad_calls_are_plan_errors():
