@@ -64,6 +64,16 @@ def _run_into(future: Future, work: Callable, *args) -> None:
         future.set_exception(exc)
 
 
+def _ways(context: ReadContext, units: list, prefetch: int, hold: bool) -> tuple[bool, bool, bool]:
+    """How a stream's bytes move: (read in place, landed as they arrive, restored ahead on a second thread)."""
+    on_host = context.on_host and bool(units)
+    # Host restores from same-host arenas read the spans where they lie: no staging copy.
+    in_place = on_host and all(mapped_here(context.channel(unit), False) for unit in units)
+    # Host restores over tcp widen each chunk as it lands, on the fetch thread: no staging either.
+    landing = on_host and not in_place and all(context.channel(unit).pipelines_reads for unit in units)
+    return in_place, landing, context.on_host and prefetch >= 2 and not hold and not landing
+
+
 @dataclass
 class MicroBatch:
     """One restored micro-batch of a rank's shard (views of buffers the stream reuses).
@@ -133,14 +143,8 @@ class MicroBatchStream:
         self._rank, self._hold = rank, hold
         self._shaper = SlimeShaper(context, rank)
         units = sorted({unit for plan in plans for unit in plan.units})
-        on_host = context.on_host and bool(units)
-        # Host restores from same-host arenas read the spans where they lie: no staging copy.
-        self._in_place = on_host and all(mapped_here(context.channel(unit), False) for unit in units)
-        # Host restores over tcp widen each chunk as it lands, on the fetch thread: no staging either.
-        self._landing = on_host and not self._in_place and all(
-            context.channel(unit).pipelines_reads for unit in units)
+        self._in_place, self._landing, self._ahead = _ways(context, units, prefetch, hold)
         self._reads = ReadsAhead(context)  # the landing's read pipelines, one per unit
-        self._ahead = context.on_host and prefetch >= 2 and not hold and not self._landing
         self._fetches: dict[int, Future] = {}
         self._restores: dict[int, Future] = {}
         self._fetcher, self._restorer = context.stream_threads()
@@ -236,7 +240,8 @@ class MicroBatchStream:
 
     def _restored(self, plan: MicroPlan, fetched: Fetched, outputs: dict) -> MicroBatch:
         """Restore a fetched micro-batch into ``outputs``; its compact buffer goes back, its leases end."""
-        return fetched.restore(lambda source: self._restore(plan, source, outputs), plan.nbytes)
+        return fetched.restore(lambda source: self._shaped(plan, self._shaper.widen(plan, source, outputs)),
+                               plan.nbytes)
 
     def _restore_ahead(self, plan: MicroPlan, fetch: Future):
         fetched = fetch.result()
@@ -311,8 +316,9 @@ class MicroBatchStream:
             if live is None:
                 return
             self._buffers.outputs.put(live[1])
-            if self._release is not None:
-                self._release_references(self._plans[batch.index])
+            if self._release is not None and batch.index not in self.released:
+                self.released.append(batch.index)
+                self._release(self._plans[batch.index].layouts, batch.index)
 
     def replay_handles(self, release_after: str = "backward") -> list[list[LayerRef]]:
         """Per micro-batch, one lazy handle per layer, for slime's ``RoutingReplay.record``.
@@ -343,18 +349,9 @@ class MicroBatchStream:
             raise InvalidInputError(f"micro-batch {index} {state}: micro-batches are replayed in order")
         return self._advance()
 
-    def _restore(self, plan: MicroPlan, staging, outputs: dict) -> MicroBatch:
-        return self._shaped(plan, self._shaper.widen(plan, staging, outputs))
-
     def _shaped(self, plan: MicroPlan, outputs: dict) -> MicroBatch:
         layers, experts, fields = self._shaper.shape(plan, outputs)
         return MicroBatch(plan.index, plan.samples, layers, experts, fields, self)
-
-    def _release_references(self, plan: MicroPlan) -> None:
-        if plan.index in self.released:
-            return
-        self.released.append(plan.index)
-        self._release(plan.layouts, plan.index)
 
     def close(self) -> None:
         """Stop prefetching and wait for the work in flight. Idempotent; the buffers go."""
