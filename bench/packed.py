@@ -33,7 +33,8 @@ import numpy as np
 from bench.common import add_json_flag, emit_json, print_header, print_table
 from bench.put import one_pass
 from gputq.data.packing import bits_for, pack_rows
-from gputq.kernels.reference import packed_row_bytes, unpack_rows_into
+from gputq.kernels.plan import packed_row_bytes
+from gputq.kernels.reference import unpack_rows_into
 
 __all__ = ["measure", "main"]
 

@@ -38,6 +38,11 @@ baseline. The first violation stops the run: the report names the
 iteration and what broke, and the seed is saved to ``soak-failure-<seed>.json``
 with the command that replays it. Exit status 1 then, 0 on a clean run
 (also where hosts cannot be built: it says why).
+
+To see where a run stands: ``GPUTQ_SOAK_TRACE=1`` prints every request of
+the job on stderr, ``kill -USR1`` of the harness prints its threads' stacks,
+and a job past twice its phase limit (90 s; ``GPUTQ_SOAK_PHASE_S``) prints
+its own.
 """
 
 from __future__ import annotations
@@ -178,9 +183,11 @@ class Injector:
         return {k: v for k, v in fault.items() if k in ("kind", "unit", "host", "injected_at", "address")}
 
     def usage(self) -> dict:
+        """Each unit's resources, and its pid (a restarted unit is a new process, with a baseline of its own)."""
         from bench.soak_roles import proc_usage
 
-        return {"units": {name: proc_usage(unit.pid) for name, unit in self.units.items()}}
+        return {"units": {name: proc_usage(unit.pid) for name, unit in self.units.items()},
+                "pids": {name: unit.pid for name, unit in self.units.items()}}
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -211,8 +218,13 @@ def _serve(job: subprocess.Popen, injector: Injector, limit_s: float, quiet: boo
     from bench.soak_job import MARK
 
     lines: queue.Queue = queue.Queue()
-    # A thread reads: select on a buffered pipe misses lines already read into the buffer.
-    threading.Thread(target=lambda: [lines.put(line) for line in job.stdout] + [lines.put("")], daemon=True).start()
+
+    def read() -> None:  # a thread reads: select on a buffered pipe misses lines already read into the buffer
+        for line in job.stdout:
+            lines.put(line)
+        lines.put("")  # the job ended
+
+    threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + limit_s
     while True:
         try:

@@ -110,7 +110,7 @@ class Soak:
         self.report = {"iterations": 0, "faults": {}, "detect_s": {}, "bytes_verified": 0, "samples_verified": 0,
                        "wrong_bytes": 0, "leaked_keys": 0, "rolled_again": 0, "dropped_samples": 0,
                        "errors_seen": {}, "drift": {}, "violation": None}
-        self.baselines: dict[str, tuple[int, dict]] = {}
+        self.baselines: dict[str, tuple[int, dict]] = {}  # process name -> (its pid, its baseline usage)
         self.live: dict[str, dict] = {}  # partition -> {"samples", "written_at"}
         self.opened: dict[int, list[str]] = {}  # iteration -> the rollouts it opened
         self._held_fds: list[int] = []
@@ -256,7 +256,6 @@ class Soak:
             return self._get(ref, f"trainer on host {host}")
         except self.ray.exceptions.RayActorError as exc:
             self.trainers[host] = self._actor(TrainerRole, host)
-            self.baselines.pop(f"trainer{host}", None)
             return {"digests": {}, "bytes": 0, "error": {**error_report(exc), "typed": True}}
 
     def _verify(self, i: int, expected: list, outcome: dict) -> None:
@@ -344,7 +343,6 @@ class Soak:
         A reader or writer killed mid-call leaves its lease or reservation for
         the unit to expire (a lease after twice the read timeout).
         """
-
         deadline = time.monotonic() + self.args["drain_s"]
         with self._clients() as clients:
             while True:
@@ -379,7 +377,6 @@ class Soak:
 
     def _leak(self) -> None:
         """Store one key under a rollout nobody opened: the soak's key check must catch it."""
-
         with self._clients() as clients:
             unit = clients.units[0]
             clients.channel(unit).write("leaked/0", np.ones(64, np.uint8), {"partition": "leaked"},
@@ -391,16 +388,17 @@ class Soak:
         return any(self.restarted.get(u, 0.0) > written_at for u in units_of(layouts))
 
     def _check_usage(self, i: int) -> None:
-        now = {"master": usage()}
-        now.update({f"unit:{u}": v for u, v in self.harness.ask("usage")["units"].items()})
+        """Every process against its baseline: taken at the warm-up's end, or at a new process's first check."""
+        units = self.harness.ask("usage")
+        now = {"master": usage(), **{f"unit:{u}": v for u, v in units["units"].items()}}
         now["writer"] = self._get(self.writer[0].usage.remote(), "the writer's usage")
         for h, (actor, _) in self.trainers.items():
             now[f"trainer{h}"] = self._get(actor.usage.remote(), f"trainer {h}'s usage")
-        pids = {"writer": self.writer[1], **{f"trainer{h}": t[1] for h, t in self.trainers.items()}}
+        pids = {"master": os.getpid(), "writer": self.writer[1], **{f"unit:{u}": p for u, p in units["pids"].items()},
+                **{f"trainer{h}": t[1] for h, t in self.trainers.items()}}
         for name, value in now.items():
-            key = (pids.get(name), name)
-            if i < self.args["warmup"] or self.baselines.get(name, (None,))[0] != key:
-                self.baselines[name] = (key, value)
+            if i < self.args["warmup"] or self.baselines.get(name, (None,))[0] != pids[name]:
+                self.baselines[name] = (pids[name], value)
                 continue
             base = self.baselines[name][1]
             self.report["drift"][name] = {k: now[name][k] - base[k] for k in base}

@@ -27,8 +27,7 @@ import numpy as np
 from gputq.errors import PlanError
 from gputq.transport.cuda import usable_cupy
 
-from .plan import check_call, dtype_name
-from .reference import packed_row_bytes
+from .plan import check_call, check_unpack_call, dtype_name
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -311,19 +310,16 @@ def cupy_unpack_scatter(staging, plan, topk: int, bits: int, out, fill=0, *, val
     cp = _import_cupy()
     if not isinstance(staging, cp.ndarray) or not isinstance(out, cp.ndarray):
         raise PlanError("cupy_unpack_scatter takes CuPy arrays for staging and out")
-    if staging.dtype != np.uint8 or out.dtype != np.int32 or not (staging.flags.c_contiguous
-                                                                   and out.flags.c_contiguous):
-        raise PlanError("staging must be contiguous uint8 and out contiguous int32")
+    if not (staging.flags.c_contiguous and out.flags.c_contiguous):
+        raise PlanError("staging and out must be C-contiguous")
     if staging.device.id != out.device.id:
         raise PlanError(f"staging is on device {staging.device.id}, out on {out.device.id}")
-    if not (1 <= int(bits) <= 16 and int(topk) >= 1):
-        raise PlanError(f"topk must be >= 1 and bits in [1, 16], got {topk!r} and {bits!r}")
-    row_bytes = packed_row_bytes(int(topk), int(bits))
-    plan, fill = check_call("int32", staging.size // row_bytes, "int32", out.size // int(topk), plan, 1, fill,
-                            validate)
+    plan, fill, _ = check_unpack_call(staging.dtype.name, staging.size, out.dtype.name, out.size, plan, topk, bits,
+                                      fill, validate)
     kernel = _module(cp, out.device.id, None).get_function(UNPACK_KERNEL)
     with cp.cuda.Device(out.device.id):
-        cs = _cupy_stream(cp, stream) or cp.cuda.get_current_stream()
+        cs = _cupy_stream(cp, stream)
+        cs = cs if cs is not None else cp.cuda.get_current_stream()
         _ring(cp, out.device.id).launch(plan, 1, THREADS, cs, kernel,
                                         (np.uint64(staging.data.ptr), np.uint64(out.data.ptr), fill,
                                          np.int32(topk), np.int32(bits)))

@@ -27,6 +27,8 @@ __all__ = [
     "check_buffers",
     "check_fill",
     "check_call",
+    "check_unpack_call",
+    "packed_row_bytes",
     "row_gather_indices",
     "plan_bytes",
 ]
@@ -242,6 +244,45 @@ def check_call(
     fill = check_fill(fill, out_dtype)
     plan = validate_plan(plan, src_rows, dst_rows) if validate else as_plan_array(plan)
     return plan, fill
+
+
+def packed_row_bytes(topk: int, bits: int) -> int:
+    """Bytes of one packed row of ``topk`` IDs at ``bits`` bits each (``unpack_scatter.cu``'s format)."""
+    return (topk * bits + 7) // 8
+
+
+def check_unpack_call(
+    staging_dtype: str, staging_len: int, out_dtype: str, out_len: int,
+    plan, topk, bits, fill, validate: bool,
+) -> tuple[np.ndarray, np.int32, int]:
+    """Run every check an unpack+scatter backend needs: uint8 rows in, int32 rows of ``topk`` IDs out.
+
+    Returns
+    -------
+    plan : numpy.ndarray, int64 [n, 3]
+    fill : numpy.int32
+    row_bytes : int
+        Bytes of one packed row.
+
+    Raises
+    ------
+    PlanError
+        On other dtypes, a ``topk`` below 1, ``bits`` outside [1, 16], a
+        buffer that is not a whole number of rows, a fill outside int32, or
+        (with ``validate``) a plan out of bounds or overlapping.
+    """
+    if staging_dtype != "uint8" or out_dtype != "int32":
+        raise PlanError(f"unpack+scatter takes uint8 packed rows into int32, got {staging_dtype} and {out_dtype}")
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (topk, bits)) \
+            or topk < 1 or not 1 <= bits <= 16:
+        raise PlanError(f"topk must be >= 1 and bits in [1, 16], got {topk!r} and {bits!r}")
+    row_bytes = packed_row_bytes(int(topk), int(bits))
+    if staging_len % row_bytes or out_len % topk:
+        raise PlanError(f"staging ({staging_len} bytes) and out ({out_len} IDs) must hold whole rows of "
+                        f"{row_bytes} bytes and {topk} IDs")
+    src_rows, dst_rows = staging_len // row_bytes, out_len // int(topk)
+    plan = validate_plan(plan, src_rows, dst_rows) if validate else as_plan_array(plan)
+    return plan, check_fill(fill, "int32"), row_bytes
 
 
 def row_gather_indices(plan: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -16,10 +16,9 @@ from numpy.lib.stride_tricks import as_strided
 
 from gputq.errors import PlanError
 
-from .plan import as_plan_array, check_call, row_gather_indices, validate_plan
+from .plan import check_call, check_unpack_call, packed_row_bytes, row_gather_indices
 
-__all__ = ["reference_widen_scatter", "reference_unpack_scatter", "unpack_rows_into", "packed_row_bytes",
-           "packed_words"]
+__all__ = ["reference_widen_scatter", "reference_unpack_scatter", "unpack_rows_into", "packed_words"]
 
 #: Mean rows per plan row from which fragments are copied slice by slice.
 _SLICE_MIN_ROWS = 16
@@ -124,11 +123,6 @@ def _block(rows_2d: np.ndarray, first: int, step: int, rows: int, count: int) ->
                       strides=(step * rows_2d.strides[0], *rows_2d.strides))
 
 
-def packed_row_bytes(topk: int, bits: int) -> int:
-    """Bytes of one packed row of ``topk`` IDs at ``bits`` bits each (``unpack_scatter.cu``'s format)."""
-    return (topk * bits + 7) // 8
-
-
 def packed_words(topk: int, bits: int) -> int:
     """64-bit words that hold one packed row while it is assembled or taken apart: one more than its
     bits need, so that an ID's high part always has a word to go to."""
@@ -180,20 +174,13 @@ def reference_unpack_scatter(staging, plan, topk, bits, out, fill=0, *, validate
     PlanError
         On a bad plan, dtype, width or an output that is not writable and contiguous.
     """
-    if not isinstance(staging, np.ndarray) or staging.dtype != np.uint8:
-        raise PlanError("reference_unpack_scatter takes packed rows as a numpy uint8 array")
-    if not isinstance(out, np.ndarray) or out.dtype != np.int32 or not out.flags.c_contiguous \
-            or not out.flags.writeable:
-        raise PlanError("out must be a writable C-contiguous int32 numpy array")
-    if not (isinstance(topk, (int, np.integer)) and topk >= 1 and isinstance(bits, (int, np.integer))
-            and 1 <= bits <= 16):
-        raise PlanError(f"topk must be >= 1 and bits in [1, 16], got {topk!r} and {bits!r}")
-    row_bytes = packed_row_bytes(topk, bits)
-    if staging.size % row_bytes or out.size % topk:
-        raise PlanError(f"staging ({staging.size} bytes) and out ({out.size} IDs) must hold whole rows of "
-                        f"{row_bytes} bytes and {topk} IDs")
+    if not isinstance(staging, np.ndarray) or not isinstance(out, np.ndarray):
+        raise PlanError("reference_unpack_scatter takes numpy arrays for staging and out")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise PlanError("out must be a writable C-contiguous array")
+    plan, fill, row_bytes = check_unpack_call(staging.dtype.name, staging.size, out.dtype.name, out.size, plan,
+                                              topk, bits, fill, validate)
     src_rows, out_rows = staging.reshape(-1, row_bytes), out.reshape(-1, topk)
-    plan = validate_plan(plan, len(src_rows), len(out_rows)) if validate else as_plan_array(plan)
     src_idx, dst_idx, fill_idx = row_gather_indices(plan)
     out_rows[dst_idx] = unpack_rows_into(src_rows[src_idx], topk, bits, np.empty((len(src_idx), topk), np.int32))
     out_rows[fill_idx] = fill

@@ -72,7 +72,7 @@ import numpy as np
 
 from gputq.kernels import cupy_backend
 from gputq.kernels.cupy_backend import _KERNELS, _SOURCE, THREADS, UNPACK_KERNEL, UNPACK_SOURCE
-from gputq.kernels.reference import packed_row_bytes
+from gputq.kernels.plan import packed_row_bytes
 from tests.kernels.test_kernel_on_host import _KINDS, _kernel
 from tests.kernels.test_unpack_kernel import unpack_kernel
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from gputq.errors import ConfigError, FieldValueError
-from gputq.kernels.reference import packed_row_bytes, packed_words, unpack_rows_into
+from gputq.errors import ConfigError, FieldValueError, InvalidInputError
+from gputq.kernels.plan import packed_row_bytes
+from gputq.kernels.reference import packed_words, unpack_rows_into
 
 __all__ = ["MAX_BITS", "bits_for", "packed_row_bytes", "pack_rows", "unpack_rows"]
 
@@ -86,8 +87,9 @@ def pack_rows(ids, num_experts: int, *, where: str = "routed_experts", out: np.n
     shape = (*ids.shape[:-1], row_bytes)
     if out is None:
         return np.ascontiguousarray(packed).reshape(shape)
-    out.reshape(-1, row_bytes)[...] = packed
-    return out.reshape(shape)
+    target = _checked_out(out, np.uint8, len(rows) * row_bytes, "out")
+    target.reshape(-1, row_bytes)[...] = packed
+    return target.reshape(shape)
 
 
 def unpack_rows(packed, topk: int, num_experts: int, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -98,6 +100,20 @@ def unpack_rows(packed, topk: int, num_experts: int, *, out: np.ndarray | None =
     if packed.dtype != np.uint8 or packed.ndim < 1 or packed.shape[-1] != row_bytes:
         raise FieldValueError(f"packed rows of {topk} IDs at {bits} bits are uint8 [..., {row_bytes}], "
                               f"got {packed.dtype}{packed.shape}")
-    result = np.empty((*packed.shape[:-1], topk), np.int32) if out is None else out
-    unpack_rows_into(packed.reshape(-1, row_bytes), topk, bits, result.reshape(-1, topk))
+    rows = packed.reshape(-1, row_bytes)
+    if out is None:
+        result = np.empty((*packed.shape[:-1], topk), np.int32)
+    else:
+        result = _checked_out(out, np.int32, len(rows) * topk, "out").reshape((*packed.shape[:-1], topk))
+    unpack_rows_into(rows, topk, bits, result.reshape(-1, topk))
     return result
+
+
+def _checked_out(out, dtype, size: int, what: str) -> np.ndarray:
+    """``out`` if it is a writable C-contiguous array of ``size`` elements of ``dtype`` (a reshape of anything
+    else would be a copy, and the result would be written where the caller never looks)."""
+    if not (isinstance(out, np.ndarray) and out.dtype == dtype and out.size == size and out.flags.c_contiguous
+            and out.flags.writeable):
+        raise InvalidInputError(f"{what} must be a writable C-contiguous {np.dtype(dtype)} array of {size} "
+                                f"elements")
+    return out

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gputq.data.packing import MAX_BITS, bits_for, pack_rows, packed_row_bytes, unpack_rows
-from gputq.errors import ConfigError, FieldValueError
+from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,3 +97,9 @@ def test_bad_arguments_are_typed():
         pack_rows(np.zeros((2, 3), np.float32), 64)
     with pytest.raises(FieldValueError, match=r"uint8 \[..., 3\]"):
         unpack_rows(np.zeros((2, 4), np.uint8), 2, 384)
+    ids = np.zeros((4, 8), np.int64)
+    strided = np.zeros((4, 18), np.uint8)[:, ::2]  # a view a reshape would copy: the result would be lost
+    with pytest.raises(InvalidInputError, match="C-contiguous uint8 array of 36"):
+        pack_rows(ids, 384, out=strided)
+    with pytest.raises(InvalidInputError, match="int32 array of 32"):
+        unpack_rows(pack_rows(ids, 384), 8, 384, out=np.zeros((4, 8), np.int64))

@@ -19,7 +19,8 @@ import pytest
 
 from gputq.errors import PlanError
 from gputq.kernels.cupy_backend import THREADS, UNPACK_SOURCE, fragment_table
-from gputq.kernels.reference import packed_row_bytes, reference_unpack_scatter
+from gputq.kernels.plan import packed_row_bytes
+from gputq.kernels.reference import reference_unpack_scatter
 from tests.data.test_packing import _decode_bitwise, _encode_bitwise
 from tests.kernels.test_reference import random_plan
 
@@ -120,6 +121,12 @@ def test_cupy_unpack_scatter_launches_the_kernel_on_the_stand_in(host_cuda):
         staging = packed.reshape(-1)  # alive until the launch ran (the stand-in faults on freed memory, as a GPU)
         cupy_unpack_scatter(host_cuda.device_array(staging), plan, topk, bits, out, 4)
         np.testing.assert_array_equal(host_cuda.to_host(out), want, err_msg=f"K={topk} b={bits}")
+    assert sum(entry[0] == "launch" for entry in host_cuda.log) == 4
+    # The launcher checks as the reference does: a staging buffer of part of a row is refused, nothing launched.
+    ragged = np.zeros(9 * 4 - 1, np.uint8)
+    with pytest.raises(PlanError, match="whole rows"):
+        cupy_unpack_scatter(host_cuda.device_array(ragged), [[0, 0, 1]], 8, 9,
+                            host_cuda.device_array(np.zeros(32, np.int32)))
     assert sum(entry[0] == "launch" for entry in host_cuda.log) == 4
 
 
