@@ -22,7 +22,8 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from gputq.data.fields import LOGPROBS, ROUTED_EXPERTS, ROUTED_EXPERTS_DTYPES, FieldRegistry
+from gputq.data.fields import LOGPROBS, ROUTED_EXPERTS, ROUTED_EXPERTS_FORMATS, FieldRegistry
+from gputq.data.packing import MAX_BITS
 from gputq.errors import ConfigError, InvalidInputError
 from gputq.transport.base import MAX_TIMEOUT_S, ServerLimits
 from gputq.transport.policy import TRANSPORT_NAMES
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 TRANSPORTS = TRANSPORT_NAMES
-EXPERT_DTYPES = ROUTED_EXPERTS_DTYPES
+EXPERT_DTYPES = ROUTED_EXPERTS_FORMATS
 OFFLOADABLE_FIELDS = (LOGPROBS, ROUTED_EXPERTS)
 #: Shortest token a user may supply: 16 characters (generated ones have 32).
 MIN_TOKEN_CHARS = 16
@@ -83,9 +84,16 @@ class GputqConfig:
     use_rollout_routing_replay:
         R3 is on: engines return routed experts and the trainer replays them.
     routed_experts_dtype:
-        Stored dtype of expert IDs (uint8 up to 256 experts, uint16 up to
-        65,536); always restored as int32. The only place it is given:
-        :meth:`field_registry` derives the field specs from it.
+        Stored format of expert IDs: ``uint8`` (up to 256 experts),
+        ``uint16`` (up to 65,536), ``int32``, ``packed`` (``ceil(log2 E)``
+        bits per ID, see :mod:`gputq.data.packing`) or ``auto`` (the
+        narrowest exact one for ``num_experts``); always restored as int32.
+        The only place it is given: :meth:`field_registry` derives the
+        field specs from it.
+    num_experts:
+        Routed experts E of the model (``--num-experts``, Megatron's own flag
+        where the parser has it); ``packed`` and ``auto`` need it, and an
+        ID at or above it is refused. 0: not given.
     transport:
         ``auto`` (shm for units on this host, rdma where NIXL can use RDMA,
         else tcp), ``shm``, ``rdma`` or ``tcp``.
@@ -158,6 +166,7 @@ class GputqConfig:
     transfer_params: tuple[str, ...] | None = None
     use_rollout_routing_replay: bool = False
     routed_experts_dtype: str = "int32"
+    num_experts: int = 0
     transport: str = "auto"
     num_units: int = 2
     unit_capacity_bytes: int = 256 * _MIB
@@ -195,6 +204,7 @@ class GputqConfig:
         if self.routed_experts_dtype not in EXPERT_DTYPES:
             raise _error("routed_experts_dtype", f"routed_experts_dtype must be one of {EXPERT_DTYPES}, "
                                                  f"got {self.routed_experts_dtype!r}")
+        self._check_num_experts()
         if self.transfer_params is not None:
             unknown = sorted(set(self.transfer_params) - set(OFFLOADABLE_FIELDS))
             if unknown:
@@ -244,9 +254,19 @@ class GputqConfig:
             return OFFLOADABLE_FIELDS if self.use_rollout_routing_replay else (LOGPROBS,)
         return tuple(self.transfer_params)
 
+    def _check_num_experts(self) -> None:
+        if self.num_experts < 0:
+            raise _error("num_experts", f"num_experts must be >= 0, got {self.num_experts}")
+        if self.routed_experts_dtype in ("packed", "auto") and not self.num_experts:
+            raise _error("routed_experts_dtype", f"routed_experts_dtype {self.routed_experts_dtype!r} needs "
+                                                 f"num_experts (--num-experts, GPUTQ_NUM_EXPERTS)")
+        if self.routed_experts_dtype == "packed" and self.num_experts > 1 << MAX_BITS:
+            raise _error("num_experts", f"packed IDs hold at most {MAX_BITS} bits: {self.num_experts} experts "
+                                        f"need int32 (or auto)")
+
     def field_registry(self, num_layers: int, topk: int) -> FieldRegistry:
-        """The built-in field specs, with this config's ``routed_experts_dtype``."""
-        return FieldRegistry.builtin(num_layers, topk, self.routed_experts_dtype)
+        """The built-in field specs, with this config's ``routed_experts_dtype`` and ``num_experts``."""
+        return FieldRegistry.builtin(num_layers, topk, self.routed_experts_dtype, self.num_experts)
 
     def with_token(self) -> "GputqConfig":
         """This config with a fresh random token if none is set."""
@@ -438,6 +458,7 @@ _FLAG_TO_FIELD = {
     "enable_transfer_queue": ("enabled", "--enable-transfer-queue"),
     "transfer_params": ("transfer_params", "--transfer-params"),
     "routed_experts_dtype": ("routed_experts_dtype", "--routed-experts-dtype"),
+    "num_experts": ("num_experts", "--num-experts"),
     "use_rollout_routing_replay": ("use_rollout_routing_replay", "--use-rollout-routing-replay"),
     "transport": ("transport", "--transport"),
 }
@@ -467,7 +488,13 @@ def add_transfer_queue_arguments(parser: argparse.ArgumentParser) -> argparse.Ar
     group.add_argument("--transfer-params", nargs="+", choices=OFFLOADABLE_FIELDS, default=None,
                        help="fields to offload (default: logprobs, plus routed_experts with R3)")
     group.add_argument("--routed-experts-dtype", choices=EXPERT_DTYPES, default=None,
-                       help="stored dtype of expert IDs (default int32; restored as int32)")
+                       help="stored format of expert IDs (default int32; packed and auto need --num-experts; "
+                            "restored as int32)")
+    try:
+        group.add_argument("--num-experts", type=int, default=None,
+                           help="routed experts of the model (for --routed-experts-dtype packed or auto)")
+    except argparse.ArgumentError:
+        pass  # Megatron's parser (slime's) has it already: gputq reads the model's own value
     group.add_argument("--use-rollout-routing-replay", action="store_true", default=False,
                        help="R3 on: required to offload routed_experts")
     group.add_argument("--transport", choices=TRANSPORTS, default=None,

@@ -24,7 +24,8 @@ import numpy as np
 from gputq.errors import PlanError
 from gputq.transport.cuda import cuda_available
 
-from .cupy_backend import cupy_unpack_scatter, cupy_usable, cupy_widen_scatter, torch_widen_scatter_cupy
+from .cupy_backend import (cupy_unpack_scatter, cupy_usable, cupy_widen_scatter, torch_unpack_scatter_cupy,
+                           torch_widen_scatter_cupy)
 from .mapped import MappedSource
 from .plan import plan_bytes, validate_plan
 from .reference import reference_unpack_scatter, reference_widen_scatter
@@ -32,6 +33,7 @@ from .torch_backend import torch_widen_scatter
 
 __all__ = [
     "widen_scatter",
+    "unpack_scatter",
     "reference_widen_scatter",
     "reference_unpack_scatter",
     "cupy_unpack_scatter",
@@ -108,3 +110,40 @@ def widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stream=No
     raise PlanError(f"unsupported array type {type(staging).__name__}")
 
 
+
+
+def unpack_scatter(staging, plan, topk, bits, out, fill=0, *, validate=True, stream=None):
+    """Unpack rows of packed expert IDs from ``staging`` and scatter them into ``out``, in place.
+
+    The packed counterpart of :func:`widen_scatter`: ``staging`` holds uint8
+    rows of ``packed_row_bytes(topk, bits)`` bytes (see
+    :mod:`gputq.data.packing`), ``out`` int32 rows of ``topk`` IDs, and
+    ``plan`` counts in rows. Dispatch: numpy arrays and CPU torch tensors
+    run the numpy reference, CuPy arrays and CUDA torch tensors the CUDA
+    kernel (CUDA torch tensors through CuPy, on torch's current stream
+    unless ``stream`` is given). ``stream`` as for :func:`widen_scatter`.
+
+    Raises
+    ------
+    PlanError
+        On an invalid plan or buffers, arrays of different types, or CUDA
+        tensors where CuPy cannot run (the kernel needs it: install
+        ``cupy-cuda12x``).
+    """
+    kind = _array_kind(staging)
+    if kind != _array_kind(out):
+        raise PlanError(f"staging ({type(staging).__name__}) and out ({type(out).__name__}) "
+                        "must be the same array type")
+    if kind == "numpy":
+        return reference_unpack_scatter(staging, plan, topk, bits, out, fill, validate=validate)
+    if kind == "cupy":
+        return cupy_unpack_scatter(staging, plan, topk, bits, out, fill, validate=validate, stream=stream)
+    if kind == "torch":
+        if not out.is_cuda:
+            reference_unpack_scatter(staging.numpy(), plan, topk, bits, out.numpy(), fill, validate=validate)
+            return out
+        if not cupy_usable():
+            raise PlanError("unpacking packed expert IDs into CUDA tensors runs a CuPy kernel: install "
+                            "cupy-cuda12x (or store IDs as uint8/uint16)")
+        return torch_unpack_scatter_cupy(staging, plan, topk, bits, out, fill, validate=validate, stream=stream)
+    raise PlanError(f"unsupported array type {type(staging).__name__}")

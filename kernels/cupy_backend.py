@@ -40,6 +40,7 @@ __all__ = [
     "cupy_widen_scatter",
     "torch_widen_scatter_cupy",
     "cupy_unpack_scatter",
+    "torch_unpack_scatter_cupy",
     "unpack_compile_options",
     "UNPACK_SOURCE",
     "UNPACK_KERNEL",
@@ -316,14 +317,31 @@ def cupy_unpack_scatter(staging, plan, topk: int, bits: int, out, fill=0, *, val
         raise PlanError(f"staging is on device {staging.device.id}, out on {out.device.id}")
     plan, fill, _ = check_unpack_call(staging.dtype.name, staging.size, out.dtype.name, out.size, plan, topk, bits,
                                       fill, validate)
-    kernel = _module(cp, out.device.id, None).get_function(UNPACK_KERNEL)
-    with cp.cuda.Device(out.device.id):
-        cs = _cupy_stream(cp, stream)
-        cs = cs if cs is not None else cp.cuda.get_current_stream()
-        _ring(cp, out.device.id).launch(plan, 1, THREADS, cs, kernel,
-                                        (np.uint64(staging.data.ptr), np.uint64(out.data.ptr), fill,
-                                         np.int32(topk), np.int32(bits)))
+    _launch_unpack(cp, staging.data.ptr, out.data.ptr, plan, topk, bits, fill, out.device.id, _cupy_stream(cp, stream))
     return out
+
+
+def torch_unpack_scatter_cupy(staging, plan, topk: int, bits: int, out, fill=0, *, validate=True, stream=None):
+    """:func:`cupy_unpack_scatter` of CUDA torch tensors, on torch's current stream of ``out``'s device unless
+    ``stream`` is given."""
+    cp = _import_cupy()
+    if not (staging.is_cuda and out.is_cuda) or staging.device != out.device:
+        raise PlanError(f"staging ({staging.device}) and out ({out.device}) must share one CUDA device")
+    if not out.is_contiguous() or not staging.is_contiguous():
+        raise PlanError("staging and out must be contiguous")
+    plan, fill, _ = check_unpack_call(dtype_name(staging.dtype), staging.numel(), dtype_name(out.dtype), out.numel(),
+                                      plan, topk, bits, fill, validate)
+    _launch_unpack(cp, staging.data_ptr(), out.data_ptr(), plan, topk, bits, fill, out.device.index,
+                   _cupy_stream(cp, stream, torch_device=out.device))
+    return out
+
+
+def _launch_unpack(cp, src_ptr: int, dst_ptr: int, plan, topk: int, bits: int, fill, device_id: int, cs) -> None:
+    kernel = _module(cp, device_id, None).get_function(UNPACK_KERNEL)
+    with cp.cuda.Device(device_id):
+        cs = cs if cs is not None else cp.cuda.get_current_stream()
+        _ring(cp, device_id).launch(plan, 1, THREADS, cs, kernel,
+                                    (np.uint64(src_ptr), np.uint64(dst_ptr), fill, np.int32(topk), np.int32(bits)))
 
 
 def widen_scatter_from_pointer(src_ptr: int, src_dtype, src_elems: int, plan, out, fill=0, *,

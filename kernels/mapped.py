@@ -134,12 +134,19 @@ class MappedSource:
         """The segments grouped into spans of memory to copy at once, in address order.
 
         Returns the address and length of each span, and each segment's
-        offset in the spans packed back to back (lists: a segment is a key
+        offset in the spans laid back to back (lists: a segment is a key
         of tens of KiB or more, so a plain loop costs nothing beside its
         copy, where a dozen numpy calls would, in caches a copy just swept).
         """
+        starts, lengths, offsets, _ = self._layout(max_gap)
+        return starts, lengths, offsets
+
+    def _layout(self, max_gap: int) -> tuple[list, list, list, list]:
+        """:meth:`spans`, and each span's offset in the copy: back to back, each at its address's offset
+        from the first modulo 16, so that a segment whose elements were aligned in the arena stays so
+        (a span may end on any byte: packed IDs, odd rows of uint8)."""
         addresses, lengths = self.addresses.tolist(), self.lengths.tolist()
-        starts, ends, offsets, packed = [], [], [0] * len(addresses), 0
+        starts, ends, offsets, at, packed = [], [], [0] * len(addresses), [], 0
         for i in sorted(range(len(addresses)), key=addresses.__getitem__):
             address, end = addresses[i], addresses[i] + lengths[i]
             if starts and address <= ends[-1] + max_gap:
@@ -147,10 +154,12 @@ class MappedSource:
             else:
                 if starts:
                     packed += ends[-1] - starts[-1]
+                    packed += (address - starts[0] - packed) % 16
                 starts.append(address)
                 ends.append(end)
+                at.append(packed)
             offsets[i] = packed + address - starts[-1]
-        return starts, [end - start for start, end in zip(starts, ends)], offsets
+        return starts, [end - start for start, end in zip(starts, ends)], offsets, at
 
     def staged_in(self, allocate, copy_runs, max_gap: int = SPAN_GAP_BYTES) -> "MappedSource":
         """Copy the segments (host memory) into a buffer; the same source over the copy.
@@ -162,12 +171,10 @@ class MappedSource:
         offset, length) runs from the host view ``src`` into it
         (:func:`gputq.transport.arena_copies.copy_runs` or ``device_copy_runs``).
         """
-        starts, lengths, offsets = self.spans(max_gap)
-        runs, total = [], 0
+        starts, lengths, offsets, at = self._layout(max_gap)
         base = starts[0] if starts else 0
-        for start, length in zip(starts, lengths):
-            runs.append((start - base, total, length))
-            total += length
+        runs = [(start - base, where, length) for start, where, length in zip(starts, at, lengths)]
+        total = at[-1] + lengths[-1] if starts else 0
         buffer = allocate(total)
         if buffer.nbytes < total:
             raise PlanError(f"staging the mapped segments needs {total} bytes, the buffer holds {buffer.nbytes}")

@@ -549,7 +549,8 @@ class _HostModule:
         if stream.device != device:
             raise CUDARuntimeError(f"cudaErrorInvalidResourceHandle: a launch on device {device} "
                                    f"into a stream of device {stream.device}")
-        cupy.log.append(("launch", table.data.ptr, stream.ptr, int(src), int(dst), cupy.memory_type(int(src)), device))
+        cupy.log.append(("launch", table.data.ptr, stream.ptr, int(src), int(dst), cupy.memory_type(int(src)), device,
+                         "widen"))
         cupy._enqueue(stream, lambda: self._execute(kind, int(grid[0]), int(src), int(dst), table, int(nfrag),
                                                     fill, device))
 
@@ -603,7 +604,8 @@ class _UnpackModule:
         assert all(type(v) is np.int32 for v in (nfrag, fill, topk, bits))
         stream = cupy.cuda.get_current_stream() if stream is None else stream
         device = cupy.current_device()
-        cupy.log.append(("launch", table.data.ptr, stream.ptr, int(src), int(dst), cupy.memory_type(int(src)), device))
+        cupy.log.append(("launch", table.data.ptr, stream.ptr, int(src), int(dst), cupy.memory_type(int(src)), device,
+                         "unpack"))
         cupy._enqueue(stream, lambda: self._execute(int(grid[0]), int(src), int(dst), table, int(nfrag), int(fill),
                                                     int(topk), int(bits), device))
 

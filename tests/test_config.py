@@ -186,6 +186,26 @@ def test_field_registry_comes_from_config():
     assert registry.get("logprobs").dtype == "float32"
 
 
+def test_packed_ids_name_num_experts_by_flag_env_or_megatrons_own_flag():
+    config = GputqConfig.load(env={"GPUTQ_ROUTED_EXPERTS_DTYPE": "packed", "GPUTQ_NUM_EXPERTS": "384"})
+    spec = config.field_registry(4, 8).get("routed_experts")
+    assert (spec.dtype, spec.num_experts, spec.stored_shape) == ("uint8", 384, (4, 9))
+    args = _parse(["--routed-experts-dtype", "auto", "--num-experts", "256"])
+    assert GputqConfig.load(env={}, args=args).field_registry(4, 8).get("routed_experts").dtype == "uint8"
+    # Megatron's parser has --num-experts already: gputq adds no second one and reads the model's value.
+    megatron = argparse.ArgumentParser()
+    megatron.add_argument("--num-experts", type=int, default=None)
+    args = add_transfer_queue_arguments(megatron).parse_args(["--routed-experts-dtype", "packed", "--num-experts", "512"])
+    assert GputqConfig.load(env={}, args=args).num_experts == 512
+    with pytest.raises(ConfigError, match="flag --routed-experts-dtype: routed_experts_dtype 'packed' needs "
+                                          "num_experts"):
+        GputqConfig.load(env={}, args=_parse(["--routed-experts-dtype", "packed"]))
+    with pytest.raises(ConfigError, match="at most 16 bits"):
+        GputqConfig(routed_experts_dtype="packed", num_experts=1 << 17)
+    with pytest.raises(ConfigError, match="num_experts must be >= 0"):
+        GputqConfig(num_experts=-1)
+
+
 def test_metrics_port_setting():
     assert GputqConfig().metrics_port == 0
     assert GputqConfig.load(env={"GPUTQ_METRICS_PORT": "9400"}).metrics_port == 9400

@@ -31,11 +31,12 @@ def _assert_same(restored: dict, expected: dict) -> None:
         assert np.array_equal(got, want), name
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32", "packed"])
 def test_both_views_restore_bit_exact(transport_name, dtype):
     synth = SyntheticConfig(**SYNTH)
-    with local_units(transport_name, routed_experts_dtype=dtype) as (config, services, clients):
-        fields = FieldRegistry.builtin(synth.layers, synth.topk, dtype)
+    with local_units(transport_name, routed_experts_dtype=dtype, num_experts=synth.num_experts) as (config, services,
+                                                                                                 clients):
+        fields = config.field_registry(synth.layers, synth.topk)
         with Writer(clients, config) as writer:
             sessions = build_sessions(synth, fields=fields, writer=writer)
             writer.flush()

@@ -3,7 +3,8 @@
 R3 is stored layer-major (``[L, rows, K]`` a blob) so that a pipeline
 stage's layers are contiguous; a whole-shard fetch hands slime its
 token-major ``[rows, L, K]`` int32 tensors. :func:`token_major_on_host`
-does both at once, reading each blob once.
+does both at once, reading each blob once (packed IDs are unpacked a
+fragment at a time, then moved token-major).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from gputq.client.shard_plan import FieldStage
 from gputq.kernels import MappedSource
+from gputq.kernels.reference import unpack_rows_into
 
 __all__ = ["token_major_on_host", "host_torch"]
 
@@ -45,6 +47,8 @@ def token_major_on_host(compact, stage: FieldStage, layouts, offsets, out: np.nd
         def blob_at(first: int, count: int) -> np.ndarray:
             return flat[first:first + count]
     target = out.reshape(-1, layers, inner)
+    if stage.packing is not None:
+        return _unpack_token_major(blob_at, stage, layouts, offsets, target, fill)
     torch = host_torch(stage.dtype)
     if torch is None:
         scratch = np.empty((_TRANSPOSE_ROWS, layers, inner), stage.dtype)
@@ -69,6 +73,22 @@ def token_major_on_host(compact, stage: FieldStage, layouts, offsets, out: np.nd
             cursor = frag.dst_row + frag.rows
         if cursor < layout.rows:
             target[first + cursor:first + layout.rows] = fill
+
+
+def _unpack_token_major(blob_at, stage: FieldStage, layouts, offsets, target: np.ndarray, fill) -> None:
+    """:func:`token_major_on_host` of packed IDs: each fragment's ``[L, rows, bytes]`` unpacked, then moved
+    token-major into ``target`` ``[total, L, K]``."""
+    layers, (topk, bits) = target.shape[1], stage.packing
+    row_bytes = stage.row_bytes // layers
+    for layout, first in zip(layouts, offsets):
+        target[first:first + layout.rows] = fill  # then every fragment's rows over it
+        for frag in layout.fragments:
+            blob = blob_at(stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.row_bytes,
+                           layers * frag.ref.rows * row_bytes).reshape(layers, frag.ref.rows, row_bytes)
+            rows = blob[:, frag.src_row:frag.src_row + frag.rows].reshape(-1, row_bytes)
+            ids = unpack_rows_into(rows, topk, bits, np.empty((len(rows), topk), target.dtype))
+            dst = first + frag.dst_row
+            target[dst:dst + frag.rows] = ids.reshape(layers, frag.rows, topk).transpose(1, 0, 2)
 
 
 def host_torch(dtype: np.dtype):

@@ -38,7 +38,7 @@ from gputq.data.fields import sample_key_of
 from gputq.data.refs import Layout
 from gputq.data.slices import layer_major
 from gputq.errors import HintMissedError, LayoutError, TransferError
-from gputq.kernels import widen_scatter
+from gputq.kernels import unpack_scatter, widen_scatter
 
 __all__ = ["FetchStats", "ShardFetch"]
 
@@ -91,8 +91,9 @@ class ShardFetch:
         with contextlib.ExitStack() as lent:  # pooled staging goes back once restored
             started = time.perf_counter()
             requests, nbytes = lay_out([stage for _, stage in per_field.values()], self._ctx.config.max_frame_bytes)
-            # zero-copy over shm, else None
-            staging = mapped_staging(self._ctx, requests, nbytes, stats, lent, ahead=ahead)
+            # zero-copy over shm, else None; the unpack kernel reads plain staging in device memory only
+            device_unpack = not self._ctx.on_host and any(stage.packing for _, stage in per_field.values())
+            staging = None if device_unpack else mapped_staging(self._ctx, requests, nbytes, stats, lent, ahead=ahead)
             if staging is None:
                 staging = self._read_all(requests, nbytes, stats, lent)
             stats.fetch_seconds = time.perf_counter() - started
@@ -141,19 +142,19 @@ class ShardFetch:
             fills = {layout.fill for layout in layouts}
             if len(fills) > 1:
                 raise LayoutError(f"field {name!r} has several fill values in one shard: {fills}")
+            fill = fills.pop() if fills else 0
             restored = np.dtype(layouts[0].dtype) if layouts else np.dtype(np.float32)
             nbytes = total * stage.width * restored.itemsize
             out = (self._outputs.take(nbytes) if self._ctx.on_host else self._ctx.buffers.empty(nbytes)).view(restored)
             rows = staging.nbytes // stage.row_bytes  # a view of whole rows from byte 0
             compact = staging[:rows * stage.row_bytes].view(stage.dtype)
             if layer_major(stage.row_shape):
-                fill = fills.pop() if fills else 0
                 if self._ctx.on_host:
                     token_major_on_host(compact, stage, layouts, offsets, out, fill)
                 else:
                     out = self._token_major(compact, plan, stage, out, fill, total)
             else:
-                widen_scatter(compact, plan, stage.width, out, fill=fills.pop() if fills else 0)
+                _scatter(compact, plan, stage, stage.width, out, fill)
             out_name = sample_key_of(name)
             for i, (layout, offset) in enumerate(zip(layouts, offsets)):
                 view = out[offset * stage.width:(offset + layout.rows) * stage.width]
@@ -173,7 +174,7 @@ class ShardFetch:
 
         inner = stage.width // stage.row_shape[0]
         by_layer = self._ctx.buffers.empty(out.nbytes).view(out.dtype)
-        widen_scatter(compact, plan, inner, by_layer, fill=fill)
+        _scatter(compact, plan, stage, inner, by_layer, fill)
         shape = (stage.row_shape[0], total, inner)
         self._ctx.synchronize()  # torch's stream runs the transpose
         source, target = torch.from_dlpack(by_layer), torch.from_dlpack(out)
@@ -189,3 +190,11 @@ class ShardFetch:
         if sum(lengths) != dest.nbytes:
             raise TransferError(f"unit {request.unit} returned {sum(lengths)} bytes for {len(request.keys)} "
                                 f"keys, expected {dest.nbytes}", unit=request.unit, keys=request.keys)
+
+
+def _scatter(compact, plan, stage: FieldStage, width: int, out, fill) -> None:
+    """Restore plan rows of ``width`` elements: widened, or unpacked where the stage holds packed IDs."""
+    if stage.packing is None:
+        widen_scatter(compact, plan, width, out, fill=fill)
+    else:
+        unpack_scatter(compact, plan, *stage.packing, out, fill=fill)

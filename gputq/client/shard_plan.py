@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from gputq.data.packing import bits_for, packed_row_bytes
 from gputq.data.refs import FieldRef, Layout
 from gputq.data.slices import layer_major
 from gputq.errors import LayoutError, StaleReadError
@@ -40,9 +41,13 @@ class FieldStage:
     width: int
     refs_by_unit: dict  # unit -> [(key, FieldRef)], sorted by key
     ref_row: dict = field(default_factory=dict)  # (unit, key) -> first row in the staging view
+    packing: tuple | None = None  # (K, bits) of packed IDs: a row's last axis in packed_row_bytes(K, bits)
 
     @property
     def row_bytes(self) -> int:
+        if self.packing is not None:
+            topk, bits = self.packing
+            return self.width // topk * packed_row_bytes(topk, bits)
         return self.width * self.dtype.itemsize
 
 
@@ -74,16 +79,17 @@ def stage_field(name: str, layouts: Sequence[Layout]) -> FieldStage:
                                      f"{ref.unit} (incarnation {known.incarnation!r} generation "
                                      f"{known.generation}, and {ref.incarnation!r} {ref.generation}); "
                                      f"at most one is current")
-    specs = {(ref.dtype, tuple(ref.row_shape)) for ref in refs.values()}
+    specs = {(ref.dtype, tuple(ref.row_shape), ref.num_experts) for ref in refs.values()}
     if len(specs) > 1:
         raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one shard: {sorted(specs)}")
     # A field whose samples are all fill rows still has a dtype and row shape: its layouts'.
-    dtype, row_shape = specs.pop() if specs else (layouts[0].dtype, tuple(layouts[0].row_shape))
+    dtype, row_shape, experts = specs.pop() if specs else (layouts[0].dtype, tuple(layouts[0].row_shape), 0)
     width = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
     by_unit: dict[str, list] = {}
     for (unit, key), ref in sorted(refs.items()):
         by_unit.setdefault(unit, []).append((key, ref))
-    return FieldStage(name, np.dtype(dtype), tuple(row_shape), width, by_unit)
+    packing = (row_shape[-1], bits_for(experts)) if experts else None
+    return FieldStage(name, np.dtype(dtype), tuple(row_shape), width, by_unit, packing=packing)
 
 
 def _versions_differ(a: FieldRef, b: FieldRef) -> bool:

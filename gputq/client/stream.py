@@ -64,9 +64,13 @@ def _run_into(future: Future, work: Callable, *args) -> None:
         future.set_exception(exc)
 
 
-def _ways(context: ReadContext, units: list, prefetch: int, hold: bool) -> tuple[bool, bool, bool]:
-    """How a stream's bytes move: (read in place, landed as they arrive, restored ahead on a second thread)."""
-    on_host = context.on_host and bool(units)
+def _ways(context: ReadContext, units: list, prefetch: int, hold: bool, packed: bool) -> tuple[bool, bool, bool]:
+    """How a stream's bytes move: (read in place, landed as they arrive, restored ahead on a second thread).
+
+    Packed IDs are always staged: they unpack whole rows, which neither a
+    chunk as it lands nor the in-place widen hands over.
+    """
+    on_host = context.on_host and bool(units) and not packed
     # Host restores from same-host arenas read the spans where they lie: no staging copy.
     in_place = on_host and all(mapped_here(context.channel(unit), False) for unit in units)
     # Host restores over tcp widen each chunk as it lands, on the fetch thread: no staging either.
@@ -143,7 +147,8 @@ class MicroBatchStream:
         self._rank, self._hold = rank, hold
         self._shaper = SlimeShaper(context, rank)
         units = sorted({unit for plan in plans for unit in plan.units})
-        self._in_place, self._landing, self._ahead = _ways(context, units, prefetch, hold)
+        packed = any(fp.packing for plan in plans for fp in plan.fields.values())
+        self._in_place, self._landing, self._ahead = _ways(context, units, prefetch, hold, packed)
         self._reads = ReadsAhead(context)  # the landing's read pipelines, one per unit
         self._fetches: dict[int, Future] = {}
         self._restores: dict[int, Future] = {}

@@ -23,6 +23,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from gputq.data.packing import packed_row_bytes
 from gputq.data.refs import FieldRef, Layout
 from gputq.data.slices import ParallelSlice, blob_spans, expert_pieces, layer_major, logprob_ranges
 from gputq.errors import InvalidInputError, LayoutError, TransferError
@@ -73,10 +74,16 @@ class FieldPlan:
     out_elements: int
     layers: tuple  # stored layers, layer-major fields only
     stored_layers: int = 0
+    packing: tuple | None = None  # (K, bits) of packed IDs: a plan row of K IDs in packed_row_bytes(K, bits)
     tokens: int = 0  # rows per layer (layer-major) or in all
     pads: list = field(default_factory=list)  # (token offset, first pad row, stop)
     data: list = field(default_factory=list)  # (token offset, rows): stored rows, for the empty-layer check
     sample_rows: list = field(default_factory=list)  # per sample (offset, rows), token-major fields
+
+    @property
+    def row_bytes(self) -> int:
+        """Staging bytes of one plan row."""
+        return self.width * self.stored.itemsize if self.packing is None else packed_row_bytes(*self.packing)
 
 
 @dataclass
@@ -193,8 +200,8 @@ def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, i
     for (unit, incarnation), entries in sorted(by_unit.items()):
         current = None
         for f, key, ref, runs, layers in entries:
-            item, major, row_bytes, align = _row_geometry(ref.dtype, ref.row_shape)
-            spans_of_key = blob_spans(ref.rows, ref.row_shape, item, runs, layers if major else None)
+            item, major, row_bytes, align = _row_geometry(ref.dtype, ref.stored_shape)
+            spans_of_key = blob_spans(ref.rows, ref.stored_shape, item, runs, layers if major else None)
             nbytes_key = sum(span[1] for span in spans_of_key)
             if current is None or cursor % row_bytes or len(current.keys) >= _REQUEST_KEYS \
                     or len(current.spans) + len(spans_of_key) > MAX_SPANS \
@@ -234,21 +241,22 @@ def _source_row(placed: dict, ref: FieldRef, row: int) -> tuple[int, int]:
     raise AssertionError("a fragment outside the rows placed for it")  # _Needs holds every fragment's rows
 
 
-def _field_spec(name: str, layouts: Sequence[Layout]) -> tuple[np.dtype, tuple, np.dtype, float | int]:
-    specs = {(f.ref.dtype, f.ref.row_shape) for layout in layouts for f in layout.fragments}
+def _field_spec(name: str, layouts: Sequence[Layout]) -> tuple[np.dtype, tuple, np.dtype, float | int, tuple | None]:
+    """A field's stored dtype, row shape, restored dtype, fill and packing ``(K, bits)`` (or None)."""
+    specs = {(f.ref.dtype, f.ref.row_shape, f.ref.packing) for layout in layouts for f in layout.fragments}
     if len(specs) > 1:
-        raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one micro-batch: {sorted(specs)}")
+        raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one micro-batch: {sorted(map(str, specs))}")
     fills = {layout.fill for layout in layouts}
     if len(fills) > 1:
         raise LayoutError(f"field {name!r} has several fill values in one micro-batch: {fills}")
-    stored, row_shape = specs.pop() if specs else (layouts[0].dtype, layouts[0].row_shape)
-    return np.dtype(stored), tuple(row_shape), np.dtype(layouts[0].dtype), fills.pop()
+    stored, row_shape, packing = specs.pop() if specs else (layouts[0].dtype, layouts[0].row_shape, None)
+    return np.dtype(stored), tuple(row_shape), np.dtype(layouts[0].dtype), fills.pop(), packing
 
 
 def _expert_field(name: str, layouts: list, m: int, rank: ParallelSlice, ranges, needs: _Needs):
     """The plan of a layer-major field of micro-batch ``m``: layer-major output ``[layers, tokens, ...]``,
     slime's pads."""
-    stored, row_shape, restored, fill = _field_spec(name, layouts)
+    stored, row_shape, restored, fill, packing = _field_spec(name, layouts)
     where = f"micro-batch {m}, field {name!r}"
     layers = rank.layer_indices(row_shape[0], where)
     if ranges is None:
@@ -261,7 +269,7 @@ def _expert_field(name: str, layouts: list, m: int, rank: ParallelSlice, ranges,
     tokens = sum(b - a for _, a, b in pieces)
     width = math.prod(row_shape[1:])
     fp = FieldPlan(name, stored, restored, width, np.zeros((0, 3), np.int64), fill, len(layers) * tokens * width,
-                    layers, row_shape[0], tokens)
+                    layers, row_shape[0], packing, tokens)
     frags, gaps = [], []
     offset = 0
     for sample, a, b in pieces:
@@ -280,10 +288,10 @@ def _expert_field(name: str, layouts: list, m: int, rank: ParallelSlice, ranges,
 
 def _token_field(name: str, layouts: list, positions: list, m: int, rank: ParallelSlice, totals, needs: _Needs):
     """The plan of a row-after-row field (logprobs): each sample's CP-kept rows, back to back."""
-    stored, row_shape, restored, fill = _field_spec(name, layouts)
+    stored, row_shape, restored, fill, packing = _field_spec(name, layouts)
     width = max(1, math.prod(row_shape))
     frags, gaps, offset = [], [], 0
-    fp = FieldPlan(name, stored, restored, width, np.zeros((0, 3), np.int64), fill, 0, (), 0)
+    fp = FieldPlan(name, stored, restored, width, np.zeros((0, 3), np.int64), fill, 0, (), 0, packing)
     for i, layout in enumerate(layouts):
         if rank.cp_size > 1:
             if totals is None or totals[i] is None:
@@ -411,7 +419,7 @@ def _extent(fields: list) -> tuple[tuple, int, int]:
     for needs, layers in fields:
         for (unit, key), runs in needs.merged().items():
             ref = needs.refs[(unit, key)]
-            _, major, row_bytes, key_align = _row_geometry(ref.dtype, tuple(ref.row_shape))
+            _, major, row_bytes, key_align = _row_geometry(ref.dtype, ref.stored_shape)
             per_row = row_bytes * ((len(layers) if layers else ref.row_shape[0]) if major else 1)
             units.add(unit)
             nbytes += sum(stop - start for start, stop in runs) * per_row

@@ -103,7 +103,8 @@ class Writer(Closeable):
             shape = np.shape(array)[1:]
             spec = self._expert_specs.get(shape)
             if spec is None:  # a FieldSpec costs tens of microseconds to build: once per shape
-                spec = routed_experts_spec(shape[0], shape[1], self._config.routed_experts_dtype)
+                spec = routed_experts_spec(shape[0], shape[1], self._config.routed_experts_dtype,
+                                           self._config.num_experts)
                 self._expert_specs[shape] = spec
             return spec
         raise InvalidInputError(f"no field spec for {field!r}; register it in a FieldRegistry")
@@ -147,7 +148,7 @@ class Writer(Closeable):
                 # one contiguous run each, whatever tokens its rank reads.
                 compact = canonicalize(key, spec, arr, out=buffer, layer_major=layer_major(spec.row_shape))
                 ref = FieldRef(stored_key(key, field), field, unit, arr.shape[0], spec.dtype,
-                               spec.row_shape, partition, incarnation, secrets.randbits(63) or 1)
+                               spec.row_shape, partition, incarnation, secrets.randbits(63) or 1, spec.num_experts)
                 prepared.append((ref, compact, buffer))
             self._submit(prepared)
         except BaseException:
@@ -210,6 +211,8 @@ class Writer(Closeable):
         """Write one field: (whether the transport let go of its buffer, the failure or None)."""
         meta = {"field": ref.field, "dtype": ref.dtype, "rows": ref.rows,
                 "row_shape": list(ref.row_shape), "partition": ref.partition, "generation": ref.generation}
+        if ref.num_experts:
+            meta["num_experts"] = ref.num_experts
         let_go = False
         try:
             self._refuse_if_still_full(ref, compact.nbytes)

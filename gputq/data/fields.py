@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from gputq.data.packing import bits_for, check_ids, pack_rows_into, packed_row_bytes, packed_shape
 from gputq.data.refs import check_fill, read_record
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 
@@ -34,6 +35,7 @@ __all__ = [
     "LOGPROBS",
     "ROUTED_EXPERTS",
     "ROUTED_EXPERTS_DTYPES",
+    "ROUTED_EXPERTS_FORMATS",
     "SPANS",
     "FieldRegistry",
     "FieldSpec",
@@ -46,6 +48,9 @@ __all__ = [
 LOGPROBS = "logprobs"
 ROUTED_EXPERTS = "routed_experts"
 ROUTED_EXPERTS_DTYPES = ("uint8", "uint16", "int32")
+#: What ``routed_experts_dtype`` may name: a stored dtype, ``packed`` (IDs at ``ceil(log2 E)`` bits,
+#: see :mod:`gputq.data.packing`) or ``auto`` (the narrowest exact one for ``num_experts``).
+ROUTED_EXPERTS_FORMATS = (*ROUTED_EXPERTS_DTYPES, "packed", "auto")
 SPANS = ("output", "context")
 _SPEC_SCHEMA = 1
 # Source bytes converted and checked at a time: small enough that the check re-reads a chunk
@@ -74,6 +79,12 @@ class FieldSpec:
     sample_key:
         Name of the restored tensor in a trainer sample; defaults to
         ``"rollout_<name>"``.
+    num_experts:
+        ``0``: each element is stored as ``dtype``. Else the field holds
+        expert IDs below ``num_experts``, stored packed (``dtype`` uint8):
+        the last axis of a row (K IDs) in ``ceil(K * b / 8)`` bytes at
+        ``b = ceil(log2 num_experts)`` bits each, see
+        :mod:`gputq.data.packing`; restored as int32.
     """
 
     name: str
@@ -83,6 +94,7 @@ class FieldSpec:
     fill: float | int
     span: str = "output"
     sample_key: str = field(default="")
+    num_experts: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -106,6 +118,22 @@ class FieldSpec:
             raise ConfigError(f"field {self.name!r}: span must be one of {SPANS}, got {self.span!r}")
         if not self.sample_key:
             object.__setattr__(self, "sample_key", sample_key_of(self.name))
+        if self.num_experts:
+            self._check_packing()
+
+    def _check_packing(self) -> None:
+        where = f"field {self.name!r}"
+        bits_for(self.num_experts)  # a ConfigError past 16 bits
+        if self.dtype != "uint8" or self.restored_dtype != "int32":
+            raise ConfigError(f"{where}: packed IDs are stored as uint8 and restored as int32, got "
+                              f"{self.dtype}/{self.restored_dtype}")
+        if len(self.row_shape) not in (1, 2):
+            raise ConfigError(f"{where}: packed IDs need rows [K] or [layers, K], got {self.row_shape}")
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of one stored row in :attr:`dtype` (``row_shape``, or its packed bytes)."""
+        return packed_shape(self.row_shape, self.num_experts) if self.num_experts else self.row_shape
 
     @property
     def integral(self) -> bool:
@@ -114,17 +142,21 @@ class FieldSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe description (schema-versioned)."""
-        return {"schema": _SPEC_SCHEMA, "name": self.name, "row_shape": list(self.row_shape),
-                "dtype": self.dtype, "restored_dtype": self.restored_dtype, "fill": self.fill,
-                "span": self.span, "sample_key": self.sample_key}
+        record = {"schema": _SPEC_SCHEMA, "name": self.name, "row_shape": list(self.row_shape),
+                  "dtype": self.dtype, "restored_dtype": self.restored_dtype, "fill": self.fill,
+                  "span": self.span, "sample_key": self.sample_key}
+        if self.num_experts:  # only packed specs carry it: readers of whole-dtype records see no change
+            record["num_experts"] = self.num_experts
+        return record
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FieldSpec:
         """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record."""
         rec = read_record(data, "FieldSpec", _SPEC_SCHEMA,
-                          ("name", "row_shape", "dtype", "restored_dtype", "fill", "span", "sample_key"))
+                          ("name", "row_shape", "dtype", "restored_dtype", "fill", "span", "sample_key"),
+                          optional=("num_experts",))
         return cls(rec["name"], tuple(rec["row_shape"]), rec["dtype"], rec["restored_dtype"],
-                   rec["fill"], rec["span"], rec["sample_key"])
+                   rec["fill"], rec["span"], rec["sample_key"], rec.get("num_experts", 0))
 
 
 def sample_key_of(field: str) -> str:
@@ -137,7 +169,7 @@ def logprobs_spec() -> FieldSpec:
     return FieldSpec(LOGPROBS, (), "float32", "float32", 0.0, span="output")
 
 
-def routed_experts_spec(num_layers: int, topk: int, dtype: str = "int32") -> FieldSpec:
+def routed_experts_spec(num_layers: int, topk: int, dtype: str = "int32", num_experts: int = 0) -> FieldSpec:
     """The built-in ``routed_experts`` field: ``[num_layers, topk]`` IDs per token.
 
     Parameters
@@ -145,17 +177,40 @@ def routed_experts_spec(num_layers: int, topk: int, dtype: str = "int32") -> Fie
     num_layers, topk:
         Recorded MoE layers and routing top-k.
     dtype:
-        Stored dtype, one of ``uint8``, ``uint16``, ``int32``; always restored
-        as int32.
+        Stored format, one of :data:`ROUTED_EXPERTS_FORMATS`: ``uint8``,
+        ``uint16``, ``int32``, ``packed`` or ``auto``; always restored as
+        int32.
+    num_experts:
+        Routed experts E; ``packed`` and ``auto`` need it (nothing guesses
+        it from the data). ``auto`` stores whole bytes where packing would
+        save none (E = 256 in uint8, E = 65,536 in uint16), else packed.
     """
-    if dtype not in ROUTED_EXPERTS_DTYPES:
-        raise ConfigError(f"routed_experts dtype must be one of {ROUTED_EXPERTS_DTYPES}, got {dtype!r}")
-    return FieldSpec(ROUTED_EXPERTS, (num_layers, topk), dtype, "int32", 0, span="context")
+    if dtype not in ROUTED_EXPERTS_FORMATS:
+        raise ConfigError(f"routed_experts dtype must be one of {ROUTED_EXPERTS_FORMATS}, got {dtype!r}")
+    if dtype in ("packed", "auto"):
+        if not num_experts:
+            raise ConfigError(f"routed_experts dtype {dtype!r} needs num_experts (the model's routed experts)")
+        dtype = _narrowest(topk, num_experts) if dtype == "auto" else "packed"
+    if dtype != "packed":
+        return FieldSpec(ROUTED_EXPERTS, (num_layers, topk), dtype, "int32", 0, span="context")
+    return FieldSpec(ROUTED_EXPERTS, (num_layers, topk), "uint8", "int32", 0, span="context",
+                     num_experts=num_experts)
+
+
+def _narrowest(topk: int, num_experts: int) -> str:
+    """The exact format of fewest bytes per row; a whole-byte one where it is as narrow (it restores by a cast)."""
+    if num_experts > 1 << 16:
+        return "int32"
+    packed = packed_row_bytes(topk, bits_for(num_experts))
+    for whole, itemsize in (("uint8", 1), ("uint16", 2)):
+        if num_experts <= 1 << (8 * itemsize) and topk * itemsize <= packed:
+            return whole
+    return "packed"
 
 
 def row_nbytes(spec: FieldSpec) -> int:
     """Stored bytes of one token's row of ``spec``."""
-    return math.prod(spec.row_shape) * np.dtype(spec.dtype).itemsize
+    return math.prod(spec.stored_shape) * np.dtype(spec.dtype).itemsize
 
 
 class FieldRegistry:
@@ -173,9 +228,10 @@ class FieldRegistry:
             self.register(spec)
 
     @classmethod
-    def builtin(cls, num_layers: int, topk: int, routed_experts_dtype: str = "int32") -> FieldRegistry:
-        """A registry holding ``logprobs`` and ``routed_experts``."""
-        return cls([logprobs_spec(), routed_experts_spec(num_layers, topk, routed_experts_dtype)])
+    def builtin(cls, num_layers: int, topk: int, routed_experts_dtype: str = "int32",
+                num_experts: int = 0) -> FieldRegistry:
+        """A registry holding ``logprobs`` and ``routed_experts`` (see :func:`routed_experts_spec`)."""
+        return cls([logprobs_spec(), routed_experts_spec(num_layers, topk, routed_experts_dtype, num_experts)])
 
     def register(self, spec: FieldSpec) -> FieldSpec:
         """Add ``spec``; re-registering an identical spec is a no-op, a different one an error."""
@@ -213,13 +269,14 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
     """Check ``array`` against ``spec`` and return it in the stored dtype.
 
     Returns a C-contiguous array of ``spec.dtype`` with shape
-    ``[rows, *spec.row_shape]``, or with ``layer_major`` (rows of two or
-    more dimensions only) ``[row_shape[0], rows, *row_shape[1:]]``: the
-    order such blobs are stored in (see :mod:`gputq.data.slices`). Raises
+    ``[rows, *spec.stored_shape]``, or with ``layer_major`` (rows of two or
+    more dimensions only) ``[stored_shape[0], rows, *stored_shape[1:]]``:
+    the order such blobs are stored in (see :mod:`gputq.data.slices`). A
+    packed spec's IDs are packed in that same pass. Raises
     :class:`~gputq.errors.FieldValueError` naming ``key`` and the field for
     a wrong shape, a float array for an integer field, a NaN (first index)
-    or an ID the stored dtype cannot hold (value and first index). Values
-    are never truncated.
+    or an ID the stored dtype (or ``num_experts``) cannot hold (value and
+    first index). Values are never truncated.
 
     Checking and converting are one pass: the array goes through in chunks
     that stay in a core's cache, each converted and then checked while it is
@@ -250,63 +307,83 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
         if arr.dtype.kind != "f":
             raise FieldValueError(f"{where}: expected a floating-point array, got dtype {arr.dtype}")
         check = _check_nan
+    shape = (arr.shape[0], *spec.stored_shape)
     if out is not None:
         nbytes = arr.shape[0] * row_nbytes(spec)
         if not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
                 and out.flags.c_contiguous and out.flags.writeable and out.nbytes >= nbytes):
             raise InvalidInputError(f"{where}: out must be a writable contiguous uint8 array of at least "
                                     f"{nbytes} bytes")
-        result = out[:nbytes].view(stored).reshape(arr.shape)
-    elif layer_major:
-        result = np.empty(arr.shape, stored)
+        result = out[:nbytes].view(stored).reshape(shape)
+    elif layer_major or spec.num_experts:
+        result = np.empty(shape, stored)
     elif arr.dtype == stored and arr.flags.c_contiguous:
         if check is not None:
             check(where, arr, arr, 0)
         return arr
     else:
-        result = np.empty(arr.shape, stored)
+        result = np.empty(shape, stored)
+    if spec.num_experts:
+        convert = _packer(where, spec.num_experts)
+    else:
+        convert = _converter(where, check)
     narrowing_floats = check is _check_nan and arr.dtype.itemsize > stored.itemsize
     # A float64 beyond float32's range becomes inf, as with astype, without a warning.
     with np.errstate(over="ignore") if narrowing_floats else contextlib.nullcontext():
         if layer_major:
-            return _to_layer_major(where, arr, result, check)
-        if check is None or not arr.size:
+            return _to_layer_major(where, arr, result, convert)
+        if (check is None and not spec.num_experts) or not arr.size:
             np.copyto(result, arr, casting="unsafe")  # nothing to check: a widening cast, or no rows
             return result
         step = max(1, _CHUNK_BYTES // arr[:1].nbytes)
         for start in range(0, arr.shape[0], step):
-            src, dst = arr[start:start + step], result[start:start + step]
-            np.copyto(dst, src, casting="unsafe")
-            check(where, src, dst, start)
+            convert(arr[start:start + step], result[start:start + step], start)
     return result
 
 
-def _to_layer_major(where: str, arr: np.ndarray, result: np.ndarray, check) -> np.ndarray:
+def _converter(where: str, check):
+    """``convert(src, dst, row0)``: rows ``row0``... of a payload cast into ``dst``, then checked there."""
+    def convert(src: np.ndarray, dst: np.ndarray, row0: int) -> None:
+        np.copyto(dst, src, casting="unsafe")
+        if check is not None:
+            check(where, src, dst, row0)
+    return convert
+
+
+def _packer(where: str, num_experts: int):
+    """``convert(src, dst, row0)``: rows ``row0``... of IDs checked below ``num_experts``, then packed into ``dst``."""
+    bits = bits_for(num_experts)
+
+    def convert(src: np.ndarray, dst: np.ndarray, row0: int) -> None:
+        check_ids(where, src, num_experts, row0)
+        pack_rows_into(src.reshape(-1, src.shape[-1]), bits, dst.reshape(-1, dst.shape[-1]))
+    return convert
+
+
+def _to_layer_major(where: str, arr: np.ndarray, result: np.ndarray, convert) -> np.ndarray:
     """``arr`` ``[rows, L, ...]`` converted (and checked) into ``result``'s memory as ``[L, rows, ...]``.
 
     Chunk by chunk of tokens: converted (and checked) into a scratch chunk
     that stays in cache, then moved into every layer's run with each
-    token's ``row_shape[1:]`` as one item, which numpy copies whole (a
+    token's stored ``[...]`` as one item, which numpy copies whole (a
     transposing copy element by element runs at a quarter of the speed).
     """
     if arr.ndim < 3:
         raise InvalidInputError(f"{where}: layer-major storage needs rows of two or more dimensions, "
                                 f"got shape {arr.shape}")
-    rows, layers = arr.shape[0], arr.shape[1]
-    result = result.reshape(-1).reshape((layers, rows, *arr.shape[2:]))
+    rows, layers, inner = result.shape[0], result.shape[1], result.shape[2:]
+    result = result.reshape(-1).reshape((layers, rows, *inner))
     if not rows:
         return result
     item = np.dtype((np.void, result[0, 0].nbytes))
     by_layer = result.view(item).reshape(layers, rows) if result[0, 0].nbytes else None
     step = max(1, _CHUNK_BYTES // max(1, arr[:1].nbytes))
     scratch = _scratch(min(step, rows) * result[:, 0].nbytes).view(result.dtype).reshape(
-        (min(step, rows), layers, *arr.shape[2:]))
+        (min(step, rows), layers, *inner))
     for start in range(0, rows, step):
         src = arr[start:start + step]
         chunk = scratch[:len(src)]
-        np.copyto(chunk, src, casting="unsafe")
-        if check is not None:
-            check(where, src, chunk, start)
+        convert(src, chunk, start)
         if by_layer is not None:
             np.copyto(by_layer[:, start:start + len(src)], chunk.view(item).reshape(len(src), layers).T)
     return result

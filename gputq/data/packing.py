@@ -30,7 +30,8 @@ from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 from gputq.kernels.plan import packed_row_bytes
 from gputq.kernels.reference import packed_words, unpack_rows_into
 
-__all__ = ["MAX_BITS", "bits_for", "packed_row_bytes", "pack_rows", "unpack_rows"]
+__all__ = ["MAX_BITS", "bits_for", "packed_row_bytes", "packed_shape", "pack_rows", "unpack_rows", "check_ids",
+           "pack_rows_into"]
 
 #: Widest ID packed: 16 bits, 65,536 experts (wider IDs are stored as int32).
 MAX_BITS = 16
@@ -46,16 +47,26 @@ def bits_for(num_experts: int) -> int:
     return bits
 
 
-def _check_ids(where: str, ids: np.ndarray, num_experts: int) -> None:
-    """Raise ``FieldValueError`` naming the first ID outside ``[0, num_experts)``."""
+def packed_shape(row_shape: tuple, num_experts: int) -> tuple:
+    """The stored shape of a row of IDs ``row_shape`` (``[..., K]``) packed for ``num_experts``: ``[..., bytes]``."""
+    return (*row_shape[:-1], packed_row_bytes(row_shape[-1], bits_for(num_experts)))
+
+
+def check_ids(where: str, ids: np.ndarray, num_experts: int, row0: int = 0) -> None:
+    """Raise ``FieldValueError`` naming the first ID outside ``[0, num_experts)``.
+
+    ``ids`` may be rows ``row0``... of a larger payload: the index named
+    counts from the payload's first row.
+    """
     if not ids.size:
         return
-    low, high = int(ids.min()), int(ids.max())
+    low, high = int(np.minimum.reduce(ids, axis=None)), int(np.maximum.reduce(ids, axis=None))
     if low >= 0 and high < num_experts:
         return
     flat = np.flatnonzero((ids < 0) | (ids >= num_experts))[0]
-    index = tuple(int(i) for i in np.unravel_index(flat, ids.shape))
-    raise FieldValueError(f"{where}: expert ID {int(ids.reshape(-1)[flat])} at index {list(index)} is outside "
+    index = [int(i) for i in np.unravel_index(flat, ids.shape)]
+    index[0] += row0
+    raise FieldValueError(f"{where}: expert ID {int(ids.reshape(-1)[flat])} at index {index} is outside "
                           f"[0, {num_experts}) (num_experts {num_experts}); nothing was stored")
 
 
@@ -72,10 +83,26 @@ def pack_rows(ids, num_experts: int, *, where: str = "routed_experts", out: np.n
     if ids.dtype.kind not in "iu" or ids.ndim < 1:
         raise FieldValueError(f"{where}: expected an integer array of rows of IDs, got {ids.dtype}{ids.shape}")
     bits = bits_for(num_experts)
-    _check_ids(where, ids, num_experts)
+    check_ids(where, ids, num_experts)
     topk = ids.shape[-1]
     row_bytes = packed_row_bytes(topk, bits)
+    shape = (*ids.shape[:-1], row_bytes)
     rows = ids.reshape(-1, topk)
+    if out is None:
+        target = np.empty(len(rows) * row_bytes, np.uint8)
+    else:
+        target = _checked_out(out, np.uint8, len(rows) * row_bytes, "out")
+    pack_rows_into(rows, bits, target.reshape(-1, row_bytes))
+    return target.reshape(shape)
+
+
+def pack_rows_into(rows: np.ndarray, bits: int, out: np.ndarray) -> np.ndarray:
+    """Pack checked IDs ``rows`` ``[n, K]`` into uint8 ``out`` ``[n, packed_row_bytes(K, bits)]`` (any strides).
+
+    No ID is checked here: :func:`check_ids` them first (an ID of more than
+    ``bits`` bits would spill into its neighbour).
+    """
+    topk = rows.shape[-1]
     acc = np.zeros((len(rows), packed_words(topk, bits)), np.uint64)
     for j in range(topk):
         word, shift = divmod(j * bits, 64)
@@ -83,13 +110,8 @@ def pack_rows(ids, num_experts: int, *, where: str = "routed_experts", out: np.n
         acc[:, word] |= column << np.uint64(shift)
         if shift + bits > 64:
             acc[:, word + 1] |= column >> np.uint64(64 - shift)
-    packed = acc.astype("<u8", copy=False).view(np.uint8)[:, :row_bytes]
-    shape = (*ids.shape[:-1], row_bytes)
-    if out is None:
-        return np.ascontiguousarray(packed).reshape(shape)
-    target = _checked_out(out, np.uint8, len(rows) * row_bytes, "out")
-    target.reshape(-1, row_bytes)[...] = packed
-    return target.reshape(shape)
+    out[...] = acc.astype("<u8", copy=False).view(np.uint8)[:, :out.shape[-1]]
+    return out
 
 
 def unpack_rows(packed, topk: int, num_experts: int, *, out: np.ndarray | None = None) -> np.ndarray:

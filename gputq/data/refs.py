@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from gputq.data.packing import MAX_BITS, bits_for, packed_shape
 from gputq.errors import InvalidInputError, LayoutError
 
 __all__ = ["SCHEMA_VERSION", "GENERATION_LIMIT", "FieldRef", "Fragment", "Layout", "check_fill", "read_record",
@@ -36,13 +37,13 @@ _RETIRED = {1: "version 1 references carry no unit incarnation or key generation
 
 
 def read_record(data: Mapping[str, Any], kind: str, schema: int, keys: Sequence[str],
-                retired: Mapping[int, str] | None = None) -> Mapping[str, Any]:
+                retired: Mapping[int, str] | None = None, optional: Sequence[str] = ()) -> Mapping[str, Any]:
     """Check a serialised record's schema version and keys; return it.
 
     Raises ``InvalidInputError`` for a non-mapping, an unknown schema version
     (with the reason from ``retired`` for a version this gputq no longer
     reads), missing keys or unexpected keys (a record from a different
-    version).
+    version). ``optional`` keys may be there or not.
     """
     if not isinstance(data, Mapping):
         raise InvalidInputError(f"{kind} record must be a mapping, got {type(data).__name__}")
@@ -56,7 +57,7 @@ def read_record(data: Mapping[str, Any], kind: str, schema: int, keys: Sequence[
     missing = [k for k in keys if k not in data]
     if missing:
         raise InvalidInputError(f"{kind} record is missing {missing}; got keys {sorted(data)}")
-    extra = sorted(set(data) - set(keys) - {"schema"})
+    extra = sorted(set(data) - set(keys) - set(optional) - {"schema"})
     if extra:
         raise InvalidInputError(f"{kind} record has unexpected keys {extra}")
     return data
@@ -144,6 +145,11 @@ class FieldRef:
         The key's generation, chosen by the writer (``0``: unknown). A key
         released and written again has another one, so the unit refuses
         the old reference instead of returning the new bytes.
+    num_experts:
+        ``0``: rows are ``row_shape`` elements of ``dtype``. Else the blob
+        holds expert IDs packed for ``num_experts`` experts (``dtype``
+        uint8): each row's last axis in ``packed_row_bytes`` bytes (see
+        :mod:`gputq.data.packing`); :attr:`stored_shape` is its shape.
     """
 
     key: str
@@ -155,6 +161,7 @@ class FieldRef:
     partition: str
     incarnation: str = ""
     generation: int = 0
+    num_experts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("key", "field", "unit", "partition", "incarnation"):
@@ -165,11 +172,28 @@ class FieldRef:
                            _nonneg_int("FieldRef", "generation", self.generation, InvalidInputError))
         object.__setattr__(self, "row_shape", _row_shape("FieldRef", self.row_shape, InvalidInputError))
         object.__setattr__(self, "dtype", _numeric_dtype("FieldRef", self.dtype, InvalidInputError)[1])
+        object.__setattr__(self, "num_experts",
+                           _nonneg_int("FieldRef", "num_experts", self.num_experts, InvalidInputError))
+        if self.num_experts:
+            if self.dtype != "uint8" or not self.row_shape or self.num_experts > 1 << MAX_BITS:
+                raise InvalidInputError(f"FieldRef {self.key!r}: packed IDs are uint8 rows of at least one axis, "
+                                        f"for at most {1 << MAX_BITS} experts; got {self.dtype}{self.row_shape} "
+                                        f"for {self.num_experts}")
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of one stored row in :attr:`dtype` (``row_shape``, or its packed bytes)."""
+        return packed_shape(self.row_shape, self.num_experts) if self.num_experts else self.row_shape
+
+    @property
+    def packing(self) -> tuple[int, int] | None:
+        """``(K, bits)`` of packed IDs (K per row's last axis), else None."""
+        return (self.row_shape[-1], bits_for(self.num_experts)) if self.num_experts else None
 
     @property
     def row_nbytes(self) -> int:
         """Stored bytes of one row."""
-        return math.prod(self.row_shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.stored_shape) * np.dtype(self.dtype).itemsize
 
     @property
     def nbytes(self) -> int:
@@ -178,9 +202,12 @@ class FieldRef:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict with ``"schema": 2``."""
-        return {"schema": SCHEMA_VERSION, "key": self.key, "field": self.field, "unit": self.unit,
-                "rows": self.rows, "dtype": self.dtype, "row_shape": list(self.row_shape),
-                "partition": self.partition, "incarnation": self.incarnation, "generation": self.generation}
+        record = {"schema": SCHEMA_VERSION, "key": self.key, "field": self.field, "unit": self.unit,
+                  "rows": self.rows, "dtype": self.dtype, "row_shape": list(self.row_shape),
+                  "partition": self.partition, "incarnation": self.incarnation, "generation": self.generation}
+        if self.num_experts:  # only packed refs carry it: whole-dtype records are as they were
+            record["num_experts"] = self.num_experts
+        return record
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FieldRef:
@@ -190,9 +217,9 @@ class FieldRef:
         """
         rec = read_record(data, "FieldRef", SCHEMA_VERSION,
                           ("key", "field", "unit", "rows", "dtype", "row_shape", "partition",
-                           "incarnation", "generation"), _RETIRED)
+                           "incarnation", "generation"), _RETIRED, optional=("num_experts",))
         return cls(rec["key"], rec["field"], rec["unit"], rec["rows"], rec["dtype"], rec["row_shape"],
-                   rec["partition"], rec["incarnation"], rec["generation"])
+                   rec["partition"], rec["incarnation"], rec["generation"], rec.get("num_experts", 0))
 
 
 @dataclass(frozen=True)

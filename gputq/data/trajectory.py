@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from gputq.data.fields import FieldRegistry, FieldSpec
+from gputq.data.packing import unpack_rows
 from gputq.data.refs import FieldRef, Layout, read_record
 from gputq.errors import FieldValueError, InvalidInputError, LayoutError
 
@@ -206,10 +207,10 @@ class Session:
             spec = self.fields.get(name)
             if not isinstance(ref, FieldRef) or ref.field != name:
                 raise InvalidInputError(f"{where}: refs[{name!r}] must be a FieldRef of field {name!r}, got {ref!r}")
-            expected = (step.field_rows(spec), spec.row_shape, spec.dtype)
-            if (ref.rows, ref.row_shape, ref.dtype) != expected:
-                raise InvalidInputError(f"{where} field {name!r}: ref {ref.key!r} has rows/row_shape/dtype "
-                                        f"{(ref.rows, ref.row_shape, ref.dtype)}, expected {expected}")
+            expected = (step.field_rows(spec), spec.row_shape, spec.dtype, spec.num_experts)
+            if (ref.rows, ref.row_shape, ref.dtype, ref.num_experts) != expected:
+                raise InvalidInputError(f"{where} field {name!r}: ref {ref.key!r} has rows/row_shape/dtype/num_experts "
+                                        f"{(ref.rows, ref.row_shape, ref.dtype, ref.num_experts)}, expected {expected}")
         return dict(refs)
 
     def rewrite_context(self, new_prompt_ids: Any) -> None:
@@ -401,7 +402,7 @@ def materialize_layouts(segment: Segment, lookup: Callable[[FieldRef], np.ndarra
     """Restore every layout of ``segment`` with numpy.
 
     ``lookup(ref)`` returns the stored array of ``ref`` (stored dtype,
-    ``[ref.rows, *row_shape]``). Returns the same mapping as
+    ``[ref.rows, *ref.stored_shape]``, token-major; packed IDs are unpacked here). Returns the same mapping as
     :func:`inline_fields`. The trainer's reader does this with the kernel;
     this is the reference for tests and tools.
     """
@@ -409,10 +410,13 @@ def materialize_layouts(segment: Segment, lookup: Callable[[FieldRef], np.ndarra
     for name, layout in segment.layouts.items():
         target = np.full((layout.rows, *layout.row_shape), layout.fill, dtype=layout.dtype)
         for frag in layout.fragments:
-            data = lookup(frag.ref)
-            if data.shape != (frag.ref.rows, *frag.ref.row_shape) or data.dtype != np.dtype(frag.ref.dtype):
-                raise InvalidInputError(f"lookup({frag.ref.key!r}) returned {data.dtype}{data.shape}, expected "
-                                        f"{frag.ref.dtype}{(frag.ref.rows, *frag.ref.row_shape)}")
-            target[frag.dst_row:frag.dst_end] = data[frag.src_row:frag.src_row + frag.rows]
+            data, ref = lookup(frag.ref), frag.ref
+            if data.shape != (ref.rows, *ref.stored_shape) or data.dtype != np.dtype(ref.dtype):
+                raise InvalidInputError(f"lookup({ref.key!r}) returned {data.dtype}{data.shape}, expected "
+                                        f"{ref.dtype}{(ref.rows, *ref.stored_shape)}")
+            rows = data[frag.src_row:frag.src_row + frag.rows]
+            if ref.num_experts:
+                rows = unpack_rows(rows, ref.row_shape[-1], ref.num_experts)
+            target[frag.dst_row:frag.dst_end] = rows
         out[segment.fields[name].sample_key] = target
     return out

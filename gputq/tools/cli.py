@@ -17,6 +17,7 @@ import numpy as np
 from gputq.cluster.deploy import serving_transport
 from gputq.cluster.names import import_ray
 from gputq.config import EXPERT_DTYPES, TRANSPORTS, GputqConfig
+from gputq.data.fields import ROUTED_EXPERTS_DTYPES, routed_experts_spec, row_nbytes
 from gputq.errors import InvalidInputError, MissingDependencyError
 from gputq.transport.base import MAX_TIMEOUT_S
 from gputq.kernels import cuda_available
@@ -94,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="StorageUnits (default: the config's num_units)")
     demo.add_argument("--ranks", type=_positive, default=2, help="trainer data-parallel ranks")
     demo.add_argument("--dtype", choices=EXPERT_DTYPES, default=None,
-                      help="stored expert-ID dtype (default: the config's routed_experts_dtype)")
+                      help="stored expert-ID format (default: the config's routed_experts_dtype); packed and "
+                           "auto use --experts")
     demo.add_argument("--layers", type=_positive, default=48, help="recorded MoE layers L")
     demo.add_argument("--topk", type=_positive, default=8, help="routing top-k K")
     demo.add_argument("--experts", type=_positive, default=128, help="experts per layer")
@@ -141,13 +143,16 @@ def demo_setup(args: argparse.Namespace, env=None):
     env = os.environ if env is None else env
     config = GputqConfig.load(yaml_path=args.config, env=env)
     dtype = args.dtype or config.routed_experts_dtype
-    top = int(np.iinfo(np.dtype(dtype)).max)
-    if args.experts - 1 > top:
-        raise InvalidInputError(f"--experts {args.experts}: expert IDs up to {args.experts - 1} do not fit {dtype} "
-                         f"(at most {top + 1} experts); pick --dtype {'uint16' if dtype == 'uint8' else 'int32'}")
+    if dtype in ROUTED_EXPERTS_DTYPES:
+        top = int(np.iinfo(np.dtype(dtype)).max)
+        if args.experts - 1 > top:
+            raise InvalidInputError(f"--experts {args.experts}: expert IDs up to {args.experts - 1} do not fit {dtype} "
+                                    f"(at most {top + 1} experts); pick --dtype "
+                                    f"{'uint16' if dtype == 'uint8' else 'int32'}, packed or auto")
     if args.topk > args.experts:
         raise InvalidInputError(f"--topk {args.topk} is more than --experts {args.experts}")
-    stored = demo_bytes(args.sessions, args.steps, args.tokens, args.layers, args.topk, np.dtype(dtype).itemsize)
+    spec = routed_experts_spec(args.layers, args.topk, dtype, args.experts)  # packed at the demo's --experts
+    stored = demo_bytes(args.sessions, args.steps, args.tokens, row_nbytes(spec))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if 2 * stored > memory:  # the inline reference holds a copy beside the units' arenas
         raise InvalidInputError(f"the demo would store about {stored / 2**30:.1f} GiB of expert IDs twice, more "

@@ -30,6 +30,7 @@ from gputq.client.writer import Writer
 from gputq.cluster.deploy import Deployment
 from gputq.cluster.names import import_ray
 from gputq.config import GputqConfig
+from gputq.data.fields import routed_experts_spec, row_nbytes
 from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
 from gputq.integrations.sglang import RolloutIngest
 from gputq.integrations.slime import LOG_PROBS, ROUTED_EXPERTS_KEY, hydrate, to_slime_sample
@@ -123,11 +124,12 @@ def _say(progress: bool, message: str) -> None:
         print(message, file=sys.stdout, flush=True)
 
 
-def demo_bytes(sessions: int, steps: int, tokens: int, layers: int, topk: int, itemsize: int) -> int:
-    """About the expert-ID bytes the demo stores: per session ~(prompt + steps*(out+tool)) rows of L*K IDs,
-    with the prompt half a call's output and a tool reply an eighth (as :func:`run_demo` sets them)."""
+def demo_bytes(sessions: int, steps: int, tokens: int, row_bytes: int) -> int:
+    """About the expert-ID bytes the demo stores: per session ~(prompt + steps*(out+tool)) rows of
+    ``row_bytes`` (L*K IDs stored), with the prompt half a call's output and a tool reply an eighth (as
+    :func:`run_demo` sets them)."""
     per_session = tokens // 2 + 2 * steps * (tokens + max(1, tokens // 8))
-    return sessions * per_session * layers * topk * itemsize
+    return sessions * per_session * row_bytes
 
 
 def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progress: bool = True) -> dict:
@@ -144,11 +146,11 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
                             prompt_tokens=options.tokens // 2, tokens_per_step=options.tokens,
                             tool_tokens=max(1, options.tokens // 8), branch_prob=0.25, rewrite_prob=0.2,
                             seed=options.seed)
-    estimate = demo_bytes(options.sessions, options.steps, options.tokens, options.layers, options.topk,
-                          np.dtype(options.dtype).itemsize)
+    spec = routed_experts_spec(options.layers, options.topk, options.dtype, options.experts)
+    estimate = demo_bytes(options.sessions, options.steps, options.tokens, row_nbytes(spec))
     capacity = max(64 << 20, int(1.5 * estimate / options.units))
     config = (config if config is not None else GputqConfig.load()).replace(
-        enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=options.dtype,
+        enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=options.dtype, num_experts=options.experts,
         transport=options.transport, num_units=options.units, unit_capacity_bytes=capacity)
     partition = "rollout-0"
     _say(progress, f"[1/6] starting Ray with {options.units} StorageUnits of {capacity >> 20} MiB")

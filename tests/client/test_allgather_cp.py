@@ -9,6 +9,7 @@ import pytest
 
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
+from gputq.data.packing import bits_for, packed_row_bytes
 from gputq.data.slices import ParallelSlice, expert_pieces
 from gputq.errors import InvalidInputError
 from tests.client.test_stream import EXPERTS
@@ -17,7 +18,9 @@ from tests.conftest import TRANSPORT_PARAMS, local_units
 
 pytestmark = pytest.mark.timeout(180)
 
-LAYERS, TOPK = 4, 3  # an odd top-k: uint16 rows of 6 bytes
+LAYERS, TOPK = 4, 3  # an odd top-k: uint16 rows of 6 bytes, packed ones of 12 bits in 2 bytes
+#: Stored bytes of one layer's row: uint16, and packed at 4 bits an ID (EXPERTS is 16).
+ROW_BYTES = {"uint16": TOPK * 2, "packed": packed_row_bytes(TOPK, bits_for(EXPERTS))}
 #: Uneven lengths, so that chunks cross sample boundaries and pads land mid-chunk.
 LENGTHS = [37, 50, 9, 64, 23, 41]
 BATCHES = [[0, 1, 2], [3], [4, 5]]
@@ -86,9 +89,10 @@ def test_the_rule_matches_slime_on_whole_arrays_for_every_rank():
             np.testing.assert_array_equal(np.concatenate(parts), want, err_msg=str(rank))
 
 
+@pytest.mark.parametrize("dtype", sorted(ROW_BYTES))
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
-def test_every_rank_streams_slimes_allgather_rows_and_moves_exactly_its_slice(transport):
-    with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, units, clients):
+def test_every_rank_streams_slimes_allgather_rows_and_moves_exactly_its_slice(transport, dtype):
+    with local_units(transport, units=2, routed_experts_dtype=dtype, num_experts=EXPERTS) as (config, units, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(11))
         with Reader(clients, config) as reader:
@@ -111,7 +115,7 @@ def test_every_rank_streams_slimes_allgather_rows_and_moves_exactly_its_slice(tr
                                 np.testing.assert_array_equal(lp, zigzag_log_probs(data[i][1], data[i][2], cp,
                                                                                    cp_rank))
                                 want_bytes += 4 * len(lp)
-                            want_bytes += _stored_rows_of_chunk([LENGTHS[i] for i in batch], rank) * 2 * TOPK * 2
+                            want_bytes += _stored_rows_of_chunk([LENGTHS[i] for i in batch], rank) * 2 * ROW_BYTES[dtype]
                     moved = sum(unit.stats()["bytes_read"] for unit in units) - before
                     assert moved == want_bytes, rank
 

@@ -31,11 +31,13 @@ def restore_and_compare(transport_name, dtype, *, device: str = "cuda", **overri
     torch = pytest.importorskip("torch")
     on_device = torch.device(device if ":" in device else "cuda:0")  # a plain "cuda" reader uses device 0
     compared = 0
-    synth = SyntheticConfig(sessions=4, steps_per_session=3, layers=6, topk=8, num_experts=250,
+    # 100 experts: packed IDs take 7 bits, so rows of 8 straddle bytes
+    synth = SyntheticConfig(sessions=4, steps_per_session=3, layers=6, topk=8, num_experts=100,
                             prompt_tokens=300, tokens_per_step=400, tool_tokens=17, branch_prob=0.5,
                             rewrite_prob=0.3, seed=11)
-    with local_units(transport_name, routed_experts_dtype=dtype, **overrides) as (config, _, clients):
-        fields = FieldRegistry.builtin(synth.layers, synth.topk, dtype)
+    with local_units(transport_name, routed_experts_dtype=dtype, num_experts=synth.num_experts,
+                     **overrides) as (config, _, clients):
+        fields = config.field_registry(synth.layers, synth.topk)
         with Writer(clients, config) as writer:
             sessions = build_sessions(synth, fields=fields, writer=writer)
             writer.flush()
@@ -57,7 +59,7 @@ def restore_and_compare(transport_name, dtype, *, device: str = "cuda", **overri
     return compared
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32", "packed"])
 def test_gpu_restore_matches_inline_path(transport_name, dtype):
     assert restore_and_compare(transport_name, dtype) > 0
 

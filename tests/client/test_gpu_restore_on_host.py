@@ -33,11 +33,12 @@ def _in_mapping(address: int, mappings: list) -> bool:
     return any(start <= address < start + nbytes for _, start, nbytes, _ in mappings)
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32", "packed"])
 def test_a_restore_over_tcp_stages_into_device_memory_and_launches_on_it(host_cuda, dtype):
     assert restore_and_compare("tcp", dtype) > 0
     launches = _entries(host_cuda.log, "launch")
     assert launches and {launch[5] for launch in launches} == {DEVICE}
+    assert ("unpack" in {launch[7] for launch in launches}) == (dtype == "packed")
     # the staging ring's pinned slots (and the fragment tables) are copied into device memory
     copies = _entries(host_cuda.log, "copy")
     assert copies and {copy[5] for copy in copies} == {HOST}
@@ -69,6 +70,14 @@ def test_a_restore_over_shm_reads_the_registered_mapping_in_place_or_copies_from
     # Closed: the mappings and the units' own arenas are unregistered, every one of them.
     assert sorted(entry[1] for entry in _entries(log, "register")) == \
         sorted(entry[1] for entry in _entries(log, "unregister"))
+
+
+def test_packed_ids_over_shm_are_read_into_device_memory_and_unpacked_there(shm_leases_checked):
+    # In place is allowed (inf), but the unpack kernel reads plain device staging only: every launch does.
+    host_cuda = shm_leases_checked
+    assert restore_and_compare("shm", "packed", zero_copy_max_bytes=float("inf")) > 0
+    launches = _entries(host_cuda.log, "launch")
+    assert {launch[5] for launch in launches} == {DEVICE} and "unpack" in {launch[7] for launch in launches}
 
 
 def test_without_read_only_registration_the_restore_copies_from_pageable_memory(host_cuda):

@@ -47,6 +47,40 @@ def test_range_errors_are_raised_at_put_with_the_same_message(dtype, value, mess
         assert _stored(services) == [(0, 0, 0), (0, 0, 0)]
 
 
+@pytest.mark.parametrize("value", [384, 511, -1])
+def test_packed_ids_outside_num_experts_are_refused_at_put_naming_the_first(value):
+    # 9 bits would hold 384..511: the check is against E, not the bits; nothing is stored.
+    with local_units("tcp", units=2, routed_experts_dtype="packed", num_experts=384) as (config, services, clients):
+        experts = _experts(8192)
+        experts[5000, 3, 1] = value
+        experts[6000, 0, 0] = value
+        with Writer(clients, config) as writer:
+            with pytest.raises(FieldValueError) as info:
+                writer.put("p/s1/3", "p", {"routed_experts": experts})
+            writer.flush()
+        assert str(info.value) == (f"key 'p/s1/3' field 'routed_experts': expert ID {value} at index [5000, 3, 1] "
+                                   f"is outside [0, 384) (num_experts 384); nothing was stored")
+        assert _stored(services) == [(0, 0, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize("experts,topk,row_bytes", [(128, 8, 7), (384, 8, 9), (512, 10, 12)])
+def test_a_unit_stores_packed_rows_at_exactly_their_bytes(experts, topk, row_bytes):
+    # The unit's own counters: ceil(K * b / 8) bytes a row and layer (uint8 would be 8, uint16 16 and 20).
+    rows, layers = 1000, 5
+    ids = np.random.default_rng(experts).integers(0, experts, (rows, layers, topk), dtype=np.int32)
+    with local_units("tcp", units=1, routed_experts_dtype="packed", num_experts=experts) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            ref = writer.put("k", "p", {"routed_experts": ids})["routed_experts"]
+            writer.flush()
+        assert (ref.dtype, ref.row_shape, ref.stored_shape, ref.num_experts) == \
+            ("uint8", (layers, topk), (layers, row_bytes), experts)
+        assert services[0].stats()["bytes_written"] == rows * layers * row_bytes
+        with Reader(clients, config) as reader:
+            (got,) = reader.fetch([{"routed_experts": Layout.from_ref(ref)}])
+        np.testing.assert_array_equal(got["rollout_routed_experts"], ids)
+        assert services[0].stats()["bytes_read"] == rows * layers * row_bytes
+
+
 def test_int64_ids_into_int32_storage_are_range_checked():
     with local_units("tcp", units=1, routed_experts_dtype="int32") as (config, _, clients):
         experts = _experts(64).astype(np.int64)

@@ -257,9 +257,16 @@ def test_release_returns_the_keys_freed():
         assert [s.stats()["keys"] for s in services] == [0, 0]
 
 
+#: Stored formats of the layer-major restore: uint16, and packed IDs (10 bits) read in place or copied out (shm).
+_FORMATS = {"uint16": {"routed_experts_dtype": "uint16"},
+            "packed": {"routed_experts_dtype": "packed", "num_experts": 1000},
+            "packed-copied": {"routed_experts_dtype": "packed", "num_experts": 1000, "zero_copy_max_bytes": 0}}
+
+
+@pytest.mark.parametrize("stored", sorted(_FORMATS))
 @pytest.mark.parametrize("with_torch", [True, False], ids=["torch-transpose", "numpy-transpose"])
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_layer_major_blobs_restore_token_major_with_or_without_torch(transport, with_torch, monkeypatch):
+def test_layer_major_blobs_restore_token_major_with_or_without_torch(transport, with_torch, stored, monkeypatch):
     """Stored ``[L, rows, K]``, returned ``[rows, L, K]``: composed layouts (a slice, a shifted step, fill rows),
     over tcp (the staged gather) and shm (widened in place, then transposed), with torch's copy or numpy's."""
     from gputq.client import host_restore
@@ -268,7 +275,7 @@ def test_layer_major_blobs_restore_token_major_with_or_without_torch(transport, 
         pytest.importorskip("torch", reason="the torch transpose needs torch")  # loaded, as in a trainer
     else:
         monkeypatch.setattr(host_restore, "host_torch", lambda dtype: None)
-    with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, _, clients):
+    with local_units(transport, units=2, **_FORMATS[stored]) as (config, _, clients):
         rng = np.random.default_rng(11)
         steps = [rng.integers(0, 1000, (n, 6, 3)).astype(np.int32) for n in (700, 1300, 90)]
         with Writer(clients, config) as writer:

@@ -11,6 +11,7 @@ import torch
 
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
+from gputq.data.packing import bits_for, packed_row_bytes
 from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
 from gputq.errors import InvalidInputError, LayoutError, UnknownKeyError
@@ -100,8 +101,13 @@ def _bytes_read(units) -> int:
     return sum(unit.stats()["bytes_read"] for unit in units)
 
 
+#: Stored bytes of one layer's row of TOPK IDs below EXPERTS: uint16, and packed (4 bits an ID).
+ROW_BYTES = {"uint16": TOPK * 2, "packed": packed_row_bytes(TOPK, bits_for(EXPERTS))}
+
+
+@pytest.mark.parametrize("dtype", sorted(ROW_BYTES))
 @pytest.mark.parametrize("transport", ["tcp", "shm", pytest.param("rdma", marks=pytest.mark.rdma)])
-def test_stream_matches_slime_and_moves_exactly_the_slice(transport):
+def test_stream_matches_slime_and_moves_exactly_the_slice(transport, dtype):
     if transport == "rdma":
         from tests.conftest import nixl_usable
 
@@ -109,7 +115,7 @@ def test_stream_matches_slime_and_moves_exactly_the_slice(transport):
             pytest.skip(nixl_usable())
     rng = np.random.default_rng(7)
     lengths = [37, 50, 64, 23, 41, 58]
-    with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, units, clients):
+    with local_units(transport, units=2, routed_experts_dtype=dtype, num_experts=EXPERTS) as (config, units, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, rng, lengths)
         batches = [[0, 1], [2], [3, 4, 5]]
@@ -129,7 +135,7 @@ def test_stream_matches_slime_and_moves_exactly_the_slice(transport):
                         chunk = -(-(rows + 1) // 4)
                         chunks = ((cp_rank * chunk, (cp_rank + 1) * chunk), ((3 - cp_rank) * chunk, (4 - cp_rank) * chunk))
                         kept = sum(max(0, min(b, rows) - a) for a, b in chunks)
-                        expected_bytes += kept * len(stage) * TOPK * 2
+                        expected_bytes += kept * len(stage) * ROW_BYTES[dtype]
                         expected_bytes += 4 * len(slime_log_probs(torch.from_numpy(data[i][1]), data[i][2], rank))
                 assert moved == expected_bytes
 
@@ -401,14 +407,16 @@ def test_memory_is_bounded_by_the_prefetch_depth_not_the_shard():
     assert peaks[12] <= peaks[4] * 1.1 + (64 << 10), peaks  # flat in the shard size
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "packed"])
 @pytest.mark.parametrize("cp_rank", [0, 1])  # 0: two runs of tokens per sample (zigzag chunks 0 and 3)
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_stream_into_device_memory_under_the_cuda_stand_in(host_cuda, transport, cp_rank):
-    """device="cuda": compact staging and the widened layers live in device memory; the kernel runs there."""
+def test_stream_into_device_memory_under_the_cuda_stand_in(host_cuda, transport, cp_rank, dtype):
+    """device="cuda": compact staging and the widened layers live in device memory; the kernel runs there
+    (packed IDs: the unpack kernel)."""
     from tests.host_cuda import DEVICE
 
     rng = np.random.default_rng(5)
-    with local_units(transport, units=2, routed_experts_dtype="uint8") as (config, _, clients):
+    with local_units(transport, units=2, routed_experts_dtype=dtype, num_experts=EXPERTS) as (config, _, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, rng, [33, 47, 21])
         rank = ParallelSlice(layers=range(2, 5), cp_rank=cp_rank, cp_size=2, num_experts=EXPERTS)
@@ -417,6 +425,7 @@ def test_stream_into_device_memory_under_the_cuda_stand_in(host_cuda, transport,
         assert consumed == [0, 1]
     launches = [entry for entry in host_cuda.log if entry[0] == "launch"]
     assert launches and {launch[5] for launch in launches} == {DEVICE}
+    assert ("unpack" in {launch[7] for launch in launches}) == (dtype == "packed")
 
 
 def test_held_micro_batches_stay_valid_until_released():

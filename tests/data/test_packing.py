@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gputq.data.fields import FieldSpec, canonicalize, routed_experts_spec, row_nbytes
 from gputq.data.packing import MAX_BITS, bits_for, pack_rows, packed_row_bytes, unpack_rows
+from gputq.data.refs import FieldRef
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,3 +105,66 @@ def test_bad_arguments_are_typed():
         pack_rows(ids, 384, out=strided)
     with pytest.raises(InvalidInputError, match="int32 array of 32"):
         unpack_rows(pack_rows(ids, 384), 8, 384, out=np.zeros((4, 8), np.int64))
+
+
+# -- the stored format in the data model: specs, references, the one pass ------------------------------------
+
+@pytest.mark.parametrize("experts,topk,chosen,row_bytes", [
+    (128, 8, "packed", 7), (200, 8, "uint8", 8), (256, 8, "uint8", 8), (384, 8, "packed", 9),
+    (512, 10, "packed", 12), (65536, 8, "uint16", 16), (100_000, 8, "int32", 32)])
+def test_auto_picks_the_narrowest_exact_format(experts, topk, chosen, row_bytes):
+    spec = routed_experts_spec(3, topk, "auto", experts)
+    assert ("packed" if spec.num_experts else spec.dtype) == chosen
+    assert row_nbytes(spec) == 3 * row_bytes and spec.restored_dtype == "int32"
+
+
+def test_packed_and_auto_need_num_experts_and_refuse_what_cannot_pack():
+    for dtype in ("packed", "auto"):
+        with pytest.raises(ConfigError, match="needs num_experts"):
+            routed_experts_spec(3, 8, dtype)
+    with pytest.raises(ConfigError, match="at most 16"):
+        routed_experts_spec(3, 8, "packed", 1 << 17)
+    with pytest.raises(ConfigError, match="rows \\[K\\] or \\[layers, K\\]"):
+        FieldSpec("x", (2, 3, 4), "uint8", "int32", 0, num_experts=8)
+    with pytest.raises(ConfigError, match="stored as uint8"):
+        FieldSpec("x", (3, 4), "uint16", "int32", 0, num_experts=8)
+
+
+def test_packed_specs_and_refs_round_trip_and_whole_dtype_records_are_unchanged():
+    spec = routed_experts_spec(3, 8, "packed", 384)
+    assert spec.to_dict()["num_experts"] == 384 and FieldSpec.from_dict(spec.to_dict()) == spec
+    assert "num_experts" not in routed_experts_spec(3, 8, "uint16").to_dict()
+    ref = FieldRef("k", "routed_experts", "u0", 10, "uint8", (3, 8), "p", "inc", 7, 384)
+    assert (ref.stored_shape, ref.packing, ref.row_nbytes, ref.nbytes) == ((3, 9), (8, 9), 27, 270)
+    assert FieldRef.from_dict(ref.to_dict()) == ref
+    plain = FieldRef("k", "routed_experts", "u0", 10, "uint16", (3, 8), "p", "inc", 7)
+    assert set(plain.to_dict()) == {"schema", "key", "field", "unit", "rows", "dtype", "row_shape", "partition",
+                                    "incarnation", "generation"}
+    with pytest.raises(InvalidInputError, match="packed IDs are uint8"):
+        FieldRef("k", "routed_experts", "u0", 10, "uint16", (3, 8), "p", num_experts=384)
+
+
+@pytest.mark.parametrize("layer_major", [False, True])
+@pytest.mark.parametrize("order", ["<i4", ">i4", "<i8", "<u2"])
+def test_canonicalize_packs_in_its_one_pass_whatever_the_input_order(layer_major, order):
+    # 3,000 rows of [5, 8] at 9 bits: several chunks of the pass, and big-endian input read as numbers.
+    spec = routed_experts_spec(5, 8, "packed", 384)
+    ids = np.random.default_rng(1).integers(0, 384, (3000, 5, 8)).astype(order)
+    out = np.full(3000 * row_nbytes(spec) + 5, 0xAB, np.uint8)
+    stored = canonicalize("k", spec, ids, out=out, layer_major=layer_major)
+    assert stored.dtype == np.uint8 and np.shares_memory(stored, out) and (out[-5:] == 0xAB).all()
+    token_major = stored.transpose(1, 0, 2) if layer_major else stored
+    assert token_major.shape == (3000, 5, 9)
+    np.testing.assert_array_equal(unpack_rows(np.ascontiguousarray(token_major), 8, 384), ids)
+
+
+def test_canonicalize_names_a_bad_id_by_its_index_in_the_payload_not_its_chunk():
+    spec = routed_experts_spec(5, 8, "packed", 100)
+    ids = np.random.default_rng(2).integers(0, 100, (20_000, 5, 8), dtype=np.int32)
+    ids[17_001, 4, 7] = 100
+    for layer_major in (False, True):
+        with pytest.raises(FieldValueError, match=r"^key 'k' field 'routed_experts': expert ID 100 at index "
+                                                  r"\[17001, 4, 7\] is outside \[0, 100\)"):
+            canonicalize("k", spec, ids, layer_major=layer_major)
+    with pytest.raises(FieldValueError, match="expected an integer array"):
+        canonicalize("k", spec, ids.astype(np.float32))

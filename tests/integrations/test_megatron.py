@@ -50,13 +50,14 @@ def _route(replays, tokens: int, generator) -> list[torch.Tensor]:
     return maps
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "packed"])
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
-def test_router_replay_selects_exactly_the_stored_experts(transport):
+def test_router_replay_selects_exactly_the_stored_experts(transport, dtype):
     rng = np.random.default_rng(11)
     generator = torch.Generator().manual_seed(0)
     lengths = [61, 40, 77, 33, 52]
     inline = [rng.integers(0, EXPERTS, (n - 1, LAYERS, TOPK)).astype(np.int32) for n in lengths]
-    with local_units(transport, units=2, routed_experts_dtype="uint8") as (config, _, clients):
+    with local_units(transport, units=2, routed_experts_dtype=dtype, num_experts=EXPERTS) as (config, _, clients):
         with Writer(clients, config) as writer:
             refs = [writer.put(f"s{i}/0", "p", {"routed_experts": e}) for i, e in enumerate(inline)]
             writer.flush()

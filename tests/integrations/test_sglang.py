@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
+from gputq.data.refs import Layout
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 from gputq.integrations.sglang import RolloutIngest, decode_response, encode_response
 from tests.conftest import local_units
@@ -157,6 +159,29 @@ def test_rejected_steps_leave_nothing_stored():
             step = ingest.add(session, [1, 2, 3, 4, 5], encode_response(out, lp, routed))
             writer.flush()
             assert _keys(services) == 2 and set(step.refs) == {"logprobs", "routed_experts"}
+
+
+def test_packed_ingest_stores_the_wire_ids_at_their_bits_and_refuses_one_past_num_experts():
+    rng = np.random.default_rng(9)
+    with local_units("tcp", units=1, routed_experts_dtype="packed", num_experts=48) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            ingest = _ingest(config, writer)
+            session = ingest.session("s0", prompt_ids=[1, 2, 3])
+            out, lp, routed = _engine(rng, 5, 3, 0, experts=48)
+            bad = routed.copy()
+            bad[4, 2, 1] = 48  # fits 6 bits' 64, but not the model's 48 experts
+            with pytest.raises(FieldValueError, match=r"field 'routed_experts': expert ID 48 at index \[4, 2, 1\] "
+                                                      r"is outside \[0, 48\)"):
+                ingest.add(session, [1, 2, 3, 4, 5], encode_response(out, lp, bad))
+            step = ingest.add(session, [1, 2, 3, 4, 5], encode_response(out, lp, routed))
+            writer.flush()
+            ref = step.refs["routed_experts"]
+            # 2 IDs of 6 bits: 2 bytes a row and layer, against uint8's 2 and int32's 8 on the wire
+            assert (ref.num_experts, ref.stored_shape) == (48, (L, 2))
+            assert services[0].stats()["bytes_written"] == len(routed) * L * 2 + 4 * len(lp)
+            with Reader(clients, config) as reader:
+                (got,) = reader.fetch([{"routed_experts": Layout.from_ref(ref)}])
+            np.testing.assert_array_equal(got["rollout_routed_experts"], routed)
 
 
 def test_fields_not_in_transfer_params_stay_inline():

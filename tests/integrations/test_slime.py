@@ -48,9 +48,10 @@ def _assert_same_tensors(got, want):
 
 
 @pytest.mark.parametrize("view", [lineage_segments, timeline_segments])
-@pytest.mark.parametrize("dtype", ["uint8", "int32"])
+@pytest.mark.parametrize("dtype", ["uint8", "int32", "packed"])
 def test_ranks_hydrate_their_split_and_pass_slime_checks(view, dtype):
-    with local_units("tcp", units=2, routed_experts_dtype=dtype) as (config, services, clients):
+    with local_units("tcp", units=2, routed_experts_dtype=dtype, num_experts=SYNTH.num_experts) as (config, services,
+                                                                                                 clients):
         with Writer(clients, config) as writer:
             samples = _samples(config, writer, view)
         assert all(isinstance(s[ROUTED_EXPERTS_KEY], dict) for s in samples)

@@ -55,8 +55,9 @@ def test_fragments_outside_the_segments_are_refused():
 def test_spans_join_segments_closer_than_the_gap_in_memory_order():
     # segments out of memory order: 500..510, 100..112 and 112..117 (adjacent), 130..140 (13 bytes on)
     source = MappedSource([0, 16, 32, 48], [500, 100, 112, 130], [10, 12, 5, 10], 64)
-    assert source.spans(max_gap=0) == ([100, 130, 500], [17, 10, 10], [27, 0, 12, 17])
-    assert source.spans(max_gap=13) == ([100, 500], [40, 10], [40, 0, 12, 30])  # the gap is copied along
+    # each span at its address's offset from the first modulo 16: 130 at 30 (not 17), 500 at 48 (not 40)
+    assert source.spans(max_gap=0) == ([100, 130, 500], [17, 10, 10], [48, 0, 12, 30])
+    assert source.spans(max_gap=13) == ([100, 500], [40, 10], [48, 0, 12, 30])  # the gap is copied along
     assert MappedSource([], [], [], 0).spans() == ([], [], [])
 
 
@@ -76,7 +77,11 @@ def test_random_segments_land_in_their_spans_at_their_offsets(seed):
     source = MappedSource(np.cumsum(lengths) - lengths, addresses, lengths, int(lengths.sum()))
     starts, sizes, offsets = (np.array(a, np.int64) for a in source.spans(max_gap=gap))
     assert (np.diff(starts) > 0).all() and (starts[1:] > (starts + sizes)[:-1] + gap).all()
-    packed = np.concatenate([memory[a:a + n] for a, n in zip(starts, sizes)])
+    # every segment keeps its alignment: its offset is its address's from the first span, modulo 16
+    assert ((offsets - (addresses - starts[0])) % 16 == 0).all()
+    packed = np.zeros(0, np.uint8)
+    for a, n in zip(starts, sizes):
+        packed = np.concatenate([packed, np.zeros((a - starts[0] - packed.size) % 16, np.uint8), memory[a:a + n]])
     for address, length, offset in zip(addresses, lengths, offsets):
         assert packed[offset:offset + length].tobytes() == memory[address:address + length].tobytes()
 
