@@ -1,6 +1,7 @@
 """Fetch one data-parallel shard through gputq and compare with a plain socket and a memcpy.
 
-``python -m bench.fetch [--sizes 16,64,256] [--transport tcp|shm|rdma] [--json]``
+``python -m bench.fetch [--sizes 16,64,256] [--transport tcp|shm|rdma] [--dtype uint16,packed] [--experts E]
+[--json]``
 
 For each shard size, StorageUnits run in child processes, as in a
 deployment (their servers over loopback); a writer stores R3-shaped steps;
@@ -37,6 +38,13 @@ int32 on the memcpy's threads. ``ceiling_vs_goal_base`` is its ratio to
 the goal's baseline: below the goal's factor, the goal asks more of this
 machine than a bare socket (or memory) plus numpy's widen gives.
 ``total_vs_ceiling`` is gputq's fraction of it.
+
+``--dtype`` may name several stored formats (``uint16,packed``): each
+then stores the same steps (the shard size counts in the first one's
+bytes), and ``out_GBps`` (restored int32 and float32 bytes a second) of
+each row is compared with the first format's row of the same shard and path
+(``out_vs_first``): packed IDs against uint16, per output byte. IDs are
+drawn below ``--experts``, which packed IDs are packed for.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from bench.common import (
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
+from gputq.data.fields import ROUTED_EXPERTS_FORMATS, routed_experts_spec, row_nbytes
 from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
 
@@ -74,18 +83,25 @@ STREAM_THREADS = 2
 #: fetch+restore over the baseline of the row's transport, for shards of GOAL_MIN_MIB and more.
 GOALS = {"tcp": ("socket", 0.9), "rdma": ("socket", 0.9), "shm": ("memcpy", 0.8)}
 GOAL_MIN_MIB = 16
+#: Experts of the stream row's pad rows, and the default ``--experts``.
+_STREAM_EXPERTS = 128
+_WHOLE = ("uint8", "uint16", "int32")
 #: Bytes per read of the tcp ceiling: a stream's micro-batch of a 64K-token segment's stage slice.
 CEILING_CHUNK_BYTES = 4 << 20
 
 
-def _shard(writer: Writer, size: int, rows_per_step: int, layers: int, topk: int, dtype: str, rng):
-    row_bytes = layers * topk * np.dtype(dtype).itemsize + 4  # experts + one float32 logprob
-    steps = max(1, -(-size // (rows_per_step * row_bytes)))
+def _steps(size: int, rows_per_step: int, layers: int, topk: int, dtype: str, experts: int) -> int:
+    """Steps of ``rows_per_step`` rows that store ``size`` bytes in ``dtype`` (experts + one float32 logprob)."""
+    row_bytes = row_nbytes(routed_experts_spec(layers, topk, dtype, experts)) + 4
+    return max(1, -(-size // (rows_per_step * row_bytes)))
+
+
+def _shard(writer: Writer, steps: int, rows_per_step: int, layers: int, topk: int, experts: int, rng, tag: str):
     shard = []
     for i in range(steps):
-        experts = rng.integers(0, 128, size=(rows_per_step, layers, topk), dtype=np.int32)
+        experts_ids = rng.integers(0, experts, size=(rows_per_step, layers, topk), dtype=np.int32)
         logprobs = -rng.random(rows_per_step, dtype=np.float32)
-        refs = writer.put(f"bench/{size}/{i}", "bench", {"routed_experts": experts, "logprobs": logprobs})
+        refs = writer.put(f"bench/{tag}/{i}", "bench", {"routed_experts": experts_ids, "logprobs": logprobs})
         shard.append({field: Layout.from_ref(ref) for field, ref in refs.items()})
     writer.flush()
     return shard
@@ -94,7 +110,7 @@ def _shard(writer: Writer, size: int, rows_per_step: int, layers: int, topk: int
 def _stream_pass(reader: Reader, shard, mb_samples: int) -> None:
     """Every sample of ``shard``, whole, streamed in micro-batches of ``mb_samples``."""
     batches = [list(range(i, min(len(shard), i + mb_samples))) for i in range(0, len(shard), mb_samples)]
-    with reader.stream(shard, batches, ParallelSlice(num_experts=128)) as stream:
+    with reader.stream(shard, batches, ParallelSlice(num_experts=_STREAM_EXPERTS)) as stream:
         for _ in stream:
             pass
 
@@ -125,13 +141,14 @@ def _time_fetches(reader: Reader, shard, nbytes: int, baseline: SocketBaseline, 
 
 
 def _row(path: str, transport: str, samples: int, nbytes: int, times: dict, threads: int,
-         no_transfer_apart: bool) -> dict:
+         no_transfer_apart: bool, dtype: str, out_bytes: int) -> dict:
     fetch, total, sock, memcpy, memcpy1 = (statistics.median(times[k])
                                            for k in ("fetch", "total", "socket", "memcpy", "memcpy1"))
     # Paired with the baselines timed just before each fetch, so a ratio sees one machine state
     # (this box's loopback speed drifts by 30% between seconds).
     paired = lambda base, timed: round(statistics.median(b / t for b, t in zip(times[base], times[timed])), 3)
     row = {"shard_MiB": round(nbytes / _MIB, 1), "samples": samples, "transport": transport, "path": path,
+           "dtype": dtype, "out_GBps": round(gbps(out_bytes, total), 2),
            "socket_GBps": round(gbps(nbytes, sock), 2), "threads": threads,
            "memcpy_GBps": round(gbps(nbytes, memcpy), 2), "memcpy1_GBps": round(gbps(nbytes, memcpy1), 2),
            # in place, the transfer is the restore's own reads: there is no fetch apart from it
@@ -175,6 +192,11 @@ def _summary(rows: list[dict]) -> dict:
 
     goals = {path: all(r["goal"].startswith("met") for r in big if r["path"] == path)
              for path in sorted({r["path"] for r in big})}
+    first = rows[0]["dtype"] if rows else None
+    for row in rows:  # each format's restored bytes a second against the first format's, same shard and path
+        base = next(r for r in rows if r["dtype"] == first and r["path"] == row["path"] and
+                    r["samples"] == row["samples"])
+        row["out_vs_first"] = round(row["out_GBps"] / base["out_GBps"], 3) if base["out_GBps"] else None
     return {"ratio_vs_socket": least("ratio_vs_socket"), "fetch_vs_memcpy": least("fetch_vs_memcpy"),
             "total_vs_memcpy": least("total_vs_memcpy"), "total_vs_memcpy1": least("total_vs_memcpy1"),
             "stream_vs_socket": least("ratio_vs_socket", "stream"),
@@ -185,37 +207,56 @@ def _summary(rows: list[dict]) -> dict:
 
 def run(args) -> dict:
     sizes = [int(s) * _MIB for s in args.sizes.split(",")]
+    dtypes = args.dtype.split(",")
     rng = np.random.default_rng(0)
     rows = []
     for size in sizes:
-        config = GputqConfig(transport=args.transport, num_units=args.units,
-                             unit_capacity_bytes=int(size * 1.25 / args.units) + 16 * _MIB,
-                             routed_experts_dtype=args.dtype, host="127.0.0.1")
-        with remote_units(config) as (config, clients), Writer(clients, config) as writer:
-            shard = _shard(writer, size, args.rows_per_step, args.layers, args.topk, args.dtype, rng)
+        steps = _steps(size, args.rows_per_step, args.layers, args.topk, dtypes[0], args.experts)
+        for dtype in dtypes:
+            rows += _run_format(args, size, steps, dtype, rng)
+    return {"rows": rows, **_summary(rows), "dtype": args.dtype, "experts": args.experts, "layers": args.layers,
+            "topk": args.topk, "units": args.units, "repeats": args.repeats, "device": args.device}
+
+
+def _run_format(args, size: int, steps: int, dtype: str, rng) -> list[dict]:
+    """The rows of one shard size stored in one format: each path's paired fetches."""
+    rows = []
+    config = GputqConfig(transport=args.transport, num_units=args.units,
+                         unit_capacity_bytes=int(size * 1.25 / args.units) + 16 * _MIB,
+                         routed_experts_dtype=dtype, num_experts=args.experts, host="127.0.0.1")
+    with remote_units(config) as (config, clients), Writer(clients, config) as writer:
+        shard = _shard(writer, steps, args.rows_per_step, args.layers, args.topk, args.experts, rng, f"{size}/{dtype}")
+        out_bytes = steps * args.rows_per_step * (args.layers * args.topk + 1) * 4
+        with Reader(clients, config, device=args.device) as reader:
+            reader.fetch(shard)
+            nbytes = reader.last_stats.bytes_fetched
+        transports = "+".join(sorted({clients.transport_of(u)[0] for u in clients.units}))
+        paths = [("copy", 0.0), ("in place", math.inf)] if transports == "shm" else [("copy", None)]
+        label = f"{size // _MIB} MiB {dtype}"
+        with SocketBaseline(nbytes) as baseline:
+            baseline.read(nbytes)
+            threads = same_host_copy_threads(args.units)
+            ceiling = _ceiling(transports, baseline, nbytes, np.dtype(dtype if dtype in _WHOLE else "uint8"))
+            for path, zero_copy_max in paths:
+                path_config = config if zero_copy_max is None else config.replace(zero_copy_max_bytes=zero_copy_max)
+                with Reader(clients, path_config, device=args.device) as reader:
+                    times = _time_fetches(reader, shard, nbytes, baseline, args.repeats, f"fetch {label} {path}",
+                                          threads, ceiling)
+                rows.append(_row(path, transports, len(shard), nbytes, times, threads, path == "in place", dtype,
+                                 out_bytes))
             with Reader(clients, config, device=args.device) as reader:
-                reader.fetch(shard)
-                nbytes = reader.last_stats.bytes_fetched
-            transports = "+".join(sorted({clients.transport_of(u)[0] for u in clients.units}))
-            paths = [("copy", 0.0), ("in place", math.inf)] if transports == "shm" else [("copy", None)]
-            with SocketBaseline(nbytes) as baseline:
-                baseline.read(nbytes)
-                threads = same_host_copy_threads(args.units)
-                ceiling = _ceiling(transports, baseline, nbytes, np.dtype(args.dtype))
-                for path, zero_copy_max in paths:
-                    path_config = config if zero_copy_max is None else config.replace(zero_copy_max_bytes=zero_copy_max)
-                    with Reader(clients, path_config, device=args.device) as reader:
-                        times = _time_fetches(reader, shard, nbytes, baseline, args.repeats,
-                                              f"fetch {size // _MIB} MiB {path}", threads, ceiling)
-                    rows.append(_row(path, transports, len(shard), nbytes, times, threads, path == "in place"))
-                with Reader(clients, config, device=args.device) as reader:
-                    times = _time_fetches(reader, shard, nbytes, baseline, args.repeats,
-                                          f"stream {size // _MIB} MiB", STREAM_THREADS, ceiling,
-                                          mb_samples=args.mb_samples)
-                # A stream's transfers overlap its restores: there is no fetch to time apart.
-                rows.append(_row("stream", transports, len(shard), nbytes, times, STREAM_THREADS, True))
-    return {"rows": rows, **_summary(rows), "dtype": args.dtype, "layers": args.layers, "topk": args.topk,
-            "units": args.units, "repeats": args.repeats, "device": args.device}
+                times = _time_fetches(reader, shard, nbytes, baseline, args.repeats, f"stream {label}",
+                                      STREAM_THREADS, ceiling, mb_samples=args.mb_samples)
+            # A stream's transfers overlap its restores: there is no fetch to time apart.
+            rows.append(_row("stream", transports, len(shard), nbytes, times, STREAM_THREADS, True, dtype, out_bytes))
+    return rows
+
+
+def _formats(text: str) -> str:
+    unknown = [d for d in text.split(",") if d not in ROUTED_EXPERTS_FORMATS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown formats {unknown}; known: {ROUTED_EXPERTS_FORMATS}")
+    return text
 
 
 def main(argv=None) -> None:
@@ -223,7 +264,9 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", default="16,64,256", help="shard sizes in MiB, comma separated")
     parser.add_argument("--transport", choices=("tcp", "shm", "rdma", "auto"), default="tcp")
     parser.add_argument("--units", type=int, default=1)
-    parser.add_argument("--dtype", choices=("uint8", "uint16", "int32"), default="uint16")
+    parser.add_argument("--dtype", type=_formats, default="uint16",
+                        help=f"stored expert-ID formats, comma separated, of {ROUTED_EXPERTS_FORMATS}")
+    parser.add_argument("--experts", type=int, default=_STREAM_EXPERTS, help="IDs drawn below it (packed: E)")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--rows-per-step", type=int, default=4096)
@@ -248,6 +291,9 @@ def main(argv=None) -> None:
     print(f"the ceiling (no gputq: a host widen behind the wire) vs the goal's baseline (shards >= 16 MiB): "
           f"{result['ceiling_vs_goal_base']}; fetch+restore vs the ceiling: {result['total_vs_ceiling']}")
     print(f"goal met per path: {result['goal_met']}")
+    if len(args.dtype.split(",")) > 1:
+        print(f"restored bytes a second against {args.dtype.split(',')[0]}'s (out_vs_first): "
+              + ", ".join(f"{r['dtype']} {r['path']} {r['out_vs_first']}" for r in result["rows"]))
     if args.json:
         emit_json(result)
 

@@ -26,6 +26,7 @@ from gputq.transport.cuda import cuda_available
 
 from .cupy_backend import (cupy_unpack_scatter, cupy_usable, cupy_widen_scatter, torch_unpack_scatter_cupy,
                            torch_widen_scatter_cupy)
+from .host_native import unpack_scatter_host
 from .mapped import MappedSource
 from .plan import plan_bytes, validate_plan
 from .reference import reference_unpack_scatter, reference_widen_scatter
@@ -119,7 +120,8 @@ def unpack_scatter(staging, plan, topk, bits, out, fill=0, *, validate=True, str
     rows of ``packed_row_bytes(topk, bits)`` bytes (see
     :mod:`gputq.data.packing`), ``out`` int32 rows of ``topk`` IDs, and
     ``plan`` counts in rows. Dispatch: numpy arrays and CPU torch tensors
-    run the numpy reference, CuPy arrays and CUDA torch tensors the CUDA
+    run the host codec (``host_codec.c``, built on first use; the numpy
+    reference where it cannot be), CuPy arrays and CUDA torch tensors the CUDA
     kernel (CUDA torch tensors through CuPy, on torch's current stream
     unless ``stream`` is given). ``stream`` as for :func:`widen_scatter`.
 
@@ -135,12 +137,12 @@ def unpack_scatter(staging, plan, topk, bits, out, fill=0, *, validate=True, str
         raise PlanError(f"staging ({type(staging).__name__}) and out ({type(out).__name__}) "
                         "must be the same array type")
     if kind == "numpy":
-        return reference_unpack_scatter(staging, plan, topk, bits, out, fill, validate=validate)
+        return unpack_scatter_host(staging, plan, topk, bits, out, fill, validate=validate)
     if kind == "cupy":
         return cupy_unpack_scatter(staging, plan, topk, bits, out, fill, validate=validate, stream=stream)
     if kind == "torch":
         if not out.is_cuda:
-            reference_unpack_scatter(staging.numpy(), plan, topk, bits, out.numpy(), fill, validate=validate)
+            unpack_scatter_host(staging.numpy(), plan, topk, bits, out.numpy(), fill, validate=validate)
             return out
         if not cupy_usable():
             raise PlanError("unpacking packed expert IDs into CUDA tensors runs a CuPy kernel: install "

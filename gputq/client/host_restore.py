@@ -15,7 +15,7 @@ import numpy as np
 
 from gputq.client.shard_plan import FieldStage
 from gputq.kernels import MappedSource
-from gputq.kernels.reference import unpack_rows_into
+from gputq.kernels.host_native import unpack_rows_host
 
 __all__ = ["token_major_on_host", "host_torch"]
 
@@ -76,8 +76,8 @@ def token_major_on_host(compact, stage: FieldStage, layouts, offsets, out: np.nd
 
 
 def _unpack_token_major(blob_at, stage: FieldStage, layouts, offsets, target: np.ndarray, fill) -> None:
-    """:func:`token_major_on_host` of packed IDs: each fragment's ``[L, rows, bytes]`` unpacked, then moved
-    token-major into ``target`` ``[total, L, K]``."""
+    """:func:`token_major_on_host` of packed IDs: each fragment's layer runs unpacked straight into their
+    token-major rows of ``target`` ``[total, L, K]``."""
     layers, (topk, bits) = target.shape[1], stage.packing
     row_bytes = stage.row_bytes // layers
     for layout, first in zip(layouts, offsets):
@@ -85,10 +85,10 @@ def _unpack_token_major(blob_at, stage: FieldStage, layouts, offsets, target: np
         for frag in layout.fragments:
             blob = blob_at(stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.row_bytes,
                            layers * frag.ref.rows * row_bytes).reshape(layers, frag.ref.rows, row_bytes)
-            rows = blob[:, frag.src_row:frag.src_row + frag.rows].reshape(-1, row_bytes)
-            ids = unpack_rows_into(rows, topk, bits, np.empty((len(rows), topk), target.dtype))
             dst = first + frag.dst_row
-            target[dst:dst + frag.rows] = ids.reshape(layers, frag.rows, topk).transpose(1, 0, 2)
+            for layer in range(layers):
+                unpack_rows_host(blob[layer, frag.src_row:frag.src_row + frag.rows], topk, bits,
+                                 target[dst:dst + frag.rows, layer])
 
 
 def host_torch(dtype: np.dtype):

@@ -150,15 +150,13 @@ class MicroBatchStream:
         packed = any(fp.packing for plan in plans for fp in plan.fields.values())
         self._in_place, self._landing, self._ahead = _ways(context, units, prefetch, hold, packed)
         self._reads = ReadsAhead(context)  # the landing's read pipelines, one per unit
-        self._fetches: dict[int, Future] = {}
+        self._fetches: dict[int, Future] = {}  # index -> its fetch; below, its restore on the restore thread
         self._restores: dict[int, Future] = {}
         self._fetcher, self._restorer = context.stream_threads()
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
-        self._lock = threading.RLock()
-        self._next = 0
-        self._submitted = 0
-        self._closed = False
+        self._lock, self._closed = threading.RLock(), False
+        self._next = self._submitted = 0  # the next micro-batch to consume, and to queue a fetch for
         self.released: list[int] = []
         self._buffers = StreamBuffers(context, plans, prefetch, units, landing=self._landing, in_place=self._in_place,
                                       ahead=self._ahead, closed=lambda: self._closed)
@@ -243,10 +241,17 @@ class MicroBatchStream:
             self._buffers.outputs.put(outputs)
             raise
 
-    def _restored(self, plan: MicroPlan, fetched: Fetched, outputs: dict) -> MicroBatch:
-        """Restore a fetched micro-batch into ``outputs``; its compact buffer goes back, its leases end."""
-        return fetched.restore(lambda source: self._shaped(plan, self._shaper.widen(plan, source, outputs)),
-                               plan.nbytes)
+    def _restored(self, plan: MicroPlan, fetched: Fetched, outputs: dict) -> tuple[MicroBatch, dict]:
+        """Restore a fetched micro-batch into ``outputs`` (given back if it fails): ``(micro-batch, outputs)``.
+
+        Its compact buffer goes back, its leases end.
+        """
+        try:
+            return fetched.restore(lambda source: self._shaped(plan, self._shaper.widen(plan, source, outputs)),
+                                   plan.nbytes), outputs
+        except BaseException:
+            self._buffers.outputs.put(outputs)
+            raise
 
     def _restore_ahead(self, plan: MicroPlan, fetch: Future):
         fetched = fetch.result()
@@ -255,11 +260,7 @@ class MicroBatchStream:
         except BaseException:
             self._drop_fetched(fetch)
             raise
-        try:
-            return self._restored(plan, fetched, outputs), outputs
-        except BaseException:
-            self._buffers.outputs.put(outputs)
-            raise
+        return self._restored(plan, fetched, outputs)
 
     @staticmethod
     def _drop_fetched(fetch: Future) -> None:
@@ -300,13 +301,8 @@ class MicroBatchStream:
             elif self._landing:
                 batch, outputs = self._fetches.pop(plan.index).result()
             else:
-                fetched = self._fetches.pop(plan.index).result()
-                outputs = self._buffers.spare_outputs()
-                try:
-                    batch = self._restored(plan, fetched, outputs)
-                except BaseException:
-                    self._buffers.outputs.put(outputs)
-                    raise
+                batch, outputs = self._restored(plan, self._fetches.pop(plan.index).result(),
+                                                self._buffers.spare_outputs())
         except BaseException:
             self.close()
             raise
@@ -333,17 +329,14 @@ class MicroBatchStream:
         released after its last for ``release_after`` (``"backward"``, or
         ``"forward"`` for a forward-only pass); see :mod:`gputq.client.replay`.
         """
-        replay = LazyReplay(release_after, self._lock, self._live_batch, self._advance_to, self._finish)
+        replay = LazyReplay(release_after, self._lock, lambda index: self._live.get(index, (None,))[0],
+                            self._advance_to, self._finish)
         with self._lock:
             if self._next or self._lazy is not None:
                 raise InvalidInputError("replay_handles are taken once, before any micro-batch is consumed")
             self._lazy = replay
         layers = [next((len(fp.layers) for fp in plan.fields.values() if fp.layers), 0) for plan in self._plans]
         return replay.handles([(plan.index, count) for plan, count in zip(self._plans, layers)])
-
-    def _live_batch(self, index: int) -> MicroBatch | None:
-        live = self._live.get(index)
-        return None if live is None else live[0]
 
     def _advance_to(self, index: int) -> MicroBatch:
         """Restore micro-batch ``index`` for a replay handle: the next in order, else a typed error."""

@@ -28,6 +28,7 @@ import numpy as np
 
 from gputq.data.packing import bits_for, check_ids, pack_rows_into, packed_row_bytes, packed_shape
 from gputq.data.refs import check_fill, read_record
+from gputq.kernels.host_native import pack_rows_host
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 
 __all__ = [
@@ -324,6 +325,8 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
     else:
         result = np.empty(shape, stored)
     if spec.num_experts:
+        if arr.size and _packed_natively(where, arr, result, spec.num_experts, layer_major):
+            return result.reshape(-1).reshape((shape[1], shape[0], *shape[2:])) if layer_major else result
         convert = _packer(where, spec.num_experts)
     else:
         convert = _converter(where, check)
@@ -348,6 +351,17 @@ def _converter(where: str, check):
         if check is not None:
             check(where, src, dst, row0)
     return convert
+
+
+def _packed_natively(where: str, arr: np.ndarray, result: np.ndarray, num_experts: int, layer_major: bool) -> bool:
+    """Pack (and check) ``arr`` into ``result`` with the host codec, in one pass; False where it cannot."""
+    bad = pack_rows_host(arr, bits_for(num_experts), num_experts, result, layer_major)
+    if bad is None:
+        return False
+    if bad >= 0:
+        row = bad // math.prod(arr.shape[1:])
+        check_ids(where, arr[row:row + 1], num_experts, row)  # raises, naming the first bad ID
+    return True
 
 
 def _packer(where: str, num_experts: int):

@@ -34,6 +34,21 @@ def test_fetch_times_call_to_return_and_reports_the_socket_ratio(capsys):
 
 
 @pytest.mark.timeout(120)
+def test_fetch_compares_packed_ids_with_uint16_per_restored_byte_over_the_same_steps(capsys):
+    fetch.main(["--sizes", "1", "--repeats", "2", "--layers", "4", "--topk", "8", "--rows-per-step", "256",
+                "--mb-samples", "64", "--dtype", "uint16,packed", "--experts", "384", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["dtype"], r["path"]) for r in out["rows"]] == [("uint16", "copy"), ("uint16", "stream"),
+                                                              ("packed", "copy"), ("packed", "stream")]
+    wide, packed = out["rows"][0], out["rows"][2]
+    assert wide["samples"] == packed["samples"] and wide["out_vs_first"] == 1.0 and packed["out_vs_first"] > 0
+    # the same steps, stored at 9 bytes a row and layer instead of 16 (logprobs are 4 bytes a row in both)
+    rows = wide["samples"] * 256
+    assert abs(packed["shard_MiB"] - rows * (4 * 9 + 4) / 2**20) <= 0.05  # (rounded to 0.1 MiB)
+    assert abs(wide["shard_MiB"] - rows * (4 * 16 + 4) / 2**20) <= 0.05
+
+
+@pytest.mark.timeout(120)
 def test_fetch_over_shm_reports_the_staged_and_the_in_place_restore_against_memcpy(capsys):
     fetch.main(["--sizes", "1", "--repeats", "2", "--layers", "4", "--topk", "2", "--rows-per-step", "256",
                 "--mb-samples", "64",

@@ -1,0 +1,165 @@
+"""The host codec of packed expert IDs (``host_codec.c``), built with the host's C compiler on first use.
+
+numpy packs and unpacks a row of IDs one ID column at a time: a pass over
+the whole step per column, an order of magnitude slower than the cast a
+whole-byte format costs. ``host_codec.c`` takes a row at a time. It is
+compiled once per source and compiler into a cache folder
+(``$GPUTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/gputq`` or
+``~/.cache/gputq``) and loaded with ctypes; nothing is built at install
+time, and ``import gputq`` still needs numpy alone.
+
+Where there is no C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``),
+the build fails, or ``GPUTQ_HOST_CODEC=numpy``, :func:`host_codec` returns
+None and callers use the numpy reference: the same bytes, slower. The
+reason is kept in :func:`host_codec_status`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from .plan import check_unpack_call
+from .reference import reference_unpack_scatter, unpack_rows_into
+
+__all__ = ["HOST_CODEC_SOURCE", "host_codec", "host_codec_status", "unpack_rows_host", "unpack_scatter_host",
+           "pack_rows_host"]
+
+HOST_CODEC_SOURCE = Path(__file__).with_name("host_codec.c")
+_FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
+_BUILD_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": the loaded library or None, "status": why
+
+
+def host_codec():
+    """The loaded codec (a ``ctypes.CDLL`` with its functions typed), or None to use numpy; built once."""
+    with _lock:
+        if "lib" not in _state:
+            try:
+                _state["lib"], _state["status"] = _load(), "built with the host C compiler"
+            except _Unavailable as exc:
+                _state["lib"], _state["status"] = None, str(exc)
+        return _state["lib"]
+
+
+def host_codec_status() -> str:
+    """Why :func:`host_codec` gives what it gives (loading it first)."""
+    host_codec()
+    return _state["status"]
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise _Unavailable("no C compiler (set CC, or install cc/gcc/clang): packed IDs use numpy")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("GPUTQ_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "gputq")
+    return Path(root)
+
+
+def _load():
+    if os.environ.get("GPUTQ_HOST_CODEC", "").lower() == "numpy":
+        raise _Unavailable("GPUTQ_HOST_CODEC=numpy: packed IDs use numpy")
+    compiler = _compiler()
+    source = HOST_CODEC_SOURCE.read_bytes()
+    digest = hashlib.sha256(source + compiler.encode() + " ".join(_FLAGS).encode()
+                            + sys.platform.encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"host_codec-{digest}.so"
+    if not lib.exists():
+        _build(compiler, lib)
+    try:
+        return _typed(ctypes.CDLL(str(lib)))
+    except OSError as exc:
+        raise _Unavailable(f"loading {lib} failed ({exc}): packed IDs use numpy") from None
+
+
+def _build(compiler: str, lib: Path) -> None:
+    """Compile into a temporary file, then rename: processes building at once never load a half-written one."""
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as folder:
+            out = Path(folder) / lib.name
+            subprocess.run([compiler, *_FLAGS, "-o", str(out), str(HOST_CODEC_SOURCE)], check=True,
+                           capture_output=True, timeout=_BUILD_TIMEOUT_S)
+            os.replace(out, lib)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        raise _Unavailable(f"building the host codec with {compiler} failed ({exc}; "
+                           f"{detail.decode(errors='replace')[:400]}): packed IDs use numpy") from None
+
+
+def _typed(lib):
+    c = ctypes
+    lib.gputq_unpack_rows.argtypes = [c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_void_p, c.c_int64]
+    lib.gputq_unpack_rows.restype = None
+    lib.gputq_unpack_scatter.argtypes = [c.c_void_p, c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_void_p, c.c_int32]
+    lib.gputq_unpack_scatter.restype = None
+    lib.gputq_pack_rows.argtypes = [c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p,
+                                    c.c_int64, c.c_int64]
+    lib.gputq_pack_rows.restype = c.c_int64
+    return lib
+
+
+def unpack_rows_host(rows: np.ndarray, topk: int, bits: int, out: np.ndarray) -> np.ndarray:
+    """:func:`~kernels.reference.unpack_rows_into` (uint8 ``[n, row_bytes]`` into int32 ``[n, topk]``, any row
+    stride of ``out``), by the codec where it loads and the arrays allow."""
+    lib = host_codec()
+    if lib is None or not rows.flags.c_contiguous or out.dtype != np.int32 or out.ndim != 2 \
+            or out.strides[1] != 4 or out.strides[0] % 4 or not out.flags.writeable:
+        return unpack_rows_into(rows, topk, bits, out)
+    lib.gputq_unpack_rows(rows.ctypes.data, len(rows), topk, bits, out.ctypes.data, out.strides[0] // 4)
+    return out
+
+
+def unpack_scatter_host(staging: np.ndarray, plan, topk: int, bits: int, out: np.ndarray, fill=0, *,
+                        validate: bool = True) -> np.ndarray:
+    """:func:`~kernels.reference.reference_unpack_scatter`, by the codec where it loads (same checks, errors
+    and bytes)."""
+    lib = host_codec()
+    if lib is None or not isinstance(staging, np.ndarray) or not isinstance(out, np.ndarray) \
+            or not staging.flags.c_contiguous or not out.flags.c_contiguous or not out.flags.writeable:
+        return reference_unpack_scatter(staging, plan, topk, bits, out, fill, validate=validate)
+    plan, fill, _ = check_unpack_call(staging.dtype.name, staging.size, out.dtype.name, out.size, plan, topk, bits,
+                                      fill, validate)
+    plan = np.ascontiguousarray(plan, dtype=np.int64)
+    lib.gputq_unpack_scatter(staging.ctypes.data, plan.ctypes.data, len(plan), int(topk), int(bits),
+                             out.ctypes.data, int(fill))
+    return out
+
+
+def pack_rows_host(ids: np.ndarray, bits: int, num_experts: int, out: np.ndarray, layer_major: bool) -> int | None:
+    """Pack int32 ``ids`` ``[rows, layers, K]`` into uint8 ``out`` (``[rows, layers, bytes]``, or
+    ``[layers, rows, bytes]`` with ``layer_major``), checking each ID below ``num_experts``.
+
+    Returns None when the codec cannot take them (not loaded, or ``ids``
+    not C-contiguous native int32: the caller packs with numpy), -1 when
+    packed, else the flat index of the first ID out of range.
+    """
+    lib = host_codec()
+    if lib is None or ids.dtype != np.dtype("=i4") or not ids.flags.c_contiguous or ids.ndim != 3 \
+            or not out.flags.c_contiguous:
+        return None
+    rows, layers, topk = ids.shape
+    row_bytes = out.shape[-1]
+    strides = (row_bytes, rows * row_bytes) if layer_major else (layers * row_bytes, row_bytes)
+    return int(lib.gputq_pack_rows(ids.ctypes.data, rows, layers, topk, bits, num_experts, out.ctypes.data,
+                                   *strides))

@@ -1,0 +1,118 @@
+"""The host codec of packed IDs (``host_codec.c``, built on first use) against the numpy reference, and its
+fallback to numpy where it cannot be built."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gputq.data.fields import canonicalize, routed_experts_spec
+from gputq.data.packing import pack_rows
+from gputq.errors import FieldValueError, PlanError
+from gputq.kernels import host_native
+from gputq.kernels.host_native import host_codec, host_codec_status, pack_rows_host, unpack_rows_host, \
+    unpack_scatter_host
+from gputq.kernels.reference import reference_unpack_scatter
+from tests.data.test_packing import _encode_bitwise
+from tests.kernels.test_reference import random_plan
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def codec():
+    if host_codec() is None:
+        pytest.skip(f"no host codec here: {host_codec_status()}")
+    return host_codec()
+
+
+@pytest.mark.parametrize("bits", range(1, 17))
+def test_unpack_matches_the_reference_for_every_topk_and_tail(codec, bits):
+    # 1 to 40 rows: the last rows of a buffer (fewer than 16 bytes left) take the byte-at-a-time loop.
+    rng = np.random.default_rng(bits)
+    for topk in range(1, 17):
+        rows = int(rng.integers(1, 41))
+        ids = rng.integers(0, 1 << bits, (rows, topk))
+        packed = _encode_bitwise(ids, bits)
+        got = np.full((rows, topk), -9, np.int32)
+        unpack_rows_host(packed, topk, bits, got)
+        np.testing.assert_array_equal(got, ids, err_msg=f"bits {bits} topk {topk}")
+        plan = random_plan(rng, rows, rows + 9, max_frag=5)
+        want = reference_unpack_scatter(packed.reshape(-1), plan, topk, bits, np.full((rows + 9) * topk, -7, np.int32),
+                                        fill=3)
+        got = unpack_scatter_host(packed.reshape(-1), plan, topk, bits, np.full((rows + 9) * topk, -7, np.int32),
+                                  fill=3)
+        np.testing.assert_array_equal(got, want, err_msg=f"bits {bits} topk {topk}")
+
+
+def test_unpack_into_strided_rows_writes_only_them(codec):
+    ids = np.random.default_rng(3).integers(0, 384, (50, 8))
+    target = np.full((50, 4, 8), -1, np.int32)
+    unpack_rows_host(pack_rows(ids, 384), 8, 9, target[:, 2])  # rows 128 bytes apart
+    np.testing.assert_array_equal(target[:, 2], ids)
+    assert (target[:, [0, 1, 3]] == -1).all()
+
+
+def test_unpack_scatter_refuses_what_the_reference_refuses(codec):
+    staging = np.zeros(9 * 4, np.uint8)
+    with pytest.raises(PlanError, match="plan row 0"):
+        unpack_scatter_host(staging, [[3, 0, 2]], 8, 9, np.zeros(8 * 4, np.int32))
+    with pytest.raises(PlanError, match="whole rows"):
+        unpack_scatter_host(staging[:10], [[0, 0, 1]], 8, 9, np.zeros(8 * 4, np.int32))
+
+
+@pytest.mark.parametrize("layer_major", [False, True])
+@pytest.mark.parametrize("experts,topk", [(2, 1), (128, 8), (384, 8), (512, 10), (1000, 16), (65536, 20)])
+def test_pack_writes_the_references_bytes_in_either_layout(codec, experts, topk, layer_major):
+    ids = np.random.default_rng(experts).integers(0, experts, (300, 5, topk)).astype(np.int32)
+    want = pack_rows(ids, experts)  # [300, 5, bytes], numpy
+    out = np.full(want.shape, 0xEE, np.uint8)
+    assert pack_rows_host(ids, max(1, (experts - 1).bit_length()), experts, out, layer_major) == -1
+    got = out.reshape(5, 300, -1).transpose(1, 0, 2) if layer_major else out
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pack_returns_the_first_bad_id_and_canonicalize_names_it(codec):
+    ids = np.random.default_rng(4).integers(0, 384, (1000, 5, 8)).astype(np.int32)
+    ids[700, 4, 7], ids[700, 1, 2], ids[900, 0, 0] = 384, -1, 999
+    out = np.zeros((1000, 5, 9), np.uint8)
+    assert pack_rows_host(ids, 9, 384, out, False) == (700 * 5 + 1) * 8 + 2
+    with pytest.raises(FieldValueError, match=r"expert ID -1 at index \[700, 1, 2\] is outside \[0, 384\)"):
+        canonicalize("k", routed_experts_spec(5, 8, "packed", 384), ids, layer_major=True)
+
+
+def test_inputs_the_codec_does_not_take_are_left_to_numpy(codec):
+    ids = np.random.default_rng(5).integers(0, 384, (10, 5, 8))
+    out = np.zeros((10, 5, 9), np.uint8)
+    for other in (ids.astype(">i4"), ids.astype(np.int64), np.asfortranarray(ids.astype(np.int32))):
+        assert pack_rows_host(other, 9, 384, out, False) is None
+    # canonicalize packs those with numpy: the same bytes
+    spec = routed_experts_spec(5, 8, "packed", 384)
+    np.testing.assert_array_equal(canonicalize("k", spec, ids.astype(">i4")), canonicalize("k", spec, ids.astype("<i4")))
+
+
+def test_without_a_compiler_or_when_told_numpy_is_used(monkeypatch, tmp_path):
+    monkeypatch.setattr(host_native, "_state", {})
+    monkeypatch.setenv("GPUTQ_HOST_CODEC", "numpy")
+    assert host_codec() is None and "GPUTQ_HOST_CODEC=numpy" in host_codec_status()
+    monkeypatch.setattr(host_native, "_state", {})
+    monkeypatch.delenv("GPUTQ_HOST_CODEC")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang
+    monkeypatch.delenv("CC", raising=False)
+    assert host_codec() is None and "no C compiler" in host_codec_status()
+    # the numpy path gives the same bytes
+    ids = np.random.default_rng(6).integers(0, 100, (40, 3, 8))
+    got = np.zeros((40, 8), np.int32)
+    packed = pack_rows(ids, 100)
+    np.testing.assert_array_equal(unpack_rows_host(np.ascontiguousarray(packed[:, 1]), 8, 7, got), ids[:, 1])
+
+
+def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(host_native, "_state", {})
+    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("GPUTQ_CACHE_DIR", str(tmp_path / "cache"))
+    assert host_codec() is None
+    assert "failed" in host_codec_status() and "internal error" in host_codec_status()
