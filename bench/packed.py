@@ -6,13 +6,19 @@ For each (E, K) of ``--shapes`` (default 128/8, 256/8, 384/8, 512/10, the
 experts and top-k of today's MoE models) one step of ``[T, L, K]`` int32
 IDs below E is timed, interleaved, in one run:
 
-- **pack**: :func:`gputq.data.packing.pack_rows` (checks every ID, then
-  packs at ``ceil(log2 E)`` bits), against **the pass**: ``bench.put``'s
-  chunked pass that narrows the same IDs to uint16 and checks their range,
-  the strongest plain-numpy baseline of what a writer must do anyway;
-- **unpack**: :func:`gputq.kernels.reference.unpack_rows_into` of the
-  packed rows into int32, against **the widen**: the same int32 output
-  widened from uint16 rows, what a host restore of uint16 IDs does.
+- **pack**: what ``Writer.put`` runs, :func:`gputq.data.fields.canonicalize`
+  of a packed spec into layer-major bytes (checks every ID, packs at
+  ``ceil(log2 E)`` bits: the host codec, ``kernels/host_codec.c``, where it
+  builds), against **the pass**: ``bench.put``'s chunked pass that narrows
+  the same IDs to uint16 and checks their range, the strongest plain-numpy
+  baseline of what a writer must do anyway;
+- **unpack**: :func:`gputq.kernels.host_native.unpack_rows_host` of the
+  packed rows into int32 (the codec the host restores use), against **the
+  widen**: the same int32 output widened from uint16 rows, what a host
+  restore of uint16 IDs does;
+- for reference, numpy's own codec (:func:`~gputq.data.packing.pack_rows`,
+  :func:`~gputq.kernels.reference.unpack_rows_into`), which runs where no C
+  compiler is.
 
 Medians of ``--repeats`` (after one warm-up), GB/s per int32 byte (the
 input of pack, the output of unpack), and the ratios the issue's goals are
@@ -32,7 +38,9 @@ import numpy as np
 
 from bench.common import add_json_flag, emit_json, print_header, print_table
 from bench.put import one_pass
+from gputq.data.fields import canonicalize, routed_experts_spec
 from gputq.data.packing import bits_for, pack_rows
+from gputq.kernels.host_native import host_codec_status, unpack_rows_host
 from gputq.kernels.plan import packed_row_bytes
 from gputq.kernels.reference import unpack_rows_into
 
@@ -62,14 +70,19 @@ def measure(experts: int, topk: int, tokens: int, layers: int, repeats: int) -> 
     narrow = ids.astype(np.uint16).reshape(-1, topk)
     restored = np.empty((tokens * layers, topk), np.int32)
     the_pass = one_pass("uint16", {"routed_experts": ids})
-    times: dict[str, list] = {"pack": [], "pass": [], "unpack": [], "widen": []}
+    spec = routed_experts_spec(layers, topk, "packed", experts)
+    put_pack = lambda: canonicalize("bench", spec, ids, out=packed_out, layer_major=True)  # noqa: E731
+    times: dict[str, list] = {"pack": [], "pass": [], "unpack": [], "widen": [], "numpy_pack": [], "numpy_unpack": []}
     for _ in range(3):  # alternate, so that drift on a shared host hits both sides
-        times["pack"].append(_median_s(lambda: pack_rows(ids, experts, out=packed_out), repeats))
+        times["pack"].append(_median_s(put_pack, repeats))
         times["pass"].append(_median_s(the_pass, repeats))
-        times["unpack"].append(_median_s(lambda: unpack_rows_into(rows, topk, bits, restored), repeats))
+        times["numpy_pack"].append(_median_s(lambda: pack_rows(ids, experts, out=packed_out), repeats))
+        times["unpack"].append(_median_s(lambda: unpack_rows_host(rows, topk, bits, restored), repeats))
         times["widen"].append(_median_s(lambda: np.copyto(restored, narrow, casting="unsafe"), repeats))
+        times["numpy_unpack"].append(_median_s(lambda: unpack_rows_into(rows, topk, bits, restored), repeats))
     med = {k: statistics.median(v) for k, v in times.items()}
     assert np.array_equal(restored, ids.reshape(-1, topk))
+    assert np.array_equal(put_pack().transpose(1, 0, 2), packed)
     gbps = {k: ids.nbytes / s / 1e9 for k, s in med.items()}
     return {"experts": experts, "topk": topk, "bits": bits, "row_bytes": row_bytes, "uint8_row_bytes": topk,
             "uint16_row_bytes": 2 * topk, **{f"{k}_gbps": v for k, v in gbps.items()},
@@ -88,12 +101,14 @@ def main(argv=None) -> int:
         parser.error("--tokens, --layers and --repeats must be >= 1")
     rows = [measure(e, k, args.tokens, args.layers, args.repeats) for e, k in args.shapes]
     if args.json:
-        emit_json({"bench": "packed", "tokens": args.tokens, "layers": args.layers, "rows": rows})
+        emit_json({"bench": "packed", "tokens": args.tokens, "layers": args.layers, "host_codec": host_codec_status(),
+                   "rows": rows})
         return 0
     print_header("packed expert IDs on the host", tokens=args.tokens, layers=args.layers, repeats=args.repeats,
-                 cpus=os.cpu_count())
+                 cpus=os.cpu_count(), host_codec=host_codec_status())
     print_table(rows, ["experts", "topk", "bits", "row_bytes", "uint16_row_bytes", "pack_gbps", "pass_gbps",
-                       "pack_vs_pass", "unpack_gbps", "widen_gbps", "unpack_vs_widen"])
+                       "pack_vs_pass", "unpack_gbps", "widen_gbps", "unpack_vs_widen", "numpy_pack_gbps",
+                       "numpy_unpack_gbps"])
     print("GB/s per int32 byte (pack's input, unpack's output); goals: pack_vs_pass <= 1.5, unpack_vs_widen >= 0.8")
     return 0
 
