@@ -54,6 +54,21 @@ void gputq_unpack_rows(const uint8_t* src, int64_t rows, int topk, int bits, int
     for (; r < rows; ++r) unpack_row(src + r * row_bytes, topk, bits, dst + r * dst_stride);
 }
 
+/* Rows [src_row, src_row + rows) of a layer-major blob [layers, blob_rows, row_bytes] into token-major int32
+   dst [rows, layers, topk]: a chunk of tokens at a time, every layer of it, so that the chunk's output rows
+   stay in cache while each layer writes its IDs into them. */
+void gputq_unpack_token_major(const uint8_t* blob, int64_t blob_rows, int64_t src_row, int64_t rows, int layers,
+                              int topk, int bits, int32_t* dst) {
+    const int row_bytes = (topk * bits + 7) >> 3;
+    const int64_t chunk = 256;
+    for (int64_t c = 0; c < rows; c += chunk) {
+        const int64_t n = rows - c < chunk ? rows - c : chunk;
+        for (int l = 0; l < layers; ++l)
+            gputq_unpack_rows(blob + ((int64_t)l * blob_rows + src_row + c) * row_bytes, n, topk, bits,
+                              dst + (c * layers + l) * topk, (int64_t)layers * topk);
+    }
+}
+
 /* The plan's rows (src_row, dst_row, rows; src_row < 0 writes `fill`), validated by the caller. */
 void gputq_unpack_scatter(const uint8_t* src, const int64_t* plan, int64_t nplan, int topk, int bits,
                           int32_t* dst, int32_t fill) {

@@ -32,7 +32,7 @@ from .plan import check_unpack_call
 from .reference import reference_unpack_scatter, unpack_rows_into
 
 __all__ = ["HOST_CODEC_SOURCE", "host_codec", "host_codec_status", "unpack_rows_host", "unpack_scatter_host",
-           "pack_rows_host"]
+           "unpack_token_major_host", "pack_rows_host"]
 
 HOST_CODEC_SOURCE = Path(__file__).with_name("host_codec.c")
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
@@ -113,6 +113,9 @@ def _typed(lib):
     lib.gputq_unpack_rows.restype = None
     lib.gputq_unpack_scatter.argtypes = [c.c_void_p, c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_void_p, c.c_int32]
     lib.gputq_unpack_scatter.restype = None
+    lib.gputq_unpack_token_major.argtypes = [c.c_void_p, c.c_int64, c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_int,
+                                             c.c_void_p]
+    lib.gputq_unpack_token_major.restype = None
     lib.gputq_pack_rows.argtypes = [c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p,
                                     c.c_int64, c.c_int64]
     lib.gputq_pack_rows.restype = c.c_int64
@@ -127,6 +130,21 @@ def unpack_rows_host(rows: np.ndarray, topk: int, bits: int, out: np.ndarray) ->
             or out.strides[1] != 4 or out.strides[0] % 4 or not out.flags.writeable:
         return unpack_rows_into(rows, topk, bits, out)
     lib.gputq_unpack_rows(rows.ctypes.data, len(rows), topk, bits, out.ctypes.data, out.strides[0] // 4)
+    return out
+
+
+def unpack_token_major_host(blob: np.ndarray, src_row: int, rows: int, topk: int, bits: int,
+                            out: np.ndarray) -> np.ndarray:
+    """Rows ``[src_row, src_row + rows)`` of a layer-major packed blob (uint8 ``[L, blob_rows, bytes]``) into
+    token-major int32 ``out`` ``[rows, L, K]``, by the codec where it loads and the arrays allow."""
+    lib = host_codec()
+    if lib is None or not blob.flags.c_contiguous or not out.flags.c_contiguous or out.dtype != np.int32 \
+            or not out.flags.writeable:
+        for layer in range(blob.shape[0]):
+            unpack_rows_into(blob[layer, src_row:src_row + rows], topk, bits, out[:, layer])
+        return out
+    lib.gputq_unpack_token_major(blob.ctypes.data, blob.shape[1], src_row, rows, blob.shape[0], topk, bits,
+                                 out.ctypes.data)
     return out
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from gputq.client.shard_plan import FieldStage
 from gputq.kernels import MappedSource
-from gputq.kernels.host_native import unpack_rows_host
+from gputq.kernels.host_native import unpack_token_major_host
 
 __all__ = ["token_major_on_host", "host_torch"]
 
@@ -81,14 +81,17 @@ def _unpack_token_major(blob_at, stage: FieldStage, layouts, offsets, target: np
     layers, (topk, bits) = target.shape[1], stage.packing
     row_bytes = stage.row_bytes // layers
     for layout, first in zip(layouts, offsets):
-        target[first:first + layout.rows] = fill  # then every fragment's rows over it
-        for frag in layout.fragments:
+        cursor = 0
+        for frag in layout.fragments:  # sorted by target row
+            if frag.dst_row > cursor:
+                target[first + cursor:first + frag.dst_row] = fill
             blob = blob_at(stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.row_bytes,
                            layers * frag.ref.rows * row_bytes).reshape(layers, frag.ref.rows, row_bytes)
             dst = first + frag.dst_row
-            for layer in range(layers):
-                unpack_rows_host(blob[layer, frag.src_row:frag.src_row + frag.rows], topk, bits,
-                                 target[dst:dst + frag.rows, layer])
+            unpack_token_major_host(blob, frag.src_row, frag.rows, topk, bits, target[dst:dst + frag.rows])
+            cursor = frag.dst_row + frag.rows
+        if cursor < layout.rows:
+            target[first + cursor:first + layout.rows] = fill
 
 
 def host_torch(dtype: np.dtype):

@@ -116,3 +116,15 @@ def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("GPUTQ_CACHE_DIR", str(tmp_path / "cache"))
     assert host_codec() is None
     assert "failed" in host_codec_status() and "internal error" in host_codec_status()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["codec", "numpy"])
+def test_a_layer_major_blobs_rows_unpack_token_major(codec, native, monkeypatch):
+    # 600 tokens (chunks of 256 and a tail), rows 100..550 of a [5, 600, 9] blob into [450, 5, 8]
+    if not native:
+        monkeypatch.setattr(host_native, "host_codec", lambda: None)
+    ids = np.random.default_rng(7).integers(0, 384, (600, 5, 8))
+    blob = np.ascontiguousarray(pack_rows(ids, 384).transpose(1, 0, 2))
+    out = np.full((450, 5, 8), -1, np.int32)
+    host_native.unpack_token_major_host(blob, 100, 450, 8, 9, out)
+    np.testing.assert_array_equal(out, ids[100:550])
