@@ -24,7 +24,9 @@ steps of each token count this measures, in one run:
   ``canonicalize`` is timed both ways on the same step, interleaved.
 
 Expert steps are ``[T, 48, 8]`` int32 IDs below 128 stored as uint8,
-uint16 or int32; logprob steps are ``[T]`` float32. The units run in child
+uint16, int32 or packed (7 bits an ID: 7 bytes a row and layer; its pass
+is uint8's, the narrowest whole-byte format those IDs fit); logprob steps
+are ``[T]`` float32. The units run in child
 processes (``--units``, tcp over loopback), as in a deployment. Ratios are
 put p50 over the pass p50 of the same row, and p99 over p50 of put; the
 ``--json`` line has the worst of each over the expert steps
@@ -72,7 +74,9 @@ from gputq.data.fields import canonicalize, routed_experts_spec, row_nbytes
 __all__ = ["main", "step_fields", "one_pass"]
 
 LAYERS, TOPK = 48, 8
-KINDS = ("uint8", "uint16", "int32", "logprobs")
+KINDS = ("uint8", "uint16", "int32", "packed", "logprobs")
+#: The experts the IDs are drawn below: packed steps store them at 7 bits.
+EXPERTS = 128
 _MIB = 1 << 20
 #: Most untimed rounds a latency row runs before timing (see latency_row).
 WARM_ROUNDS = 8
@@ -84,7 +88,7 @@ def step_fields(kind: str, tokens: int, rng: np.random.Generator) -> dict[str, n
     """A step's fields as the engine hands them over (int32 IDs, float32 logprobs)."""
     if kind == "logprobs":
         return {"logprobs": -rng.random(tokens, dtype=np.float32)}
-    return {"routed_experts": rng.integers(0, 128, (tokens, LAYERS, TOPK), dtype=np.int32)}
+    return {"routed_experts": rng.integers(0, EXPERTS, (tokens, LAYERS, TOPK), dtype=np.int32)}
 
 
 def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> Callable[[], object]:
@@ -100,7 +104,7 @@ def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_
     """
     name = "logprobs" if kind == "logprobs" else "routed_experts"
     source = fields[name]
-    stored = np.dtype(np.float32 if kind == "logprobs" else kind)
+    stored = np.dtype({"logprobs": np.float32, "packed": np.uint8}.get(kind, kind))
     out = np.empty(source.shape, stored)
     out.fill(0)  # touched once: the writer's buffers are warm too
     step = max(1, chunk_bytes // max(1, source[:1].nbytes))
@@ -118,6 +122,11 @@ def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_
         return out
 
     return run
+
+
+def _stored_as(config: GputqConfig, kind: str) -> GputqConfig:
+    """``config`` storing expert IDs as ``kind`` (logprob steps leave them int32)."""
+    return config.replace(routed_experts_dtype="int32" if kind == "logprobs" else kind, num_experts=EXPERTS)
 
 
 def _release(clients: UnitClients, partition: str) -> None:
@@ -176,8 +185,7 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
     fields = step_fields(kind, tokens, rng)
     baseline = one_pass(kind, fields)
     step_bytes = sum(a.nbytes for a in fields.values())
-    cfg = config.replace(routed_experts_dtype="int32" if kind == "logprobs" else kind,
-                         writer_inflight_bytes=max(config.writer_inflight_bytes, (flush_every + 1) * step_bytes))
+    cfg = _stored_as(config, kind).replace(writer_inflight_bytes=max(config.writer_inflight_bytes, (flush_every + 1) * step_bytes))
     put_s, pass_s, sched = [], [], []
     stat = _SchedStat()
     with contextlib.closing(stat), Writer(clients, cfg) as writer:
@@ -230,7 +238,7 @@ def layout_row(kind: str, tokens: int, rng, repeats: int = 9) -> dict:
     """
     fields = step_fields(kind, tokens, rng)
     experts = fields["routed_experts"]
-    spec = routed_experts_spec(LAYERS, TOPK, kind)
+    spec = routed_experts_spec(LAYERS, TOPK, kind, EXPERTS)
     buffer = np.empty(experts.shape[0] * row_nbytes(spec), np.uint8)
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats + 1):
@@ -247,7 +255,7 @@ def throughput_row(clients, config, kind: str, tokens: int, threads: int, steps:
     """Steps per second with ``threads`` threads putting into one writer, until all bytes landed."""
     fields = step_fields(kind, tokens, rng)
     step_bytes = sum(a.nbytes for a in fields.values())
-    cfg = config.replace(routed_experts_dtype="int32" if kind == "logprobs" else kind)
+    cfg = _stored_as(config, kind)
     per_thread = -(-steps // threads)
     errors: list[BaseException] = []
     with Writer(clients, cfg) as writer:
