@@ -104,12 +104,12 @@ def _times(total: float, socket: float, memcpy: float, repeats: int = 3, ceiling
 
 def test_fetch_goals_are_judged_per_transport_on_shards_of_16_mib_and_more():
     nbytes = 64 << 20
-    tcp = fetch._row("copy", "tcp", 8, nbytes, _times(1.0, 0.95, 0.1), 2, False)
+    tcp = fetch._row("copy", "tcp", 8, nbytes, _times(1.0, 0.95, 0.1), 2, False, "uint16", 2 * nbytes)
     assert tcp["ratio_vs_socket"] == 0.95 and tcp["goal"] == "met (0.95 vs 0.9x socket)"
-    shm = fetch._row("in place", "shm", 8, nbytes, _times(1.0, 0.5, 0.5), 2, True)
+    shm = fetch._row("in place", "shm", 8, nbytes, _times(1.0, 0.5, 0.5), 2, True, "uint16", 2 * nbytes)
     assert shm["total_vs_memcpy"] == 0.5 and shm["total_vs_memcpy1"] == 1.0 and shm["fetch_GBps"] is None
     assert shm["goal"] == "missed (0.50 vs 0.8x memcpy)" and shm["threads"] == 2
-    small = fetch._row("copy", "tcp", 1, 1 << 20, _times(1.0, 0.1, 0.1), 2, False)
+    small = fetch._row("copy", "tcp", 1, 1 << 20, _times(1.0, 0.1, 0.1), 2, False, "uint16", 2 << 20)
     assert small["goal"] == "n/a (< 16 MiB)"
     summary = fetch._summary([tcp, shm, small])
     assert summary["goal_met"] == {"copy": True, "in place": False} and summary["goal_met_all"] is False
@@ -117,6 +117,8 @@ def test_fetch_goals_are_judged_per_transport_on_shards_of_16_mib_and_more():
     # The ceiling against each row's goal baseline: the socket's 0.95 s over tcp, the memcpy's 0.5 s over shm.
     assert (tcp["ceiling_vs_goal_base"], shm["ceiling_vs_goal_base"]) == (1.9, 1.0)
     assert tcp["total_vs_ceiling"] == shm["total_vs_ceiling"] == 0.5 and summary["ceiling_vs_goal_base"] == 1.0
+    # restored bytes a second: twice the compact bytes over the call-to-return time; one format: 1.0 of itself
+    assert tcp["out_GBps"] == round(2 * nbytes / 1.0 / 1e9, 2) and tcp["out_vs_first"] == shm["out_vs_first"] == 1.0
 
 
 @pytest.mark.rdma
