@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Every GPU check in one call, for a short GPU lease: the step timeouts add up to under 5 minutes
-# (100 + 20 + 50 + 3 x 40 s) on one H200 with 16 cores:
+# Every GPU check in one call, for a short GPU lease: the step timeouts add up to about 5 minutes
+# (100 + 20 + 70 + 3 x 40 s) on one H200 with 16 cores:
 #   1. the GPU tests (kernel vs numpy reference bit for bit, zero-copy from mapped host memory,
 #      pinned arenas, tcp staging into CUDA memory, shm reads into CUDA memory, full shard restore
 #      into GPU memory over tcp, shm (in place and copied) and rdma);
 #   2. the machine's anchors: pinned host-to-GPU copy, device copy, host memcpy, plain socket;
-#   3. the kernel benchmark (widen+scatter vs device copy vs naive torch, host time per launch);
+#   3. the kernel benchmark (widen+scatter vs device copy vs naive torch, host time per launch; the
+#      unpack kernel of packed IDs vs a device copy of its output);
 #   4. a shard fetched and restored into GPU memory over shm (copied first, and in place), rdma and tcp;
 # then a short table last, every fetch with its ratio to the pinned copy of the same run.
 # Logs and JSON land in $OUT (default out/gpu_check).
@@ -64,7 +65,7 @@ timeout 20 $PY -m bench.anchors --mib 256 --json 2>&1 | tee "$OUT/anchors.log" |
 
 step "kernel benchmark"
 # 2 groups per thread as well: the uint8 kernel then fits 32 registers (8 blocks per SM, not 6)
-timeout 50 $PY -m bench.kernel --json --steps "${KERNEL_STEPS:-2,4}" 2>&1 \
+timeout 70 $PY -m bench.kernel --json --steps "${KERNEL_STEPS:-2,4}" 2>&1 \
     | tee "$OUT/kernel.log" | tail -9
 
 # over shm one run times both paths: copied in spans first, and read in place (zero-copy)

@@ -43,6 +43,12 @@ def _kernel_rows(kernel: dict) -> list[tuple[str, str]]:
         for steps, gbps in r.get("steps_gbps", {}).items():
             rows.append((f"kernel {dtype}, {steps} groups/thread",
                          f"{gbps:.0f} GB/s, {gbps / r['copy_gbps']:.2f}x copy"))
+    packed = kernel.get("packed")
+    if packed:
+        match = "" if packed["matches_reference"] else ", WRONG BYTES (differs from the host codec)"
+        rows.append((f"unpack E={packed['experts']} ({packed['bits']} bits)",
+                     f"{packed['kernel_out_gbps']:.0f} GB/s out, {packed['ratio_vs_copy']:.2f}x a copy of its "
+                     f"output ({packed['copy_out_gbps']:.0f}){match}"))
     host = kernel.get("host", {})
     if host:
         call = f", whole call {host['launch_us']:.0f} us" if "launch_us" in host else ""

@@ -99,7 +99,10 @@ def rollout_plan(rollout: Rollout, units: list[str], dtype: str, run: str = "r")
     from gputq.data.keys import step_key
     from gputq.tools.synthetic import generate_calls
 
-    itemsize = np.dtype(dtype).itemsize
+    from gputq.data.fields import routed_experts_spec, row_nbytes
+
+    synth = rollout.synth
+    row_bytes = row_nbytes(routed_experts_spec(synth.layers, synth.topk, dtype, synth.num_experts))
     per_unit = dict.fromkeys(units, 0)
     r3_int32 = 0
     for s in range(rollout.sessions):
@@ -109,7 +112,7 @@ def rollout_plan(rollout: Rollout, units: list[str], dtype: str, run: str = "r")
             r3_int32 += experts.size * 4
             unit = rendezvous_unit(step_key(_partition(run, s), call.session_id, call.step_index), units)
             # Blocks are 256-byte aligned in the arena.
-            per_unit[unit] += -(-experts.size * itemsize // 256) * 256 + -(-logprobs.nbytes // 256) * 256
+            per_unit[unit] += -(-len(experts) * row_bytes // 256) * 256 + -(-logprobs.nbytes // 256) * 256
     return {"r3_int32": r3_int32, "per_unit": per_unit}
 
 
@@ -144,11 +147,10 @@ class Proxy:
 
         from gputq.client.clients import UnitClients
         from gputq.client.writer import Writer
-        from gputq.data.fields import FieldRegistry
         from gputq.data.trajectory import lineage_segments
         from gputq.tools.synthetic import build_sessions
 
-        fields = FieldRegistry.builtin(rollout.synth.layers, rollout.synth.topk, config.routed_experts_dtype)
+        fields = config.field_registry(rollout.synth.layers, rollout.synth.topk)
         with UnitClients(membership, config) as clients, Writer(clients, config) as writer:
             for s in range(rollout.sessions):
                 partition = _partition(run, s)
@@ -310,7 +312,8 @@ def run_gputq(ray, rollout: Rollout, units: int, dtype: str, args, run: str, are
     capacity = (args.fixed_capacity_mib * _MIB if arena == "fixed"
                 else int(max(plan["per_unit"].values()) * 1.02) + _MIB)
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=dtype,
-                         transport=args.transport, num_units=units, unit_capacity_bytes=capacity)
+                         num_experts=rollout.synth.num_experts, transport=args.transport, num_units=units,
+                         unit_capacity_bytes=capacity)
     with Deployment.start(config, per_node=bool(args.hosts)) as deployment:
         config = deployment.config
         membership = deployment.membership()
@@ -509,7 +512,8 @@ def main(argv=None) -> None:
     parser.add_argument("--units", default="2,4,8", help="StorageUnit counts N to sweep (one machine)")
     parser.add_argument("--hosts", type=int, default=0,
                         help="run on N namespace hosts, a unit on each (needs root); --units is then N")
-    parser.add_argument("--dtypes", default="int32,uint16,uint8", help="stored expert-ID dtypes to sweep")
+    parser.add_argument("--dtypes", default="int32,uint16,uint8",
+                        help="stored expert-ID formats to sweep (packed: at the bits --experts needs)")
     parser.add_argument("--fixed-capacity-mib", type=int, default=None,
                         help="every unit's arena in the fixed-capacity runs; 0 skips them "
                              "(default: the config's unit_capacity_bytes)")

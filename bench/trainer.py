@@ -122,6 +122,7 @@ from gputq.client.stream_plan import plan_stream
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
 from gputq.data.refs import Layout
+from gputq.data.fields import routed_experts_spec, row_nbytes
 from gputq.data.slices import ParallelSlice
 
 _MIB = 1 << 20
@@ -370,7 +371,7 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
     reads_pass = None
     stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
     units = [child.pid for child in multiprocessing.active_children()]  # the bench's only children so far
-    ids = np.dtype(args.dtype)
+    ids = np.dtype(args.dtype if args.dtype in ("uint8", "uint16", "int32") else "uint8")  # packed: a uint8 widen
     with contextlib.ExitStack() as stack:
         if transport == "shm":
             src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
@@ -455,8 +456,10 @@ def _frozen_gc():
 def run(args) -> dict:
     scales = [int(s) for s in args.scales.split(",")]
     samples_total = args.dp * args.samples * max(scales)
-    sample_bytes = (args.tokens - 1) * args.layers * args.topk * np.dtype(args.dtype).itemsize + args.tokens * 2
+    row_bytes = row_nbytes(routed_experts_spec(args.layers, args.topk, args.dtype, _EXPERTS))
+    sample_bytes = (args.tokens - 1) * row_bytes + args.tokens * 2
     config = GputqConfig(transport=args.transport, num_units=args.units, routed_experts_dtype=args.dtype,
+                         num_experts=_EXPERTS,
                          unit_capacity_bytes=int(samples_total * sample_bytes * 1.2 / args.units) + 64 * _MIB,
                          host="127.0.0.1")
     result: dict = {"dp": args.dp, "pp": args.pp, "cp": args.cp, "tokens": args.tokens, "layers": args.layers,
@@ -550,7 +553,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--dtype", choices=("uint8", "uint16", "int32"), default="uint16")
+    parser.add_argument("--dtype", choices=("uint8", "uint16", "int32", "packed"), default="uint16",
+                        help="stored expert IDs (packed: 7 bits, IDs below 128)")
     parser.add_argument("--samples", type=int, default=8, help="segments per DP rank at scale 1")
     parser.add_argument("--mb-samples", type=int, default=2, help="segments per micro-batch")
     parser.add_argument("--prefetch", type=int, default=2)

@@ -57,6 +57,11 @@ def test_rollout_plan_places_every_step_and_scales_with_dtype():
     assert sum(wide["per_unit"].values()) >= wide["r3_int32"]
     assert sum(narrow["per_unit"].values()) < sum(wide["per_unit"].values())
     assert all(v % 256 == 0 for v in wide["per_unit"].values())
+    # packed: 8 IDs below 64 at 6 bits, 6 bytes a row and layer against uint8's 8 (each step's blob 256-aligned)
+    rollout = Rollout(sessions=2, synth=SyntheticConfig(sessions=1, steps_per_session=2, layers=4, topk=8,
+                                                        num_experts=64, prompt_tokens=640, tokens_per_step=640, seed=5))
+    packed, uint8 = (sum(rollout_plan(rollout, ["su-0"], d)["per_unit"].values()) for d in ("packed", "uint8"))
+    assert 0.74 < packed / uint8 < 0.8
 
 
 def test_host_shares_compare_the_masters_unit_with_one_over_n():

@@ -64,7 +64,9 @@ def test_gpu_rows_carry_their_ratios_to_the_copies_of_the_same_run(tmp_path):
     steps = {2: 1.0, 4: 1.25}
     results = {"uint8": kernel_result(4_000_000_000, 1.25, 1.0, 5.0, 30.0, True, steps),
                "uint16": kernel_result(4_000_000_000, 1.0, 1.0, 4.0, 30.0, False, {})}
-    (tmp_path / "kernel.log").write_text("...\n" + json.dumps({"results": results, "host": {
+    packed = {"experts": 384, "bits": 9, "row_bytes": 9, "out_bytes": 10**9, "kernel_ms": 0.5, "copy_ms": 0.45,
+              "kernel_out_gbps": 2000.0, "copy_out_gbps": 2222.2, "ratio_vs_copy": 0.9, "matches_reference": False}
+    (tmp_path / "kernel.log").write_text("...\n" + json.dumps({"results": results, "packed": packed, "host": {
         "fragments": 1077, "table_us": 38.0, "launch_us": 44.0}}) + "\n")
     (tmp_path / "fetch_shm.log").write_text(json.dumps({"rows": [
         {"shard_MiB": 256.0, "path": "in place", "fetch+restore_GBps": 45.0, "fetch_GBps": None}]}) + "\n")
@@ -75,5 +77,7 @@ def test_gpu_rows_carry_their_ratios_to_the_copies_of_the_same_run(tmp_path):
     assert table["kernel uint8, 4 groups/thread"] == "3200 GB/s, 0.80x copy"
     assert table["kernel uint16"].endswith("WRONG BYTES (differs from naive torch)")
     assert table["kernel host side, 1077 frags"] == "table 38 us, whole call 44 us"
+    assert table["unpack E=384 (9 bits)"] == ("2000 GB/s out, 0.90x a copy of its output (2222), WRONG BYTES "
+                                              "(differs from the host codec)")
     assert table["fetch+restore->GPU shm in place 256.0 MiB"] == "45.0 GB/s, 0.90x pinned"
     assert table["GPU tests"] == "no result" and "fetch tcp" in table

@@ -128,3 +128,18 @@ def test_a_layer_major_blobs_rows_unpack_token_major(codec, native, monkeypatch)
     out = np.full((450, 5, 8), -1, np.int32)
     host_native.unpack_token_major_host(blob, 100, 450, 8, 9, out)
     np.testing.assert_array_equal(out, ids[100:550])
+
+
+def test_bench_kernels_plan_of_packed_rows_restores_what_the_token_row_plan_widens():
+    # bits 8: one ID a byte, so the packed staging is the uint8 staging; token rows of L*K, packed rows of K
+    from bench.kernel import packed_row_plan
+    from gputq.kernels.reference import reference_widen_scatter
+
+    rng = np.random.default_rng(8)
+    layers, topk, src_rows, dst_rows = 3, 4, 30, 45
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=6)
+    staging = rng.integers(0, 256, src_rows * layers * topk).astype(np.uint8)
+    widened = reference_widen_scatter(staging, plan, layers * topk, np.full(dst_rows * layers * topk, -5, np.int32))
+    unpacked = reference_unpack_scatter(staging, packed_row_plan(plan, layers), topk, 8,
+                                        np.full(dst_rows * layers * topk, -5, np.int32))
+    np.testing.assert_array_equal(unpacked, widened)
