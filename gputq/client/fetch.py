@@ -25,20 +25,29 @@ from gputq.errors import GputqError
 from gputq.kernels import MappedSource
 from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
 
-__all__ = ["read_staged", "ReadsAhead", "lease_in_place", "fits_socket_buffers", "Fetched"]
+__all__ = ["read_staged", "read_requests", "ReadsAhead", "lease_in_place", "fits_socket_buffers", "Fetched"]
 
 
 def read_staged(context: ReadContext, plan: MicroPlan, staging) -> None:
-    """Read ``plan``'s requests into ``staging``: each unit's in sequence, units in parallel (parallel
-    streams from one unit only contend for its cores), the first unit's on this thread."""
+    """Read ``plan``'s span requests into ``staging`` (see :func:`read_requests`)."""
+    read_requests(context, plan.requests, staging)
+
+
+def read_requests(context: ReadContext, requests: list, staging) -> None:
+    """Read ``requests`` into their bytes of ``staging``: each unit's in sequence, units in parallel (parallel
+    streams from one unit only contend for its cores), the largest unit's on this thread.
+
+    A request is a whole shard's :class:`~gputq.client.shard_plan.ReadRequest` or a micro-batch's
+    :class:`~gputq.client.stream_plan.SpanRequest`: both ``read`` themselves from a channel.
+    """
     per_unit: dict[str, list] = {}
-    for r in plan.requests:
+    for r in requests:
         per_unit.setdefault(r.unit, []).append(r)
-    groups = list(per_unit.values())
-    jobs = [context.pool.submit(_read_group, context, group, staging) for group in groups[1:]]
+    groups = sorted(per_unit.values(), key=lambda group: sum(r.stop - r.start for r in group))
+    jobs = [context.pool.submit(_read_group, context, group, staging) for group in groups[:-1]]
     try:
         if groups:
-            _read_group(context, groups[0], staging)
+            _read_group(context, groups[-1], staging)
     finally:
         wait(jobs)  # no read may still be writing into staging when this returns
     for job in jobs:
@@ -47,10 +56,7 @@ def read_staged(context: ReadContext, plan: MicroPlan, staging) -> None:
 
 def _read_group(context: ReadContext, requests: list, staging) -> None:
     for r in requests:
-        dest = staging[r.start:r.stop]
-        r.check_lengths(context.channel(r.unit).read(r.keys, dest, timeout=context.read_timeout_s,
-                                                     generations=r.generations, incarnation=r.incarnation or None,
-                                                     spans=r.spans))
+        r.read(context.channel(r.unit), staging[r.start:r.stop], context.read_timeout_s)
 
 
 def fits_socket_buffers(plan: MicroPlan) -> bool:

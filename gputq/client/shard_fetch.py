@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -31,13 +30,14 @@ import numpy as np
 
 from gputq.client.host_outputs import HostOutputs
 from gputq.client.host_restore import token_major_on_host
+from gputq.client.fetch import read_requests
 from gputq.client.in_place import mapped_staging
 from gputq.client.read_context import ReadContext
 from gputq.client.shard_plan import FieldStage, ReadRequest, build_plan, lay_out, stage_field
 from gputq.data.fields import sample_key_of
 from gputq.data.refs import Layout
 from gputq.data.slices import layer_major
-from gputq.errors import HintMissedError, LayoutError, TransferError
+from gputq.errors import HintMissedError, LayoutError
 from gputq.kernels import unpack_scatter, widen_scatter
 
 __all__ = ["FetchStats", "ShardFetch"]
@@ -115,34 +115,14 @@ class ShardFetch:
             stats.unique_keys_per_unit[request.unit] = \
                 stats.unique_keys_per_unit.get(request.unit, 0) + len(request.keys)
             stats.bytes_fetched += request.stop - request.start
-        # Units in parallel, each unit's requests in sequence (parallel streams from one
-        # unit only contend for its cores); the largest unit's run in this thread.
-        per_unit: dict[str, list] = {}
-        for request in requests:
-            per_unit.setdefault(request.unit, []).append((request, staging[request.start:request.stop]))
-        groups = sorted(per_unit.values(), key=lambda group: sum(dest.nbytes for _, dest in group))
-        jobs = [self._ctx.pool.submit(self._read_group, group) for group in groups[:-1]]
-        try:
-            if groups:
-                self._read_group(groups[-1])
-        finally:
-            wait(jobs)  # no read may still be writing into staging when this returns
-        for job in jobs:
-            job.result()
+        read_requests(self._ctx, requests, staging)
         return staging
-
-    def _read_group(self, reads: list) -> None:
-        for request, dest in reads:
-            self._read(request, dest)
 
     def _restore(self, per_field: dict, staging, samples: int) -> list[dict]:
         results: list[dict] = [{} for _ in range(samples)]
         for name, (layouts, stage) in per_field.items():
             plan, offsets, total = build_plan(stage, layouts)
-            fills = {layout.fill for layout in layouts}
-            if len(fills) > 1:
-                raise LayoutError(f"field {name!r} has several fill values in one shard: {fills}")
-            fill = fills.pop() if fills else 0
+            fill = stage.fill
             restored = np.dtype(layouts[0].dtype) if layouts else np.dtype(np.float32)
             nbytes = total * stage.width * restored.itemsize
             out = (self._outputs.take(nbytes) if self._ctx.on_host else self._ctx.buffers.empty(nbytes)).view(restored)
@@ -182,14 +162,6 @@ class ShardFetch:
         if target.is_cuda and torch.cuda.is_available():  # (a CUDA stand-in's tensors copy synchronously)
             torch.cuda.current_stream(target.device).synchronize()
         return out
-
-    def _read(self, request: ReadRequest, dest) -> None:
-        channel = self._ctx.channel(request.unit)
-        lengths = channel.read(request.keys, dest, timeout=self._ctx.read_timeout_s,
-                               generations=request.generations, incarnation=request.incarnation or None)
-        if sum(lengths) != dest.nbytes:
-            raise TransferError(f"unit {request.unit} returned {sum(lengths)} bytes for {len(request.keys)} "
-                                f"keys, expected {dest.nbytes}", unit=request.unit, keys=request.keys)
 
 
 def _scatter(compact, plan, stage: FieldStage, width: int, out, fill) -> None:

@@ -12,16 +12,16 @@ widen-and-scatter plan over the shard.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from gputq.data.packing import bits_for, packed_row_bytes
+from gputq.data.packing import packed_row_bytes
 from gputq.data.refs import FieldRef, Layout
 from gputq.data.slices import layer_major
-from gputq.errors import LayoutError, StaleReadError
+from gputq.errors import LayoutError, StaleReadError, TransferError
 
-__all__ = ["FieldStage", "ReadRequest", "stage_field", "lay_out", "build_plan", "READ_BATCH_KEYS",
+__all__ = ["FieldStage", "ReadRequest", "StoredFormat", "stored_format", "stage_field", "lay_out", "build_plan", "READ_BATCH_KEYS",
            "READ_BATCH_KEY_BYTES"]
 
 #: Keys per read request.
@@ -42,6 +42,7 @@ class FieldStage:
     refs_by_unit: dict  # unit -> [(key, FieldRef)], sorted by key
     ref_row: dict = field(default_factory=dict)  # (unit, key) -> first row in the staging view
     packing: tuple | None = None  # (K, bits) of packed IDs: a row's last axis in packed_row_bytes(K, bits)
+    fill: float | int = 0  # what rows no fragment covers hold
 
     @property
     def row_bytes(self) -> int:
@@ -67,6 +68,14 @@ class ReadRequest:
     generations: list = field(default_factory=list)
     key_bytes: int = 0
 
+    def read(self, channel, dest, timeout: float | None) -> None:
+        """Read this request's keys from ``channel`` (its unit's) into ``dest``, its bytes of staging."""
+        lengths = channel.read(self.keys, dest, timeout=timeout, generations=self.generations,
+                               incarnation=self.incarnation or None)
+        if sum(lengths) != dest.nbytes:
+            raise TransferError(f"unit {self.unit} returned {sum(lengths)} bytes for {len(self.keys)} keys, expected "
+                                f"{dest.nbytes}", unit=self.unit, keys=self.keys)
+
 
 def stage_field(name: str, layouts: Sequence[Layout]) -> FieldStage:
     refs: dict[tuple[str, str], FieldRef] = {}
@@ -79,17 +88,40 @@ def stage_field(name: str, layouts: Sequence[Layout]) -> FieldStage:
                                      f"{ref.unit} (incarnation {known.incarnation!r} generation "
                                      f"{known.generation}, and {ref.incarnation!r} {ref.generation}); "
                                      f"at most one is current")
-    specs = {(ref.dtype, tuple(ref.row_shape), ref.num_experts) for ref in refs.values()}
-    if len(specs) > 1:
-        raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one shard: {sorted(specs)}")
-    # A field whose samples are all fill rows still has a dtype and row shape: its layouts'.
-    dtype, row_shape, experts = specs.pop() if specs else (layouts[0].dtype, tuple(layouts[0].row_shape), 0)
-    width = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
+    form = stored_format(name, refs.values(), layouts, "shard")
+    width = int(np.prod(form.row_shape, dtype=np.int64)) if form.row_shape else 1
     by_unit: dict[str, list] = {}
     for (unit, key), ref in sorted(refs.items()):
         by_unit.setdefault(unit, []).append((key, ref))
-    packing = (row_shape[-1], bits_for(experts)) if experts else None
-    return FieldStage(name, np.dtype(dtype), tuple(row_shape), width, by_unit, packing=packing)
+    return FieldStage(name, form.dtype, form.row_shape, width, by_unit, packing=form.packing, fill=form.fill)
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    """How one field of a shard or micro-batch is stored and restored: one format for all its blobs."""
+
+    dtype: np.dtype
+    row_shape: tuple
+    packing: tuple | None  # (K, bits) of packed IDs
+    restored: np.dtype
+    fill: float | int
+
+
+def stored_format(name: str, refs: Iterable[FieldRef], layouts: Sequence[Layout], where: str) -> StoredFormat:
+    """The one stored format of field ``name`` over ``refs`` (its blobs) and ``layouts`` (its samples).
+
+    Raises ``LayoutError`` naming ``where`` (a shard, a micro-batch) when its
+    blobs mix dtypes, row shapes or packings, or its layouts fill values.
+    """
+    specs = {(ref.dtype, tuple(ref.row_shape), ref.packing) for ref in refs}
+    if len(specs) > 1:
+        raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one {where}: {sorted(map(str, specs))}")
+    fills = {layout.fill for layout in layouts}
+    if len(fills) > 1:
+        raise LayoutError(f"field {name!r} has several fill values in one {where}: {fills}")
+    # A field whose samples are all fill rows still has a dtype and row shape: its layouts'.
+    dtype, row_shape, packing = specs.pop() if specs else (layouts[0].dtype, tuple(layouts[0].row_shape), None)
+    return StoredFormat(np.dtype(dtype), tuple(row_shape), packing, np.dtype(layouts[0].dtype), fills.pop())
 
 
 def _versions_differ(a: FieldRef, b: FieldRef) -> bool:

@@ -23,6 +23,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from gputq.client.shard_plan import READ_BATCH_KEYS, stored_format
 from gputq.data.packing import packed_row_bytes
 from gputq.data.refs import FieldRef, Layout
 from gputq.data.slices import ParallelSlice, blob_spans, expert_pieces, layer_major, logprob_ranges
@@ -31,8 +32,6 @@ from gputq.transport.spans import MAX_SPANS
 
 __all__ = ["plan_stream", "MicroPlan", "FieldPlan", "SpanRequest"]
 
-#: Keys per span request (as whole-key reads).
-_REQUEST_KEYS = 4096
 
 
 @dataclass
@@ -52,6 +51,11 @@ class SpanRequest:
         to its unit); its reply is left queued."""
         pipe.send(self.keys, timeout, generations=self.generations, incarnation=self.incarnation or None,
                   spans=self.spans)
+
+    def read(self, channel, dest, timeout: float | None) -> None:
+        """Read this request's spans from ``channel`` (its unit's) into ``dest``, its bytes of staging."""
+        self.check_lengths(channel.read(self.keys, dest, timeout=timeout, generations=self.generations,
+                                        incarnation=self.incarnation or None, spans=self.spans))
 
     def check_lengths(self, lengths: list) -> None:
         """Refuse a reply whose lengths do not add up to the request's bytes (``TransferError``)."""
@@ -183,7 +187,7 @@ def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, i
     per unit usually covers them all; a request starts anew where a field's
     rows need padding to start whole (plan rows index each field's compact
     view from byte 0), at a change of the unit's incarnation, and past
-    :data:`_REQUEST_KEYS`, :data:`MAX_SPANS` or ``max_bytes``.
+    :data:`~gputq.client.shard_plan.READ_BATCH_KEYS`, :data:`MAX_SPANS` or ``max_bytes``.
 
     Returns, per field, ``{(unit, key): [(start, stop, plan row of row start
     in the first layer, plan rows from one layer to the next)]}`` (spans go
@@ -203,7 +207,7 @@ def _place(fields: list, requests: list, max_bytes: int | None) -> tuple[list, i
             item, major, row_bytes, align = _row_geometry(ref.dtype, ref.stored_shape)
             spans_of_key = blob_spans(ref.rows, ref.stored_shape, item, runs, layers if major else None)
             nbytes_key = sum(span[1] for span in spans_of_key)
-            if current is None or cursor % row_bytes or len(current.keys) >= _REQUEST_KEYS \
+            if current is None or cursor % row_bytes or len(current.keys) >= READ_BATCH_KEYS \
                     or len(current.spans) + len(spans_of_key) > MAX_SPANS \
                     or (max_bytes is not None and current.keys and cursor + nbytes_key - current.start > max_bytes):
                 cursor = -(-cursor // align) * align
@@ -243,14 +247,8 @@ def _source_row(placed: dict, ref: FieldRef, row: int) -> tuple[int, int]:
 
 def _field_spec(name: str, layouts: Sequence[Layout]) -> tuple[np.dtype, tuple, np.dtype, float | int, tuple | None]:
     """A field's stored dtype, row shape, restored dtype, fill and packing ``(K, bits)`` (or None)."""
-    specs = {(f.ref.dtype, f.ref.row_shape, f.ref.packing) for layout in layouts for f in layout.fragments}
-    if len(specs) > 1:
-        raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one micro-batch: {sorted(map(str, specs))}")
-    fills = {layout.fill for layout in layouts}
-    if len(fills) > 1:
-        raise LayoutError(f"field {name!r} has several fill values in one micro-batch: {fills}")
-    stored, row_shape, packing = specs.pop() if specs else (layouts[0].dtype, layouts[0].row_shape, None)
-    return np.dtype(stored), tuple(row_shape), np.dtype(layouts[0].dtype), fills.pop(), packing
+    form = stored_format(name, (f.ref for layout in layouts for f in layout.fragments), layouts, "micro-batch")
+    return form.dtype, form.row_shape, form.restored, form.fill, form.packing
 
 
 def _expert_field(name: str, layouts: list, m: int, rank: ParallelSlice, ranges, needs: _Needs):

@@ -296,34 +296,15 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
     """
     where = f"key {key!r} field {spec.name!r}"
     arr = np.asarray(array)
-    expected = ("rows", *spec.row_shape)
-    if arr.ndim != 1 + len(spec.row_shape) or tuple(arr.shape[1:]) != spec.row_shape:
-        raise FieldValueError(f"{where}: expected shape [{', '.join(map(str, expected))}], got {arr.shape}")
+    check = _input_check(where, spec, arr)
     stored = np.dtype(spec.dtype)
-    if spec.integral:
-        if arr.dtype.kind not in "iu":
-            raise FieldValueError(f"{where}: expected an integer array, got dtype {arr.dtype}")
-        check = None if _widens(arr.dtype, stored) else _check_range
-    else:
-        if arr.dtype.kind != "f":
-            raise FieldValueError(f"{where}: expected a floating-point array, got dtype {arr.dtype}")
-        check = _check_nan
-    shape = (arr.shape[0], *spec.stored_shape)
-    if out is not None:
-        nbytes = arr.shape[0] * row_nbytes(spec)
-        if not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
-                and out.flags.c_contiguous and out.flags.writeable and out.nbytes >= nbytes):
-            raise InvalidInputError(f"{where}: out must be a writable contiguous uint8 array of at least "
-                                    f"{nbytes} bytes")
-        result = out[:nbytes].view(stored).reshape(shape)
-    elif layer_major or spec.num_experts:
-        result = np.empty(shape, stored)
-    elif arr.dtype == stored and arr.flags.c_contiguous:
+    if out is None and not (layer_major or spec.num_experts) and arr.dtype == stored and arr.flags.c_contiguous:
         if check is not None:
             check(where, arr, arr, 0)
         return arr
-    else:
-        result = np.empty(shape, stored)
+    shape = (arr.shape[0], *spec.stored_shape)
+    result = np.empty(shape, stored) if out is None else _into(where, out, arr.shape[0] * row_nbytes(spec), stored,
+                                                                shape)
     if spec.num_experts:
         if arr.size and _packed_natively(where, arr, result, spec.num_experts, layer_major):
             return result.reshape(-1).reshape((shape[1], shape[0], *shape[2:])) if layer_major else result
@@ -342,6 +323,28 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
         for start in range(0, arr.shape[0], step):
             convert(arr[start:start + step], result[start:start + step], start)
     return result
+
+
+def _input_check(where: str, spec: FieldSpec, arr: np.ndarray):
+    """Refuse a wrong shape or kind of ``arr``; return the check its values need (range, NaN), or None."""
+    if arr.ndim != 1 + len(spec.row_shape) or tuple(arr.shape[1:]) != spec.row_shape:
+        raise FieldValueError(f"{where}: expected shape [{', '.join(map(str, ('rows', *spec.row_shape)))}], "
+                              f"got {arr.shape}")
+    if spec.integral:
+        if arr.dtype.kind not in "iu":
+            raise FieldValueError(f"{where}: expected an integer array, got dtype {arr.dtype}")
+        return None if _widens(arr.dtype, np.dtype(spec.dtype)) else _check_range
+    if arr.dtype.kind != "f":
+        raise FieldValueError(f"{where}: expected a floating-point array, got dtype {arr.dtype}")
+    return _check_nan
+
+
+def _into(where: str, out, nbytes: int, stored: np.dtype, shape: tuple) -> np.ndarray:
+    """``out``'s first ``nbytes`` as the result, if it is a writable contiguous uint8 array that large."""
+    if not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
+            and out.flags.c_contiguous and out.flags.writeable and out.nbytes >= nbytes):
+        raise InvalidInputError(f"{where}: out must be a writable contiguous uint8 array of at least {nbytes} bytes")
+    return out[:nbytes].view(stored).reshape(shape)
 
 
 def _converter(where: str, check):
