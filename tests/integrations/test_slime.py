@@ -16,7 +16,7 @@ from gputq.errors import InvalidInputError
 from gputq.integrations.sglang import RolloutIngest
 from gputq.integrations.slime import LOG_PROBS, LOSS_MASK, ROUTED_EXPERTS_KEY, check_sample, hydrate, to_slime_sample
 from gputq.tools.synthetic import SyntheticConfig, ingest_synthetic
-from tests.conftest import local_units
+from tests.conftest import local_units, nixl_usable
 
 SYNTH = SyntheticConfig(sessions=3, steps_per_session=3, layers=3, topk=2, num_experts=200, prompt_tokens=24,
                         tokens_per_step=12, tool_tokens=4, branch_prob=0.5, rewrite_prob=0.3, seed=11)
@@ -47,11 +47,17 @@ def _assert_same_tensors(got, want):
             assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), key
 
 
+#: Stored formats and transports of the whole-shard hydrate: packed IDs over every transport.
+FORMATS = [("uint8", "tcp"), ("int32", "tcp"), ("packed", "tcp"), ("packed", "shm"),
+           pytest.param("packed", "rdma", marks=[pytest.mark.rdma, pytest.mark.skipif(
+               nixl_usable() is not None, reason=str(nixl_usable()))])]
+
+
 @pytest.mark.parametrize("view", [lineage_segments, timeline_segments])
-@pytest.mark.parametrize("dtype", ["uint8", "int32", "packed"])
-def test_ranks_hydrate_their_split_and_pass_slime_checks(view, dtype):
-    with local_units("tcp", units=2, routed_experts_dtype=dtype, num_experts=SYNTH.num_experts) as (config, services,
-                                                                                                 clients):
+@pytest.mark.parametrize("dtype, transport", FORMATS)
+def test_ranks_hydrate_their_split_and_pass_slime_checks(view, dtype, transport):
+    with local_units(transport, units=2, routed_experts_dtype=dtype, num_experts=SYNTH.num_experts) as (
+            config, services, clients):
         with Writer(clients, config) as writer:
             samples = _samples(config, writer, view)
         assert all(isinstance(s[ROUTED_EXPERTS_KEY], dict) for s in samples)
