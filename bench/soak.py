@@ -197,7 +197,7 @@ def _settings(args) -> dict:
     timeouts = {"read_timeout_s": 3.0, "put_timeout_s": 2.0, "control_timeout_s": 2.0,
                 "heartbeat_interval_s": 0.5, "probe_timeout_s": 1.0, "reservation_timeout_s": 8.0}
     shape = {"sessions": args.sessions, "steps": 3, "tokens": args.tokens, "layers": 8, "topk": 4, "experts": 64,
-             "dtype": "uint16", "pace_s": 0.02, "compute_s": 0.1, "micro_batch": 1}
+             "dtype": args.dtype, "pace_s": 0.02, "compute_s": 0.1, "micro_batch": 1}
     calls_s = args.sessions * shape["steps"] * shape["pace_s"]
     # A unit fault surfaces by the heartbeat at the latest; a killed process by Ray at once.
     unit = timeouts["heartbeat_interval_s"] + timeouts["probe_timeout_s"] + args.slack_s
@@ -313,6 +313,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sessions", type=int, default=8, help="sessions per rollout (3 model calls each)")
     parser.add_argument("--tokens", type=int, default=1024, help="mean tokens per model call")
     parser.add_argument("--capacity-mib", type=int, default=64, help="each unit's arena")
+    parser.add_argument("--dtype", choices=("uint8", "uint16", "int32", "packed"), default="uint16",
+                        help="stored expert IDs (packed: 6 bits, the rollout's 64 experts)")
     parser.add_argument("--hold-s", type=float, default=6.0, help="how long a fault lasts before it heals")
     parser.add_argument("--delay-s", type=lambda s: tuple(map(float, s.split(","))), default=(0.05, 0.3),
                         help="a fault comes this long into its phase (uniform in LO,HI)")

@@ -436,7 +436,8 @@ def main(args: dict) -> dict:
     ray.init(address=args["ray_address"], log_to_driver=False)
     wait_nodes(ray, args["hosts"], 120)
     config = GputqConfig(enabled=True, use_rollout_routing_replay=True, transport="auto",
-                         routed_experts_dtype=args["shape"]["dtype"], token=args["token"], **args["timeouts"])
+                         routed_experts_dtype=args["shape"]["dtype"], num_experts=args["shape"]["experts"],
+                         token=args["token"], **args["timeouts"])
     harness = Harness()
     soak = Soak(ray, config, args, harness)
     started, i = time.monotonic(), 0

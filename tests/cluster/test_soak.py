@@ -50,9 +50,10 @@ def _check(report: dict, kinds) -> None:
 @pytest.mark.timeout(600)
 def test_a_tiny_soak_meets_each_fault_once_and_holds_every_invariant():
     kinds = list(KINDS)
-    # One round of the deck: every kind once, and the fault-free turns.
+    # One round of the deck: every kind once, and the fault-free turns; packed IDs (the 1-minute soak
+    # and the logged runs store uint16).
     report = _soak("--iterations", str(len(kinds) + len(kinds) // 4), "--hold-s", "2", "--slack-s", "20",
-                   "--sessions", "4", "--tokens", "512", "--seed", "3", limit_s=560)
+                   "--sessions", "4", "--tokens", "512", "--seed", "3", "--dtype", "packed", limit_s=560)
     _check(report, kinds)
 
 
