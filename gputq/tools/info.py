@@ -151,7 +151,8 @@ def collect_info() -> dict:
         ``gpudirect``, ``transport`` (``requested``: what the config loaded
         here asks, ``auto`` unless YAML or ``GPUTQ_TRANSPORT`` says otherwise;
         ``env``: that variable as set; and what the request chooses for a
-        same-host and a remote peer, and why) and ``warnings``.
+        same-host and a remote peer, and why), ``host_codec`` (packed IDs on
+        the host: the C codec or numpy, and why) and ``warnings``.
     """
     ib = infiniband_devices()
     gpus = _gpus()
@@ -181,8 +182,16 @@ def collect_info() -> dict:
         "gpus": gpus,
         "gpudirect": _gpudirect(gpus),
         "transport": transport,
+        "host_codec": _host_codec(),
         "warnings": warnings,
     }
+
+
+def _host_codec() -> dict:
+    """Whether packed expert IDs are packed and unpacked on the host by the C codec or numpy, and why."""
+    from gputq.kernels.host_native import host_codec, host_codec_status
+
+    return {"native": host_codec() is not None, "status": host_codec_status()}
 
 
 def _requested_transport(warnings: list) -> str | None:
@@ -231,5 +240,7 @@ def format_info(info: dict) -> str:
                  f"({ENV_VAR}={tr['env'] or 'unset'}; a --transport flag wins over it):")
     for label in ("same_host", "remote"):
         lines.append(f"  {label.replace('_', '-')} peer: {tr[label]['choice']} - {tr[label]['reason']}")
+    codec = info["host_codec"]
+    lines.append(f"packed expert IDs on the host: {'C codec' if codec['native'] else 'numpy'} ({codec['status']})")
     lines += [f"warning: {w}" for w in info["warnings"]]
     return "\n".join(lines)

@@ -3,6 +3,10 @@ fallback to numpy where it cannot be built."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -143,3 +147,16 @@ def test_bench_kernels_plan_of_packed_rows_restores_what_the_token_row_plan_wide
     unpacked = reference_unpack_scatter(staging, packed_row_plan(plan, layers), topk, 8,
                                         np.full(dst_rows * layers * topk, -5, np.int32))
     np.testing.assert_array_equal(unpacked, widened)
+
+
+def test_processes_building_the_codec_at_once_each_load_a_whole_one(codec, tmp_path):
+    # Four fresh processes, one empty cache folder: each compiles into its own temporary file and renames it.
+    probe = ("from gputq.kernels.host_native import host_codec, host_codec_status as s; "
+             "import sys; sys.exit(0 if host_codec() is not None else s())")
+    env = {**os.environ, "GPUTQ_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.Popen([sys.executable, "-c", probe], env=env, stderr=subprocess.PIPE, text=True)
+            for _ in range(4)]
+    for run in runs:
+        _, err = run.communicate(timeout=100)
+        assert run.returncode == 0, err
+    assert len(list(tmp_path.glob("host_codec-*.so"))) == 1 and not list(tmp_path.glob("tmp*"))

@@ -119,3 +119,13 @@ def test_missing_nixl_report_carries_the_fix(no_nixl):
     data = info.collect_info()
     assert data["nixl"]["fix"] and "gputq[rdma]" in data["nixl"]["fix"]
     assert "fix:" in info.format_info(data)
+
+
+def test_the_host_codec_of_packed_ids_is_reported_with_its_reason(no_nixl, monkeypatch):
+    from gputq.kernels import host_native
+
+    monkeypatch.setattr(host_native, "_state", {})
+    monkeypatch.setenv("GPUTQ_HOST_CODEC", "numpy")
+    data = info.collect_info()
+    assert data["host_codec"] == {"native": False, "status": "GPUTQ_HOST_CODEC=numpy: packed IDs use numpy"}
+    assert "packed expert IDs on the host: numpy (GPUTQ_HOST_CODEC=numpy" in info.format_info(data)
