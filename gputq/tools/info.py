@@ -20,6 +20,7 @@ from warnings import catch_warnings
 
 from gputq.config import GputqConfig
 from gputq.errors import ConfigError
+from gputq.kernels.host_native import host_codec, host_codec_status
 from gputq.transport.nixl import import_nixl
 from gputq.transport.policy import (
     ENV_VAR,
@@ -189,8 +190,6 @@ def collect_info() -> dict:
 
 def _host_codec() -> dict:
     """Whether packed expert IDs are packed and unpacked on the host by the C codec or numpy, and why."""
-    from gputq.kernels.host_native import host_codec, host_codec_status
-
     return {"native": host_codec() is not None, "status": host_codec_status()}
 
 
