@@ -35,6 +35,7 @@ from .torch_backend import torch_widen_scatter
 __all__ = [
     "widen_scatter",
     "unpack_scatter",
+    "restore_scatter",
     "reference_widen_scatter",
     "reference_unpack_scatter",
     "cupy_unpack_scatter",
@@ -149,3 +150,11 @@ def unpack_scatter(staging, plan, topk, bits, out, fill=0, *, validate=True, str
                             "cupy-cuda12x (or store IDs as uint8/uint16)")
         return torch_unpack_scatter_cupy(staging, plan, topk, bits, out, fill, validate=validate, stream=stream)
     raise PlanError(f"unsupported array type {type(staging).__name__}")
+
+
+def restore_scatter(staging, plan, width, out, fill=0, *, packing=None, validate=True, stream=None):
+    """:func:`widen_scatter` of rows of ``width`` elements, or with ``packing`` ``(K, bits)``
+    :func:`unpack_scatter` of packed rows of K IDs (``width`` is then K): what a stored field's restore runs."""
+    if packing is None:
+        return widen_scatter(staging, plan, width, out, fill, validate=validate, stream=stream)
+    return unpack_scatter(staging, plan, *packing, out, fill, validate=validate, stream=stream)

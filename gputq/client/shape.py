@@ -18,7 +18,7 @@ from gputq.client.stream_plan import FieldPlan, MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice, pad_block
 from gputq.errors import LayoutError
-from gputq.kernels import unpack_scatter, widen_scatter
+from gputq.kernels import restore_scatter
 
 __all__ = ["SlimeShaper"]
 
@@ -47,10 +47,7 @@ class SlimeShaper:
             out = outputs[name][:fp.out_elements]
             rows = staging.nbytes // fp.row_bytes
             compact = staging[:rows * fp.row_bytes].view(fp.stored)
-            if fp.packing is None:
-                widen_scatter(compact, fp.plan, fp.width, out, fill=fp.fill, validate=False)
-            else:
-                unpack_scatter(compact, fp.plan, *fp.packing, out, fill=fp.fill, validate=False)
+            restore_scatter(compact, fp.plan, fp.width, out, fp.fill, packing=fp.packing, validate=False)
         if not self._ctx.on_host:
             # The kernels ran on CuPy's stream; the pad rows and the check after go through torch's.
             self._ctx.synchronize()

@@ -38,7 +38,7 @@ from gputq.data.fields import sample_key_of
 from gputq.data.refs import Layout
 from gputq.data.slices import layer_major
 from gputq.errors import HintMissedError, LayoutError
-from gputq.kernels import unpack_scatter, widen_scatter
+from gputq.kernels import restore_scatter
 
 __all__ = ["FetchStats", "ShardFetch"]
 
@@ -134,7 +134,7 @@ class ShardFetch:
                 else:
                     out = self._token_major(compact, plan, stage, out, fill, total)
             else:
-                _scatter(compact, plan, stage, stage.width, out, fill)
+                restore_scatter(compact, plan, stage.width, out, fill, packing=stage.packing)
             out_name = sample_key_of(name)
             for i, (layout, offset) in enumerate(zip(layouts, offsets)):
                 view = out[offset * stage.width:(offset + layout.rows) * stage.width]
@@ -154,7 +154,7 @@ class ShardFetch:
 
         inner = stage.width // stage.row_shape[0]
         by_layer = self._ctx.buffers.empty(out.nbytes).view(out.dtype)
-        _scatter(compact, plan, stage, inner, by_layer, fill)
+        restore_scatter(compact, plan, inner, by_layer, fill, packing=stage.packing)
         shape = (stage.row_shape[0], total, inner)
         self._ctx.synchronize()  # torch's stream runs the transpose
         source, target = torch.from_dlpack(by_layer), torch.from_dlpack(out)
@@ -163,10 +163,3 @@ class ShardFetch:
             torch.cuda.current_stream(target.device).synchronize()
         return out
 
-
-def _scatter(compact, plan, stage: FieldStage, width: int, out, fill) -> None:
-    """Restore plan rows of ``width`` elements: widened, or unpacked where the stage holds packed IDs."""
-    if stage.packing is None:
-        widen_scatter(compact, plan, width, out, fill=fill)
-    else:
-        unpack_scatter(compact, plan, *stage.packing, out, fill=fill)

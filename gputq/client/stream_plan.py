@@ -33,7 +33,6 @@ from gputq.transport.spans import MAX_SPANS
 __all__ = ["plan_stream", "MicroPlan", "FieldPlan", "SpanRequest"]
 
 
-
 @dataclass
 class SpanRequest:
     """One read: ``spans`` of ``keys`` of ``unit`` land back to back in staging bytes [start, stop)."""
