@@ -138,6 +138,7 @@ class ArenaMapping:
         self._lock = threading.Lock()
         self._registered: bool | None = None  # None: not tried yet
         self.register_error: str | None = None
+        self._holds, self._closing = 0, False
 
     def register(self) -> bool:
         """Page-lock the mapping with CUDA, read-only and mapped, once; True when it is.
@@ -164,18 +165,45 @@ class ArenaMapping:
     def registered(self) -> bool:
         return bool(self._registered)
 
-    def close(self) -> None:
-        """Unregister and unmap. Idempotent; a view still held keeps the mapping alive."""
+    @contextlib.contextmanager
+    def held(self):
+        """Keep the mapping mapped for the block, whatever closes it meanwhile (then it is unmapped when the
+        last block ends): what reads it by address, the restore or a kernel, would fault on an unmapped range.
+
+        Raises ``ClosedError`` when it is closed already.
+        """
         with self._lock:
-            if self._registered:
-                with contextlib.suppress(Exception):  # best effort at teardown
-                    host_unregister(self.address)
-            self._registered = False
-            if self.array is None:
+            if self.array is None or self._closing:
+                raise ClosedError(f"the arena mapping {self.path} was closed")
+            self._holds += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._holds -= 1
+                if self._closing and not self._holds:
+                    self._unmap()
+
+    def close(self) -> None:
+        """Unregister and unmap, once no :meth:`held` block reads it. Idempotent; a view still held keeps the
+        mapping alive."""
+        with self._lock:
+            if self._holds:
+                self._closing = True  # the last held block unmaps it
                 return
-            self.array = None
-            with contextlib.suppress(BufferError):
-                self._mmap.close()
+            self._unmap()
+
+    def _unmap(self) -> None:
+        """Unregister and unmap now (the caller holds the lock)."""
+        if self._registered:
+            with contextlib.suppress(Exception):  # best effort at teardown
+                host_unregister(self.address)
+        self._registered = False
+        if self.array is None:
+            return
+        self.array = None
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
 
 
 class _Exchange:
@@ -453,6 +481,14 @@ class ShmChannel(LeasingChannel):
 
     @contextlib.contextmanager
     def _leased(self, keys: list, generations, incarnation, timeout: float | None, *, hinted=None, spans=None):
+        """:meth:`_lease_for`, with the mapping held for the block: a close meanwhile (a lost unit's, on the
+        heartbeat's thread) unmaps it only once the block's reads of it are done."""
+        with self.mapping.held(), self._lease_for(keys, generations, incarnation, timeout, hinted=hinted,
+                                                  spans=spans) as regions:
+            yield regions
+
+    @contextlib.contextmanager
+    def _lease_for(self, keys: list, generations, incarnation, timeout: float | None, *, hinted=None, spans=None):
         """Lease ``keys`` for the block; yields their regions; confirms the lease after it.
 
         With ``hinted``, the directory's regions of the keys, the block runs

@@ -21,7 +21,7 @@ from concurrent.futures import wait
 from gputq.client.in_place import add_leased
 from gputq.client.read_context import ReadContext
 from gputq.client.stream_plan import MicroPlan
-from gputq.errors import GputqError
+from gputq.errors import GputqError, HintMissedError
 from gputq.kernels import MappedSource
 from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
 
@@ -109,12 +109,16 @@ class ReadsAhead:
             pipe.close()
 
 
-def lease_in_place(context: ReadContext, plan: MicroPlan) -> tuple[MappedSource, contextlib.ExitStack]:
+def lease_in_place(context: ReadContext, plan: MicroPlan, *, ahead: bool = False
+                   ) -> tuple[MappedSource, contextlib.ExitStack]:
     """Lease the micro-batch's spans where they lie in the mapped arenas; the restore reads them there.
 
     Its leases are confirmed when the returned stack closes, after the
     restore (an expired one raises ``StaleReadError`` then): one pass over
-    the compact bytes, no copy.
+    the compact bytes, no copy. With ``ahead``, the regions are the ones the
+    units' key directories name, returned at once while the leases are
+    requested; a lease that names others raises ``HintMissedError`` when the
+    stack closes (lease again without ``ahead`` and restore again).
     """
     leases = contextlib.ExitStack()
     try:
@@ -122,7 +126,7 @@ def lease_in_place(context: ReadContext, plan: MicroPlan) -> tuple[MappedSource,
         for r in plan.requests:
             regions = leases.enter_context(context.channel(r.unit).mapped_source(
                 r.keys, context.read_timeout_s, generations=r.generations, incarnation=r.incarnation or None,
-                device=False, ahead=False, spans=r.spans)).tolist()
+                device=False, ahead=ahead, spans=r.spans)).tolist()
             add_leased(r, regions, starts, addresses, lengths)
         return MappedSource(starts, addresses, lengths, plan.nbytes), leases
     except BaseException:
@@ -137,14 +141,26 @@ class Fetched:
     then goes back to its pool, or the leases end.
     """
 
-    def __init__(self, *, buffer=None, pool=None, in_place: tuple | None = None):
-        self._buffer, self._pool, self._in_place = buffer, pool, in_place
+    def __init__(self, *, buffer=None, pool=None, in_place: tuple | None = None, again=None):
+        self._buffer, self._pool, self._in_place, self._again = buffer, pool, in_place, again
 
     def restore(self, restore, nbytes: int):
         """``restore(source)`` over the micro-batch's ``nbytes``; then the buffer goes back, or the leases end
-        (confirmed: the restore read the mappings under them)."""
+        (confirmed: the restore read the mappings under them).
+
+        In place with leases taken ahead (on the key directories' regions),
+        a lease that named other regions is taken again by ``again()`` and
+        the restore runs again, over the regions it names.
+        """
         if self._in_place is not None:
             source, leases = self._in_place
+            try:
+                with leases:
+                    return restore(source)
+            except HintMissedError:
+                if self._again is None:
+                    raise
+            source, leases = self._again()
             with leases:
                 return restore(source)
         try:

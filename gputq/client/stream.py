@@ -211,7 +211,10 @@ class MicroBatchStream:
         """A micro-batch's compact bytes: staged in a compact buffer, or leased in place."""
         plan.finish()  # here, not up front: the first micro-batch waits for its own planning alone
         if self._in_place:
-            return Fetched(in_place=lease_in_place(self._ctx, plan))
+            # Leased ahead: the directories' regions at once, the leases confirmed after the restore, so
+            # a micro-batch adds no lease round trip to the fetch thread's path.
+            return Fetched(in_place=lease_in_place(self._ctx, plan, ahead=True),
+                           again=lambda: lease_in_place(self._ctx, plan))
         buffer = self._buffers.take(self._buffers.compact)
         try:
             read_staged(self._ctx, plan, buffer[:plan.nbytes])
@@ -247,8 +250,9 @@ class MicroBatchStream:
         Its compact buffer goes back, its leases end.
         """
         try:
-            return fetched.restore(lambda source: self._shaped(plan, self._shaper.widen(plan, source, outputs)),
-                                   plan.nbytes), outputs
+            # Shaped once the leases are confirmed: its checks must see the bytes the leases vouch for.
+            return self._shaped(plan, fetched.restore(lambda source: self._shaper.widen(plan, source, outputs),
+                                                      plan.nbytes)), outputs
         except BaseException:
             self._buffers.outputs.put(outputs)
             raise

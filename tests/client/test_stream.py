@@ -290,6 +290,36 @@ def _check(mb, batch, data, stage, rank) -> bool:
     return True
 
 
+def test_in_place_leases_are_taken_ahead_and_a_stale_directory_costs_a_second_lease_not_wrong_bytes(monkeypatch):
+    """Over shm each micro-batch reads the key directory's regions at once and confirms its leases after the
+    restore; where the directory names other bytes (here: the first lookup is shifted by a row), the lease
+    disagrees, and the micro-batch is leased and restored again: the consumer sees the right bytes."""
+    from gputq.transport.directory import DirectoryView
+
+    lookup, shifted = DirectoryView.lookup, []
+
+    def stale_once(self, keys, generations, *, within=None):
+        regions = lookup(self, keys, generations, within=within)
+        if regions is not None and not shifted:
+            shifted.append(True)
+            regions = regions.copy()
+            regions[:, 0] += 2 * TOPK  # a row of uint16 IDs further on: other bytes of the arena
+        return regions
+
+    monkeypatch.setattr(DirectoryView, "lookup", stale_once)
+    rng = np.random.default_rng(13)
+    lengths, batches = [37, 50, 64, 23], [[0, 1], [2], [3]]
+    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
+    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, lengths)
+        with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
+            consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
+        channel = clients.channel(clients.units[0])
+        assert consumed == [0, 1, 2] and shifted
+        assert channel.hint_misses == 1 and channel.reads_ahead == len(batches) - 1
+
+
 def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consumer_holds_one(monkeypatch):
     """Read where they lie (shm), micro-batches need no compact buffer: the restore thread widens the
     prefetched ones into prefetch + 1 output buffers while the consumer holds one, never waiting for the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from gputq.errors import (
+    ClosedError,
     GputqError,
     HintMissedError,
     InvalidInputError,
@@ -228,6 +230,34 @@ def test_a_forked_child_reads_over_a_channel_of_its_own(served, monkeypatch):
 
     assert child_exit_code(pid, 30, "the forked child's read") == 0
 
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("ahead", [True, False], ids=["leased-ahead", "leased"])
+def test_a_channel_closed_while_its_lent_regions_are_read_unmaps_them_only_after(served, ahead):
+    # A lost unit's channel is closed by the heartbeat, on another thread, whenever it is marked lost: a
+    # restore still reading the regions it was lent (by address) must not find them unmapped. In a
+    # forked child, so that the fault this guards against fails the test instead of killing pytest.
+    unit, blobs, _, address = served
+    generations = _generations(unit, ["a", "c"])
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            child = get_transport("shm").connect(address, token=TOKEN, max_frame_bytes=1 << 26, timeout=5)
+            got = None
+            with contextlib.suppress(ClosedError):  # the lease's exchange or end on the closed channel: typed
+                with child.mapped_source(["a", "c"], 5, generations=generations, device=False,
+                                         ahead=ahead) as regions:
+                    child.close()
+                    got = _bytes_at(regions)
+            unmapped = child.mapping.array is None
+            code = 0 if got == [blobs["a"].tobytes(), blobs["c"].tobytes()] and unmapped else 2
+        finally:
+            os._exit(code)
+
+    assert child_exit_code(pid, 30, "the child's read of a closed channel's regions") == 0
 
 
 @pytest.mark.timeout(60)
