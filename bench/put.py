@@ -185,7 +185,8 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
     fields = step_fields(kind, tokens, rng)
     baseline = one_pass(kind, fields)
     step_bytes = sum(a.nbytes for a in fields.values())
-    cfg = _stored_as(config, kind).replace(writer_inflight_bytes=max(config.writer_inflight_bytes, (flush_every + 1) * step_bytes))
+    inflight = max(config.writer_inflight_bytes, (flush_every + 1) * step_bytes)
+    cfg = _stored_as(config, kind).replace(writer_inflight_bytes=inflight)
     put_s, pass_s, sched = [], [], []
     stat = _SchedStat()
     with contextlib.closing(stat), Writer(clients, cfg) as writer:

@@ -45,7 +45,8 @@ def untyped_errors(errors: list) -> list:
 
 
 def late_surface(kind: str, injected_at: float, surfaced_at: float | None, deadline_s: float | None) -> list:
-    """A violation if fault ``kind`` did not surface within ``deadline_s`` of ``injected_at`` (``None``: no deadline)."""
+    """A violation if fault ``kind`` did not surface within ``deadline_s`` of ``injected_at``
+    (``None``: no deadline)."""
     if deadline_s is None:
         return []
     if surfaced_at is None:

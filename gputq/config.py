@@ -47,7 +47,8 @@ OFFLOADABLE_FIELDS = (LOGPROBS, ROUTED_EXPERTS)
 MIN_TOKEN_CHARS = 16
 ENV_PREFIX = "GPUTQ_"
 #: ``GPUTQ_*`` variables that are not settings but are read elsewhere (no warning for them).
-OTHER_ENV_VARS = ("GPUTQ_CONFIG", "GPUTQ_RDMA_WRITE_PATH", "GPUTQ_KERNEL_TEST_GIB", "GPUTQ_HOST_CODEC", "GPUTQ_CACHE_DIR")
+OTHER_ENV_VARS = ("GPUTQ_CONFIG", "GPUTQ_RDMA_WRITE_PATH", "GPUTQ_KERNEL_TEST_GIB", "GPUTQ_HOST_CODEC",
+                  "GPUTQ_CACHE_DIR")
 _REDACTED = "***"
 #: Settings whose values no error message shows (nor repr or to_dict, which redact the token).
 _SECRET_FIELDS = ("token",)

@@ -3,8 +3,8 @@
 R3 is stored layer-major (``[L, rows, K]`` a blob) so that a pipeline
 stage's layers are contiguous; a whole-shard fetch hands slime its
 token-major ``[rows, L, K]`` int32 tensors. :func:`token_major_on_host`
-does both at once, reading each blob once (packed IDs are unpacked a
-fragment at a time, then moved token-major).
+does both at once, reading each blob once (packed IDs too: the host codec
+unpacks each fragment's layer runs straight into their token-major rows).
 """
 
 from __future__ import annotations

@@ -26,11 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-import numpy as np
-
+from gputq.client.fetch import read_requests
 from gputq.client.host_outputs import HostOutputs
 from gputq.client.host_restore import token_major_on_host
-from gputq.client.fetch import read_requests
 from gputq.client.in_place import mapped_staging
 from gputq.client.read_context import ReadContext
 from gputq.client.shard_plan import FieldStage, ReadRequest, build_plan, lay_out, stage_field
@@ -123,7 +121,7 @@ class ShardFetch:
         for name, (layouts, stage) in per_field.items():
             plan, offsets, total = build_plan(stage, layouts)
             fill = stage.fill
-            restored = np.dtype(layouts[0].dtype) if layouts else np.dtype(np.float32)
+            restored = stage.restored
             nbytes = total * stage.width * restored.itemsize
             out = (self._outputs.take(nbytes) if self._ctx.on_host else self._ctx.buffers.empty(nbytes)).view(restored)
             rows = staging.nbytes // stage.row_bytes  # a view of whole rows from byte 0

@@ -21,8 +21,8 @@ from gputq.data.refs import FieldRef, Layout
 from gputq.data.slices import layer_major
 from gputq.errors import LayoutError, StaleReadError, TransferError
 
-__all__ = ["FieldStage", "ReadRequest", "StoredFormat", "stored_format", "stage_field", "lay_out", "build_plan", "READ_BATCH_KEYS",
-           "READ_BATCH_KEY_BYTES"]
+__all__ = ["FieldStage", "ReadRequest", "StoredFormat", "stored_format", "stage_field", "lay_out", "build_plan",
+           "READ_BATCH_KEYS", "READ_BATCH_KEY_BYTES"]
 
 #: Keys per read request.
 READ_BATCH_KEYS = 4096
@@ -43,6 +43,7 @@ class FieldStage:
     ref_row: dict = field(default_factory=dict)  # (unit, key) -> first row in the staging view
     packing: tuple | None = None  # (K, bits) of packed IDs: a row's last axis in packed_row_bytes(K, bits)
     fill: float | int = 0  # what rows no fragment covers hold
+    restored: np.dtype = np.dtype(np.float32)  # the dtype the trainer gets back
 
     @property
     def row_bytes(self) -> int:
@@ -93,7 +94,8 @@ def stage_field(name: str, layouts: Sequence[Layout]) -> FieldStage:
     by_unit: dict[str, list] = {}
     for (unit, key), ref in sorted(refs.items()):
         by_unit.setdefault(unit, []).append((key, ref))
-    return FieldStage(name, form.dtype, form.row_shape, width, by_unit, packing=form.packing, fill=form.fill)
+    return FieldStage(name, form.dtype, form.row_shape, width, by_unit, packing=form.packing, fill=form.fill,
+                      restored=form.restored)
 
 
 @dataclass(frozen=True)

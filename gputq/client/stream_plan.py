@@ -244,16 +244,16 @@ def _source_row(placed: dict, ref: FieldRef, row: int) -> tuple[int, int]:
     raise AssertionError("a fragment outside the rows placed for it")  # _Needs holds every fragment's rows
 
 
-def _field_spec(name: str, layouts: Sequence[Layout]) -> tuple[np.dtype, tuple, np.dtype, float | int, tuple | None]:
-    """A field's stored dtype, row shape, restored dtype, fill and packing ``(K, bits)`` (or None)."""
-    form = stored_format(name, (f.ref for layout in layouts for f in layout.fragments), layouts, "micro-batch")
-    return form.dtype, form.row_shape, form.restored, form.fill, form.packing
+def _field_format(name: str, layouts: Sequence[Layout]):
+    """The field's one stored format over the micro-batch's layouts (see ``stored_format``)."""
+    return stored_format(name, (f.ref for layout in layouts for f in layout.fragments), layouts, "micro-batch")
 
 
 def _expert_field(name: str, layouts: list, m: int, rank: ParallelSlice, ranges, needs: _Needs):
     """The plan of a layer-major field of micro-batch ``m``: layer-major output ``[layers, tokens, ...]``,
     slime's pads."""
-    stored, row_shape, restored, fill, packing = _field_spec(name, layouts)
+    form = _field_format(name, layouts)
+    row_shape = form.row_shape
     where = f"micro-batch {m}, field {name!r}"
     layers = rank.layer_indices(row_shape[0], where)
     if ranges is None:
@@ -265,8 +265,8 @@ def _expert_field(name: str, layouts: list, m: int, rank: ParallelSlice, ranges,
         raise InvalidInputError(f"{where}: slime's pad rows need ParallelSlice.num_experts")
     tokens = sum(b - a for _, a, b in pieces)
     width = math.prod(row_shape[1:])
-    fp = FieldPlan(name, stored, restored, width, np.zeros((0, 3), np.int64), fill, len(layers) * tokens * width,
-                    layers, row_shape[0], packing, tokens)
+    fp = FieldPlan(name, form.dtype, form.restored, width, np.zeros((0, 3), np.int64), form.fill,
+                   len(layers) * tokens * width, layers, row_shape[0], form.packing, tokens)
     frags, gaps = [], []
     offset = 0
     for sample, a, b in pieces:
@@ -285,10 +285,11 @@ def _expert_field(name: str, layouts: list, m: int, rank: ParallelSlice, ranges,
 
 def _token_field(name: str, layouts: list, positions: list, m: int, rank: ParallelSlice, totals, needs: _Needs):
     """The plan of a row-after-row field (logprobs): each sample's CP-kept rows, back to back."""
-    stored, row_shape, restored, fill, packing = _field_spec(name, layouts)
-    width = max(1, math.prod(row_shape))
+    form = _field_format(name, layouts)
+    width = max(1, math.prod(form.row_shape))
     frags, gaps, offset = [], [], 0
-    fp = FieldPlan(name, stored, restored, width, np.zeros((0, 3), np.int64), fill, 0, (), 0, packing)
+    fp = FieldPlan(name, form.dtype, form.restored, width, np.zeros((0, 3), np.int64), form.fill, 0, (), 0,
+                   form.packing)
     for i, layout in enumerate(layouts):
         if rank.cp_size > 1:
             if totals is None or totals[i] is None:

@@ -115,7 +115,8 @@ def test_every_rank_streams_slimes_allgather_rows_and_moves_exactly_its_slice(tr
                                 np.testing.assert_array_equal(lp, zigzag_log_probs(data[i][1], data[i][2], cp,
                                                                                    cp_rank))
                                 want_bytes += 4 * len(lp)
-                            want_bytes += _stored_rows_of_chunk([LENGTHS[i] for i in batch], rank) * 2 * ROW_BYTES[dtype]
+                            stored = _stored_rows_of_chunk([LENGTHS[i] for i in batch], rank)
+                            want_bytes += stored * 2 * ROW_BYTES[dtype]
                     moved = sum(unit.stats()["bytes_read"] for unit in units) - before
                     assert moved == want_bytes, rank
 
