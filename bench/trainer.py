@@ -118,7 +118,7 @@ from bench.common import (
 from bench.plots import trainer_memory_figure, write_figures
 from gputq.client.landing import land_replies
 from gputq.client.reader import Reader
-from gputq.client.stream_plan import plan_stream
+from gputq.client.plan import plan_stream
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
 from gputq.data.refs import Layout

@@ -133,17 +133,18 @@ def unpack_rows_host(rows: np.ndarray, topk: int, bits: int, out: np.ndarray) ->
     return out
 
 
-def unpack_token_major_host(blob: np.ndarray, src_row: int, rows: int, topk: int, bits: int,
-                            out: np.ndarray) -> np.ndarray:
-    """Rows ``[src_row, src_row + rows)`` of a layer-major packed blob (uint8 ``[L, blob_rows, bytes]``) into
-    token-major int32 ``out`` ``[rows, L, K]``, by the codec where it loads and the arrays allow."""
+def unpack_token_major_host(runs: np.ndarray, topk: int, bits: int, out: np.ndarray) -> np.ndarray:
+    """A fragment's layer runs of packed IDs (uint8 ``[L, rows, bytes]``, rows contiguous, layers at any
+    whole-row stride) into token-major int32 ``out`` ``[rows, L, K]``, by the codec where it loads and the
+    arrays allow."""
     lib = host_codec()
-    if lib is None or not blob.flags.c_contiguous or not out.flags.c_contiguous or out.dtype != np.int32 \
-            or not out.flags.writeable:
-        for layer in range(blob.shape[0]):
-            unpack_rows_into(blob[layer, src_row:src_row + rows], topk, bits, out[:, layer])
+    layers, rows, row_bytes = runs.shape
+    strided = runs.strides[2] == 1 and runs.strides[1] == row_bytes and runs.strides[0] % max(row_bytes, 1) == 0
+    if lib is None or not strided or not out.flags.c_contiguous or out.dtype != np.int32 or not out.flags.writeable:
+        for layer in range(layers):
+            unpack_rows_into(runs[layer], topk, bits, out[:, layer])
         return out
-    lib.gputq_unpack_token_major(blob.ctypes.data, blob.shape[1], src_row, rows, blob.shape[0], topk, bits,
+    lib.gputq_unpack_token_major(runs.ctypes.data, runs.strides[0] // max(row_bytes, 1), 0, rows, layers, topk, bits,
                                  out.ctypes.data)
     return out
 

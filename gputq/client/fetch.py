@@ -20,7 +20,7 @@ from concurrent.futures import wait
 
 from gputq.client.in_place import add_leased
 from gputq.client.read_context import ReadContext
-from gputq.client.stream_plan import MicroPlan
+from gputq.client.plan import MicroPlan
 from gputq.errors import GputqError, HintMissedError
 from gputq.kernels import MappedSource
 from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
@@ -37,8 +37,7 @@ def read_requests(context: ReadContext, requests: list, staging) -> None:
     """Read ``requests`` into their bytes of ``staging``: each unit's in sequence, units in parallel (parallel
     streams from one unit only contend for its cores), the largest unit's on this thread.
 
-    A request is a whole shard's :class:`~gputq.client.shard_plan.ReadRequest` or a micro-batch's
-    :class:`~gputq.client.stream_plan.SpanRequest`: both ``read`` themselves from a channel.
+    Each request (a :class:`~gputq.client.plan.SpanRequest`) reads itself from its unit's channel.
     """
     per_unit: dict[str, list] = {}
     for r in requests:

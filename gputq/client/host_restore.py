@@ -3,8 +3,10 @@
 R3 is stored layer-major (``[L, rows, K]`` a blob) so that a pipeline
 stage's layers are contiguous; a whole-shard fetch hands slime its
 token-major ``[rows, L, K]`` int32 tensors. :func:`token_major_on_host`
-does both at once, reading each blob once (packed IDs too: the host codec
-unpacks each fragment's layer runs straight into their token-major rows).
+does both at once from the one read plan's pieces (see
+:class:`~gputq.client.plan.FieldPlan`), reading each stored byte once
+(packed IDs too: the host codec unpacks each fragment's layer runs
+straight into their token-major rows).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 import numpy as np
 
-from gputq.client.shard_plan import FieldStage
+from gputq.client.plan_fields import FieldPlan
 from gputq.kernels import MappedSource
 from gputq.kernels.host_native import unpack_token_major_host
 
@@ -23,75 +25,64 @@ __all__ = ["token_major_on_host", "host_torch"]
 _TRANSPOSE_ROWS = 512
 
 
-def token_major_on_host(compact, stage: FieldStage, layouts, offsets, out: np.ndarray, fill) -> None:
-    """Widen a layer-major field's blobs straight into token-major ``out`` ``[total, L, ...]``.
+def token_major_on_host(compact, fp: FieldPlan, out: np.ndarray) -> None:
+    """Widen a layer-major field's pieces straight into token-major ``out`` ``[tokens, L, ...]``.
 
-    ``compact`` is the staging view (numpy) or, read in place, the
-    :class:`~gputq.kernels.MappedSource` over the units' arenas: each blob is
-    read where it lies, once.
+    ``compact`` is the staging view in ``fp.stored`` (numpy) or, read in
+    place, the :class:`~gputq.kernels.MappedSource` over the units' arenas:
+    each fragment's layer runs are read where they lie, once (a fragment's
+    runs lie in one key's bytes, one mapped segment).
     Fragment by fragment with torch's transposing copy where the process has
     torch loaded (a trainer has). Without torch, chunk by chunk of tokens: the chunk's
     layer runs are gathered token-major into a scratch chunk that stays in
     cache, a token's ``row_shape[1:]`` moved as one item (element by element
     numpy's transposing copy runs at half that speed), then widened into
-    ``out`` in one contiguous cast.
+    ``out`` in one contiguous cast. Packed IDs are unpacked by the host
+    codec straight into their token-major rows.
     """
-    layers = stage.row_shape[0]
-    inner = stage.width // layers
-    item = np.dtype((np.void, inner * stage.dtype.itemsize))
-    if isinstance(compact, MappedSource):
-        blob_at = compact.host_array
-    else:
-        flat = compact.reshape(-1)
-
-        def blob_at(first: int, count: int) -> np.ndarray:
-            return flat[first:first + count]
+    layers, inner = len(fp.layers), fp.width
     target = out.reshape(-1, layers, inner)
-    if stage.packing is not None:
-        return _unpack_token_major(blob_at, stage, layouts, offsets, target, fill)
-    torch = host_torch(stage.dtype)
-    if torch is None:
-        scratch = np.empty((_TRANSPOSE_ROWS, layers, inner), stage.dtype)
+    runs = _LayerRuns(compact, layers, fp.row_bytes // fp.stored.itemsize)
+    torch = None if fp.packing is not None else host_torch(fp.stored)
+    if fp.packing is None and torch is None:
+        scratch = np.empty((_TRANSPOSE_ROWS, layers, inner), fp.stored)
+        item = np.dtype((np.void, inner * fp.stored.itemsize))
         gathered = scratch.view(item).reshape(_TRANSPOSE_ROWS, layers)
-    for layout, first in zip(layouts, offsets):
-        cursor = 0
-        for frag in layout.fragments:  # sorted by target row
-            if frag.dst_row > cursor:
-                target[first + cursor:first + frag.dst_row] = fill
-            blob = blob_at(stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.width, layers * frag.ref.rows * inner)
-            dst = first + frag.dst_row
-            if torch is not None:
-                source = blob.reshape(layers, frag.ref.rows, inner)[:, frag.src_row:frag.src_row + frag.rows]
-                torch.from_numpy(target[dst:dst + frag.rows]).copy_(torch.from_numpy(source).permute(1, 0, 2))
-            else:
-                by_item = blob.view(item).reshape(layers, frag.ref.rows)
-                for done in range(0, frag.rows, _TRANSPOSE_ROWS):
-                    n = min(_TRANSPOSE_ROWS, frag.rows - done)
-                    src = frag.src_row + done
-                    np.copyto(gathered[:n], by_item[:, src:src + n].T)
-                    np.copyto(target[dst + done:dst + done + n], scratch[:n], casting="unsafe")
-            cursor = frag.dst_row + frag.rows
-        if cursor < layout.rows:
-            target[first + cursor:first + layout.rows] = fill
+    for first, step, dst, rows in fp.pieces.tolist():
+        if first < 0:
+            target[dst:dst + rows] = fp.fill
+            continue
+        source = runs(first, step, rows)  # [L, rows, row elements]
+        if fp.packing is not None:
+            unpack_token_major_host(source, *fp.packing, target[dst:dst + rows])
+        elif torch is not None:
+            torch.from_numpy(target[dst:dst + rows]).copy_(torch.from_numpy(source).permute(1, 0, 2))
+        else:
+            by_item = source.view(item).reshape(layers, rows)
+            for done in range(0, rows, _TRANSPOSE_ROWS):
+                n = min(_TRANSPOSE_ROWS, rows - done)
+                np.copyto(gathered[:n], by_item[:, done:done + n].T)
+                np.copyto(target[dst + done:dst + done + n], scratch[:n], casting="unsafe")
 
 
-def _unpack_token_major(blob_at, stage: FieldStage, layouts, offsets, target: np.ndarray, fill) -> None:
-    """:func:`token_major_on_host` of packed IDs: each fragment's layer runs unpacked straight into their
-    token-major rows of ``target`` ``[total, L, K]``."""
-    layers, (topk, bits) = target.shape[1], stage.packing
-    row_bytes = stage.row_bytes // layers
-    for layout, first in zip(layouts, offsets):
-        cursor = 0
-        for frag in layout.fragments:  # sorted by target row
-            if frag.dst_row > cursor:
-                target[first + cursor:first + frag.dst_row] = fill
-            blob = blob_at(stage.ref_row[(frag.ref.unit, frag.ref.key)] * stage.row_bytes,
-                           layers * frag.ref.rows * row_bytes).reshape(layers, frag.ref.rows, row_bytes)
-            dst = first + frag.dst_row
-            unpack_token_major_host(blob, frag.src_row, frag.rows, topk, bits, target[dst:dst + frag.rows])
-            cursor = frag.dst_row + frag.rows
-        if cursor < layout.rows:
-            target[first + cursor:first + layout.rows] = fill
+class _LayerRuns:
+    """A fragment's runs in every layer as one strided ``[L, rows, row elements]`` view of the compact bytes."""
+
+    def __init__(self, compact, layers: int, row_elements: int):
+        self._layers, self._row = layers, row_elements
+        if isinstance(compact, MappedSource):
+            self._at = compact.host_array
+        else:
+            flat = compact.reshape(-1)
+            self._at = lambda first, count: flat[first:first + count]
+
+    def __call__(self, first: int, step: int, rows: int) -> np.ndarray:
+        """Rows ``[first + l * step, first + l * step + rows)`` of the compact rows, for each layer ``l``."""
+        row = self._row
+        flat = self._at(first * row, ((self._layers - 1) * step + rows) * row)
+        item = flat.itemsize
+        # Writable as the staging is: torch wraps no read-only array without a warning; nothing writes to it.
+        return np.lib.stride_tricks.as_strided(flat, (self._layers, rows, row), (step * row * item, row * item, item))
 
 
 def host_torch(dtype: np.dtype):

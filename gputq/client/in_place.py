@@ -52,7 +52,8 @@ def mapped_staging(context, requests: list, nbytes: int, stats, lent: contextlib
         for r in requests:
             regions = leases.enter_context(channels[r.unit].mapped_source(
                 r.keys, context.read_timeout_s, generations=r.generations,
-                incarnation=r.incarnation or None, device=on_device and in_place, ahead=ahead)).tolist()
+                incarnation=r.incarnation or None, device=on_device and in_place, ahead=ahead,
+                spans=r.spans)).tolist()
             add_leased(r, regions, starts, addresses, lengths)
             stats.unique_keys += len(r.keys)
             stats.unique_keys_per_unit[r.unit] = stats.unique_keys_per_unit.get(r.unit, 0) + len(r.keys)

@@ -28,7 +28,8 @@ from bisect import bisect_left
 
 import numpy as np
 
-from gputq.client.stream_plan import FieldPlan, MicroPlan
+from gputq.client.plan import MicroPlan
+from gputq.client.plan_fields import FieldPlan
 from gputq.kernels import widen_scatter
 
 __all__ = ["LANDING_CHUNK_BYTES", "LandingWidener", "land_replies"]

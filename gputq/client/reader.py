@@ -24,7 +24,7 @@ from gputq.client.reachability import refuse_lost
 from gputq.client.read_context import ReadContext
 from gputq.client.shard_fetch import FetchStats, ShardFetch
 from gputq.client.stream import MicroBatchStream
-from gputq.client.stream_plan import plan_stream
+from gputq.client.plan import plan_stream
 from gputq.config import GputqConfig
 from gputq.data.refs import Layout, checked_shard, uses_by_unit
 from gputq.data.slices import ParallelSlice

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from gputq.client.read_context import ReadContext
-from gputq.client.stream_plan import FieldPlan, MicroPlan
+from gputq.client.plan import MicroPlan
+from gputq.client.plan_fields import FieldPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice, pad_block
 from gputq.errors import LayoutError

@@ -1,22 +1,24 @@
-"""The whole-shard fetch: every blob of a shard read once into one staging buffer, then restored per field.
+"""The whole-shard fetch: the read plan's special case of one micro-batch holding the whole shard.
 
 For a shard (the layouts of its samples) :class:`ShardFetch`
 
-1. deduplicates the referenced blobs, so a step shared by many segments is
-   fetched once;
-2. lays every blob out in one compact staging buffer, unit by unit, each
-   field's blobs on whole rows of that field's dtype view;
-3. issues one batched read per unit (a few when keys run into thousands or
+1. plans it with :func:`~gputq.client.plan.plan_shard`, the stream's
+   planner: each referenced key once (a step shared by many segments is
+   fetched once), laid out in one compact staging buffer, unit by unit,
+   each field's keys on whole rows of that field's dtype view, read whole
+   (by name, not by spans);
+2. issues one batched read per unit (a few when keys run into thousands or
    bytes past the frame limit), units in parallel, straight into that
    buffer (host memory, the transport's registered memory over rdma, or GPU
    memory with ``device="cuda"``), or, over shm, reads the units' arenas in
    place; each read carries its keys' generations and the unit's
    incarnation from the references, so the unit refuses a stale reference
    (``StaleReadError``) instead of returning other bytes;
-4. runs one widen-and-scatter per field over the whole shard, into one
-   output buffer; each sample's tensor is a view of it. On the host that
-   buffer is memory of an earlier fetch whose arrays are all gone, where
-   there is one (see :mod:`gputq.client.host_outputs`).
+3. restores each field over the whole shard into one output buffer, each
+   sample's tensor a view of it: R3 token-major (``[rows, L, K]``, as
+   slime's samples hold it), widened and transposed at once on the host.
+   On the host that buffer is memory of an earlier fetch whose arrays are
+   all gone, where there is one (see :mod:`gputq.client.host_outputs`).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from gputq.client.fetch import read_requests
 from gputq.client.host_outputs import HostOutputs
 from gputq.client.host_restore import token_major_on_host
 from gputq.client.in_place import mapped_staging
+from gputq.client.plan import MicroPlan, plan_shard
+from gputq.client.plan_fields import FieldPlan
 from gputq.client.read_context import ReadContext
-from gputq.client.shard_plan import FieldStage, ReadRequest, build_plan, lay_out, stage_field
 from gputq.data.fields import sample_key_of
 from gputq.data.refs import Layout
-from gputq.data.slices import layer_major
-from gputq.errors import HintMissedError, LayoutError
+from gputq.errors import HintMissedError
 from gputq.kernels import restore_scatter
 
 __all__ = ["FetchStats", "ShardFetch"]
@@ -69,34 +71,30 @@ class ShardFetch:
         return self._fetch(shard)
 
     def _fetch(self, shard: Sequence[Mapping[str, Layout]]) -> tuple[list[dict], FetchStats]:
-        per_field = {}
-        for name in sorted({name for sample in shard for name in sample}):
-            layouts = [sample[name] for sample in shard if name in sample]
-            if len(layouts) != len(shard):
-                raise LayoutError(f"field {name!r} is missing from some samples of the shard")
-            per_field[name] = (layouts, stage_field(name, layouts))
-        referenced = sum(len({(f.ref.unit, f.ref.key) for f in layout.fragments})
-                         for layouts, _ in per_field.values() for layout in layouts)
+        if not shard:
+            return [], FetchStats()
+        plan = plan_shard(shard, self._ctx.config.max_frame_bytes)
         try:
-            results, stats = self._fetch_once(per_field, len(shard), ahead=True)
+            results, stats = self._fetch_once(plan, ahead=True)
         except HintMissedError:  # a same-host restore ran on a key directory the leases did not confirm
-            results, stats = self._fetch_once(per_field, len(shard), ahead=False)
-        stats.referenced_keys = referenced
+            results, stats = self._fetch_once(plan, ahead=False)
+        stats.referenced_keys = sum(len({(f.ref.unit, f.ref.key) for f in layout.fragments})
+                                    for sample in shard for layout in sample.values())
         return results, stats
 
-    def _fetch_once(self, per_field: dict, samples: int, *, ahead: bool) -> tuple[list[dict], FetchStats]:
-        stats = FetchStats(samples=samples)
+    def _fetch_once(self, plan: MicroPlan, *, ahead: bool) -> tuple[list[dict], FetchStats]:
+        stats = FetchStats(samples=len(plan.samples))
         with contextlib.ExitStack() as lent:  # pooled staging goes back once restored
             started = time.perf_counter()
-            requests, nbytes = lay_out([stage for _, stage in per_field.values()], self._ctx.config.max_frame_bytes)
             # zero-copy over shm, else None; the unpack kernel reads plain staging in device memory only
-            device_unpack = not self._ctx.on_host and any(stage.packing for _, stage in per_field.values())
-            staging = None if device_unpack else mapped_staging(self._ctx, requests, nbytes, stats, lent, ahead=ahead)
+            device_unpack = not self._ctx.on_host and any(fp.packing for fp in plan.fields.values())
+            staging = None if device_unpack else mapped_staging(self._ctx, plan.requests, plan.nbytes, stats, lent,
+                                                                ahead=ahead)
             if staging is None:
-                staging = self._read_all(requests, nbytes, stats, lent)
+                staging = self._read_all(plan, stats, lent)
             stats.fetch_seconds = time.perf_counter() - started
             started = time.perf_counter()
-            results = self._restore(per_field, staging, samples)
+            results = self._restore(plan, staging)
             stats.restore_seconds = time.perf_counter() - started
         return results, stats
 
@@ -106,43 +104,44 @@ class ShardFetch:
         registered = self._ctx.registered(nbytes, units, lent)
         return self._ctx.buffers.staging(nbytes) if registered is None else registered
 
-    def _read_all(self, requests: list[ReadRequest], nbytes: int, stats: FetchStats, lent: contextlib.ExitStack):
-        staging = self._staging_buffer(nbytes, sorted({r.unit for r in requests}), lent)
-        for request in requests:
+    def _read_all(self, plan: MicroPlan, stats: FetchStats, lent: contextlib.ExitStack):
+        staging = self._staging_buffer(plan.nbytes, list(plan.units), lent)
+        for request in plan.requests:
             stats.unique_keys += len(request.keys)
             stats.unique_keys_per_unit[request.unit] = \
                 stats.unique_keys_per_unit.get(request.unit, 0) + len(request.keys)
             stats.bytes_fetched += request.stop - request.start
-        read_requests(self._ctx, requests, staging)
+        read_requests(self._ctx, plan.requests, staging)
         return staging
 
-    def _restore(self, per_field: dict, staging, samples: int) -> list[dict]:
-        results: list[dict] = [{} for _ in range(samples)]
-        for name, (layouts, stage) in per_field.items():
-            plan, offsets, total = build_plan(stage, layouts)
-            fill = stage.fill
-            restored = stage.restored
-            nbytes = total * stage.width * restored.itemsize
-            out = (self._outputs.take(nbytes) if self._ctx.on_host else self._ctx.buffers.empty(nbytes)).view(restored)
-            rows = staging.nbytes // stage.row_bytes  # a view of whole rows from byte 0
-            compact = staging[:rows * stage.row_bytes].view(stage.dtype)
-            if layer_major(stage.row_shape):
+    def _restore(self, plan: MicroPlan, staging) -> list[dict]:
+        results: list[dict] = [{} for _ in plan.samples]
+        for name, fp in plan.fields.items():
+            nbytes = fp.out_elements * fp.restored.itemsize
+            out = self._outputs.take(nbytes) if self._ctx.on_host else self._ctx.buffers.empty(nbytes)
+            out = out.view(fp.restored)
+            rows = staging.nbytes // fp.row_bytes  # a view of whole rows from byte 0
+            compact = staging[:rows * fp.row_bytes].view(fp.stored)
+            if fp.layers:  # R3, restored token-major
                 if self._ctx.on_host:
-                    token_major_on_host(compact, stage, layouts, offsets, out, fill)
+                    token_major_on_host(compact, fp, out)
                 else:
-                    out = self._token_major(compact, plan, stage, out, fill, total)
+                    out = self._token_major(compact, fp, out)
             else:
-                restore_scatter(compact, plan, stage.width, out, fill, packing=stage.packing)
-            out_name = sample_key_of(name)
-            for i, (layout, offset) in enumerate(zip(layouts, offsets)):
-                view = out[offset * stage.width:(offset + layout.rows) * stage.width]
-                results[i][out_name] = self._ctx.to_output(view.reshape((layout.rows, *layout.row_shape)))
+                restore_scatter(compact, fp.plan, fp.width, out, fp.fill, packing=fp.packing)
+            row_elements = fp.out_elements // max(fp.tokens, 1)
+            out_name, first = sample_key_of(name), 0
+            for i, layout in enumerate(plan.layouts):
+                view = out[first * row_elements:(first + layout[name].rows) * row_elements]
+                results[i][out_name] = self._ctx.to_output(view.reshape((layout[name].rows, *layout[name].row_shape)))
+                first += layout[name].rows
         if not self._ctx.on_host:
             self._ctx.synchronize()
         return results
 
-    def _token_major(self, compact, plan, stage: FieldStage, out, fill, total: int):
-        """Widen a layer-major field into ``[L, total, ...]`` in device memory, then lay it out token-major in ``out``.
+    def _token_major(self, compact, fp: FieldPlan, out):
+        """Widen a layer-major field into ``[L, tokens, ...]`` in device memory, then lay it out token-major in
+        ``out``.
 
         The whole-shard path pays this second pass (and a second buffer) for
         the ``[T-1, L, K]`` tensors slime's samples hold; streamed
@@ -150,14 +149,12 @@ class ShardFetch:
         """
         import torch
 
-        inner = stage.width // stage.row_shape[0]
         by_layer = self._ctx.buffers.empty(out.nbytes).view(out.dtype)
-        restore_scatter(compact, plan, inner, by_layer, fill, packing=stage.packing)
-        shape = (stage.row_shape[0], total, inner)
+        restore_scatter(compact, fp.plan, fp.width, by_layer, fp.fill, packing=fp.packing)
+        shape = (len(fp.layers), fp.tokens, fp.width)
         self._ctx.synchronize()  # torch's stream runs the transpose
         source, target = torch.from_dlpack(by_layer), torch.from_dlpack(out)
-        target.view(total, shape[0], inner).copy_(source.view(shape).permute(1, 0, 2))
+        target.view(fp.tokens, shape[0], fp.width).copy_(source.view(shape).permute(1, 0, 2))
         if target.is_cuda and torch.cuda.is_available():  # (a CUDA stand-in's tensors copy synchronously)
             torch.cuda.current_stream(target.device).synchronize()
         return out
-

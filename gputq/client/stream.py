@@ -8,7 +8,7 @@ data-parallel shard, the trainer's own micro-batch split and the rank's
 - every read names spans: only the rank's layers and token chunks leave
   the units (see :mod:`gputq.transport.spans`), usually one request per
   unit, a step shared by several samples of a micro-batch read once
-  (planned by :mod:`gputq.client.stream_plan`, before anything is read);
+  (planned by :mod:`gputq.client.plan`, before anything is read);
 - the next ``prefetch`` micro-batches are fetched in the background, into
   reused compact buffers; on the host over tcp each is widened as its
   bytes land instead (see :mod:`gputq.client.landing`), and the next
@@ -45,7 +45,7 @@ from gputq.client.read_context import ReadContext
 from gputq.client.replay import LayerRef, LazyReplay
 from gputq.client.shape import SlimeShaper
 from gputq.client.stream_buffers import StreamBuffers
-from gputq.client.stream_plan import MicroPlan
+from gputq.client.plan import MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice
 from gputq.errors import ClosedError, InvalidInputError

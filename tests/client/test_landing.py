@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from gputq.client.landing import LandingWidener
-from gputq.client.stream_plan import FieldPlan, SpanRequest
+from gputq.client.plan import SpanRequest
+from gputq.client.plan_fields import FieldPlan
 from gputq.errors import TransferError
 from gputq.kernels import reference_widen_scatter
 
@@ -103,7 +104,7 @@ def test_a_reply_whose_lengths_miss_the_request_bytes_is_refused_naming_unit_and
 def test_a_cp_ranks_planned_reads_land_one_copy_per_layer_and_sample(cp_rank):
     """The planner lays each key's reads out layer after layer, the rank's zigzag chunks of a layer back to
     back: they then land as they go to the layer's output, merged into one copy, and widen exactly."""
-    from gputq.client.stream_plan import plan_stream
+    from gputq.client.plan import plan_stream
     from gputq.data.refs import FieldRef, Layout
     from gputq.data.slices import ParallelSlice, expert_pieces
 

@@ -1,4 +1,4 @@
-"""The reader's staging layout and requests, version checks and exactly-once release."""
+"""The whole-shard plan's staging layout and requests, version checks and exactly-once release."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gputq.client.reader import Reader
-from gputq.client.shard_plan import READ_BATCH_KEYS, lay_out, stage_field
+from gputq.client.plan import READ_BATCH_KEYS, plan_shard
 from gputq.client.writer import Writer
 from gputq.data.refs import FieldRef, Layout
 from gputq.errors import GputqError, InvalidInputError, PartialFailureError, StaleReadError
@@ -23,13 +23,16 @@ def _ref(unit, key, field, rows, dtype, row_shape, incarnation="", generation=0)
 
 
 def _spy_reads(clients):
-    """Record every channel read as (unit, keys, generations, incarnation); still read for real."""
+    """Record every channel read as (unit, keys, generations, incarnation); still read for real. A whole
+    shard reads whole keys: no spans."""
     calls = []
     for unit in clients.units:
         channel = clients.channel(unit)
         original = channel.read
 
-        def spy(keys, dest, timeout=None, *, generations=None, incarnation=None, _original=original, _unit=unit):
+        def spy(keys, dest, timeout=None, *, generations=None, incarnation=None, spans=None, _original=original,
+                _unit=unit):
+            assert spans is None
             calls.append((_unit, list(keys), generations, incarnation))
             return _original(keys, dest, timeout=timeout, generations=generations, incarnation=incarnation)
 
@@ -44,16 +47,17 @@ def test_one_request_per_unit_when_rows_align():
         samples.append({"routed_experts": Layout.from_ref(_ref(unit, f"s{i}/re", "routed_experts", 10 + i,
                                                                "uint16", (48, 8))),
                         "logprobs": Layout.from_ref(_ref(unit, f"s{i}/lp", "logprobs", 10 + i, "float32", ()))})
-    stages = [stage_field(name, [s[name] for s in samples]) for name in ("logprobs", "routed_experts")]
-    requests, total = lay_out(stages)
+    plan = plan_shard(samples)
+    requests, total = plan.requests, plan.nbytes
     assert [r.unit for r in requests] == ["su-0", "su-1"]
+    assert all(r.spans is None for r in requests)  # whole keys, read by name
     assert sorted(k for r in requests for k in r.keys) == sorted(f"s{i}/{f}" for i in range(5) for f in ("re", "lp"))
     assert total % 16 == 0 and total >= requests[-1].stop
 
 
 def test_misaligned_row_sizes_split_requests_and_restore_exactly():
     # 6-byte expert rows (uint16 [1, 3]) then 4-byte logprob rows: 35 expert rows end at byte 210,
-    # not a multiple of 4, so the logprobs need padding and a request of their own.
+    # not a multiple of 4, so the logprobs need padding (to 16 bytes) and a request of their own.
     with local_units("tcp", units=1, routed_experts_dtype="uint16") as (config, _, clients):
         rng = np.random.default_rng(3)
         rows = [7, 8, 9, 11]
@@ -62,10 +66,9 @@ def test_misaligned_row_sizes_split_requests_and_restore_exactly():
             refs = [writer.put(f"k{i}", "p", {"routed_experts": e, "logprobs": lp}) for i, (e, lp) in enumerate(data)]
             writer.flush()
         shard = [{f: Layout.from_ref(r) for f, r in ref.items()} for ref in refs]
-        stages = [stage_field(name, [s[name] for s in shard]) for name in ("logprobs", "routed_experts")]
-        requests, total = lay_out(stages)
-        assert [(r.start, r.stop) for r in requests] == [(0, 210), (212, 212 + 4 * 35)]
-        assert total == 352  # rounded up to 16 bytes
+        plan = plan_shard(shard)
+        assert [(r.start, r.stop) for r in plan.requests] == [(0, 210), (224, 224 + 4 * 35)]
+        assert plan.nbytes == 368  # rounded up to 16 bytes
         with Reader(clients, config) as reader:
             got = reader.fetch(shard)
         for (experts, logprobs), fields in zip(data, got):
@@ -94,7 +97,7 @@ def test_reader_sends_one_read_per_unit_for_all_fields():
 def test_key_lists_are_split_at_the_batch_bound():
     samples = [{"logprobs": Layout.from_ref(_ref("su-0", f"k{i:06d}", "logprobs", 1, "float32", ()))}
                for i in range(READ_BATCH_KEYS + 5)]
-    requests, _ = lay_out([stage_field("logprobs", [s["logprobs"] for s in samples])])
+    requests = plan_shard(samples).requests
     assert [len(r.keys) for r in requests] == [READ_BATCH_KEYS, 5]
     assert requests[1].start == requests[0].stop  # contiguous: no padding needed
 
@@ -102,14 +105,13 @@ def test_key_lists_are_split_at_the_batch_bound():
 def test_requests_are_split_by_bytes_under_the_frame_limit():
     samples = [{"logprobs": Layout.from_ref(_ref("su-0", f"k{i}", "logprobs", 150 * KIB, "float32", ()))}
                for i in range(3)]  # 600 KiB each
-    stage = stage_field("logprobs", [s["logprobs"] for s in samples])
-    requests, _ = lay_out([stage], max_bytes=1 << 20)
+    requests = plan_shard(samples, max_bytes=1 << 20).requests
     assert [(r.keys, r.start, r.stop) for r in requests] == [
         (["k0"], 0, 600 * KIB), (["k1"], 600 * KIB, 1200 * KIB), (["k2"], 1200 * KIB, 1800 * KIB)]
-    requests, _ = lay_out([stage_field("logprobs", [s["logprobs"] for s in samples])], max_bytes=1200 * KIB)
+    requests = plan_shard(samples, max_bytes=1200 * KIB).requests
     assert [r.keys for r in requests] == [["k0", "k1"], ["k2"]]  # exactly at the limit still fits
     # A single key over the limit goes alone (the transport refuses it with a typed error).
-    requests, _ = lay_out([stage_field("logprobs", [s["logprobs"] for s in samples])], max_bytes=100 * KIB)
+    requests = plan_shard(samples, max_bytes=100 * KIB).requests
     assert [r.keys for r in requests] == [["k0"], ["k1"], ["k2"]]
 
 
@@ -152,8 +154,7 @@ def test_reads_carry_the_references_generations_and_incarnation():
 def test_one_request_per_incarnation_of_a_unit():
     old = _ref("su-0", "a", "logprobs", 4, "float32", (), "aaaaaaaaaaaaaaaa", 5)
     new = _ref("su-0", "b", "logprobs", 4, "float32", (), "bbbbbbbbbbbbbbbb", 6)
-    stage = stage_field("logprobs", [Layout.from_ref(old), Layout.from_ref(new)])
-    requests, _ = lay_out([stage])
+    requests = plan_shard([{"logprobs": Layout.from_ref(old)}, {"logprobs": Layout.from_ref(new)}]).requests
     assert [(r.incarnation, r.keys, r.generations) for r in requests] == [
         ("aaaaaaaaaaaaaaaa", ["a"], [5]), ("bbbbbbbbbbbbbbbb", ["b"], [6])]
 
@@ -161,11 +162,11 @@ def test_one_request_per_incarnation_of_a_unit():
 def test_two_versions_of_one_key_in_a_shard_are_stale():
     first = _ref("su-0", "k", "logprobs", 4, "float32", (), "aaaaaaaaaaaaaaaa", 5)
     rewritten = _ref("su-0", "k", "logprobs", 4, "float32", (), "aaaaaaaaaaaaaaaa", 9)
-    with pytest.raises(StaleReadError, match=r"two versions of key 'k' on unit su-0"):
-        stage_field("logprobs", [Layout.from_ref(first), Layout.from_ref(rewritten)])
+    with pytest.raises(StaleReadError, match=r"the shard references two versions of key 'k' on unit su-0"):
+        plan_shard([{"logprobs": Layout.from_ref(first)}, {"logprobs": Layout.from_ref(rewritten)}])
     unknown = _ref("su-0", "k", "logprobs", 4, "float32", ())  # unknown version: nothing to compare
-    assert stage_field("logprobs", [Layout.from_ref(first), Layout.from_ref(unknown)]).refs_by_unit == {
-        "su-0": [("k", first)]}
+    requests = plan_shard([{"logprobs": Layout.from_ref(first)}, {"logprobs": Layout.from_ref(unknown)}]).requests
+    assert [(r.keys, r.generations, r.incarnation) for r in requests] == [(["k"], [5], "aaaaaaaaaaaaaaaa")]
 
 
 def _spy_calls(clients):

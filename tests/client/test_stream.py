@@ -540,7 +540,7 @@ def test_a_lost_unit_raises_at_the_micro_batch_that_needs_it_within_the_timeout(
 @pytest.mark.parametrize("dtype, row_shape", [("uint16", (6, 4)), ("uint8", (5, 3)), ("int32", (4, 1))])
 def test_a_micro_batch_is_sized_up_front_and_placed_within_that_size(dtype, row_shape):
     """plan_stream checks and sizes; the placement (just before the fetch) fits the staging sized for it."""
-    from gputq.client.stream_plan import plan_stream
+    from gputq.client.plan import plan_stream
     from gputq.data.refs import FieldRef
 
     def ref(unit, key, field, rows, dtype, shape):
@@ -567,3 +567,25 @@ def test_a_micro_batch_is_sized_up_front_and_placed_within_that_size(dtype, row_
             assert sum(r.stop - r.start for r in plan.requests) == plan.slice_bytes
             assert tuple(sorted({r.unit for r in plan.requests})) == plan.units
             assert all(fp.plan.shape[1] == 3 for fp in plan.fields.values())
+
+
+def test_a_micro_batch_naming_two_versions_of_one_key_is_refused_at_planning():
+    """The planner refuses, before anything is read, a micro-batch whose samples name two generations of one
+    key (at most one is current); a reference of unknown version is read as the known one."""
+    from gputq.client.plan import plan_stream
+    from gputq.data.refs import FieldRef
+    from gputq.errors import StaleReadError
+
+    def ref(generation):
+        return FieldRef(key="k", field="routed_experts", unit="su-0", rows=6, dtype="uint16", row_shape=(2, 4),
+                        partition="p", incarnation="aaaaaaaaaaaaaaaa", generation=generation)
+
+    rank = ParallelSlice(num_experts=16)
+    shard = [{"routed_experts": Layout.from_ref(ref(3))}, {"routed_experts": Layout.from_ref(ref(7))}]
+    apart = plan_stream(shard, [[0], [1]], rank)  # in two micro-batches: each reads its own (the unit checks)
+    assert [p.finish().requests[0].generations for p in apart] == [[3], [7]]
+    with pytest.raises(StaleReadError, match=r"micro-batch 0 references two versions of key 'k' on unit su-0"):
+        plan_stream(shard, [[0, 1]], rank)
+    shard[0] = {"routed_experts": Layout.from_ref(ref(0))}
+    plan = plan_stream(shard, [[0, 1]], rank)[0].finish()
+    assert [(r.keys, r.generations) for r in plan.requests] == [(["k"], [7])]  # the known version is checked
