@@ -357,6 +357,9 @@ class Channel(Closeable):
     - the unit's arena mapped here for zero-copy reads (shm):
       :attr:`mapping`, :meth:`mapped_source`, :meth:`device_mappable`,
       and the counters :attr:`reads_ahead` and :attr:`hint_misses`;
+    - one-sided reads whose lease is taken before the read (rdma):
+      :attr:`leases_ahead`, :meth:`lease_ahead`, :meth:`read_leased`,
+      :meth:`drop_lease`, and the counter :attr:`leased_ahead`;
     - :attr:`fallback_reason`: why a channel reads another way than asked.
     """
 
@@ -370,6 +373,8 @@ class Channel(Closeable):
     reads_ahead: int = 0
     #: Such reads whose lease named other regions (copied again).
     hint_misses: int = 0
+    #: Reads that copied under a lease taken ahead of them (:meth:`lease_ahead`), paying no round trip.
+    leased_ahead: int = 0
 
     @property
     def pipelines_reads(self) -> bool:
@@ -387,6 +392,24 @@ class Channel(Closeable):
     def device_mappable(self) -> bool:
         """Whether the mapped arena is also registered with CUDA, for the kernel to read in place."""
         return False
+
+    @property
+    def leases_ahead(self) -> bool:
+        """Whether :meth:`lease_ahead` is available."""
+        return False
+
+    def lease_ahead(self, keys: Sequence[str], timeout: float | None = None, **kwargs):
+        """Lease what :meth:`read` of ``keys`` (same keyword arguments) would copy, now, for a later
+        :meth:`read_leased`; the unit's checks and errors are the read's."""
+        raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} takes no lease ahead of a read")
+
+    def read_leased(self, held, dest, timeout: float | None = None) -> list[int]:
+        """:meth:`read` what the lease ``held`` (from :meth:`lease_ahead`) names, under it."""
+        raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} takes no lease ahead of a read")
+
+    def drop_lease(self, held) -> None:
+        """End a lease from :meth:`lease_ahead` that no read will use."""
+        raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} takes no lease ahead of a read")
 
     @abc.abstractmethod
     def write(self, key: str, payload, meta: dict, timeout: float | None = None) -> dict:

@@ -73,10 +73,9 @@ from gputq.transport.base import (
     byte_view,
     describe_keys,
     is_device_buffer,
-    read_args,
     write_window,
 )
-from gputq.transport.one_sided import LeaseProtocol, LeasingChannel
+from gputq.transport.one_sided import HeldLease, LeaseProtocol, LeasingChannel
 from gputq.transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
 from gputq.transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
 from gputq.transport.policy import gpudirect_support
@@ -107,6 +106,15 @@ _SPIN_S = 0.0002
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+def _destination(dest) -> tuple[int, int, int, bool]:
+    """``dest``'s address, capacity in bytes, CUDA device (0 on the host) and whether it is device memory."""
+    if is_device_buffer(dest):
+        ptr = int(dest.__cuda_array_interface__["data"][0])
+        return ptr, device_nbytes(dest), cuda_device_of(dest, ptr), True
+    ptr, capacity = host_ptr(dest)
+    return ptr, capacity, 0, False
 
 
 def _descriptors(regions: np.ndarray, local_base: int, remote_base: int, device: int):
@@ -232,23 +240,64 @@ class NixlChannel(LeasingChannel):
         """
         self._check_open()
         keys = list(keys)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        on_device = is_device_buffer(dest)
-        if on_device:
-            ptr = int(dest.__cuda_array_interface__["data"][0])
-            capacity = device_nbytes(dest)
-            device = cuda_device_of(dest, ptr)
-        else:
-            ptr, capacity = host_ptr(dest)
-            device = 0
         if not keys:
             return []
-        args, rows = read_args(keys, generations, incarnation, spans)
-        lease, started = self._leases.request(args, _left(deadline), keys)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        held = self._leases.hold(keys, {"generations": generations, "incarnation": incarnation, "spans": spans},
+                                 _left(deadline), self)
+        return self._read_held(held, dest, deadline)
+
+    @property
+    def leases_ahead(self) -> bool:
+        return True
+
+    def lease_ahead(self, keys: Sequence[str], timeout: float | None = None, *,
+                    generations: Sequence[int] | None = None, incarnation: str | None = None,
+                    spans=None) -> HeldLease:
+        """Lease what :meth:`read` of ``keys`` would READ, now, for :meth:`read_leased` to READ under it.
+
+        A stream takes the next micro-batch's leases while this one's bytes
+        move: its READ then pays no control round trip. The unit checks
+        generations and incarnation now (``StaleReadError``, ``UnknownKeyError``).
+        """
+        self._check_open()
+        keys = list(keys)
+        if not keys:
+            raise InvalidInputError(f"unit {self.unit}: a lease names at least one key")
+        return self._leases.hold(keys, {"generations": generations, "incarnation": incarnation, "spans": spans},
+                                 timeout, self)
+
+    def read_leased(self, held: HeldLease, dest, timeout: float | None = None) -> list[int]:
+        """:meth:`read` what ``held`` names, under it: no round trip before the READ.
+
+        A lease past :data:`~gputq.transport.one_sided.FRESH_FRACTION` of its
+        lifetime, or one another channel took, is ended and taken again
+        first (the READ might outlast it otherwise); integrity is
+        :meth:`read`'s.
+        """
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if held.owner is not self or not held.fresh():
+            if held.owner is self:
+                self._leases.ends.defer(held.lease_id)
+            held = self._leases.hold(held.keys, held.request, _left(deadline), self)
+        else:
+            self.leased_ahead += 1
+        return self._read_held(held, dest, deadline)
+
+    def drop_lease(self, held: HeldLease) -> None:
+        """End a lease from :meth:`lease_ahead` that no read will use (off the caller's path)."""
+        if held.owner is self:
+            self._leases.ends.defer(held.lease_id)
+
+    def _read_held(self, held: HeldLease, dest, deadline: float | None) -> list[int]:
+        """READ the regions of ``held`` into ``dest``, then settle the lease (see :meth:`read`)."""
+        keys = held.keys
         staged, copied = None, False
         try:
             try:
-                regions = self._leases.regions(lease, keys, self._arena_nbytes, rows)
+                ptr, capacity, device, on_device = _destination(dest)
+                regions = self._leases.regions(held.reply, keys, self._arena_nbytes, held.rows)
                 lengths = regions[:, 1]
                 total = int(lengths.sum())
                 if total > capacity:
@@ -257,7 +306,7 @@ class NixlChannel(LeasingChannel):
                 staged = self._read_leased(keys, regions, total, ptr, device, on_device, deadline)
                 copied = True
             finally:  # held from first to last byte: ended in the background; else confirmed in the read's time
-                self._leases.settle(lease, started, keys, ok=copied,
+                self._leases.settle(held.reply, held.started, keys, ok=copied,
                                     timeout=_left(deadline) if copied else _CLEANUP_TIMEOUT_S)
             if staged is not None:  # copied out of the pool buffer only once confirmed
                 self._copy_out(staged[0], staged[1], ptr, dest, total, device, on_device)

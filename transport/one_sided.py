@@ -9,6 +9,9 @@ meanwhile. Over the unit's authenticated control lane:
    regions and answers them (``regions``), with the lease's ``lease_id``
    and its lifetime (``expires_in``);
 2. the reader copies;
+   A reader may take the lease ahead of the copy (:meth:`LeaseProtocol.hold`,
+   a :class:`HeldLease`): a stream leases the next micro-batch's reads
+   while this one's bytes move, and its copy then costs no round trip;
 3. the lease is settled: a copy that ended while the lease's stated
    lifetime proves it held is ended in the background
    (:class:`~gputq.transport.lease_ends.LeaseEnds`); any other asks
@@ -22,15 +25,17 @@ is its own (where bytes go, how they are copied).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from gputq.errors import ClosedError, StaleReadError
-from gputq.transport.base import Channel, describe_keys, leased_regions
+from gputq.transport.base import Channel, describe_keys, leased_regions, read_args
 from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 
-__all__ = ["LeaseProtocol", "LeasingChannel", "LEASE", "END_LEASE", "ARENA_FILE", "END_TIMEOUT_S"]
+__all__ = ["LeaseProtocol", "LeasingChannel", "HeldLease", "LEASE", "END_LEASE", "ARENA_FILE", "END_TIMEOUT_S",
+           "FRESH_FRACTION"]
 
 #: Control methods every unit answers for one-sided readers (the last names its arena file to a
 #: reader on its host, which maps it).
@@ -38,6 +43,35 @@ LEASE, END_LEASE, ARENA_FILE = "lease", "end_lease", "arena_file"
 #: Seconds a lease's end may take when the read's own time is not what bounds it: a confirmation must
 #: get through even when the read's timeout is spent (else a good copy would be thrown away).
 END_TIMEOUT_S = 10.0
+#: The part of a held lease's stated lifetime that may have passed when its copy starts; an older one is
+#: ended and taken again (its copy might outlast it, and then return nothing).
+FRESH_FRACTION = 0.5
+
+
+@dataclass
+class HeldLease:
+    """A lease taken before its copy: what it names, the unit's reply and when it was requested.
+
+    ``request`` holds the read's ``generations``, ``incarnation`` and
+    ``spans``; ``owner`` is the channel that took it (another channel, one
+    reconnected since, takes its own).
+    """
+
+    keys: list
+    request: dict
+    reply: dict
+    started: float
+    rows: int | None
+    owner: Any = field(default=None, repr=False)
+
+    @property
+    def lease_id(self) -> int:
+        return int(self.reply["lease_id"])
+
+    def fresh(self, now: float | None = None) -> bool:
+        """Whether at most :data:`FRESH_FRACTION` of the lease's stated lifetime has passed (provably)."""
+        expires_in = expires_in_of(self.reply)
+        return expires_in is not None and lease_covered(self.started, expires_in * FRESH_FRACTION, now)
 
 
 class LeaseProtocol:
@@ -62,6 +96,13 @@ class LeaseProtocol:
         """Lease what ``args`` names (see :func:`~gputq.transport.base.read_args`), carrying the ends
         still pending; returns the reply and the ``started`` of :func:`lease_covered`."""
         return self.ends.request_lease(lambda a: self.ask(a, timeout, keys), args)
+
+    def hold(self, keys: list, request: dict, timeout: float | None, owner) -> HeldLease:
+        """Lease ``keys`` with the read's ``request`` (``generations``, ``incarnation``, ``spans``) now, for a
+        copy to come; ``owner`` is the channel that copies."""
+        args, rows = read_args(keys, request.get("generations"), request.get("incarnation"), request.get("spans"))
+        reply, started = self.request(args, timeout, keys)
+        return HeldLease(keys, request, reply, started, rows, owner)
 
     def ask(self, args: dict, timeout: float | None, keys: Sequence[str]) -> dict:
         """The bare :data:`LEASE` request (the caller carries the ends, and restores them on failure)."""

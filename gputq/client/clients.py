@@ -119,9 +119,11 @@ class UnitChannel(Channel):
     once. ``close`` is a no-op: :class:`UnitClients` owns the connection.
 
     Same-host reads (the shm transport) add :meth:`mapped_source`, under the
-    same rule, byte-stream reads (tcp) add :meth:`pipeline`, and the queries
-    :attr:`pipelines_reads`, :attr:`mapping`, :meth:`device_mappable`,
-    :attr:`fallback_reason`, :attr:`reads_ahead` and :attr:`hint_misses`,
+    same rule, byte-stream reads (tcp) add :meth:`pipeline`, one-sided
+    reads (rdma) :meth:`lease_ahead`, :meth:`read_leased` and
+    :meth:`drop_lease`, and the queries :attr:`pipelines_reads`,
+    :attr:`leases_ahead`, :attr:`mapping`, :meth:`device_mappable`,
+    :attr:`fallback_reason`, :attr:`reads_ahead`, :attr:`hint_misses` and :attr:`leased_ahead`,
     which answer "nothing mapped" (``None``, ``False``, ``0``) for other
     transports and while the unit is lost, so a reader takes the path whose
     requests name their keys. Nothing else of the transport channel shows
@@ -150,6 +152,28 @@ class UnitChannel(Channel):
         land (tcp; False for other transports and while the unit is lost)."""
         chan = self._live()
         return chan is not None and chan.pipelines_reads
+
+    @property
+    def leases_ahead(self) -> bool:
+        """True when a read's lease can be taken ahead of it (rdma; False for other transports and while the
+        unit is lost)."""
+        chan = self._live()
+        return chan is not None and chan.leases_ahead
+
+    def lease_ahead(self, keys: Sequence[str], timeout: float | None = None, **kwargs):
+        """The transport channel's ``lease_ahead`` (the read's keyword arguments), under the loss rule."""
+        return self._owner._run(self.unit, keys, "read", lambda chan: chan.lease_ahead(keys, timeout, **kwargs))
+
+    def read_leased(self, held, dest, timeout: float | None = None) -> list[int]:
+        """The transport channel's ``read_leased``, under the loss rule (a channel reconnected since the
+        lease takes its own)."""
+        return self._owner._run(self.unit, held.keys, "read", lambda chan: chan.read_leased(held, dest, timeout))
+
+    def drop_lease(self, held) -> None:
+        """End a lease taken ahead that no read will use; nothing to do while the unit is lost."""
+        chan = self._live()
+        if chan is not None:
+            chan.drop_lease(held)
 
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
         keys = args.get("keys") or ()
@@ -222,6 +246,12 @@ class UnitChannel(Channel):
         """Reads of the current shm channel whose directory regions the lease did not confirm."""
         chan = self._live()
         return 0 if chan is None else int(chan.hint_misses)
+
+    @property
+    def leased_ahead(self) -> int:
+        """Reads of the current rdma channel that copied under a lease taken ahead of them."""
+        chan = self._live()
+        return 0 if chan is None else int(chan.leased_ahead)
 
     @property
     def incarnation(self) -> str:

@@ -2,7 +2,9 @@
 
 - **Staged** (:func:`read_staged`): each unit's span requests read into a
   compact buffer, units in parallel: rdma (into registered memory) and GPU
-  destinations.
+  destinations. Over rdma the next micro-batch's leases are taken while
+  this one's bytes move (:class:`LeasesAhead`): its READs then pay no round
+  trip first.
 - **Landed** (:class:`ReadsAhead` with :func:`~gputq.client.landing.land_replies`):
   over tcp on the host, reads are sent ahead of their replies on one
   pipeline per unit, and each reply is widened as it lands.
@@ -16,7 +18,7 @@ Each gets what it needs through the reader's
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 
 from gputq.client.in_place import add_leased
 from gputq.client.read_context import ReadContext
@@ -25,24 +27,26 @@ from gputq.errors import GputqError, HintMissedError
 from gputq.kernels import MappedSource
 from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
 
-__all__ = ["read_staged", "read_requests", "ReadsAhead", "lease_in_place", "fits_socket_buffers", "Fetched"]
+__all__ = ["read_staged", "read_requests", "ReadsAhead", "LeasesAhead", "lease_in_place", "fits_socket_buffers",
+           "Fetched"]
 
 
-def read_staged(context: ReadContext, plan: MicroPlan, staging) -> None:
+def read_staged(context: ReadContext, plan: MicroPlan, staging, held: list | None = None) -> None:
     """Read ``plan``'s span requests into ``staging`` (see :func:`read_requests`)."""
-    read_requests(context, plan.requests, staging)
+    read_requests(context, plan.requests, staging, held)
 
 
-def read_requests(context: ReadContext, requests: list, staging) -> None:
+def read_requests(context: ReadContext, requests: list, staging, held: list | None = None) -> None:
     """Read ``requests`` into their bytes of ``staging``: each unit's in sequence, units in parallel (parallel
     streams from one unit only contend for its cores), the largest unit's on this thread.
 
-    Each request (a :class:`~gputq.client.plan.SpanRequest`) reads itself from its unit's channel.
+    Each request (a :class:`~gputq.client.plan.SpanRequest`) reads itself from its unit's channel, under
+    its lease in ``held`` (one per request, or None) where one was taken ahead.
     """
     per_unit: dict[str, list] = {}
-    for r in requests:
-        per_unit.setdefault(r.unit, []).append(r)
-    groups = sorted(per_unit.values(), key=lambda group: sum(r.stop - r.start for r in group))
+    for r, lease in zip(requests, held or [None] * len(requests)):
+        per_unit.setdefault(r.unit, []).append((r, lease))
+    groups = sorted(per_unit.values(), key=lambda group: sum(r.stop - r.start for r, _ in group))
     jobs = [context.pool.submit(_read_group, context, group, staging) for group in groups[:-1]]
     try:
         if groups:
@@ -54,8 +58,15 @@ def read_requests(context: ReadContext, requests: list, staging) -> None:
 
 
 def _read_group(context: ReadContext, requests: list, staging) -> None:
-    for r in requests:
-        r.read(context.channel(r.unit), staging[r.start:r.stop], context.read_timeout_s)
+    for i, (r, lease) in enumerate(requests):
+        try:
+            r.read(context.channel(r.unit), staging[r.start:r.stop], context.read_timeout_s, lease)
+        except BaseException:
+            for later, held in requests[i + 1:]:  # leased ahead, now never read: ended, not left pinned
+                if held is not None:
+                    with contextlib.suppress(GputqError):
+                        context.channel(later.unit).drop_lease(held)
+            raise
 
 
 def fits_socket_buffers(plan: MicroPlan) -> bool:
@@ -106,6 +117,46 @@ class ReadsAhead:
         pipes, self._pipes = self._pipes, {}
         for pipe in pipes.values():
             pipe.close()
+
+
+class LeasesAhead:
+    """A stream's leases taken ahead of their reads (one-sided reads: rdma), by micro-batch.
+
+    :meth:`request` leases a micro-batch's reads on the reader's threads
+    while the fetch thread READs the one before; :meth:`take` hands them to
+    its fetch. A lease that failed is left to the read, which leases again
+    and raises there, in its own micro-batch; one never read is ended by
+    :meth:`close`.
+    """
+
+    def __init__(self, context: ReadContext):
+        self._ctx = context
+        self._held: dict[int, list[tuple[str, Future]]] = {}  # micro-batch -> (unit, its lease) per request
+
+    def request(self, plan: MicroPlan) -> None:
+        """Lease ``plan``'s reads in the background (placed: :meth:`MicroPlan.finish` ran)."""
+        if plan.index not in self._held:
+            self._held[plan.index] = [(r.unit, self._ctx.pool.submit(r.lease_ahead, self._ctx.channel(r.unit),
+                                                                     self._ctx.read_timeout_s))
+                                      for r in plan.requests]
+
+    def take(self, plan: MicroPlan) -> list | None:
+        """``plan``'s leases, one per request (None where its lease failed), or None if none was requested."""
+        leases = self._held.pop(plan.index, None)
+        if leases is None:
+            return None
+        wait([future for _, future in leases])
+        return [None if future.exception() is not None else future.result() for _, future in leases]
+
+    def close(self) -> None:
+        """End the leases no read took. Idempotent."""
+        held, self._held = self._held, {}
+        for leases in held.values():
+            wait([future for _, future in leases])
+            for unit, future in leases:
+                if future.exception() is None:
+                    with contextlib.suppress(GputqError):  # an unended lease costs the unit's timeout only
+                        self._ctx.channel(unit).drop_lease(future.result())
 
 
 def lease_in_place(context: ReadContext, plan: MicroPlan, *, ahead: bool = False

@@ -67,10 +67,19 @@ class SpanRequest:
         pipe.send(self.keys, timeout, generations=self.generations, incarnation=self.incarnation or None,
                   spans=self.spans)
 
-    def read(self, channel, dest, timeout: float | None) -> None:
-        """Read this request's spans (or keys) from ``channel`` (its unit's) into ``dest``, its bytes of staging."""
+    def read(self, channel, dest, timeout: float | None, held=None) -> None:
+        """Read this request's spans (or keys) from ``channel`` (its unit's) into ``dest``, its bytes of staging;
+        under ``held``, its lease taken ahead (:meth:`lease_ahead`), where there is one."""
+        if held is not None:
+            self.check_lengths(channel.read_leased(held, dest, timeout))
+            return
         self.check_lengths(channel.read(self.keys, dest, timeout=timeout, generations=self.generations,
                                         incarnation=self.incarnation or None, spans=self.spans))
+
+    def lease_ahead(self, channel, timeout: float | None):
+        """Lease this request's reads on ``channel`` (its unit's, one that reads one-sided) now, for :meth:`read`."""
+        return channel.lease_ahead(self.keys, timeout, generations=self.generations,
+                                   incarnation=self.incarnation or None, spans=self.spans)
 
     def check_lengths(self, lengths: list) -> None:
         """Refuse a reply whose lengths do not add up to the request's bytes (``TransferError``)."""

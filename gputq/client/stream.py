@@ -38,7 +38,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from gputq.client.fetch import Fetched, ReadsAhead, fits_socket_buffers, lease_in_place, read_staged
+from gputq.client.fetch import Fetched, LeasesAhead, ReadsAhead, fits_socket_buffers, lease_in_place, read_staged
 from gputq.client.in_place import mapped_here
 from gputq.client.landing import land_replies
 from gputq.client.read_context import ReadContext
@@ -150,6 +150,9 @@ class MicroBatchStream:
         packed = any(fp.packing for plan in plans for fp in plan.fields.values())
         self._in_place, self._landing, self._ahead = _ways(context, units, prefetch, hold, packed)
         self._reads = ReadsAhead(context)  # the landing's read pipelines, one per unit
+        # Staged one-sided reads (rdma) lease the next micro-batch while this one's bytes move.
+        staged = not (self._in_place or self._landing) and bool(units)
+        self._leases = LeasesAhead(context) if staged and all(context.channel(u).leases_ahead for u in units) else None
         self._fetches: dict[int, Future] = {}  # index -> its fetch; below, its restore on the restore thread
         self._restores: dict[int, Future] = {}
         self._fetcher, self._restorer = context.stream_threads()
@@ -216,8 +219,13 @@ class MicroBatchStream:
             return Fetched(in_place=lease_in_place(self._ctx, plan, ahead=True),
                            again=lambda: lease_in_place(self._ctx, plan))
         buffer = self._buffers.take(self._buffers.compact)
+        held = None
+        if self._leases is not None:
+            held = self._leases.take(plan)
+            if plan.index + 1 < len(self._plans) and not self._closed:
+                self._leases.request(self._plans[plan.index + 1].finish())
         try:
-            read_staged(self._ctx, plan, buffer[:plan.nbytes])
+            read_staged(self._ctx, plan, buffer[:plan.nbytes], held)
         except BaseException:
             self._buffers.compact.put(buffer)
             raise
@@ -371,6 +379,8 @@ class MicroBatchStream:
         self._fetches.clear()
         self._restores.clear()
         self._reads.close()  # replies still queued go with their connections
+        if self._leases is not None:
+            self._leases.close()  # leases taken ahead for fetches that will not run
         self._buffers.close()
 
     def __enter__(self) -> "MicroBatchStream":

@@ -669,3 +669,46 @@ def test_progress_loop_failures_are_logged_at_a_limited_rate(server, caplog):
     assert wait_until(lambda: len(calls) >= 20)
     logged = [r.getMessage() for r in caplog.records if "progress" in r.getMessage()]
     assert len(logged) == 1 and "unit-nixl" in logged[0] and "UCX worker gone" in logged[0]
+
+
+def test_a_lease_taken_ahead_is_read_with_no_second_lease_and_keeps_its_region(server, handler):
+    """lease_ahead then read_leased: the READ pays no lease of its own, and a release racing it (after the
+    lease, before the READ) cannot hand it another key's bytes: the lease pinned the region."""
+    victim, intruder = np.full(64 << 10, 0xAA, np.uint8), np.full(64 << 10, 0x55, np.uint8)
+    with _connect(server) as ch:
+        assert ch.leases_ahead
+        ch.write("victim", victim, {})
+        generation = handler.lookup(["victim"])[0]["generation"]
+        held = ch.lease_ahead(["victim"], timeout=10, generations=[generation])
+        leases = handler.leases
+        assert handler.release(["victim"]) == 1
+        handler.put("intruder", intruder)
+        out = np.zeros(victim.size, np.uint8)
+        assert ch.read_leased(held, out, timeout=10) == [victim.size]
+        assert np.array_equal(out, victim)
+        assert handler.leases == leases and ch.leased_ahead == 1  # no lease of its own
+        wait_until(lambda: handler.stats()["leases"] == 0, 10, "the lease is ended off the read's path")
+        with pytest.raises(StaleReadError):  # the unit checks the generation when the lease is taken
+            ch.lease_ahead(["intruder"], timeout=10, generations=[generation + 1000])
+
+
+def test_a_lease_past_half_its_life_or_of_another_channel_is_taken_again(server, handler, monkeypatch):
+    from gputq.transport import one_sided
+
+    payload = np.arange(5000, dtype=np.uint8)
+    with _connect(server) as ch, _connect(server) as other:
+        ch.write("k", payload, {})
+        held = ch.lease_ahead(["k"], timeout=10)
+        out = np.zeros(payload.size, np.uint8)
+        leases = handler.leases
+        assert other.read_leased(held, out, timeout=10) == [payload.size]  # not its lease: it takes its own
+        assert np.array_equal(out, payload) and handler.leases == leases + 1 and other.leased_ahead == 0
+        monkeypatch.setattr(one_sided, "FRESH_FRACTION", 0.0)  # any lease is past its fresh part now
+        out[:] = 0
+        assert ch.read_leased(held, out, timeout=10) == [payload.size]
+        assert np.array_equal(out, payload) and handler.leases == leases + 2 and ch.leased_ahead == 0
+        held = ch.lease_ahead(["k"], timeout=10)
+        ch.drop_lease(held)  # never read: ended off the caller's path
+        wait_until(lambda: handler.stats()["leases"] == 0, 10, "every lease is ended")
+        with pytest.raises(InvalidInputError):
+            ch.lease_ahead([], timeout=10)
