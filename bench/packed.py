@@ -16,7 +16,8 @@ IDs below E is timed, interleaved, in one run:
   packed rows into int32 (the codec the host restores use), against **the
   widen**: the same int32 output widened from uint16 rows, what a host
   restore of uint16 IDs does;
-- for reference, numpy's own codec (:func:`~gputq.data.packing.pack_rows`,
+- for reference, the codec an ID at a time (``bytewise_``: its BMI2 groups
+  of eight IDs off, as on CPUs without fast BMI2), and numpy's own codec (:func:`~gputq.data.packing.pack_rows`,
   :func:`~gputq.kernels.reference.unpack_rows_into`), which runs where no C
   compiler is.
 
@@ -40,7 +41,7 @@ from bench.common import add_json_flag, emit_json, print_header, print_table
 from bench.put import one_pass
 from gputq.data.fields import canonicalize, routed_experts_spec
 from gputq.data.packing import bits_for, pack_rows
-from gputq.kernels.host_native import host_codec_status, unpack_rows_host
+from gputq.kernels.host_native import host_codec, host_codec_status, unpack_rows_host
 from gputq.kernels.plan import packed_row_bytes
 from gputq.kernels.reference import unpack_rows_into
 
@@ -59,6 +60,19 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _bytewise(fn, repeats: int) -> float:
+    """:func:`_median_s` of ``fn`` with the codec's BMI2 groups off (an ID at a time), where the codec loads."""
+    lib = host_codec()
+    if lib is None:
+        return float("nan")
+    groups = lib.gputq_set_bmi2(-1)
+    lib.gputq_set_bmi2(0)
+    try:
+        return _median_s(fn, repeats)
+    finally:
+        lib.gputq_set_bmi2(groups)
+
+
 def measure(experts: int, topk: int, tokens: int, layers: int, repeats: int) -> dict:
     """One (E, K) row: exact stored bytes, and pack/pass and unpack/widen medians, timed interleaved."""
     ids = np.random.default_rng(experts).integers(0, experts, (tokens, layers, topk)).astype(np.int32)
@@ -72,14 +86,18 @@ def measure(experts: int, topk: int, tokens: int, layers: int, repeats: int) -> 
     the_pass = one_pass("uint16", {"routed_experts": ids})
     spec = routed_experts_spec(layers, topk, "packed", experts)
     put_pack = lambda: canonicalize("bench", spec, ids, out=packed_out, layer_major=True)  # noqa: E731
-    times: dict[str, list] = {"pack": [], "pass": [], "unpack": [], "widen": [], "numpy_pack": [], "numpy_unpack": []}
+    times: dict[str, list] = {"pack": [], "pass": [], "unpack": [], "widen": [], "numpy_pack": [], "numpy_unpack": [],
+                              "bytewise_pack": [], "bytewise_unpack": []}
+    unpack = lambda: unpack_rows_host(rows, topk, bits, restored)  # noqa: E731
     for _ in range(3):  # alternate, so that drift on a shared host hits both sides
         times["pack"].append(_median_s(put_pack, repeats))
         times["pass"].append(_median_s(the_pass, repeats))
         times["numpy_pack"].append(_median_s(lambda: pack_rows(ids, experts, out=packed_out), repeats))
-        times["unpack"].append(_median_s(lambda: unpack_rows_host(rows, topk, bits, restored), repeats))
+        times["unpack"].append(_median_s(unpack, repeats))
         times["widen"].append(_median_s(lambda: np.copyto(restored, narrow, casting="unsafe"), repeats))
         times["numpy_unpack"].append(_median_s(lambda: unpack_rows_into(rows, topk, bits, restored), repeats))
+        times["bytewise_pack"].append(_bytewise(put_pack, repeats))
+        times["bytewise_unpack"].append(_bytewise(unpack, repeats))
     med = {k: statistics.median(v) for k, v in times.items()}
     assert np.array_equal(restored, ids.reshape(-1, topk))
     assert np.array_equal(put_pack().transpose(1, 0, 2), packed)
@@ -107,8 +125,8 @@ def main(argv=None) -> int:
     print_header("packed expert IDs on the host", tokens=args.tokens, layers=args.layers, repeats=args.repeats,
                  cpus=os.cpu_count(), host_codec=host_codec_status())
     print_table(rows, ["experts", "topk", "bits", "row_bytes", "uint16_row_bytes", "pack_gbps", "pass_gbps",
-                       "pack_vs_pass", "unpack_gbps", "widen_gbps", "unpack_vs_widen", "numpy_pack_gbps",
-                       "numpy_unpack_gbps"])
+                       "pack_vs_pass", "unpack_gbps", "widen_gbps", "unpack_vs_widen", "bytewise_pack_gbps",
+                       "bytewise_unpack_gbps", "numpy_pack_gbps", "numpy_unpack_gbps"])
     print("GB/s per int32 byte (pack's input, unpack's output); goals: pack_vs_pass <= 1.5, unpack_vs_widen >= 0.8")
     return 0
 

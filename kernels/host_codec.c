@@ -6,10 +6,74 @@
    pass over the step per column); these loops take a row at a time, so every
    byte is read and written once. kernels/host_native.py builds this file
    with the host's C compiler and falls back to numpy where there is none;
-   kernels/reference.py stays the definition both are tested against. */
+   kernels/reference.py stays the definition both are tested against.
+
+   On x86-64 CPUs whose BMI2 runs in hardware, eight IDs of up to 16 bits
+   move as one group: narrowed into one 64-bit word (or two), then
+   gathered into `bits * 8` packed bits by PEXT (scattered back by PDEP),
+   instead of a shift and a mask an ID. Eight IDs are always whole bytes,
+   so groups never share one. The choice is made at run time (the built
+   file runs on any x86-64), and gputq_set_bmi2 turns it off for tests. */
 
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define GROUPS 1  /* the BMI2 group paths are compiled */
+#define BMI2 __attribute__((target("bmi2,sse4.1")))
+static int use_bmi2 = -1;  /* -1: not decided yet */
+
+/* Whether the group paths run: BMI2 present and not microcoded (AMD before Zen 3 takes hundreds of cycles). */
+static int bmi2_enabled(void) {
+    if (use_bmi2 < 0) {
+        __builtin_cpu_init();
+        use_bmi2 = __builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1") && !__builtin_cpu_is("znver2");
+    }
+    return use_bmi2;
+}
+
+/* `n` (1..16) bytes of `w`, little-endian, to `o`: a copy of constant size per case (no call, no loop). */
+static inline void store_bytes(uint8_t* o, unsigned __int128 w, int n) {
+    switch (n) {
+#define CASE(k) case k: memcpy(o, &w, k); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+    }
+}
+
+/* `n` (1..16) bytes from `s`, little-endian, the rest zero. */
+static inline unsigned __int128 load_bytes(const uint8_t* s, int n) {
+    unsigned __int128 w = 0;
+    switch (n) {
+#define CASE(k) case k: memcpy(&w, s, k); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+    }
+    return w;
+}
+
+/* The low `bits` bits of each of the 64-bit word's lanes of `lane` bits. */
+static uint64_t lane_mask(int bits, int lane) {
+    uint64_t m = 0;
+    for (int i = 0; i < 64; i += lane) m |= ((1ull << bits) - 1ull) << i;
+    return m;
+}
+#endif
+
+/* Turn the BMI2 group paths off (0) or back to what the CPU allows (1), or leave them (-1); returns whether
+   they run. */
+int gputq_set_bmi2(int enable) {
+#ifdef GROUPS
+    if (enable >= 0) use_bmi2 = enable ? -1 : 0;
+    return bmi2_enabled();
+#else
+    (void)enable;
+    return 0;
+#endif
+}
 
 #if defined(__SIZEOF_INT128__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define ROW_WORD 1  /* a row of up to 16 bytes is one 128-bit little-endian word: a shift and a mask an ID */
@@ -41,10 +105,64 @@ static void unpack_words(const uint8_t* src, int64_t whole, int topk, int bits, 
 }
 #endif
 
+#ifdef GROUPS
+/* `bits` bytes (a group) at `s`: one whole load masked where 16 bytes from `s` are inside the buffer (`end`),
+   else byte copies (a short copy into a word read back whole stalls the load on most CPUs). */
+static inline unsigned __int128 load_group(const uint8_t* s, int bits, const uint8_t* end) {
+    if (end - s >= 16) {
+        unsigned __int128 w;
+        memcpy(&w, s, 16);
+        return bits == 16 ? w : w & (((unsigned __int128)1 << (8 * bits)) - 1);
+    }
+    return load_bytes(s, bits);
+}
+
+/* A row's whole groups of eight IDs, `bits` bytes each, into int32 `d`; its last `topk % 8` IDs are the caller's.
+   `end`: the end of the packed buffer. */
+BMI2 static void unpack_groups(const uint8_t* s, int groups, int bits, int32_t* d, const uint8_t* end) {
+    if (bits <= 8) {
+        const uint64_t mask = lane_mask(bits, 8);
+        for (int g = 0; g < groups; ++g, s += bits, d += 8) {
+            const __m128i b = _mm_cvtsi64_si128((long long)_pdep_u64((uint64_t)load_group(s, bits, end), mask));
+            const __m128i w = _mm_unpacklo_epi8(b, _mm_setzero_si128());
+            _mm_storeu_si128((__m128i*)d, _mm_unpacklo_epi16(w, _mm_setzero_si128()));
+            _mm_storeu_si128((__m128i*)(d + 4), _mm_unpackhi_epi16(w, _mm_setzero_si128()));
+        }
+        return;
+    }
+    const uint64_t mask = lane_mask(bits, 16), half = bits == 16 ? ~0ull : (1ull << (4 * bits)) - 1ull;
+    for (int g = 0; g < groups; ++g, s += bits, d += 8) {
+        const unsigned __int128 packed = load_group(s, bits, end);
+        const __m128i w = _mm_set_epi64x((long long)_pdep_u64((uint64_t)(packed >> (4 * bits)) & half, mask),
+                                         (long long)_pdep_u64((uint64_t)packed & half, mask));
+        _mm_storeu_si128((__m128i*)d, _mm_unpacklo_epi16(w, _mm_setzero_si128()));
+        _mm_storeu_si128((__m128i*)(d + 4), _mm_unpackhi_epi16(w, _mm_setzero_si128()));
+    }
+}
+
+/* Rows by groups of eight IDs: the tail of each row a byte at a time. */
+static void unpack_rows_grouped(const uint8_t* src, int64_t rows, int topk, int bits, int32_t* dst,
+                                int64_t dst_stride) {
+    const int row_bytes = (topk * bits + 7) >> 3, groups = topk / 8, tail = topk % 8;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* s = src + r * row_bytes;
+        int32_t* d = dst + r * dst_stride;
+        unpack_groups(s, groups, bits, d, src + rows * row_bytes);
+        if (tail) unpack_row(s + groups * bits, tail, bits, d + groups * 8);
+    }
+}
+#endif
+
 /* `rows` packed rows, one after the other, into rows of `dst` `dst_stride` int32 apart. */
 void gputq_unpack_rows(const uint8_t* src, int64_t rows, int topk, int bits, int32_t* dst, int64_t dst_stride) {
     const int row_bytes = (topk * bits + 7) >> 3;
     int64_t r = 0;
+#ifdef GROUPS
+    if (topk >= 8 && bits <= 16 && bmi2_enabled()) {
+        unpack_rows_grouped(src, rows, topk, bits, dst, dst_stride);
+        return;
+    }
+#endif
 #ifdef ROW_WORD
     if (row_bytes <= 16 && rows * row_bytes >= 16) {
         r = rows - (16 + row_bytes - 1) / row_bytes;
@@ -90,6 +208,47 @@ static int64_t first_bad(const int32_t* ids, int64_t n, int64_t num_experts) {
     return -1;
 }
 
+/* A row's last IDs (fewer than eight after whole groups, or all of them), a byte at a time from `o`. */
+static void pack_tail(const int32_t* ids, int n, int bits, uint8_t* o) {
+    uint64_t acc = 0;
+    int filled = 0;
+    for (int j = 0; j < n; ++j) {
+        acc |= (uint64_t)(uint32_t)ids[j] << filled;
+        filled += bits;
+        while (filled >= 8) {
+            *o++ = (uint8_t)acc;
+            acc >>= 8;
+            filled -= 8;
+        }
+    }
+    if (filled) *o = (uint8_t)acc;
+}
+
+#ifdef GROUPS
+/* A checked row's whole groups of eight IDs into `bits` bytes each, from `o`. */
+BMI2 static void pack_groups(const int32_t* ids, int groups, int bits, uint8_t* o) {
+    if (bits <= 8) {
+        const uint64_t mask = lane_mask(bits, 8);
+        for (int g = 0; g < groups; ++g, ids += 8, o += bits) {
+            /* IDs below 2^bits <= 256: the saturating packs keep them as they are */
+            const __m128i w = _mm_packs_epi32(_mm_loadu_si128((const __m128i*)ids),
+                                              _mm_loadu_si128((const __m128i*)(ids + 4)));
+            store_bytes(o, _pext_u64((uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(w, w)), mask), bits);
+        }
+        return;
+    }
+    const uint64_t mask = lane_mask(bits, 16);
+    for (int g = 0; g < groups; ++g, ids += 8, o += bits) {
+        /* IDs below 2^bits <= 65536: the unsigned saturating pack keeps them as they are */
+        const __m128i w = _mm_packus_epi32(_mm_loadu_si128((const __m128i*)ids),
+                                           _mm_loadu_si128((const __m128i*)(ids + 4)));
+        const uint64_t lo = (uint64_t)_mm_cvtsi128_si64(w), hi = (uint64_t)_mm_extract_epi64(w, 1);
+        store_bytes(o, (unsigned __int128)_pext_u64(lo, mask) | (unsigned __int128)_pext_u64(hi, mask) << (4 * bits),
+                    bits);
+    }
+}
+#endif
+
 /* int32 IDs [rows, layers, topk] (C order) packed into dst: row r of layer l at
    dst + r * row_stride + l * layer_stride (bytes). Returns -1, or the flat index
    of the first ID outside [0, num_experts) (what was written by then is
@@ -100,6 +259,9 @@ int64_t gputq_pack_rows(const int32_t* src, int64_t rows, int layers, int topk, 
     const int row_bytes = (topk * bits + 7) >> 3;
     const int64_t per_token = (int64_t)layers * topk;
     const uint32_t limit = (uint32_t)(num_experts > 0xFFFFFFFFLL ? 0xFFFFFFFFu : num_experts);
+#ifdef GROUPS
+    const int grouped = topk >= 8 && bits <= 16 && num_experts <= (1LL << bits) && bmi2_enabled();
+#endif
     for (int64_t r = 0; r < rows; ++r) {
         const int32_t* token = src + r * per_token;
         uint32_t out_of_range = 0;  /* a negative ID is huge as unsigned */
@@ -108,6 +270,13 @@ int64_t gputq_pack_rows(const int32_t* src, int64_t rows, int layers, int topk, 
         for (int l = 0; l < layers; ++l) {
             const int32_t* ids = token + (int64_t)l * topk;
             uint8_t* o = dst + r * row_stride + l * layer_stride;
+#ifdef GROUPS
+            if (grouped) {
+                pack_groups(ids, topk / 8, bits, o);
+                if (topk % 8) pack_tail(ids + topk / 8 * 8, topk % 8, bits, o + topk / 8 * bits);
+                continue;
+            }
+#endif
 #ifdef ROW_WORD
             if (row_bytes <= 16) {
                 unsigned __int128 w = 0;
@@ -116,18 +285,7 @@ int64_t gputq_pack_rows(const int32_t* src, int64_t rows, int layers, int topk, 
                 continue;
             }
 #endif
-            uint64_t acc = 0;
-            int filled = 0;
-            for (int j = 0; j < topk; ++j) {
-                acc |= (uint64_t)(uint32_t)ids[j] << filled;
-                filled += bits;
-                while (filled >= 8) {
-                    *o++ = (uint8_t)acc;
-                    acc >>= 8;
-                    filled -= 8;
-                }
-            }
-            if (filled) *o = (uint8_t)acc;
+            pack_tail(ids, topk, bits, o);
         }
     }
     return -1;

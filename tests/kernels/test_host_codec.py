@@ -23,11 +23,17 @@ from tests.kernels.test_reference import random_plan
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def codec():
-    if host_codec() is None:
+@pytest.fixture(params=["groups", "bytewise"])
+def codec(request):
+    """The codec, its BMI2 group paths on (where the CPU runs them) or off."""
+    lib = host_codec()
+    if lib is None:
         pytest.skip(f"no host codec here: {host_codec_status()}")
-    return host_codec()
+    before = lib.gputq_set_bmi2(-1)
+    if not lib.gputq_set_bmi2(request.param == "groups") and request.param == "groups":
+        pytest.skip("no BMI2 in hardware here: the codec moves an ID at a time")
+    yield lib
+    lib.gputq_set_bmi2(before)
 
 
 @pytest.mark.parametrize("bits", range(1, 17))
@@ -160,3 +166,21 @@ def test_processes_building_the_codec_at_once_each_load_a_whole_one(codec, tmp_p
         _, err = run.communicate(timeout=100)
         assert run.returncode == 0, err
     assert len(list(tmp_path.glob("host_codec-*.so"))) == 1 and not list(tmp_path.glob("tmp*"))
+
+
+def test_bytewise_keeps_the_codec_at_an_id_at_a_time_with_the_same_bytes(monkeypatch):
+    if host_codec() is None:
+        pytest.skip(f"no host codec here: {host_codec_status()}")
+    ids = np.random.default_rng(6).integers(0, 384, (64, 3, 8)).astype(np.int32)
+    want = pack_rows(ids, 384)
+    monkeypatch.setattr(host_native, "_state", {})
+    monkeypatch.setenv("GPUTQ_HOST_CODEC", "bytewise")
+    try:
+        lib = host_codec()
+        assert "an ID at a time (GPUTQ_HOST_CODEC=bytewise)" in host_codec_status()
+        assert lib.gputq_set_bmi2(-1) == 0
+        out = np.zeros(want.shape, np.uint8)
+        assert pack_rows_host(ids, 9, 384, out, False) == -1
+        np.testing.assert_array_equal(out, want)
+    finally:
+        lib.gputq_set_bmi2(1)
