@@ -16,8 +16,8 @@ IDs below E is timed, interleaved, in one run:
   packed rows into int32 (the codec the host restores use), against **the
   widen**: the same int32 output widened from uint16 rows, what a host
   restore of uint16 IDs does;
-- for reference, the codec an ID at a time (``bytewise_``: its BMI2 groups
-  of eight IDs off, as on CPUs without fast BMI2), and numpy's own codec (:func:`~gputq.data.packing.pack_rows`,
+- for reference, the codec an ID at a time (``bytewise_``: its vector
+  paths off, as on CPUs without fast BMI2), and numpy's own codec (:func:`~gputq.data.packing.pack_rows`,
   :func:`~gputq.kernels.reference.unpack_rows_into`), which runs where no C
   compiler is.
 
@@ -61,16 +61,16 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def _bytewise(fn, repeats: int) -> float:
-    """:func:`_median_s` of ``fn`` with the codec's BMI2 groups off (an ID at a time), where the codec loads."""
+    """:func:`_median_s` of ``fn`` with the codec's vector paths off (an ID at a time), where the codec loads."""
     lib = host_codec()
     if lib is None:
         return float("nan")
-    groups = lib.gputq_set_bmi2(-1)
-    lib.gputq_set_bmi2(0)
+    paths = lib.gputq_set_paths(-1)
+    lib.gputq_set_paths(0)
     try:
         return _median_s(fn, repeats)
     finally:
-        lib.gputq_set_bmi2(groups)
+        lib.gputq_set_paths(paths)
 
 
 def measure(experts: int, topk: int, tokens: int, layers: int, repeats: int) -> dict:

@@ -12,8 +12,11 @@
    move as one group: narrowed into one 64-bit word (or two), then
    gathered into `bits * 8` packed bits by PEXT (scattered back by PDEP),
    instead of a shift and a mask an ID. Eight IDs are always whole bytes,
-   so groups never share one. The choice is made at run time (the built
-   file runs on any x86-64), and gputq_set_bmi2 turns it off for tests. */
+   so groups never share one. Where AVX-512 VBMI is present, rows of a
+   multiple of eight IDs unpack sixteen IDs an instruction sequence: VPERMB
+   gathers the four bytes around each ID into its 32-bit lane, a variable
+   shift and a mask leave the ID. The choice is made at run time (the built
+   file runs on any x86-64), and gputq_set_paths turns paths off for tests. */
 
 #include <stdint.h>
 #include <string.h>
@@ -22,15 +25,28 @@
 #include <immintrin.h>
 #define GROUPS 1  /* the BMI2 group paths are compiled */
 #define BMI2 __attribute__((target("bmi2,sse4.1")))
-static int use_bmi2 = -1;  /* -1: not decided yet */
+#define VBMI __attribute__((target("avx512f,avx512bw,avx512vbmi")))
+#define PATH_BMI2 1
+#define PATH_VBMI 2
+static int paths = -1;  /* the vector paths that run (PATH_*); -1: not decided yet */
 
-/* Whether the group paths run: BMI2 present and not microcoded (AMD before Zen 3 takes hundreds of cycles). */
+/* The vector paths this CPU runs well: BMI2 unless microcoded (AMD before Zen 3 takes hundreds of cycles
+   an instruction), AVX-512 VBMI. */
+static int cpu_paths(void) {
+    __builtin_cpu_init();
+    const int bmi2 = __builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1") && !__builtin_cpu_is("znver2");
+    const int vbmi = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+    return (bmi2 ? PATH_BMI2 : 0) | (vbmi ? PATH_VBMI : 0);
+}
+
 static int bmi2_enabled(void) {
-    if (use_bmi2 < 0) {
-        __builtin_cpu_init();
-        use_bmi2 = __builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1") && !__builtin_cpu_is("znver2");
-    }
-    return use_bmi2;
+    if (paths < 0) paths = cpu_paths();
+    return paths & PATH_BMI2;
+}
+
+static int vbmi_enabled(void) {
+    if (paths < 0) paths = cpu_paths();
+    return paths & PATH_VBMI;
 }
 
 /* `n` (1..16) bytes of `w`, little-endian, to `o`: a copy of constant size per case (no call, no loop). */
@@ -63,14 +79,15 @@ static uint64_t lane_mask(int bits, int lane) {
 }
 #endif
 
-/* Turn the BMI2 group paths off (0) or back to what the CPU allows (1), or leave them (-1); returns whether
-   they run. */
-int gputq_set_bmi2(int enable) {
+/* Allow the vector paths in `allowed` (1: BMI2, 2: AVX-512 VBMI; 0: an ID at a time) where the CPU runs them,
+   or leave them (-1); returns the paths that run. */
+int gputq_set_paths(int allowed) {
 #ifdef GROUPS
-    if (enable >= 0) use_bmi2 = enable ? -1 : 0;
-    return bmi2_enabled();
+    if (allowed >= 0) paths = cpu_paths() & allowed;
+    else if (paths < 0) paths = cpu_paths();
+    return paths;
 #else
-    (void)enable;
+    (void)allowed;
     return 0;
 #endif
 }
@@ -140,6 +157,68 @@ BMI2 static void unpack_groups(const uint8_t* s, int groups, int bits, int32_t* 
     }
 }
 
+/* The VPERMB indices and shifts that leave ID j of sixteen packed ones (from a byte boundary) in 32-bit lane j. */
+VBMI static void vbmi_gather(int bits, __m512i* gather, __m512i* shifts) {
+    uint8_t index[64];
+    uint32_t shift[16];
+    for (int j = 0; j < 16; ++j) {
+        for (int k = 0; k < 4; ++k) index[4 * j + k] = (uint8_t)((j * bits >> 3) + k);
+        shift[j] = (uint32_t)(j * bits & 7);
+    }
+    *gather = _mm512_loadu_si512(index);
+    *shifts = _mm512_loadu_si512(shift);
+}
+
+/* Rows of any `topk`, a row at a time: sixteen IDs (2 * bits bytes, from a byte boundary) a step, the row's
+   last ones under a mask (a row starts on a byte: rows are whole bytes). */
+VBMI static void unpack_rows_vbmi_masked(const uint8_t* src, int64_t rows, int topk, int bits, int32_t* dst,
+                                         int64_t dst_stride) {
+    __m512i gather, shifts;
+    vbmi_gather(bits, &gather, &shifts);
+    const __m512i mask = _mm512_set1_epi32((int)((1u << bits) - 1u));
+    const int row_bytes = (topk * bits + 7) >> 3;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* s = src + r * row_bytes;
+        int32_t* d = dst + r * dst_stride;
+        for (int j = 0; j < topk; j += 16, s += 2 * bits, d += 16) {
+            const int n = topk - j < 16 ? topk - j : 16;
+            const int nbytes = (n * bits + 7) >> 3;
+            const __m512i v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << nbytes) - 1ull), s);
+            const __m512i ids = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(gather, v), shifts),
+                                                 mask);
+            _mm512_mask_storeu_epi32(d, (__mmask16)((1u << n) - 1u), ids);
+        }
+    }
+}
+
+/* Rows of `topk` (a multiple of 8) IDs, sixteen IDs (two groups, 2 * bits bytes) at a time: group g of the
+   rows lands at row g / (topk / 8), ID (g % (topk / 8)) * 8 of dst. An odd last group goes to `unpack_groups`. */
+VBMI static void unpack_rows_vbmi(const uint8_t* src, int64_t rows, int topk, int bits, int32_t* dst,
+                                  int64_t dst_stride) {
+    __m512i gather, shifts;
+    vbmi_gather(bits, &gather, &shifts);
+    const __m512i mask = _mm512_set1_epi32((int)((1u << bits) - 1u));
+    const __mmask64 bytes = (__mmask64)((1ull << (2 * bits)) - 1ull);  /* 2 * bits <= 32 */
+    const int64_t per_row = topk / 8, groups = rows * per_row;
+    const int contiguous = dst_stride == topk;
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        const __m512i v = _mm512_maskz_loadu_epi8(bytes, src + g * bits);  /* masked bytes are never read */
+        const __m512i ids = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(gather, v), shifts), mask);
+        if (contiguous) {
+            _mm512_storeu_si512(dst + g * 8, ids);
+            continue;
+        }
+        int32_t* d0 = dst + g / per_row * dst_stride + g % per_row * 8;
+        int32_t* d1 = dst + (g + 1) / per_row * dst_stride + (g + 1) % per_row * 8;
+        _mm256_storeu_si256((__m256i*)d0, _mm512_castsi512_si256(ids));
+        _mm256_storeu_si256((__m256i*)d1, _mm512_extracti64x4_epi64(ids, 1));
+    }
+    if (g < groups)
+        unpack_groups(src + g * bits, 1, bits, dst + g / per_row * dst_stride + g % per_row * 8,
+                      src + groups * bits);
+}
+
 /* Rows by groups of eight IDs: the tail of each row a byte at a time. */
 static void unpack_rows_grouped(const uint8_t* src, int64_t rows, int topk, int bits, int32_t* dst,
                                 int64_t dst_stride) {
@@ -158,6 +237,14 @@ void gputq_unpack_rows(const uint8_t* src, int64_t rows, int topk, int bits, int
     const int row_bytes = (topk * bits + 7) >> 3;
     int64_t r = 0;
 #ifdef GROUPS
+    if (topk >= 8 && topk % 8 == 0 && bits <= 16 && vbmi_enabled() && bmi2_enabled()) {
+        unpack_rows_vbmi(src, rows, topk, bits, dst, dst_stride);
+        return;
+    }
+    if (topk > 1 && bits <= 16 && vbmi_enabled()) {
+        unpack_rows_vbmi_masked(src, rows, topk, bits, dst, dst_stride);
+        return;
+    }
     if (topk >= 8 && bits <= 16 && bmi2_enabled()) {
         unpack_rows_grouped(src, rows, topk, bits, dst, dst_stride);
         return;

@@ -11,7 +11,8 @@ time, and ``import gputq`` still needs numpy alone.
 Where there is no C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``),
 the build fails, or ``GPUTQ_HOST_CODEC=numpy``, :func:`host_codec` returns
 None and callers use the numpy reference: the same bytes, slower. On
-x86-64 CPUs with fast BMI2 the codec moves eight IDs at a time;
+x86-64 CPUs with fast BMI2 the codec moves eight IDs at a time (and
+unpacks sixteen with AVX-512 VBMI);
 ``GPUTQ_HOST_CODEC=bytewise`` keeps it at one (the same bytes). Which one
 runs, and why, is kept in :func:`host_codec_status`.
 """
@@ -33,7 +34,7 @@ import numpy as np
 from .plan import check_unpack_call
 from .reference import reference_unpack_scatter, unpack_rows_into
 
-__all__ = ["HOST_CODEC_SOURCE", "host_codec", "host_codec_status", "unpack_rows_host", "unpack_scatter_host",
+__all__ = ["HOST_CODEC_SOURCE", "PATH_BMI2", "PATH_VBMI", "host_codec", "host_codec_status", "unpack_rows_host", "unpack_scatter_host",
            "unpack_token_major_host", "pack_rows_host"]
 
 HOST_CODEC_SOURCE = Path(__file__).with_name("host_codec.c")
@@ -51,9 +52,7 @@ def host_codec():
             try:
                 lib = _load()
                 bytewise = os.environ.get("GPUTQ_HOST_CODEC", "").lower() == "bytewise"
-                way = "BMI2, eight IDs at a time" if lib.gputq_set_bmi2(not bytewise) else \
-                    "an ID at a time" + (" (GPUTQ_HOST_CODEC=bytewise)" if bytewise else "")
-                _state["lib"], _state["status"] = lib, f"built with the host C compiler ({way})"
+                _state["lib"], _state["status"] = lib, f"built with the host C compiler ({_paths(lib, bytewise)})"
             except _Unavailable as exc:
                 _state["lib"], _state["status"] = None, str(exc)
         return _state["lib"]
@@ -63,6 +62,18 @@ def host_codec_status() -> str:
     """Why :func:`host_codec` gives what it gives (loading it first)."""
     host_codec()
     return _state["status"]
+
+
+#: The codec's vector paths (``gputq_set_paths``): eight IDs at a time by BMI2, sixteen by AVX-512 VBMI.
+PATH_BMI2, PATH_VBMI = 1, 2
+
+
+def _paths(lib, bytewise: bool) -> str:
+    """Allow the vector paths the CPU runs (none with ``bytewise``); what runs, in words."""
+    paths = lib.gputq_set_paths(0 if bytewise else PATH_BMI2 | PATH_VBMI)
+    if not paths:
+        return "an ID at a time" + (" (GPUTQ_HOST_CODEC=bytewise)" if bytewise else "")
+    return "BMI2, eight IDs at a time" + (", AVX-512 VBMI unpack, sixteen" if paths & PATH_VBMI else "")
 
 
 class _Unavailable(Exception):
@@ -125,8 +136,8 @@ def _typed(lib):
     lib.gputq_pack_rows.argtypes = [c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p,
                                     c.c_int64, c.c_int64]
     lib.gputq_pack_rows.restype = c.c_int64
-    lib.gputq_set_bmi2.argtypes = [c.c_int]
-    lib.gputq_set_bmi2.restype = c.c_int
+    lib.gputq_set_paths.argtypes = [c.c_int]
+    lib.gputq_set_paths.restype = c.c_int
     return lib
 
 

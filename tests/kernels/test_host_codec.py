@@ -23,17 +23,21 @@ from tests.kernels.test_reference import random_plan
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(params=["groups", "bytewise"])
+_PATHS = {"vbmi": host_native.PATH_BMI2 | host_native.PATH_VBMI, "bmi2": host_native.PATH_BMI2, "bytewise": 0}
+
+
+@pytest.fixture(params=sorted(_PATHS))
 def codec(request):
-    """The codec, its BMI2 group paths on (where the CPU runs them) or off."""
+    """The codec with the vector paths of ``request.param`` (where the CPU runs them), or an ID at a time."""
     lib = host_codec()
     if lib is None:
         pytest.skip(f"no host codec here: {host_codec_status()}")
-    before = lib.gputq_set_bmi2(-1)
-    if not lib.gputq_set_bmi2(request.param == "groups") and request.param == "groups":
-        pytest.skip("no BMI2 in hardware here: the codec moves an ID at a time")
+    before = lib.gputq_set_paths(-1)
+    if lib.gputq_set_paths(_PATHS[request.param]) != _PATHS[request.param]:
+        lib.gputq_set_paths(before)
+        pytest.skip(f"the CPU here does not run the {request.param} path")
     yield lib
-    lib.gputq_set_bmi2(before)
+    lib.gputq_set_paths(before)
 
 
 @pytest.mark.parametrize("bits", range(1, 17))
@@ -178,9 +182,9 @@ def test_bytewise_keeps_the_codec_at_an_id_at_a_time_with_the_same_bytes(monkeyp
     try:
         lib = host_codec()
         assert "an ID at a time (GPUTQ_HOST_CODEC=bytewise)" in host_codec_status()
-        assert lib.gputq_set_bmi2(-1) == 0
+        assert lib.gputq_set_paths(-1) == 0
         out = np.zeros(want.shape, np.uint8)
         assert pack_rows_host(ids, 9, 384, out, False) == -1
         np.testing.assert_array_equal(out, want)
     finally:
-        lib.gputq_set_bmi2(1)
+        lib.gputq_set_paths(host_native.PATH_BMI2 | host_native.PATH_VBMI)
