@@ -336,44 +336,58 @@ BMI2 static void pack_groups(const int32_t* ids, int groups, int bits, uint8_t* 
 }
 #endif
 
+/* One checked row of `topk` IDs packed at `o`. */
+static inline void pack_one(const int32_t* ids, int topk, int bits, int row_bytes, int grouped, uint8_t* o) {
+#ifdef GROUPS
+    if (grouped) {
+        pack_groups(ids, topk / 8, bits, o);
+        if (topk % 8) pack_tail(ids + topk / 8 * 8, topk % 8, bits, o + topk / 8 * bits);
+        return;
+    }
+#else
+    (void)grouped;
+#endif
+#ifdef ROW_WORD
+    if (row_bytes <= 16) {
+        unsigned __int128 w = 0;
+        for (int j = 0; j < topk; ++j) w |= (unsigned __int128)(uint32_t)ids[j] << (j * bits);
+        memcpy(o, &w, (size_t)row_bytes);
+        return;
+    }
+#else
+    (void)row_bytes;
+#endif
+    pack_tail(ids, topk, bits, o);
+}
+
+/* Tokens checked, then packed layer by layer, at a time: their IDs stay in cache while each layer's rows are
+   written as one run (a token at a time, each row went to another of L streams). */
+#define PACK_TILE 64
+
 /* int32 IDs [rows, layers, topk] (C order) packed into dst: row r of layer l at
    dst + r * row_stride + l * layer_stride (bytes). Returns -1, or the flat index
    of the first ID outside [0, num_experts) (what was written by then is
-   garbage: the caller drops it). A token's rows are checked together, without
-   a branch per ID, and assembled in one 128-bit word where they fit. */
+   garbage: the caller drops it). A tile's IDs are checked together, without
+   a branch per ID. */
 int64_t gputq_pack_rows(const int32_t* src, int64_t rows, int layers, int topk, int bits, int64_t num_experts,
                         uint8_t* dst, int64_t row_stride, int64_t layer_stride) {
     const int row_bytes = (topk * bits + 7) >> 3;
     const int64_t per_token = (int64_t)layers * topk;
     const uint32_t limit = (uint32_t)(num_experts > 0xFFFFFFFFLL ? 0xFFFFFFFFu : num_experts);
+    int grouped = 0;
 #ifdef GROUPS
-    const int grouped = topk >= 8 && bits <= 16 && num_experts <= (1LL << bits) && bmi2_enabled();
+    grouped = topk >= 8 && bits <= 16 && num_experts <= (1LL << bits) && bmi2_enabled();
 #endif
-    for (int64_t r = 0; r < rows; ++r) {
-        const int32_t* token = src + r * per_token;
+    for (int64_t r0 = 0; r0 < rows; r0 += PACK_TILE) {
+        const int64_t n = rows - r0 < PACK_TILE ? rows - r0 : PACK_TILE;
+        const int32_t* tile = src + r0 * per_token;
         uint32_t out_of_range = 0;  /* a negative ID is huge as unsigned */
-        for (int64_t i = 0; i < per_token; ++i) out_of_range |= (uint32_t)token[i] >= limit;
-        if (out_of_range) return r * per_token + first_bad(token, per_token, num_experts);
-        for (int l = 0; l < layers; ++l) {
-            const int32_t* ids = token + (int64_t)l * topk;
-            uint8_t* o = dst + r * row_stride + l * layer_stride;
-#ifdef GROUPS
-            if (grouped) {
-                pack_groups(ids, topk / 8, bits, o);
-                if (topk % 8) pack_tail(ids + topk / 8 * 8, topk % 8, bits, o + topk / 8 * bits);
-                continue;
-            }
-#endif
-#ifdef ROW_WORD
-            if (row_bytes <= 16) {
-                unsigned __int128 w = 0;
-                for (int j = 0; j < topk; ++j) w |= (unsigned __int128)(uint32_t)ids[j] << (j * bits);
-                memcpy(o, &w, (size_t)row_bytes);
-                continue;
-            }
-#endif
-            pack_tail(ids, topk, bits, o);
-        }
+        for (int64_t i = 0; i < n * per_token; ++i) out_of_range |= (uint32_t)tile[i] >= limit;
+        if (out_of_range) return r0 * per_token + first_bad(tile, n * per_token, num_experts);
+        for (int l = 0; l < layers; ++l)
+            for (int64_t r = r0; r < r0 + n; ++r)
+                pack_one(src + r * per_token + (int64_t)l * topk, topk, bits, row_bytes, grouped,
+                         dst + r * row_stride + l * layer_stride);
     }
     return -1;
 }
