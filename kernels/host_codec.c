@@ -312,41 +312,57 @@ static void pack_tail(const int32_t* ids, int n, int bits, uint8_t* o) {
 }
 
 #ifdef GROUPS
-/* A checked row's whole groups of eight IDs into `bits` bytes each, from `o`. */
-BMI2 static void pack_groups(const int32_t* ids, int groups, int bits, uint8_t* o) {
+/* Eight checked IDs into `bits` bytes at `o`; `mask` is lane_mask(bits, 8) or, above 8 bits, (bits, 16).
+   With `wide`, a whole 8 (16) byte word is stored: the caller rewrites the bytes past the group later. */
+BMI2 static inline void pack_group(const int32_t* ids, int bits, uint64_t mask, uint8_t* o, int wide) {
     if (bits <= 8) {
-        const uint64_t mask = lane_mask(bits, 8);
-        for (int g = 0; g < groups; ++g, ids += 8, o += bits) {
-            /* IDs below 2^bits <= 256: the saturating packs keep them as they are */
-            const __m128i w = _mm_packs_epi32(_mm_loadu_si128((const __m128i*)ids),
-                                              _mm_loadu_si128((const __m128i*)(ids + 4)));
-            store_bytes(o, _pext_u64((uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(w, w)), mask), bits);
-        }
+        /* IDs below 2^bits <= 256: the saturating packs keep them as they are */
+        const __m128i w = _mm_packs_epi32(_mm_loadu_si128((const __m128i*)ids),
+                                          _mm_loadu_si128((const __m128i*)(ids + 4)));
+        const uint64_t packed = _pext_u64((uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(w, w)), mask);
+        if (wide)
+            memcpy(o, &packed, 8);
+        else
+            store_bytes(o, packed, bits);
         return;
     }
-    const uint64_t mask = lane_mask(bits, 16);
-    for (int g = 0; g < groups; ++g, ids += 8, o += bits) {
-        /* IDs below 2^bits <= 65536: the unsigned saturating pack keeps them as they are */
-        const __m128i w = _mm_packus_epi32(_mm_loadu_si128((const __m128i*)ids),
-                                           _mm_loadu_si128((const __m128i*)(ids + 4)));
-        const uint64_t lo = (uint64_t)_mm_cvtsi128_si64(w), hi = (uint64_t)_mm_extract_epi64(w, 1);
-        store_bytes(o, (unsigned __int128)_pext_u64(lo, mask) | (unsigned __int128)_pext_u64(hi, mask) << (4 * bits),
-                    bits);
-    }
+    /* IDs below 2^bits <= 65536: the unsigned saturating pack keeps them as they are */
+    const __m128i w = _mm_packus_epi32(_mm_loadu_si128((const __m128i*)ids),
+                                       _mm_loadu_si128((const __m128i*)(ids + 4)));
+    const uint64_t lo = (uint64_t)_mm_cvtsi128_si64(w), hi = (uint64_t)_mm_extract_epi64(w, 1);
+    const unsigned __int128 packed = (unsigned __int128)_pext_u64(lo, mask)
+                                     | (unsigned __int128)_pext_u64(hi, mask) << (4 * bits);
+    if (wide)
+        memcpy(o, &packed, 16);
+    else
+        store_bytes(o, packed, bits);
+}
+
+/* Checked tokens [r0, r0 + n) of `rows` packed layer by layer, eight IDs at a time (each row's last ones a
+   byte at a time); one function, so that the group code is inlined and its mask worked out once. A group
+   stores a whole word where what it writes past its bytes is rewritten later: the rest of its row, and where
+   a layer's rows follow each other (layer-major) the layer's later rows, never past the layer's last row
+   (the next layer's first, written before). */
+BMI2 static void pack_tile_groups(const int32_t* src, int64_t rows, int64_t r0, int64_t n, int layers, int topk,
+                                  int bits, uint8_t* dst, int64_t row_stride, int64_t layer_stride) {
+    const int64_t per_token = (int64_t)layers * topk;
+    const int groups = topk / 8, tail = topk % 8, row_bytes = (topk * bits + 7) >> 3;
+    const uint64_t mask = lane_mask(bits, bits <= 8 ? 8 : 16);
+    const int runs = row_stride == row_bytes, word = bits <= 8 ? 8 : 16;
+    for (int l = 0; l < layers; ++l)
+        for (int64_t r = r0; r < r0 + n; ++r) {
+            const int32_t* ids = src + r * per_token + (int64_t)l * topk;
+            uint8_t* o = dst + r * row_stride + l * layer_stride;
+            const int64_t room = runs ? (rows - r) * row_bytes : row_bytes;  /* bytes from o rewritten later */
+            for (int g = 0; g < groups; ++g)
+                pack_group(ids + 8 * g, bits, mask, o + g * bits, (int64_t)g * bits + word <= room);
+            if (tail) pack_tail(ids + groups * 8, tail, bits, o + groups * bits);
+        }
 }
 #endif
 
-/* One checked row of `topk` IDs packed at `o`. */
-static inline void pack_one(const int32_t* ids, int topk, int bits, int row_bytes, int grouped, uint8_t* o) {
-#ifdef GROUPS
-    if (grouped) {
-        pack_groups(ids, topk / 8, bits, o);
-        if (topk % 8) pack_tail(ids + topk / 8 * 8, topk % 8, bits, o + topk / 8 * bits);
-        return;
-    }
-#else
-    (void)grouped;
-#endif
+/* One checked row of `topk` IDs packed at `o`, an ID at a time. */
+static inline void pack_one(const int32_t* ids, int topk, int bits, int row_bytes, uint8_t* o) {
 #ifdef ROW_WORD
     if (row_bytes <= 16) {
         unsigned __int128 w = 0;
@@ -374,9 +390,8 @@ int64_t gputq_pack_rows(const int32_t* src, int64_t rows, int layers, int topk, 
     const int row_bytes = (topk * bits + 7) >> 3;
     const int64_t per_token = (int64_t)layers * topk;
     const uint32_t limit = (uint32_t)(num_experts > 0xFFFFFFFFLL ? 0xFFFFFFFFu : num_experts);
-    int grouped = 0;
 #ifdef GROUPS
-    grouped = topk >= 8 && bits <= 16 && num_experts <= (1LL << bits) && bmi2_enabled();
+    const int grouped = topk >= 8 && bits <= 16 && num_experts <= (1LL << bits) && bmi2_enabled();
 #endif
     for (int64_t r0 = 0; r0 < rows; r0 += PACK_TILE) {
         const int64_t n = rows - r0 < PACK_TILE ? rows - r0 : PACK_TILE;
@@ -384,9 +399,15 @@ int64_t gputq_pack_rows(const int32_t* src, int64_t rows, int layers, int topk, 
         uint32_t out_of_range = 0;  /* a negative ID is huge as unsigned */
         for (int64_t i = 0; i < n * per_token; ++i) out_of_range |= (uint32_t)tile[i] >= limit;
         if (out_of_range) return r0 * per_token + first_bad(tile, n * per_token, num_experts);
+#ifdef GROUPS
+        if (grouped) {
+            pack_tile_groups(src, rows, r0, n, layers, topk, bits, dst, row_stride, layer_stride);
+            continue;
+        }
+#endif
         for (int l = 0; l < layers; ++l)
             for (int64_t r = r0; r < r0 + n; ++r)
-                pack_one(src + r * per_token + (int64_t)l * topk, topk, bits, row_bytes, grouped,
+                pack_one(src + r * per_token + (int64_t)l * topk, topk, bits, row_bytes,
                          dst + r * row_stride + l * layer_stride);
     }
     return -1;
