@@ -177,6 +177,16 @@ VBMI static void unpack_rows_vbmi_masked(const uint8_t* src, int64_t rows, int t
     vbmi_gather(bits, &gather, &shifts);
     const __m512i mask = _mm512_set1_epi32((int)((1u << bits) - 1u));
     const int row_bytes = (topk * bits + 7) >> 3;
+    if (topk <= 16) {  /* one step a row: its masks are the same for every row */
+        const __mmask64 load = (__mmask64)((1ull << row_bytes) - 1ull);
+        const __mmask16 store = (__mmask16)((1u << topk) - 1u);
+        for (int64_t r = 0; r < rows; ++r) {
+            const __m512i v = _mm512_maskz_loadu_epi8(load, src + r * row_bytes);
+            _mm512_mask_storeu_epi32(dst + r * dst_stride, store, _mm512_and_si512(
+                _mm512_srlv_epi32(_mm512_permutexvar_epi8(gather, v), shifts), mask));
+        }
+        return;
+    }
     for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* s = src + r * row_bytes;
         int32_t* d = dst + r * dst_stride;
