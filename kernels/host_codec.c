@@ -169,6 +169,11 @@ VBMI static void vbmi_gather(int bits, __m512i* gather, __m512i* shifts) {
     *shifts = _mm512_loadu_si512(shift);
 }
 
+/* The sixteen int32 IDs of `v` (packed bytes from a byte boundary), by vbmi_gather's indices and shifts. */
+VBMI static inline __m512i vbmi_ids(__m512i v, __m512i gather, __m512i shifts, __m512i mask) {
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(gather, v), shifts), mask);
+}
+
 /* Rows of any `topk`, a row at a time: sixteen IDs (2 * bits bytes, from a byte boundary) a step, the row's
    last ones under a mask (a row starts on a byte: rows are whole bytes). */
 VBMI static void unpack_rows_vbmi_masked(const uint8_t* src, int64_t rows, int topk, int bits, int32_t* dst,
@@ -182,8 +187,7 @@ VBMI static void unpack_rows_vbmi_masked(const uint8_t* src, int64_t rows, int t
         const __mmask16 store = (__mmask16)((1u << topk) - 1u);
         for (int64_t r = 0; r < rows; ++r) {
             const __m512i v = _mm512_maskz_loadu_epi8(load, src + r * row_bytes);
-            _mm512_mask_storeu_epi32(dst + r * dst_stride, store, _mm512_and_si512(
-                _mm512_srlv_epi32(_mm512_permutexvar_epi8(gather, v), shifts), mask));
+            _mm512_mask_storeu_epi32(dst + r * dst_stride, store, vbmi_ids(v, gather, shifts, mask));
         }
         return;
     }
@@ -194,9 +198,7 @@ VBMI static void unpack_rows_vbmi_masked(const uint8_t* src, int64_t rows, int t
             const int n = topk - j < 16 ? topk - j : 16;
             const int nbytes = (n * bits + 7) >> 3;
             const __m512i v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << nbytes) - 1ull), s);
-            const __m512i ids = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(gather, v), shifts),
-                                                 mask);
-            _mm512_mask_storeu_epi32(d, (__mmask16)((1u << n) - 1u), ids);
+            _mm512_mask_storeu_epi32(d, (__mmask16)((1u << n) - 1u), vbmi_ids(v, gather, shifts, mask));
         }
     }
 }
@@ -214,7 +216,7 @@ VBMI static void unpack_rows_vbmi(const uint8_t* src, int64_t rows, int topk, in
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
         const __m512i v = _mm512_maskz_loadu_epi8(bytes, src + g * bits);  /* masked bytes are never read */
-        const __m512i ids = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(gather, v), shifts), mask);
+        const __m512i ids = vbmi_ids(v, gather, shifts, mask);
         if (contiguous) {
             _mm512_storeu_si512(dst + g * 8, ids);
             continue;

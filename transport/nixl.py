@@ -243,8 +243,7 @@ class NixlChannel(LeasingChannel):
         if not keys:
             return []
         deadline = None if timeout is None else time.monotonic() + timeout
-        held = self._leases.hold(keys, {"generations": generations, "incarnation": incarnation, "spans": spans},
-                                 _left(deadline), self)
+        held = self.lease_ahead(keys, _left(deadline), generations=generations, incarnation=incarnation, spans=spans)
         return self._read_held(held, dest, deadline)
 
     @property
