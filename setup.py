@@ -19,7 +19,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["gputq", "gputq.*"]) + sorted(LOWER_LAYERS),
     package_dir=LOWER_LAYERS,
-    package_data={"gputq.kernels": ["*.cu", "*.c"]},
+    package_data={"gputq.kernels": ["*.cu", "*.c", "*.h"]},
     install_requires=["numpy>=1.24", "msgpack>=1.0", "pyyaml>=6"],
     extras_require={
         "ray": ["ray>=2.40"],

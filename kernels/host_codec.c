@@ -1,86 +1,32 @@
-/* Packed expert IDs on the host: packing (with the range check) and unpacking, one pass each.
+/* Packed expert IDs unpacked on the host, one pass each (the format and the vector paths: host_codec.h).
 
-   The format is gputq/data/packing.py's (and unpack_scatter.cu's): a row of
-   K IDs of `bits` bits (1..16) in ceil(K * bits / 8) bytes, least
-   significant bit first. numpy moves a packed row one ID column at a time (a
-   pass over the step per column); these loops take a row at a time, so every
-   byte is read and written once. kernels/host_native.py builds this file
-   with the host's C compiler and falls back to numpy where there is none;
-   kernels/reference.py stays the definition both are tested against.
-
-   On x86-64 CPUs whose BMI2 runs in hardware, eight IDs of up to 16 bits
-   move as one group: narrowed into one 64-bit word (or two), then
-   gathered into `bits * 8` packed bits by PEXT (scattered back by PDEP),
-   instead of a shift and a mask an ID. Eight IDs are always whole bytes,
-   so groups never share one. Where AVX-512 VBMI is present, rows of a
-   multiple of eight IDs unpack sixteen IDs an instruction sequence: VPERMB
+   numpy moves a packed row one ID column at a time (a pass over the step
+   per column); these loops take a row at a time, so every byte is read and
+   written once. On x86-64 CPUs whose BMI2 runs in hardware, eight IDs move
+   as one group (PDEP) instead of a shift and a mask an ID. Where AVX-512
+   VBMI is present, rows unpack sixteen IDs an instruction sequence: VPERMB
    gathers the four bytes around each ID into its 32-bit lane, a variable
-   shift and a mask leave the ID. The choice is made at run time (the built
-   file runs on any x86-64), and gputq_set_paths turns paths off for tests. */
+   shift and a mask leave the ID. This file also keeps which paths run. */
 
-#include <stdint.h>
-#include <string.h>
+#include "host_codec.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define GROUPS 1  /* the BMI2 group paths are compiled */
-#define BMI2 __attribute__((target("bmi2,sse4.1")))
-#define VBMI __attribute__((target("avx512f,avx512bw,avx512vbmi")))
-#define PATH_BMI2 1
-#define PATH_VBMI 2
+#ifdef GROUPS
 static int paths = -1;  /* the vector paths that run (PATH_*); -1: not decided yet */
 
 /* The vector paths this CPU runs well: BMI2 unless microcoded (AMD before Zen 3 takes hundreds of cycles
-   an instruction), AVX-512 VBMI. */
+   an instruction), AVX-512 VBMI, AVX-512 with byte and word lanes and 256-bit forms. */
 static int cpu_paths(void) {
     __builtin_cpu_init();
     const int bmi2 = __builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1") && !__builtin_cpu_is("znver2");
     const int vbmi = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
-    return (bmi2 ? PATH_BMI2 : 0) | (vbmi ? PATH_VBMI : 0);
-}
-
-static int bmi2_enabled(void) {
-    if (paths < 0) paths = cpu_paths();
-    return paths & PATH_BMI2;
-}
-
-static int vbmi_enabled(void) {
-    if (paths < 0) paths = cpu_paths();
-    return paths & PATH_VBMI;
-}
-
-/* `n` (1..16) bytes of `w`, little-endian, to `o`: a copy of constant size per case (no call, no loop). */
-static inline void store_bytes(uint8_t* o, unsigned __int128 w, int n) {
-    switch (n) {
-#define CASE(k) case k: memcpy(o, &w, k); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
-#undef CASE
-    }
-}
-
-/* `n` (1..16) bytes from `s`, little-endian, the rest zero. */
-static inline unsigned __int128 load_bytes(const uint8_t* s, int n) {
-    unsigned __int128 w = 0;
-    switch (n) {
-#define CASE(k) case k: memcpy(&w, s, k); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
-#undef CASE
-    }
-    return w;
-}
-
-/* The low `bits` bits of each of the 64-bit word's lanes of `lane` bits. */
-static uint64_t lane_mask(int bits, int lane) {
-    uint64_t m = 0;
-    for (int i = 0; i < 64; i += lane) m |= ((1ull << bits) - 1ull) << i;
-    return m;
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                       && __builtin_cpu_supports("avx512vl");
+    return (bmi2 ? PATH_BMI2 : 0) | (vbmi ? PATH_VBMI : 0) | (avx512 ? PATH_AVX512 : 0);
 }
 #endif
 
-/* Allow the vector paths in `allowed` (1: BMI2, 2: AVX-512 VBMI; 0: an ID at a time) where the CPU runs them,
-   or leave them (-1); returns the paths that run. */
+/* Allow the vector paths in `allowed` (PATH_* bits; 0: an ID at a time) where the CPU runs them, or leave them
+   (-1); returns the paths that run. */
 int gputq_set_paths(int allowed) {
 #ifdef GROUPS
     if (allowed >= 0) paths = cpu_paths() & allowed;
@@ -92,9 +38,9 @@ int gputq_set_paths(int allowed) {
 #endif
 }
 
-#if defined(__SIZEOF_INT128__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-#define ROW_WORD 1  /* a row of up to 16 bytes is one 128-bit little-endian word: a shift and a mask an ID */
-#endif
+int gputq_path_on(int path) {
+    return gputq_set_paths(-1) & path;
+}
 
 /* One packed row of `topk` IDs into `dst` (int32, `topk` of them), a byte at a time. */
 static inline void unpack_row(const uint8_t* s, int topk, int bits, int32_t* d) {
@@ -249,15 +195,15 @@ void gputq_unpack_rows(const uint8_t* src, int64_t rows, int topk, int bits, int
     const int row_bytes = (topk * bits + 7) >> 3;
     int64_t r = 0;
 #ifdef GROUPS
-    if (topk >= 8 && topk % 8 == 0 && bits <= 16 && vbmi_enabled() && bmi2_enabled()) {
+    if (topk >= 8 && topk % 8 == 0 && bits <= 16 && gputq_path_on(PATH_VBMI) && gputq_path_on(PATH_BMI2)) {
         unpack_rows_vbmi(src, rows, topk, bits, dst, dst_stride);
         return;
     }
-    if (topk > 1 && bits <= 16 && vbmi_enabled()) {
+    if (topk > 1 && bits <= 16 && gputq_path_on(PATH_VBMI)) {
         unpack_rows_vbmi_masked(src, rows, topk, bits, dst, dst_stride);
         return;
     }
-    if (topk >= 8 && bits <= 16 && bmi2_enabled()) {
+    if (topk >= 8 && bits <= 16 && gputq_path_on(PATH_BMI2)) {
         unpack_rows_grouped(src, rows, topk, bits, dst, dst_stride);
         return;
     }
@@ -298,129 +244,4 @@ void gputq_unpack_scatter(const uint8_t* src, const int64_t* plan, int64_t nplan
             gputq_unpack_rows(src + s * row_bytes, n, topk, bits, dst + d * topk, topk);
         }
     }
-}
-
-/* The flat index of the first ID of `ids` [n] outside [0, num_experts). */
-static int64_t first_bad(const int32_t* ids, int64_t n, int64_t num_experts) {
-    for (int64_t i = 0; i < n; ++i)
-        if (ids[i] < 0 || (int64_t)ids[i] >= num_experts) return i;
-    return -1;
-}
-
-/* A row's last IDs (fewer than eight after whole groups, or all of them), a byte at a time from `o`. */
-static void pack_tail(const int32_t* ids, int n, int bits, uint8_t* o) {
-    uint64_t acc = 0;
-    int filled = 0;
-    for (int j = 0; j < n; ++j) {
-        acc |= (uint64_t)(uint32_t)ids[j] << filled;
-        filled += bits;
-        while (filled >= 8) {
-            *o++ = (uint8_t)acc;
-            acc >>= 8;
-            filled -= 8;
-        }
-    }
-    if (filled) *o = (uint8_t)acc;
-}
-
-#ifdef GROUPS
-/* Eight checked IDs into `bits` bytes at `o`; `mask` is lane_mask(bits, 8) or, above 8 bits, (bits, 16).
-   With `wide`, a whole 8 (16) byte word is stored: the caller rewrites the bytes past the group later. */
-BMI2 static inline void pack_group(const int32_t* ids, int bits, uint64_t mask, uint8_t* o, int wide) {
-    if (bits <= 8) {
-        /* IDs below 2^bits <= 256: the saturating packs keep them as they are */
-        const __m128i w = _mm_packs_epi32(_mm_loadu_si128((const __m128i*)ids),
-                                          _mm_loadu_si128((const __m128i*)(ids + 4)));
-        const uint64_t packed = _pext_u64((uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(w, w)), mask);
-        if (wide)
-            memcpy(o, &packed, 8);
-        else
-            store_bytes(o, packed, bits);
-        return;
-    }
-    /* IDs below 2^bits <= 65536: the unsigned saturating pack keeps them as they are */
-    const __m128i w = _mm_packus_epi32(_mm_loadu_si128((const __m128i*)ids),
-                                       _mm_loadu_si128((const __m128i*)(ids + 4)));
-    const uint64_t lo = (uint64_t)_mm_cvtsi128_si64(w), hi = (uint64_t)_mm_extract_epi64(w, 1);
-    const unsigned __int128 packed = (unsigned __int128)_pext_u64(lo, mask)
-                                     | (unsigned __int128)_pext_u64(hi, mask) << (4 * bits);
-    if (wide)
-        memcpy(o, &packed, 16);
-    else
-        store_bytes(o, packed, bits);
-}
-
-/* Checked tokens [r0, r0 + n) of `rows` packed layer by layer, eight IDs at a time (each row's last ones a
-   byte at a time); one function, so that the group code is inlined and its mask worked out once. A group
-   stores a whole word where what it writes past its bytes is rewritten later: the rest of its row, and where
-   a layer's rows follow each other (layer-major) the layer's later rows, never past the layer's last row
-   (the next layer's first, written before). */
-BMI2 static void pack_tile_groups(const int32_t* src, int64_t rows, int64_t r0, int64_t n, int layers, int topk,
-                                  int bits, uint8_t* dst, int64_t row_stride, int64_t layer_stride) {
-    const int64_t per_token = (int64_t)layers * topk;
-    const int groups = topk / 8, tail = topk % 8, row_bytes = (topk * bits + 7) >> 3;
-    const uint64_t mask = lane_mask(bits, bits <= 8 ? 8 : 16);
-    const int runs = row_stride == row_bytes, word = bits <= 8 ? 8 : 16;
-    for (int l = 0; l < layers; ++l)
-        for (int64_t r = r0; r < r0 + n; ++r) {
-            const int32_t* ids = src + r * per_token + (int64_t)l * topk;
-            uint8_t* o = dst + r * row_stride + l * layer_stride;
-            const int64_t room = runs ? (rows - r) * row_bytes : row_bytes;  /* bytes from o rewritten later */
-            for (int g = 0; g < groups; ++g)
-                pack_group(ids + 8 * g, bits, mask, o + g * bits, (int64_t)g * bits + word <= room);
-            if (tail) pack_tail(ids + groups * 8, tail, bits, o + groups * bits);
-        }
-}
-#endif
-
-/* One checked row of `topk` IDs packed at `o`, an ID at a time. */
-static inline void pack_one(const int32_t* ids, int topk, int bits, int row_bytes, uint8_t* o) {
-#ifdef ROW_WORD
-    if (row_bytes <= 16) {
-        unsigned __int128 w = 0;
-        for (int j = 0; j < topk; ++j) w |= (unsigned __int128)(uint32_t)ids[j] << (j * bits);
-        memcpy(o, &w, (size_t)row_bytes);
-        return;
-    }
-#else
-    (void)row_bytes;
-#endif
-    pack_tail(ids, topk, bits, o);
-}
-
-/* Tokens checked, then packed layer by layer, at a time: their IDs stay in cache while each layer's rows are
-   written as one run (a token at a time, each row went to another of L streams). */
-#define PACK_TILE 64
-
-/* int32 IDs [rows, layers, topk] (C order) packed into dst: row r of layer l at
-   dst + r * row_stride + l * layer_stride (bytes). Returns -1, or the flat index
-   of the first ID outside [0, num_experts) (what was written by then is
-   garbage: the caller drops it). A tile's IDs are checked together, without
-   a branch per ID. */
-int64_t gputq_pack_rows(const int32_t* src, int64_t rows, int layers, int topk, int bits, int64_t num_experts,
-                        uint8_t* dst, int64_t row_stride, int64_t layer_stride) {
-    const int row_bytes = (topk * bits + 7) >> 3;
-    const int64_t per_token = (int64_t)layers * topk;
-    const uint32_t limit = (uint32_t)(num_experts > 0xFFFFFFFFLL ? 0xFFFFFFFFu : num_experts);
-#ifdef GROUPS
-    const int grouped = topk >= 8 && bits <= 16 && num_experts <= (1LL << bits) && bmi2_enabled();
-#endif
-    for (int64_t r0 = 0; r0 < rows; r0 += PACK_TILE) {
-        const int64_t n = rows - r0 < PACK_TILE ? rows - r0 : PACK_TILE;
-        const int32_t* tile = src + r0 * per_token;
-        uint32_t out_of_range = 0;  /* a negative ID is huge as unsigned */
-        for (int64_t i = 0; i < n * per_token; ++i) out_of_range |= (uint32_t)tile[i] >= limit;
-        if (out_of_range) return r0 * per_token + first_bad(tile, n * per_token, num_experts);
-#ifdef GROUPS
-        if (grouped) {
-            pack_tile_groups(src, rows, r0, n, layers, topk, bits, dst, row_stride, layer_stride);
-            continue;
-        }
-#endif
-        for (int l = 0; l < layers; ++l)
-            for (int64_t r = r0; r < r0 + n; ++r)
-                pack_one(src + r * per_token + (int64_t)l * topk, topk, bits, row_bytes,
-                         dst + r * row_stride + l * layer_stride);
-    }
-    return -1;
 }

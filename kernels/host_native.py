@@ -1,8 +1,10 @@
-"""The host codec of packed expert IDs (``host_codec.c``), built with the host's C compiler on first use.
+"""The host codec of expert IDs (``host_codec.c``, ``host_pack.c``), built with the host's C compiler on first use.
 
 numpy packs and unpacks a row of IDs one ID column at a time: a pass over
 the whole step per column, an order of magnitude slower than the cast a
-whole-byte format costs. ``host_codec.c`` takes a row at a time. It is
+whole-byte format costs. The codec takes a row at a time, and on put's side
+also narrows whole-byte formats, checking each ID, straight into the stored
+layer-major order (numpy transposes an element at a time). It is
 compiled once per source and compiler into a cache folder
 (``$GPUTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/gputq`` or
 ``~/.cache/gputq``) and loaded with ctypes; nothing is built at install
@@ -12,7 +14,8 @@ Where there is no C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``),
 the build fails, or ``GPUTQ_HOST_CODEC=numpy``, :func:`host_codec` returns
 None and callers use the numpy reference: the same bytes, slower. On
 x86-64 CPUs with fast BMI2 the codec moves eight IDs at a time (and
-unpacks sixteen with AVX-512 VBMI);
+unpacks sixteen with AVX-512 VBMI, checks sixteen and narrows eight with
+AVX-512);
 ``GPUTQ_HOST_CODEC=bytewise`` keeps it at one (the same bytes). Which one
 runs, and why, is kept in :func:`host_codec_status`.
 """
@@ -34,10 +37,12 @@ import numpy as np
 from .plan import check_unpack_call
 from .reference import reference_unpack_scatter, unpack_rows_into
 
-__all__ = ["HOST_CODEC_SOURCE", "PATH_BMI2", "PATH_VBMI", "host_codec", "host_codec_status", "unpack_rows_host", "unpack_scatter_host",
-           "unpack_token_major_host", "pack_rows_host"]
+__all__ = ["HOST_CODEC_SOURCES", "PATH_AVX512", "PATH_BMI2", "PATH_VBMI", "host_codec", "host_codec_status",
+           "unpack_rows_host", "unpack_scatter_host", "unpack_token_major_host", "pack_rows_host", "narrow_rows_host"]
 
-HOST_CODEC_SOURCE = Path(__file__).with_name("host_codec.c")
+#: The codec's C sources, built into one library (the header is part of what the build depends on).
+HOST_CODEC_SOURCES = tuple(Path(__file__).with_name(name) for name in ("host_codec.c", "host_pack.c"))
+_HEADER = Path(__file__).with_name("host_codec.h")
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
 _BUILD_TIMEOUT_S = 120
 
@@ -64,16 +69,19 @@ def host_codec_status() -> str:
     return _state["status"]
 
 
-#: The codec's vector paths (``gputq_set_paths``): eight IDs at a time by BMI2, sixteen by AVX-512 VBMI.
-PATH_BMI2, PATH_VBMI = 1, 2
+#: The codec's vector paths (``gputq_set_paths``): eight IDs at a time by BMI2, sixteen unpacked by AVX-512
+#: VBMI, checked and narrowed by AVX-512.
+PATH_BMI2, PATH_VBMI, PATH_AVX512 = 1, 2, 4
 
 
 def _paths(lib, bytewise: bool) -> str:
     """Allow the vector paths the CPU runs (none with ``bytewise``); what runs, in words."""
-    paths = lib.gputq_set_paths(0 if bytewise else PATH_BMI2 | PATH_VBMI)
+    paths = lib.gputq_set_paths(0 if bytewise else PATH_BMI2 | PATH_VBMI | PATH_AVX512)
     if not paths:
         return "an ID at a time" + (" (GPUTQ_HOST_CODEC=bytewise)" if bytewise else "")
-    return "BMI2, eight IDs at a time" + (", AVX-512 VBMI unpack, sixteen" if paths & PATH_VBMI else "")
+    named = [("BMI2, eight IDs at a time", PATH_BMI2), ("AVX-512 VBMI unpack, sixteen", PATH_VBMI),
+             ("AVX-512 check and narrowing", PATH_AVX512)]
+    return ", ".join(name for name, path in named if paths & path)
 
 
 class _Unavailable(Exception):
@@ -97,7 +105,7 @@ def _load():
     if os.environ.get("GPUTQ_HOST_CODEC", "").lower() == "numpy":
         raise _Unavailable("GPUTQ_HOST_CODEC=numpy: packed IDs use numpy")
     compiler = _compiler()
-    source = HOST_CODEC_SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*HOST_CODEC_SOURCES, _HEADER))
     digest = hashlib.sha256(source + compiler.encode() + " ".join(_FLAGS).encode()
                             + sys.platform.encode()).hexdigest()[:16]
     lib = _cache_dir() / f"host_codec-{digest}.so"
@@ -115,7 +123,7 @@ def _build(compiler: str, lib: Path) -> None:
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as folder:
             out = Path(folder) / lib.name
-            subprocess.run([compiler, *_FLAGS, "-o", str(out), str(HOST_CODEC_SOURCE)], check=True,
+            subprocess.run([compiler, *_FLAGS, "-o", str(out), *map(str, HOST_CODEC_SOURCES)], check=True,
                            capture_output=True, timeout=_BUILD_TIMEOUT_S)
             os.replace(out, lib)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -136,6 +144,8 @@ def _typed(lib):
     lib.gputq_pack_rows.argtypes = [c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int64, c.c_void_p,
                                     c.c_int64, c.c_int64]
     lib.gputq_pack_rows.restype = c.c_int64
+    lib.gputq_narrow_rows.argtypes = lib.gputq_pack_rows.argtypes
+    lib.gputq_narrow_rows.restype = c.c_int64
     lib.gputq_set_paths.argtypes = [c.c_int]
     lib.gputq_set_paths.restype = c.c_int
     return lib
@@ -192,12 +202,39 @@ def pack_rows_host(ids: np.ndarray, bits: int, num_experts: int, out: np.ndarray
     not C-contiguous native int32: the caller packs with numpy), -1 when
     packed, else the flat index of the first ID out of range.
     """
+    lib = _taking(ids, out)
+    if lib is None:
+        return None
+    return int(lib.gputq_pack_rows(ids.ctypes.data, *ids.shape, bits, num_experts, out.ctypes.data,
+                                   *_row_strides(ids, out.shape[-1], layer_major)))
+
+
+def narrow_rows_host(ids: np.ndarray, limit: int, out: np.ndarray, layer_major: bool) -> int | None:
+    """Store int32 ``ids`` ``[rows, layers, K]`` as ``out``'s whole-byte dtype (uint8, uint16 or int32; its
+    shape as :func:`pack_rows_host`'s), checking each ID in ``[0, limit)`` (``limit`` 0: no check).
+
+    Returns what :func:`pack_rows_host` returns: None where the codec
+    cannot take them, -1 when stored, else the flat index of the first ID
+    out of range.
+    """
+    lib = _taking(ids, out)
+    if lib is None or out.dtype not in (np.dtype("=u1"), np.dtype("=u2"), np.dtype("=i4")):
+        return None
+    return int(lib.gputq_narrow_rows(ids.ctypes.data, *ids.shape, limit, out.dtype.itemsize, out.ctypes.data,
+                                     *_row_strides(ids, out.shape[-1] * out.dtype.itemsize, layer_major)))
+
+
+def _taking(ids: np.ndarray, out: np.ndarray):
+    """The codec, where it loads and takes ``ids`` (C-contiguous native int32 ``[rows, layers, K]``) into
+    ``out`` (C-contiguous); else None."""
     lib = host_codec()
     if lib is None or ids.dtype != np.dtype("=i4") or not ids.flags.c_contiguous or ids.ndim != 3 \
             or not out.flags.c_contiguous:
         return None
-    rows, layers, topk = ids.shape
-    row_bytes = out.shape[-1]
-    strides = (row_bytes, rows * row_bytes) if layer_major else (layers * row_bytes, row_bytes)
-    return int(lib.gputq_pack_rows(ids.ctypes.data, rows, layers, topk, bits, num_experts, out.ctypes.data,
-                                   *strides))
+    return lib
+
+
+def _row_strides(ids: np.ndarray, row_bytes: int, layer_major: bool) -> tuple[int, int]:
+    """Bytes from one stored row to the next token's and to the next layer's."""
+    rows, layers, _ = ids.shape
+    return (row_bytes, rows * row_bytes) if layer_major else (layers * row_bytes, row_bytes)

@@ -28,7 +28,7 @@ import numpy as np
 
 from gputq.data.packing import bits_for, check_ids, pack_rows_into, packed_row_bytes, packed_shape
 from gputq.data.refs import check_fill, read_record
-from gputq.kernels.host_native import pack_rows_host
+from gputq.kernels.host_native import narrow_rows_host, pack_rows_host
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 
 __all__ = [
@@ -305,12 +305,10 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
     shape = (arr.shape[0], *spec.stored_shape)
     result = np.empty(shape, stored) if out is None else _into(where, out, arr.shape[0] * row_nbytes(spec), stored,
                                                                 shape)
-    if spec.num_experts:
-        if arr.size and _packed_natively(where, arr, result, spec.num_experts, layer_major):
-            return result.reshape(-1).reshape((shape[1], shape[0], *shape[2:])) if layer_major else result
-        convert = _packer(where, spec.num_experts)
-    else:
-        convert = _converter(where, check)
+    native = _packed_natively if spec.num_experts else _narrowed_natively
+    if arr.size and spec.integral and native(where, arr, result, spec.num_experts, layer_major):
+        return result.reshape(-1).reshape((shape[1], shape[0], *shape[2:])) if layer_major else result
+    convert = _packer(where, spec.num_experts) if spec.num_experts else _converter(where, check)
     narrowing_floats = check is _check_nan and arr.dtype.itemsize > stored.itemsize
     # A float64 beyond float32's range becomes inf, as with astype, without a warning.
     with np.errstate(over="ignore") if narrowing_floats else contextlib.nullcontext():
@@ -364,6 +362,20 @@ def _packed_natively(where: str, arr: np.ndarray, result: np.ndarray, num_expert
     if bad >= 0:
         row = bad // math.prod(arr.shape[1:])
         check_ids(where, arr[row:row + 1], num_experts, row)  # raises, naming the first bad ID
+    return True
+
+
+def _narrowed_natively(where: str, arr: np.ndarray, result: np.ndarray, _num_experts: int, layer_major: bool) -> bool:
+    """Store (and check) ``arr`` as ``result``'s whole-byte dtype with the host codec, in one pass; False where
+    it cannot (see :func:`~gputq.kernels.host_native.narrow_rows_host`)."""
+    stored = result.dtype
+    limit = 0 if _widens(arr.dtype, stored) else int(np.iinfo(stored).max) + 1
+    bad = narrow_rows_host(arr, limit, result, layer_major)
+    if bad is None:
+        return False
+    if bad >= 0:
+        row = bad // math.prod(arr.shape[1:])
+        _check_range(where, arr[row:row + 1], result[:1], row)  # raises, naming the first bad value
     return True
 
 

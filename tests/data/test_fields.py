@@ -3,8 +3,10 @@ import json
 import numpy as np
 import pytest
 
+from gputq.data import fields as fields_module
 from gputq.data.fields import FieldRegistry, FieldSpec, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
+from gputq.kernels import host_native
 
 
 def test_builtin_specs():
@@ -131,17 +133,31 @@ def test_canonicalize_logprobs():
         canonicalize("k", spec, bad)
 
 
+@pytest.fixture(params=["codec", "numpy"])
+def store_by(request, monkeypatch):
+    """Whole-byte IDs stored by the host codec (where it builds) or, as without a C compiler, by numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(host_native, "_state", {"lib": None, "status": "numpy, for this test"})
+    elif host_native.host_codec() is None:
+        pytest.skip(f"no host codec here: {host_native.host_codec_status()}")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
-def test_canonicalize_layer_major_stores_each_layer_contiguously(dtype):
+def test_canonicalize_layer_major_stores_each_layer_contiguously(dtype, store_by, monkeypatch):
     spec = routed_experts_spec(5, 3, dtype)
     src = np.random.default_rng(0).integers(0, 200, (3000, 5, 3)).astype(np.int32)  # several chunks
+    stored = []
+    spy = lambda *args: stored.append(host_native.narrow_rows_host(*args)) or stored[-1]  # noqa: E731
+    monkeypatch.setattr(fields_module, "narrow_rows_host", spy)
     out = canonicalize("k", spec, src, out=np.empty(src.size * 4, np.uint8), layer_major=True)
     assert out.shape == (5, 3000, 3) and out.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(out, src.transpose(1, 0, 2))
+    assert stored == ([-1] if store_by == "codec" else [None])  # the codec stored it in one call, or numpy did
     assert canonicalize("k", spec, src[:0], layer_major=True).shape == (5, 0, 3)
 
 
-def test_canonicalize_layer_major_names_the_token_major_index_of_a_bad_id():
+def test_canonicalize_layer_major_names_the_token_major_index_of_a_bad_id(store_by):
     spec = routed_experts_spec(4, 2, "uint8")
     src = np.zeros((2500, 4, 2), np.int32)
     src[2100, 3, 1] = 256

@@ -14,7 +14,8 @@ from gputq.data.fields import canonicalize, routed_experts_spec
 from gputq.data.packing import pack_rows
 from gputq.errors import FieldValueError, PlanError
 from gputq.kernels import host_native
-from gputq.kernels.host_native import host_codec, host_codec_status, pack_rows_host, unpack_rows_host, \
+from gputq.kernels.host_native import host_codec, host_codec_status, narrow_rows_host, pack_rows_host, \
+    unpack_rows_host, \
     unpack_scatter_host
 from gputq.kernels.reference import reference_unpack_scatter
 from tests.data.test_packing import _encode_bitwise
@@ -23,7 +24,7 @@ from tests.kernels.test_reference import random_plan
 pytestmark = pytest.mark.timeout(120)
 
 
-_PATHS = {"vbmi": host_native.PATH_BMI2 | host_native.PATH_VBMI, "bmi2": host_native.PATH_BMI2, "bytewise": 0}
+_PATHS = {"vbmi": host_native.PATH_BMI2 | host_native.PATH_VBMI | host_native.PATH_AVX512, "bmi2": host_native.PATH_BMI2, "bytewise": 0}
 
 
 @pytest.fixture(params=sorted(_PATHS))
@@ -84,6 +85,50 @@ def test_pack_writes_the_references_bytes_in_either_layout(codec, experts, topk,
     assert pack_rows_host(ids, max(1, (experts - 1).bit_length()), experts, out, layer_major) == -1
     got = out.reshape(5, 300, -1).transpose(1, 0, 2) if layer_major else out
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("layer_major", [False, True])
+@pytest.mark.parametrize("topk", [8, 11, 16])
+def test_pack_at_every_width_never_writes_past_a_row_into_one_written_before(codec, topk, layer_major):
+    # A group stores a whole word (8 or 16 bytes) where the bytes past it are rewritten later: at 1 bit a row
+    # of eight IDs is one byte, so a word reaches seven rows ahead. Rows and layers both end inside a tile.
+    rng = np.random.default_rng(topk)
+    for bits in range(1, 17):
+        for rows in (1, 3, 70):
+            ids = rng.integers(0, 1 << bits, (rows, 3, topk)).astype(np.int32)
+            want = pack_rows(ids, 1 << bits)
+            out = np.full(want.size + 16, 0xEE, np.uint8)  # the 16 bytes past the step stay as they are
+            step = out[:want.size].reshape((3, rows, -1) if layer_major else want.shape)
+            assert pack_rows_host(ids, bits, 1 << bits, step, layer_major) == -1
+            got = step.transpose(1, 0, 2) if layer_major else step
+            np.testing.assert_array_equal(got, want, err_msg=f"bits {bits} rows {rows}")
+            assert (out[want.size:] == 0xEE).all()
+
+
+@pytest.mark.parametrize("layer_major", [False, True])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_narrowing_stores_numpys_bytes_for_every_topk(codec, dtype, layer_major):
+    rng = np.random.default_rng(len(dtype))
+    high = min(np.iinfo(dtype).max, 1 << 20)
+    for topk in range(1, 18):
+        ids = rng.integers(0 if dtype != "int32" else -high, high, (70, 3, topk)).astype(np.int32)
+        want = ids.astype(dtype)
+        out = np.full(want.shape, 7, dtype)
+        limit = 0 if dtype == "int32" else high + 1
+        assert narrow_rows_host(ids, limit, out.reshape(3, 70, topk) if layer_major else out, layer_major) == -1
+        got = out.reshape(3, 70, topk).transpose(1, 0, 2) if layer_major else out
+        np.testing.assert_array_equal(got, want, err_msg=f"topk {topk}")
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16"])
+def test_narrowing_returns_the_first_id_out_of_range_and_canonicalize_names_it(codec, dtype):
+    ids = np.random.default_rng(8).integers(0, 200, (1000, 5, 8)).astype(np.int32)
+    ids[800, 2, 3], ids[700, 3, 1] = np.iinfo(dtype).max + 1, -1
+    out = np.zeros((5, 1000, 8), dtype)
+    assert narrow_rows_host(ids, np.iinfo(dtype).max + 1, out, True) == (700 * 5 + 3) * 8 + 1
+    with pytest.raises(FieldValueError, match=rf"value -1 at index \[700, 3, 1\] does not fit {dtype}"):
+        canonicalize("k", routed_experts_spec(5, 8, dtype), ids, out=np.zeros(ids.size * 2, np.uint8),
+                     layer_major=True)
 
 
 def test_pack_returns_the_first_bad_id_and_canonicalize_names_it(codec):
@@ -187,4 +232,4 @@ def test_bytewise_keeps_the_codec_at_an_id_at_a_time_with_the_same_bytes(monkeyp
         assert pack_rows_host(ids, 9, 384, out, False) == -1
         np.testing.assert_array_equal(out, want)
     finally:
-        lib.gputq_set_paths(host_native.PATH_BMI2 | host_native.PATH_VBMI)
+        lib.gputq_set_paths(host_native.PATH_BMI2 | host_native.PATH_VBMI | host_native.PATH_AVX512)
