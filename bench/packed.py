@@ -8,7 +8,7 @@ IDs below E is timed, interleaved, in one run:
 
 - **pack**: what ``Writer.put`` runs, :func:`gputq.data.fields.canonicalize`
   of a packed spec into layer-major bytes (checks every ID, packs at
-  ``ceil(log2 E)`` bits: the host codec, ``kernels/host_codec.c``, where it
+  ``ceil(log2 E)`` bits: the host codec, ``kernels/host_pack.c``, where it
   builds), against **the pass**: ``bench.put``'s chunked pass that narrows
   the same IDs to uint16 and checks their range, the strongest plain-numpy
   baseline of what a writer must do anyway;
