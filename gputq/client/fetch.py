@@ -1,4 +1,5 @@
-"""The fetch stage of a stream: one way of moving a micro-batch's bytes each.
+"""The fetch stage's parts, one for each way of moving a micro-batch's bytes (the ways a stream calls are
+:mod:`gputq.client.fetch_ways`; the whole-shard fetch reads by :func:`read_requests` too).
 
 - **Staged** (:func:`read_staged`): each unit's span requests read into a
   compact buffer, units in parallel: rdma (into registered memory) and GPU

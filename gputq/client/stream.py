@@ -38,9 +38,8 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from gputq.client.fetch import Fetched, LeasesAhead, ReadsAhead, fits_socket_buffers, lease_in_place, read_staged
-from gputq.client.in_place import mapped_here
-from gputq.client.landing import land_replies
+from gputq.client.fetch import Fetched
+from gputq.client.fetch_ways import InPlaceFetch, LandingFetch, StagedFetch, choose_ways
 from gputq.client.read_context import ReadContext
 from gputq.client.replay import LayerRef, LazyReplay
 from gputq.client.shape import SlimeShaper
@@ -62,20 +61,6 @@ def _run_into(future: Future, work: Callable, *args) -> None:
         future.set_result(work(*args))
     except BaseException as exc:
         future.set_exception(exc)
-
-
-def _ways(context: ReadContext, units: list, prefetch: int, hold: bool, packed: bool) -> tuple[bool, bool, bool]:
-    """How a stream's bytes move: (read in place, landed as they arrive, restored ahead on a second thread).
-
-    Packed IDs are always staged: they unpack whole rows, which neither a
-    chunk as it lands nor the in-place widen hands over.
-    """
-    on_host = context.on_host and bool(units) and not packed
-    # Host restores from same-host arenas read the spans where they lie: no staging copy.
-    in_place = on_host and all(mapped_here(context.channel(unit), False) for unit in units)
-    # Host restores over tcp widen each chunk as it lands, on the fetch thread: no staging either.
-    landing = on_host and not in_place and all(context.channel(unit).pipelines_reads for unit in units)
-    return in_place, landing, context.on_host and prefetch >= 2 and not hold and not landing
 
 
 @dataclass
@@ -129,8 +114,8 @@ class MicroBatchStream:
 
     A fetch thread reads micro-batches ahead, in order; iterating yields them
     restored, and by default each is released when the next is asked for.
-    How the bytes move decides the rest (the buffers each way holds:
-    :mod:`gputq.client.stream_buffers`): on the host a restore thread widens
+    How the bytes move decides the rest (the ways: :mod:`gputq.client.fetch_ways`; the buffers each way
+    holds: :mod:`gputq.client.stream_buffers`): on the host a restore thread widens
     the next micro-batch while the current one trains; read where they lie
     in same-host arenas (shm) micro-batches need no compact buffer; on the
     host over tcp the fetch thread widens each micro-batch as its replies
@@ -148,11 +133,7 @@ class MicroBatchStream:
         self._shaper = SlimeShaper(context, rank)
         units = sorted({unit for plan in plans for unit in plan.units})
         packed = any(fp.packing for plan in plans for fp in plan.fields.values())
-        self._in_place, self._landing, self._ahead = _ways(context, units, prefetch, hold, packed)
-        self._reads = ReadsAhead(context)  # the landing's read pipelines, one per unit
-        # Staged one-sided reads (rdma) lease the next micro-batch while this one's bytes move.
-        staged = not (self._in_place or self._landing) and bool(units)
-        self._leases = LeasesAhead(context) if staged and all(context.channel(u).leases_ahead for u in units) else None
+        self._in_place, self._landing, self._ahead = choose_ways(context, units, prefetch, hold, packed)
         self._fetches: dict[int, Future] = {}  # index -> its fetch; below, its restore on the restore thread
         self._restores: dict[int, Future] = {}
         self._fetcher, self._restorer = context.stream_threads()
@@ -165,6 +146,12 @@ class MicroBatchStream:
                                       ahead=self._ahead, closed=lambda: self._closed)
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
         self.buffer_bytes = self._buffers.nbytes
+        closed = lambda: self._closed  # noqa: E731
+        if self._landing:
+            self._way = LandingFetch(context, plans, self._buffers, self._shaped, lambda: self._submitted, closed)
+        else:
+            self._way = InPlaceFetch(context) if self._in_place else StagedFetch(context, plans, self._buffers,
+                                                                                 units, closed)
         self._submit_until(prefetch)
 
     @property
@@ -194,7 +181,7 @@ class MicroBatchStream:
             restore = self._restores[plan.index] = Future()
             fetch.add_done_callback(lambda done: self._queue_restore(plan, done, restore))
         try:
-            self._fetcher.submit(_run_into, fetch, self._land if self._landing else self._fetch, plan)
+            self._fetcher.submit(_run_into, fetch, self._way, plan)
         except BaseException as exc:  # the reader's threads are shut down
             if fetch.set_running_or_notify_cancel():
                 fetch.set_exception(exc)
@@ -209,48 +196,6 @@ class MicroBatchStream:
             if restore.set_running_or_notify_cancel():
                 self._drop_fetched(fetch)
                 restore.set_exception(exc)
-
-    def _fetch(self, plan: MicroPlan) -> Fetched:
-        """A micro-batch's compact bytes: staged in a compact buffer, or leased in place."""
-        plan.finish()  # here, not up front: the first micro-batch waits for its own planning alone
-        if self._in_place:
-            # Leased ahead: the directories' regions at once, the leases confirmed after the restore, so
-            # a micro-batch adds no lease round trip to the fetch thread's path.
-            return Fetched(in_place=lease_in_place(self._ctx, plan, ahead=True),
-                           again=lambda: lease_in_place(self._ctx, plan))
-        buffer = self._buffers.take(self._buffers.compact)
-        held = None
-        if self._leases is not None:
-            held = self._leases.take(plan)
-            if plan.index + 1 < len(self._plans) and not self._closed:
-                self._leases.request(self._plans[plan.index + 1].finish())
-        try:
-            read_staged(self._ctx, plan, buffer[:plan.nbytes], held)
-        except BaseException:
-            self._buffers.compact.put(buffer)
-            raise
-        return Fetched(buffer=buffer, pool=self._buffers.compact)
-
-    def _land(self, plan: MicroPlan):
-        """A micro-batch restored as its bytes land (tcp, on the host): ``(micro-batch, its output buffers)``.
-
-        Its reads go out, then the next micro-batch's, if that fetch is queued
-        behind this one or its replies fit the socket buffers (a unit never
-        waits on a reader that stopped reading; see :class:`ReadsAhead`).
-        """
-        plan.finish()
-        self._reads.send(plan)
-        if plan.index + 1 < len(self._plans) and not self._closed:
-            ahead = self._plans[plan.index + 1].finish()
-            if plan.index + 1 < self._submitted or fits_socket_buffers(ahead):
-                self._reads.send_ahead(ahead)
-        outputs = self._buffers.spare_outputs()
-        try:
-            land_replies(plan, outputs, self._reads.pipe, self._ctx.read_timeout_s)
-            return self._shaped(plan, outputs), outputs
-        except BaseException:
-            self._buffers.outputs.put(outputs)
-            raise
 
     def _restored(self, plan: MicroPlan, fetched: Fetched, outputs: dict) -> tuple[MicroBatch, dict]:
         """Restore a fetched micro-batch into ``outputs`` (given back if it fails): ``(micro-batch, outputs)``.
@@ -378,9 +323,7 @@ class MicroBatchStream:
             self._drop_fetched(future)
         self._fetches.clear()
         self._restores.clear()
-        self._reads.close()  # replies still queued go with their connections
-        if self._leases is not None:
-            self._leases.close()  # leases taken ahead for fetches that will not run
+        self._way.close()  # its pipelines (replies still queued go with them), or leases taken ahead
         self._buffers.close()
 
     def __enter__(self) -> "MicroBatchStream":

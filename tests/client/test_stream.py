@@ -228,6 +228,7 @@ def test_over_tcp_on_the_host_the_fetch_after_the_prefetched_ones_starts_while_t
     """A consumer waiting for a micro-batch holds none: the fetch after the prefetched ones is queued then,
     not once the consumer has woken up with its micro-batch (on a busy host, milliseconds after it landed),
     and it lands in the buffer the consumer gave back: never more than prefetch + 1 output buffers."""
+    import gputq.client.fetch_ways as ways_module
     import gputq.client.stream as stream_module
     from gputq.client.stream_buffers import StreamBuffers
 
@@ -235,7 +236,7 @@ def test_over_tcp_on_the_host_the_fetch_after_the_prefetched_ones_starts_while_t
     batches = [[0, 1], [2, 3], [4, 5]]
     rank = ParallelSlice(layers=range(0, 3), cp_rank=1, cp_size=2, num_experts=EXPERTS)
     first_may_land, second_queued, second_landed = threading.Event(), threading.Event(), threading.Event()
-    real_land, real_submit = stream_module.land_replies, stream_module.MicroBatchStream._submit
+    real_land, real_submit = ways_module.land_replies, stream_module.MicroBatchStream._submit
     real_outputs = StreamBuffers.new_outputs
     made, queued = [], []
 
@@ -256,7 +257,7 @@ def test_over_tcp_on_the_host_the_fetch_after_the_prefetched_ones_starts_while_t
         made.append(1)
         return real_outputs(buffers)
 
-    monkeypatch.setattr(stream_module, "land_replies", land)
+    monkeypatch.setattr(ways_module, "land_replies", land)
     monkeypatch.setattr(stream_module.MicroBatchStream, "_submit", submit)
     monkeypatch.setattr(StreamBuffers, "new_outputs", new_outputs)
     with _stored(2, lengths) as (config, _, clients, shard, data), Reader(clients, config) as reader:
