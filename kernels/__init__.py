@@ -5,7 +5,9 @@ compact staging buffer (uint8/uint16/int32 IDs or float32 values) into an
 int32 (or float32) output, widening each element, and writes ``fill`` into
 the rows of fill plan rows. It dispatches on the array type:
 
-- numpy arrays: the vectorised numpy reference (the semantics);
+- numpy arrays: the host codec (``host_widen.c``, the whole plan in one
+  call; built on first use), else the vectorised numpy reference (the
+  semantics);
 - CuPy arrays: the CUDA kernel, one launch per call;
 - CUDA torch tensors: the CUDA kernel through CuPy when CuPy has a working
   device, else the torch fallback; CPU torch tensors: the torch fallback;
@@ -26,7 +28,7 @@ from gputq.transport.cuda import cuda_available
 
 from .cupy_backend import (cupy_unpack_scatter, cupy_usable, cupy_widen_scatter, torch_unpack_scatter_cupy,
                            torch_widen_scatter_cupy)
-from .host_native import unpack_scatter_host
+from .host_native import unpack_scatter_host, widen_scatter_host
 from .mapped import MappedSource
 from .plan import plan_bytes, validate_plan
 from .reference import reference_unpack_scatter, reference_widen_scatter
@@ -100,7 +102,7 @@ def widen_scatter(staging, plan, width, out, fill=0, *, validate=True, stream=No
             "must be the same array type"
         )
     if kind == "numpy":
-        return reference_widen_scatter(staging, plan, width, out, fill, validate=validate)
+        return widen_scatter_host(staging, plan, width, out, fill, validate=validate)
     if kind == "cupy":
         return cupy_widen_scatter(staging, plan, width, out, fill, validate=validate, stream=stream)
     if kind == "torch":

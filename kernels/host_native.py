@@ -34,14 +34,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .plan import check_unpack_call
-from .reference import reference_unpack_scatter, unpack_rows_into
+from gputq.errors import PlanError
+
+from .plan import check_call, check_unpack_call
+from .reference import reference_unpack_scatter, reference_widen_scatter, unpack_rows_into
 
 __all__ = ["HOST_CODEC_SOURCES", "PATH_AVX512", "PATH_BMI2", "PATH_VBMI", "host_codec", "host_codec_status",
-           "unpack_rows_host", "unpack_scatter_host", "unpack_token_major_host", "pack_rows_host", "narrow_rows_host"]
+           "unpack_rows_host", "unpack_scatter_host", "unpack_token_major_host", "pack_rows_host", "narrow_rows_host",
+           "widen_scatter_host"]
 
 #: The codec's C sources, built into one library (the header is part of what the build depends on).
-HOST_CODEC_SOURCES = tuple(Path(__file__).with_name(name) for name in ("host_codec.c", "host_pack.c"))
+HOST_CODEC_SOURCES = tuple(Path(__file__).with_name(name) for name in ("host_codec.c", "host_pack.c", "host_widen.c"))
 _HEADER = Path(__file__).with_name("host_codec.h")
 _FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
 _BUILD_TIMEOUT_S = 120
@@ -146,6 +149,9 @@ def _typed(lib):
     lib.gputq_pack_rows.restype = c.c_int64
     lib.gputq_narrow_rows.argtypes = lib.gputq_pack_rows.argtypes
     lib.gputq_narrow_rows.restype = c.c_int64
+    lib.gputq_widen_scatter.argtypes = [c.c_void_p, c.c_int, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p,
+                                        c.c_int64, c.c_uint32]
+    lib.gputq_widen_scatter.restype = c.c_int64
     lib.gputq_set_paths.argtypes = [c.c_int]
     lib.gputq_set_paths.restype = c.c_int
     return lib
@@ -191,6 +197,27 @@ def unpack_scatter_host(staging: np.ndarray, plan, topk: int, bits: int, out: np
     plan = np.ascontiguousarray(plan, dtype=np.int64)
     lib.gputq_unpack_scatter(staging.ctypes.data, plan.ctypes.data, len(plan), int(topk), int(bits),
                              out.ctypes.data, int(fill))
+    return out
+
+
+def widen_scatter_host(staging: np.ndarray, plan, width: int, out: np.ndarray, fill=0, *,
+                       validate: bool = True) -> np.ndarray:
+    """:func:`~kernels.reference.reference_widen_scatter`, by the codec where it loads and the arrays allow:
+    the same checks, errors and bytes, the whole plan in one call. A plan row outside the buffers raises
+    ``PlanError`` even unvalidated (nothing is read or written outside them)."""
+    lib = host_codec()
+    if lib is None or not isinstance(staging, np.ndarray) or not isinstance(out, np.ndarray) \
+            or not staging.flags.c_contiguous or not out.flags.c_contiguous or not out.flags.writeable \
+            or not staging.dtype.isnative:
+        return reference_widen_scatter(staging, plan, width, out, fill, validate=validate)
+    plan, fill = check_call(staging.dtype.name, staging.size, out.dtype.name, out.size, plan, width, fill, validate)
+    plan = np.ascontiguousarray(plan, dtype=np.int64)
+    bad = lib.gputq_widen_scatter(staging.ctypes.data, staging.dtype.itemsize, staging.size // width, plan.ctypes.data,
+                                  len(plan), width, out.ctypes.data, out.size // width,
+                                  int(np.asarray(fill, out.dtype).view(np.uint32)))
+    if bad >= 0:
+        raise PlanError(f"plan row {bad} {plan[bad].tolist()} reads or writes outside the buffers "
+                        f"({staging.size // width} staging rows, {out.size // width} out rows)")
     return out
 
 

@@ -8,8 +8,8 @@ for that staging buffer: it describes where each staging byte range lives
 restore, a host address for a host one) and behaves like the staging array
 as far as a restore uses it (``nbytes``, a leading slice, ``view(dtype)``).
 :func:`kernels.widen_scatter` given one translates the plan's staging rows
-into those addresses and runs the kernel (or, into host memory, the numpy
-reference) on them: the compact bytes are read once, where they lie.
+into those addresses and runs the kernel (or, into host memory, the host
+codec) on them: the compact bytes are read once, where they lie.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gputq.errors import PlanError
 
 from .cupy_backend import widen_scatter_from_pointer
 from .plan import as_plan_array
-from .reference import reference_widen_scatter
+from .host_native import widen_scatter_host
 
 __all__ = ["MappedSource", "SPAN_GAP_BYTES"]
 
@@ -120,13 +120,13 @@ class MappedSource:
         """:func:`kernels.widen_scatter` with this as the staging buffer.
 
         A CUDA ``out`` needs device addresses (the kernel reads over PCIe);
-        a numpy ``out`` needs host addresses, which the numpy reference reads
-        in place: one widening pass from the mapping into ``out``.
+        a numpy ``out`` needs host addresses, which the host codec (or the numpy
+        reference) reads in place: one widening pass from the mapping into ``out``.
         """
         elements, base, src_elems = self.element_plan(plan, int(width))
         if isinstance(out, np.ndarray):
-            return reference_widen_scatter(self._host_elements(base, src_elems), elements, 1,
-                                           out.reshape(-1), fill, validate=validate)
+            return widen_scatter_host(self._host_elements(base, src_elems), elements, 1, out.reshape(-1), fill,
+                                      validate=validate)
         return widen_scatter_from_pointer(base, self.dtype, src_elems, elements, out, fill,
                                           validate=validate, stream=stream)
 

@@ -104,7 +104,7 @@ def test_wheel_installs_gputq_only_beside_pypi_kernels(tmp_path):
     assert tops == {"gputq", dist_info}, f"unexpected top-level entries: {sorted(tops - {'gputq', dist_info})}"
     assert top_level == ["gputq"]
     assert {"gputq/kernels/widen_scatter.cu", "gputq/kernels/host_codec.c", "gputq/kernels/host_pack.c",
-            "gputq/kernels/host_codec.h"} <= set(names)
+            "gputq/kernels/host_widen.c", "gputq/kernels/host_codec.h"} <= set(names)
     assert "gputq/kernels/__init__.py" in names and "gputq/transport/__init__.py" in names
     assert "gputq/transport/wire.py" in names
     assert not [n for n in names if n.startswith(("tests/", "bench/", "gputq/tests/", "gputq/bench/"))

@@ -15,11 +15,10 @@ from gputq.data.packing import pack_rows
 from gputq.errors import FieldValueError, PlanError
 from gputq.kernels import host_native
 from gputq.kernels.host_native import host_codec, host_codec_status, narrow_rows_host, pack_rows_host, \
-    unpack_rows_host, \
-    unpack_scatter_host
+    unpack_rows_host, unpack_scatter_host, widen_scatter_host
 from gputq.kernels.reference import reference_unpack_scatter
 from tests.data.test_packing import _encode_bitwise
-from tests.kernels.test_reference import random_plan
+from tests.kernels.test_reference import naive_widen_scatter, random_plan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,6 +57,28 @@ def test_unpack_matches_the_reference_for_every_topk_and_tail(codec, bits):
         got = unpack_scatter_host(packed.reshape(-1), plan, topk, bits, np.full((rows + 9) * topk, -7, np.int32),
                                   fill=3)
         np.testing.assert_array_equal(got, want, err_msg=f"bits {bits} topk {topk}")
+
+
+@pytest.mark.parametrize("dtype,fill", [("uint8", 7), ("uint16", -1), ("int32", -5), ("float32", 0.5)])
+def test_widen_scatter_matches_the_oracle_for_every_dtype(codec, dtype, fill):
+    rng = np.random.default_rng(len(dtype))
+    for width in (1, 3, 8, 17):
+        for validate in (True, False):
+            staging = rng.integers(0, 250, 90 * width).astype(dtype)
+            plan = random_plan(rng, 90, 120, max_frag=12)
+            out_dtype = np.float32 if dtype == "float32" else np.int32
+            want = np.full(120 * width, 9, out_dtype)
+            naive_widen_scatter(staging, plan, width, want, fill)
+            got = widen_scatter_host(staging, plan, width, np.full(120 * width, 9, out_dtype), fill, validate=validate)
+            np.testing.assert_array_equal(got, want, err_msg=f"width {width}")
+
+
+def test_widen_scatter_refuses_a_plan_outside_the_buffers_even_unvalidated(codec):
+    staging, out = np.zeros(10 * 4, np.uint16), np.full(10 * 4, 3, np.int32)
+    for bad in ([[0, 8, 3]], [[8, 0, 3]], [[-1, 9, 2]], [[0, -1, 1]]):
+        with pytest.raises(PlanError):
+            widen_scatter_host(staging, [[0, 0, 1]] + bad, 4, out, validate=False)
+    assert (out[4:] == 3).all()  # the plan row before the bad one was written, nothing after it
 
 
 def test_unpack_into_strided_rows_writes_only_them(codec):
