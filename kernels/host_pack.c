@@ -104,12 +104,18 @@ BMI2 static inline __attribute__((always_inline)) void pack_group(const int32_t*
     store_words(o, w, bits, bits, wide);
 }
 
-/* A row's last `n` (1..7) checked IDs after its groups, as a group whose other lanes `keep` zeroes (see
-   store_words for `wide`). The load reads the IDs after them, or where that would pass `end` (the last row), a
-   copy. */
+/* A row's last `n` (1..7) checked IDs after its groups (see store_words for `wide`): up to 64 bits of them
+   shifted into a word, more as a group whose other lanes `keep` zeroes. The group's load reads the IDs after
+   them, or where that would pass `end` (the last row), a copy. */
 BMI2 static inline __attribute__((always_inline)) void pack_tail_group(const int32_t* ids, int n, int bits,
                                                                         uint64_t mask, const __m128i keep[2],
                                                                         const int32_t* end, uint8_t* o, int wide) {
+    if (n * bits <= 64) {  /* a short tail (K = 10's two IDs): shifts into one word, nothing read past it */
+        uint64_t w = 0;
+        for (int j = 0; j < n; ++j) w |= (uint64_t)(uint32_t)ids[j] << (j * bits);
+        store_words(o, (packed_words){w, 0}, 8, (n * bits + 7) >> 3, wide);
+        return;
+    }
     int32_t copy[8] = {0};
     if (end - ids < 8) {
         memcpy(copy, ids, sizeof(int32_t) * (size_t)n);
@@ -154,6 +160,11 @@ BMI2 static void pack_tile_groups(const int32_t* src, int64_t rows, int64_t r0, 
            them in registers */
         if (groups == 1 && !tail)
             for (; r < wide_rows; ++r, ids += per_token, o += row_stride) pack_group(ids, bits, mask, o, 1);
+        if (groups == 1 && tail * bits <= 64)  /* K = 9..15 with a short tail: K = 10 at 9 bits */
+            for (; r < wide_rows; ++r, ids += per_token, o += row_stride) {
+                pack_group(ids, bits, mask, o, 1);
+                pack_tail_group(ids + 8, tail, bits, mask, keep, end, o + bits, 1);
+            }
         for (; r < wide_rows; ++r, ids += per_token, o += row_stride) {
             for (int g = 0; g < groups; ++g) pack_group(ids + 8 * g, bits, mask, o + g * bits, 1);
             if (tail) pack_tail_group(ids + groups * 8, tail, bits, mask, keep, end, o + groups * bits, 1);
