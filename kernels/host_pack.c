@@ -12,6 +12,8 @@
 
 /* Tokens a tile: the tile's IDs stay in a core's cache between the check and the writes. */
 #define TILE 64
+/* Output bytes from which narrowing writes past the caches. */
+#define STREAM_BYTES (1 << 20)
 
 /* The flat index of the first ID of `ids` [n] outside [0, limit), or -1. */
 static int64_t first_bad(const int32_t* ids, int64_t n, uint32_t limit) {
@@ -245,12 +247,18 @@ AVX512 static inline __attribute__((always_inline)) void narrow8(const int32_t* 
 }
 
 /* Two rows of eight checked IDs (at `a` and `b`) stored one after the other at `o`, in `width` (1 or 2) bytes
-   each. */
+   each; with `stream`, past the caches (`o` aligned to the store). */
 AVX512 static inline __attribute__((always_inline)) void narrow16(const int32_t* a, const int32_t* b, int width,
-                                                                 uint8_t* o) {
+                                                                 uint8_t* o, int stream) {
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
                                          _mm256_loadu_si256((const __m256i*)b), 1);
-    if (width == 1) _mm_storeu_si128((__m128i*)o, _mm512_cvtepi32_epi8(v));
+    if (width == 1 && stream) _mm_stream_si128((__m128i*)o, _mm512_cvtepi32_epi8(v));
+    else if (width == 1) _mm_storeu_si128((__m128i*)o, _mm512_cvtepi32_epi8(v));
+    else if (stream) {  /* two 16-byte halves: a buffer is only sure to be aligned to 16 */
+        const __m256i w = _mm512_cvtepi32_epi16(v);
+        _mm_stream_si128((__m128i*)o, _mm256_castsi256_si128(w));
+        _mm_stream_si128((__m128i*)(o + 16), _mm256_extracti128_si256(w, 1));
+    }
     else _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(v));
 }
 
@@ -258,7 +266,7 @@ AVX512 static inline __attribute__((always_inline)) void narrow16(const int32_t*
    eight IDs, the common case, go in a loop of their own: the compiler keeps it in registers. */
 AVX512 static inline __attribute__((always_inline)) void narrow_tile_avx512(
         const int32_t* src, int64_t r0, int64_t n, int layers, int topk, int width, uint8_t* dst,
-        int64_t row_stride, int64_t layer_stride) {
+        int64_t row_stride, int64_t layer_stride, int stream) {
     const int64_t per_token = (int64_t)layers * topk;
     const int whole = topk & ~7;
     const __mmask8 last = (__mmask8)((1u << (topk & 7)) - 1u);
@@ -269,7 +277,7 @@ AVX512 static inline __attribute__((always_inline)) void narrow_tile_avx512(
             int64_t r = 0;
             if (width < 4 && row_stride == 8 * width)  /* a layer's run: two rows an instruction, one store */
                 for (; r + 2 <= n; r += 2, ids += 2 * per_token, o += 2 * row_stride)
-                    narrow16(ids, ids + per_token, width, o);
+                    narrow16(ids, ids + per_token, width, o, stream);
             for (; r < n; ++r, ids += per_token, o += row_stride) narrow8(ids, width, o);
             continue;
         }
@@ -285,10 +293,12 @@ AVX512 static inline __attribute__((always_inline)) void narrow_tile_avx512(
 }
 
 AVX512 static void narrow_tile_vector(const int32_t* src, int64_t r0, int64_t n, int layers, int topk, int width,
-                                      uint8_t* dst, int64_t row_stride, int64_t layer_stride) {
-    if (width == 1) narrow_tile_avx512(src, r0, n, layers, topk, 1, dst, row_stride, layer_stride);
-    else if (width == 2) narrow_tile_avx512(src, r0, n, layers, topk, 2, dst, row_stride, layer_stride);
-    else narrow_tile_avx512(src, r0, n, layers, topk, 4, dst, row_stride, layer_stride);
+                                      uint8_t* dst, int64_t row_stride, int64_t layer_stride, int stream) {
+    if (width == 1 && stream) narrow_tile_avx512(src, r0, n, layers, topk, 1, dst, row_stride, layer_stride, 1);
+    else if (width == 1) narrow_tile_avx512(src, r0, n, layers, topk, 1, dst, row_stride, layer_stride, 0);
+    else if (width == 2 && stream) narrow_tile_avx512(src, r0, n, layers, topk, 2, dst, row_stride, layer_stride, 1);
+    else if (width == 2) narrow_tile_avx512(src, r0, n, layers, topk, 2, dst, row_stride, layer_stride, 0);
+    else narrow_tile_avx512(src, r0, n, layers, topk, 4, dst, row_stride, layer_stride, 0);
 }
 #endif
 
@@ -299,6 +309,11 @@ AVX512 static void narrow_tile_vector(const int32_t* src, int64_t r0, int64_t n,
 int64_t gputq_narrow_rows(const int32_t* src, int64_t rows, int layers, int topk, int64_t limit, int width,
                           uint8_t* dst, int64_t row_stride, int64_t layer_stride) {
     const int64_t per_token = (int64_t)layers * topk;
+    /* Large layer-major outputs of eight-ID rows go past the caches: a fresh line written whole is not read
+       from memory first (the step is bigger than a cache would keep for its send anyway). */
+    const int stream = topk == 8 && width < 4 && row_stride == 8 * width
+                       && ((uintptr_t)dst | (uintptr_t)layer_stride) % 16 == 0 && rows * per_token * width >= STREAM_BYTES;
+    (void)stream;  /* no vector paths compiled: nothing streams */
     for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
         const int64_t n = rows - r0 < TILE ? rows - r0 : TILE;
         const int32_t* tile = src + r0 * per_token;
@@ -308,7 +323,7 @@ int64_t gputq_narrow_rows(const int32_t* src, int64_t rows, int layers, int topk
         if (bad >= 0) return r0 * per_token + bad;
 #ifdef GROUPS
         if (gputq_path_on(PATH_AVX512)) {
-            narrow_tile_vector(src, r0, n, layers, topk, width, dst, row_stride, layer_stride);
+            narrow_tile_vector(src, r0, n, layers, topk, width, dst, row_stride, layer_stride, stream);
             continue;
         }
 #endif
@@ -316,5 +331,8 @@ int64_t gputq_narrow_rows(const int32_t* src, int64_t rows, int layers, int topk
             for (int64_t r = r0; r < r0 + n; ++r)
                 narrow_one(src + r * per_token + (int64_t)l * topk, topk, width, dst + r * row_stride + l * layer_stride);
     }
+#ifdef GROUPS
+    if (stream) _mm_sfence();  /* the streamed stores are seen before the caller hands the buffer on */
+#endif
     return -1;
 }

@@ -143,6 +143,20 @@ def test_narrowing_stores_numpys_bytes_for_every_topk(codec, dtype, layer_major)
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16"])
+@pytest.mark.parametrize("offset", [0, 8])
+def test_a_large_step_narrowed_past_the_caches_holds_numpys_bytes(codec, dtype, offset):
+    # From 1 MiB of output, rows of eight IDs in a layer's run are stored past the caches where the buffer is
+    # 16-byte aligned (offset 0; 8 falls back to plain stores); an odd row count leaves one row of a tile alone.
+    ids = np.random.default_rng(9).integers(0, 250, (2801, 48, 8)).astype(np.int32)
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.full(ids.size * itemsize + 16, 0xEE, np.uint8)
+    out = raw[offset:offset + ids.size * itemsize].view(dtype).reshape(48, 2801, 8)
+    assert narrow_rows_host(ids, 256, out, True) == -1
+    np.testing.assert_array_equal(out, ids.transpose(1, 0, 2).astype(dtype))
+    assert (raw[:offset] == 0xEE).all() and (raw[offset + ids.size * itemsize:] == 0xEE).all()
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16"])
 def test_narrowing_returns_the_first_id_out_of_range_and_canonicalize_names_it(codec, dtype):
     ids = np.random.default_rng(8).integers(0, 200, (1000, 5, 8)).astype(np.int32)
     ids[800, 2, 3], ids[700, 3, 1] = np.iinfo(dtype).max + 1, -1
