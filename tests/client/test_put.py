@@ -210,19 +210,27 @@ def test_sent_buffers_are_back_in_the_pool_when_flush_returns(monkeypatch):
     with local_units("tcp", units=1, routed_experts_dtype="uint16") as (config, _, clients), \
             Writer(clients, config) as writer:
         experts = np.random.default_rng(1).integers(0, 100, (1024, 8, 8), dtype=np.int32)  # 128 KiB stored
-        release_give = threading.Event()
-        real_give = writer._buffers.give
+        window, taken = threading.Event(), []
+        real_give, real_take = writer._buffers.give, writer._buffers.take
 
         def slow_give(buffer, inflight):
-            release_give.wait(0.2)  # the window in which an early flush() used to return
+            window.wait(0.2)  # the window in which an early flush() used to return
             real_give(buffer, inflight)
 
+        def take(nbytes):
+            taken.append(real_take(nbytes))
+            return taken[-1]
+
         monkeypatch.setattr(writer._buffers, "give", slow_give)
+        monkeypatch.setattr(writer._buffers, "take", take)
         for round_ in range(5):
+            taken.clear()
             for i in range(3):
                 writer.put(f"r{round_}/{i}", "p", {"routed_experts": experts})
             writer.flush(timeout=30)
-            assert sum(len(kept) for kept in writer._buffers._free.values()) >= 3, f"round {round_}"
+            # Every buffer the round's puts took is back (on a slow host a put may reuse one already back).
+            kept = {id(buffer) for pool in writer._buffers._free.values() for buffer in pool}
+            assert len(taken) == 3 and all(id(buffer) in kept for buffer in taken), f"round {round_}"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are a Linux feature")
