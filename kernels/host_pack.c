@@ -162,7 +162,7 @@ BMI2 static void pack_tile_groups(const int32_t* src, int64_t rows, int64_t r0, 
            them in registers */
         if (groups == 1 && !tail)
             for (; r < wide_rows; ++r, ids += per_token, o += row_stride) pack_group(ids, bits, mask, o, 1);
-        if (groups == 1 && tail * bits <= 64)  /* K = 9..15 with a short tail: K = 10 at 9 bits */
+        else if (groups == 1 && tail * bits <= 64)  /* K = 9..15 with a short tail: K = 10 at 9 bits */
             for (; r < wide_rows; ++r, ids += per_token, o += row_stride) {
                 pack_group(ids, bits, mask, o, 1);
                 pack_tail_group(ids + 8, tail, bits, mask, keep, end, o + bits, 1);
@@ -313,7 +313,9 @@ int64_t gputq_narrow_rows(const int32_t* src, int64_t rows, int layers, int topk
        from memory first (the step is bigger than a cache would keep for its send anyway). */
     const int stream = topk == 8 && width < 4 && row_stride == 8 * width
                        && ((uintptr_t)dst | (uintptr_t)layer_stride) % 16 == 0 && rows * per_token * width >= STREAM_BYTES;
+#ifndef GROUPS
     (void)stream;  /* no vector paths compiled: nothing streams */
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
         const int64_t n = rows - r0 < TILE ? rows - r0 : TILE;
         const int32_t* tile = src + r0 * per_token;

@@ -305,8 +305,8 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
     shape = (arr.shape[0], *spec.stored_shape)
     result = np.empty(shape, stored) if out is None else _into(where, out, arr.shape[0] * row_nbytes(spec), stored,
                                                                 shape)
-    native = _packed_natively if spec.num_experts else _narrowed_natively
-    if arr.size and spec.integral and native(where, arr, result, spec.num_experts, layer_major):
+    if arr.size and spec.integral and (_packed_natively(where, arr, result, spec.num_experts, layer_major)
+                                       if spec.num_experts else _narrowed_natively(where, arr, result, layer_major)):
         return result.reshape(-1).reshape((shape[1], shape[0], *shape[2:])) if layer_major else result
     convert = _packer(where, spec.num_experts) if spec.num_experts else _converter(where, check)
     narrowing_floats = check is _check_nan and arr.dtype.itemsize > stored.itemsize
@@ -365,7 +365,7 @@ def _packed_natively(where: str, arr: np.ndarray, result: np.ndarray, num_expert
     return True
 
 
-def _narrowed_natively(where: str, arr: np.ndarray, result: np.ndarray, _num_experts: int, layer_major: bool) -> bool:
+def _narrowed_natively(where: str, arr: np.ndarray, result: np.ndarray, layer_major: bool) -> bool:
     """Store (and check) ``arr`` as ``result``'s whole-byte dtype with the host codec, in one pass; False where
     it cannot (see :func:`~gputq.kernels.host_native.narrow_rows_host`)."""
     stored = result.dtype
