@@ -67,7 +67,7 @@ from typing import Callable
 import numpy as np
 
 from bench.common import add_json_flag, emit_json, print_header, print_table, remote_units
-from gputq.client import writer as writer_module
+from gputq.client import sends as sends_module
 from gputq.client.clients import UnitClients
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
     parser.add_argument("--flush-every", type=int, default=10, help="puts per round between flushes")
     parser.add_argument("--units", type=int, default=2, help="StorageUnits, each in a child process")
     parser.add_argument("--sender-threads", type=int, default=2, help="the writer's background senders")
-    parser.add_argument("--sender-nice", type=int, default=writer_module.SENDER_NICE,
+    parser.add_argument("--sender-nice", type=int, default=sends_module.SENDER_NICE,
                         help="how much lower the senders' CPU priority is (0: the caller's)")
     parser.add_argument("--throughput-steps", type=int, default=200, help="steps per throughput run")
     parser.add_argument("--throughput-tokens", type=int, default=8192)
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
     parser.add_argument("--log", nargs="?", const="", default=None, metavar="PATH",
                         help="also save the output and every raw latency (default docs/logs/put-<UTC time>.log)")
     args = parser.parse_args(argv)
-    writer_module.SENDER_NICE = args.sender_nice
+    sends_module.SENDER_NICE = args.sender_nice
     log = None
     if args.log is not None:
         path = args.log or os.path.join("docs", "logs", f"put-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.log")

@@ -418,6 +418,16 @@ class Channel(Closeable):
         Returns the unit's receipt (``offset``, ``generation``).
         """
 
+    def write_many(self, items: Sequence[tuple], timeout: float | None = None) -> list:
+        """Store several ``(key, payload, meta)`` items: each one's receipt, or the error the unit answered
+        for it (an exception instance), in order.
+
+        A transport failure raises, and then any of the items may be stored
+        or not. A backend that sends them in one request (tcp) overrides
+        this; the default writes them one by one, each error raised.
+        """
+        return [self.write(key, payload, meta, timeout) for key, payload, meta in items]
+
     @abc.abstractmethod
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
              generations: Sequence[int] | None = None, incarnation: str | None = None,

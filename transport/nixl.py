@@ -447,7 +447,7 @@ class NixlChannel(LeasingChannel):
         self._check_open()
         view = byte_view(payload)
         nbytes = view.nbytes
-        if self._write_path == "tcp" or (self._write_path == "auto" and nbytes < PUSH_MIN_BYTES):
+        if not self._pushes(nbytes):
             return self._tcp.write(key, payload, meta, timeout=timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         offset = self._tcp.call(BEGIN_WRITE, timeout=timeout, key=key, nbytes=nbytes,
@@ -478,6 +478,25 @@ class NixlChannel(LeasingChannel):
                 self._tcp.call(ABORT_WRITE, timeout=_CLEANUP_TIMEOUT_S, key=key, **reservation)
             raise
         return self._tcp.call(COMMIT_WRITE, timeout=_left(deadline), key=key, **reservation)
+
+    def write_many(self, items, timeout: float | None = None) -> list:
+        """:meth:`write` of every ``(key, payload, meta)``: those that go over tcp in batched requests (see
+        :meth:`TcpChannel.write_many <gputq.transport.tcp.TcpChannel.write_many>`), pushed ones one by one."""
+        self._check_open()
+        pushes = [self._pushes(byte_view(payload).nbytes) for _, payload, _ in items]
+        sent = [i for i, push in enumerate(pushes) if not push]
+        results: list = [None] * len(items)
+        if sent:
+            for i, result in zip(sent, self._tcp.write_many([items[i] for i in sent], timeout)):
+                results[i] = result
+        for i, push in enumerate(pushes):
+            if push:
+                results[i] = self.write(*items[i], timeout=timeout)
+        return results
+
+    def _pushes(self, nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` is pushed with NIXL WRITEs (else it goes over tcp)."""
+        return self._write_path == "push" or (self._write_path == "auto" and nbytes >= PUSH_MIN_BYTES)
 
     def _push(self, key: str, data: np.ndarray, offset: int, deadline: float | None) -> None:
         """Copy ``data`` through a bounded registered staging buffer into the arena at ``offset``."""

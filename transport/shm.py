@@ -70,6 +70,7 @@ from gputq.errors import (
     TransferError,
 )
 from gputq.transport import arena_copies
+from gputq.transport.arena_writes import ArenaWrites
 from gputq.transport.base import (
     ArenaHandler,
     Channel,
@@ -107,7 +108,7 @@ _log = logging.getLogger(__name__)
 LEASE_THREADS = 4
 
 class ArenaMapping:
-    """A unit's arena file mapped read-only into this process.
+    """A unit's arena file mapped into this process, read-only unless ``writable``.
 
     Parameters
     ----------
@@ -115,6 +116,9 @@ class ArenaMapping:
         The arena file (``"arena_file"`` control call).
     nbytes : int
         The arena's size; the file must hold at least that much.
+    writable : bool
+        Map it for writing too (a writer on the unit's host, see
+        :mod:`gputq.transport.arena_writes`); readers never do.
 
     Raises
     ------
@@ -122,18 +126,19 @@ class ArenaMapping:
         The file cannot be opened or mapped (another host, no permission).
     """
 
-    def __init__(self, path: str, nbytes: int):
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    def __init__(self, path: str, nbytes: int, *, writable: bool = False):
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_CLOEXEC", 0))
         try:
             size = os.fstat(fd).st_size
             if size < nbytes:
                 raise OSError(f"{path} holds {size} bytes, the unit's arena {nbytes}")
-            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
         self.path = path
         self.nbytes = int(nbytes)
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # read-only: the mapping is
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # read-only unless the mapping is writable
         self.address = int(self.array.ctypes.data)
         self._lock = threading.Lock()
         self._registered: bool | None = None  # None: not tried yet
@@ -322,6 +327,10 @@ class ShmChannel(LeasingChannel):
         self._directory_mapping: ArenaMapping | None = None
         self.reads_ahead = self.hint_misses = 0
         self.fallback_reason: str | None = None
+        #: Why writes go over tcp although the arena is mapped for reads, or None.
+        self.write_fallback_reason: str | None = None
+        self._writes: ArenaWrites | None = None
+        self._writes_lock = threading.Lock()
         host = address.get("hostname")
         if host is not None and host != local_hostname():
             self.fallback_reason = f"unit {self.unit} runs on host {host!r}, not here ({local_hostname()!r})"
@@ -550,8 +559,37 @@ class ShmChannel(LeasingChannel):
     # -- writes and control ------------------------------------------------------------
 
     def write(self, key: str, payload, meta: dict | None = None, timeout: float | None = None) -> dict:
+        """Store ``payload`` under ``key``: copied into the mapped arena (see :meth:`write_many`)."""
+        (result,) = self.write_many([(key, payload, meta)], timeout)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def write_many(self, items, timeout: float | None = None) -> list:
+        """Store ``(key, payload, meta)`` items, copied straight into the unit's arena file mapped writable
+        (:mod:`gputq.transport.arena_writes`); over tcp where it cannot be mapped so."""
         self._check_open()
-        return self._tcp.write(key, payload, meta, timeout=timeout)
+        writes = self._arena_writes()
+        if writes is None:
+            return self._tcp.write_many(items, timeout)
+        return writes.write_many(items, timeout)
+
+    @property
+    def writes_copied(self) -> int:
+        """Payloads this channel copied straight into the unit's arena."""
+        return 0 if self._writes is None else self._writes.copied
+
+    def _arena_writes(self) -> ArenaWrites | None:
+        """The channel's writes into the arena, mapped on first use; None where that failed (then tried no more)."""
+        with self._writes_lock:
+            if self._writes is None and self.mapping is not None and self.write_fallback_reason is None:
+                try:
+                    self._writes = ArenaWrites(self._tcp, self.unit,
+                                               ArenaMapping(self.mapping.path, self.mapping.nbytes, writable=True))
+                except OSError as exc:
+                    self.write_fallback_reason = f"cannot map the arena file of unit {self.unit} writable: {exc}"
+                    _log.warning("shm channel to %s writes over tcp: %s", self.unit, self.write_fallback_reason)
+            return self._writes
 
     def close(self) -> None:
         if self._closed:
@@ -559,6 +597,8 @@ class ShmChannel(LeasingChannel):
         self._closed = True
         self._leases.close()
         self._exchanges.close()
+        if self._writes is not None:
+            self._writes.close()
         for mapping in (self.mapping, self._directory_mapping):
             if mapping is not None:
                 mapping.close()

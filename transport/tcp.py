@@ -58,7 +58,7 @@ from gputq.transport.tcp_server import (
     serve_connection,
     tune_socket,
 )
-from gputq.transport.wire import Deadline, FrameReader, FrameWriter, Op, error_from_wire
+from gputq.transport.wire import MAX_WRITE_ITEMS, Deadline, FrameReader, FrameWriter, Op, error_from_wire
 
 __all__ = [
     "SOCKET_BUFFER_BYTES",
@@ -323,6 +323,45 @@ class TcpChannel(Channel):
             conn.writer.send(Op.WRITE, body, (view,))
             return conn.reply()["receipt"]
 
+    def write_many(self, items: Sequence[tuple], timeout: float | None = None) -> list:
+        """Store several ``(key, payload, meta)`` items in as few requests as the frame size allows.
+
+        Returns each item's receipt, or the error the unit answered for it
+        (an exception instance), in order. ``timeout`` bounds each request's
+        waits for arena space together. A transport failure raises; the
+        items of its request may then be stored or not.
+        """
+        views = [byte_view(payload) for _, payload, _ in items]
+        results: list = [None] * len(items)
+        batch: list[int] = []
+        nbytes = 0
+        for i, view in enumerate(views):
+            if view.nbytes > self._max_frame_bytes:
+                results[i] = RequestTooLargeError(
+                    f"key {items[i][0]!r}: {view.nbytes} bytes exceed max_frame_bytes={self._max_frame_bytes}")
+                continue
+            if batch and (len(batch) == MAX_WRITE_ITEMS or nbytes + view.nbytes > self._max_frame_bytes):
+                self._write_batch(items, views, batch, results, timeout)
+                batch, nbytes = [], 0
+            batch.append(i)
+            nbytes += view.nbytes
+        if batch:
+            self._write_batch(items, views, batch, results, timeout)
+        return results
+
+    def _write_batch(self, items, views, batch: list[int], results: list, timeout: float | None) -> None:
+        keys = [items[i][0] for i in batch]
+        body = {"items": [[items[i][0], views[i].nbytes, items[i][2] or {}] for i in batch], "timeout": timeout}
+        with self._checkout(self._writes, None if timeout is None else timeout + _REPLY_GRACE_S,
+                            f"write of keys {describe_keys(keys)}", keys) as conn:
+            conn.writer.send(Op.WRITE_MANY, body, [views[i] for i in batch])
+            replies = conn.reply().get("results")
+        if not isinstance(replies, list) or len(replies) != len(batch) \
+                or not all(isinstance(r, dict) and ("receipt" in r or "error" in r) for r in replies):
+            raise ProtocolError(f"unit {self.unit}: malformed WRITE_MANY reply for keys {describe_keys(keys)}")
+        for i, reply in zip(batch, replies):
+            results[i] = error_from_wire(reply["error"]) if "error" in reply else reply["receipt"]
+
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, *,
              generations: Sequence[int] | None = None, incarnation: str | None = None,
              spans=None) -> list[int]:
@@ -361,14 +400,17 @@ class TcpChannel(Channel):
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
         return self.request(method, args, timeout)
 
-    def request(self, method: str, args: dict, timeout: float | None = None, *, keys: Sequence[str] = ()) -> Any:
+    def request(self, method: str, args: dict, timeout: float | None = None, *, keys: Sequence[str] = (),
+                write: bool = False) -> Any:
         """:meth:`call` for backends built on this control lane (rdma, shm).
 
-        A transport failure names the unit and, for calls serving a read,
-        ``keys``.
+        A transport failure names the unit and, for calls serving a read or
+        a ``write``, ``keys``. A ``write``'s call, which may wait on the unit
+        for arena space, goes on the writes' connections.
         """
-        what = f"read of keys {describe_keys(keys)} ({method})" if keys else f"control call {method!r}"
-        with self._checkout(self._requests, timeout, what, keys) as conn:
+        what = f"{'write' if write else 'read'} of keys {describe_keys(keys)} ({method})" if keys \
+            else f"control call {method!r}"
+        with self._checkout(self._writes if write else self._requests, timeout, what, keys) as conn:
             conn.writer.send(Op.CALL, {"method": method, "args": args})
             return conn.reply()["result"]
 

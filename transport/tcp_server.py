@@ -48,7 +48,6 @@ from gputq.errors import (
     PeerLostError,
     ProtocolError,
     RequestTooLargeError,
-    TransferError,
     UnitBusyError,
 )
 from gputq.transport.base import (
@@ -75,6 +74,15 @@ from gputq.transport.wire import (
     error_to_wire,
     pack_body,
     unpack_body,
+)
+from gputq.transport.write_batches import (
+    FullArena,
+    generation_of,
+    reservation_call,
+    reserve,
+    typed_error,
+    write_item,
+    write_items,
 )
 
 __all__ = [
@@ -133,16 +141,6 @@ def _incarnation(value) -> str | None:
     return value
 
 
-def _typed(exc: Exception, handler: ArenaHandler) -> Exception:
-    """What a peer is told about ``exc``: a typed error, whatever the handler raised."""
-    if isinstance(exc, GputqError):
-        return exc
-    if isinstance(exc, (TypeError, KeyError, ValueError, AttributeError, IndexError, OverflowError)):
-        return InvalidInputError(f"unit {handler.name}: malformed request: {type(exc).__name__}: {exc}")
-    log.error("unit %s: handler failed", handler.name, exc_info=exc)
-    return exc
-
-
 # ---------------------------------------------------------------- leases
 
 def lease_array(handler: ArenaHandler, keys: list, generations: list | None, incarnation: str | None, *,
@@ -191,7 +189,7 @@ def _generic_call(handler: ArenaHandler, method: str, args: dict):
         if directory is not None:
             reply["directory"] = directory
         return reply
-    return NotImplemented
+    return reservation_call(handler, method, args)
 
 
 # ---------------------------------------------------------------- serving one authenticated connection
@@ -200,26 +198,16 @@ def _reply_error(writer: FrameWriter, exc: BaseException) -> None:
     writer.send(Op.ERROR, error_to_wire(exc))
 
 
-def _serve_write(reader, writer, handler, body, payload_len: int, receive_s: float | None) -> None:
+def _receive_write(reader, handler, key: str, nbytes: int, meta: dict, timeout, receive_s) -> dict | Exception:
+    """Reserve ``nbytes`` for ``key``, receive them into the region and commit: the receipt, or the typed error
+    the peer is told (its bytes drained, so the connection goes on). A stalled or lost peer raises."""
+    generation = generation_of(meta)
+    arena = byte_view(handler.arena)
     try:
-        key, nbytes, meta, timeout = body.get("key"), body.get("nbytes"), body.get("meta") or {}, body.get("timeout")
-        if not isinstance(key, str) or type(nbytes) is not int or not isinstance(meta, dict) \
-                or not (timeout is None or (isinstance(timeout, (int, float)) and timeout >= 0)):
-            raise InvalidInputError("WRITE needs key (str), nbytes (int), meta (map) and timeout (number >= 0)")
-        if nbytes != payload_len:
-            raise InvalidInputError(f"WRITE of {key!r} announces {nbytes} bytes but carries {payload_len}")
-        offset = handler.begin_write(key, nbytes, meta, timeout)
-        # Commit and abort name this write's reservation, not any later one of the same key.
-        generation = meta.get("generation") if type(meta.get("generation")) is int else None
-        arena = byte_view(handler.arena)
-        if offset < 0 or offset + nbytes > arena.nbytes:
-            handler.abort_write(key, generation)
-            raise TransferError(f"unit {handler.name} reserved [{offset}, {offset + nbytes}) outside its arena",
-                                handler.name, (key,))
+        offset = reserve(handler, key, nbytes, meta, timeout)
     except Exception as exc:
-        reader.drain(payload_len)  # the stream stays in sync: the connection goes on
-        _reply_error(writer, _typed(exc, handler))
-        return
+        reader.drain(nbytes)
+        return typed_error(exc, handler)
     # The region goes to another key once the reservation expires: a writer
     # that stalls must lose its connection while its reservation still holds,
     # or its late bytes would land in that key's bytes.
@@ -235,11 +223,51 @@ def _serve_write(reader, writer, handler, body, payload_len: int, receive_s: flo
         handler.abort_write(key, generation)
         raise
     try:
-        receipt = handler.commit_write(key, generation)
+        return handler.commit_write(key, generation)
     except Exception as exc:
-        _reply_error(writer, _typed(exc, handler))
+        return typed_error(exc, handler)
+
+
+def _serve_write(reader, writer, handler, body, payload_len: int, receive_s: float | None) -> None:
+    try:
+        key, nbytes, meta, timeout = write_item(body.get("key"), body.get("nbytes"), body.get("meta"),
+                                                 body.get("timeout"))
+        if nbytes != payload_len:
+            raise InvalidInputError(f"WRITE of {key!r} announces {nbytes} bytes but carries {payload_len}")
+    except Exception as exc:
+        reader.drain(payload_len)  # the stream stays in sync: the connection goes on
+        _reply_error(writer, typed_error(exc, handler))
         return
-    writer.send(Op.OK, {"receipt": receipt})
+    result = _receive_write(reader, handler, key, nbytes, meta, timeout, receive_s)
+    if isinstance(result, Exception):
+        _reply_error(writer, result)
+    else:
+        writer.send(Op.OK, {"receipt": result})
+
+
+def _serve_write_many(reader, writer, handler, body, payload_len: int, receive_s: float | None) -> None:
+    """Several writes in one request, each received as :func:`_serve_write` would; one reply of every result
+    (the full-arena rule of :mod:`gputq.transport.write_batches`)."""
+    try:
+        timeout = body.get("timeout")
+        items = write_items(body.get("items"), timeout)
+        announced = sum(nbytes for _, nbytes, _ in items)
+        if announced != payload_len:
+            raise InvalidInputError(f"WRITE_MANY announces {announced} bytes but carries {payload_len}")
+    except Exception as exc:
+        reader.drain(payload_len)
+        _reply_error(writer, typed_error(exc, handler))
+        return
+    full, results = FullArena(handler, timeout), []
+    for key, nbytes, meta in items:
+        result = full.refusal(key, nbytes)
+        if result is None:
+            result = _receive_write(reader, handler, key, nbytes, meta, full.left(), receive_s)
+            full.saw(result)
+        else:
+            reader.drain(nbytes)
+        results.append({"error": error_to_wire(result)} if isinstance(result, Exception) else {"receipt": result})
+    writer.send(Op.OK, {"results": results})
 
 
 def _coalesce(arena: memoryview, regions: np.ndarray) -> list[memoryview]:
@@ -264,7 +292,7 @@ def _serve_read(writer, handler, body, max_frame_bytes: int) -> None:
                                         _incarnation(body.get("incarnation")), expires=False,
                                         spans=body.get("spans"))
     except Exception as exc:
-        _reply_error(writer, _typed(exc, handler))
+        _reply_error(writer, typed_error(exc, handler))
         return
     # Held until the last byte is in the kernel's send buffer or the send
     # deadline closed the connection: the region cannot be reused mid-send.
@@ -289,7 +317,7 @@ def _serve_call(writer, handler, body) -> None:
         if result is NotImplemented:
             result = handler.control(method, args)
     except Exception as exc:
-        _reply_error(writer, _typed(exc, handler))
+        _reply_error(writer, typed_error(exc, handler))
         return
     try:
         writer.send(Op.OK, {"result": result})
@@ -351,6 +379,9 @@ def serve_connection(sock, handler: ArenaHandler, limits: ServerLimits) -> None:
             body = reader.read_body(header)
             if header.opcode == Op.WRITE:
                 _serve_write(reader, writer, handler, body, header.payload_len, receive_s)
+                continue
+            if header.opcode == Op.WRITE_MANY:
+                _serve_write_many(reader, writer, handler, body, header.payload_len, receive_s)
                 continue
             if header.payload_len:
                 raise ProtocolError(f"opcode {header.opcode} carries no payload")

@@ -40,6 +40,7 @@ __all__ = [
     "error_to_wire",
     "error_from_wire",
     "MAX_BODY_BYTES",
+    "MAX_WRITE_ITEMS",
     "PRE_AUTH_BODY_BYTES",
     "Op",
     "Header",
@@ -59,6 +60,8 @@ MAX_BODY_BYTES = 1 << 20
 #: The largest body a server reads before the HELLO authenticated its peer
 #: (a HELLO carries a token, nothing more; before it, no payload at all).
 PRE_AUTH_BODY_BYTES = 4 << 10
+#: The most writes one WRITE_MANY frame carries: its body and its reply stay far inside MAX_BODY_BYTES.
+MAX_WRITE_ITEMS = 1024
 
 # Below this size a payload is joined to its header in one send: one syscall
 # instead of two, and no small-packet round trip with TCP_NODELAY.
@@ -75,10 +78,13 @@ class Op:
     WRITE = 2
     READ = 3
     CALL = 4
+    #: Several writes in one frame: ``items`` of ``[key, nbytes, meta]`` and their payloads back to back;
+    #: the reply's ``results`` hold each one's ``receipt`` or ``error``, in order.
+    WRITE_MANY = 5
     OK = 16
     ERROR = 17
 
-    ALL = frozenset({HELLO, WRITE, READ, CALL, OK, ERROR})
+    ALL = frozenset({HELLO, WRITE, READ, CALL, WRITE_MANY, OK, ERROR})
 
 
 @dataclass(frozen=True)

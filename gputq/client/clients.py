@@ -113,7 +113,7 @@ class UnitReadPipeline:
 class UnitChannel(Channel):
     """The channel to one unit as :meth:`UnitClients.channel` hands it out.
 
-    It forwards ``write``, ``read`` and ``call`` to the transport's channel
+    It forwards ``write``, ``write_many``, ``read`` and ``call`` to the transport's channel
     and turns a lost peer or a timeout into :class:`UnitLostError` naming
     the unit and the keys; while the unit is marked lost, requests fail at
     once. ``close`` is a no-op: :class:`UnitClients` owns the connection.
@@ -137,6 +137,11 @@ class UnitChannel(Channel):
     def write(self, key: str, payload, meta: dict | None = None, timeout: float | None = None, **kwargs) -> dict:
         return self._owner._run(self.unit, (key,), "write",
                                 lambda chan: chan.write(key, payload, meta, timeout=timeout, **kwargs))
+
+    def write_many(self, items, timeout: float | None = None) -> list:
+        """The transport channel's ``write_many``, under the loss rule (naming every item's key)."""
+        return self._owner._run(self.unit, [item[0] for item in items], "write",
+                                lambda chan: chan.write_many(items, timeout=timeout))
 
     def read(self, keys: Sequence[str], dest, timeout: float | None = None, **kwargs) -> list[int]:
         return self._owner._run(self.unit, keys, "read",

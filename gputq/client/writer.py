@@ -7,26 +7,16 @@ writer owns (so a bad expert ID fails right there, naming the key, and the
 caller may reuse its arrays at once). It returns the
 :class:`~gputq.data.refs.FieldRef` of every field at once, each carrying the
 unit's incarnation and a fresh random generation for the key, and hands the
-buffers to sender threads. The bytes go to the unit over the transport,
-never through Ray. Queued bytes are bounded: ``put`` blocks while
-``writer_inflight_bytes`` are still unsent; that bound is the only way the
-senders can hold the caller up. The senders also run at a lower CPU
-priority than the caller, so on a busy host their socket copies do not take
-the core a put needs.
-
-Sent buffers are kept for reuse (within the same byte bound): a fresh
-buffer of a large step costs the kernel a page fault per 4 KiB, which would
-double the cost of a put and make its tail.
+buffers to the writer's :class:`~gputq.client.sends.SendQueue`, whose
+sender threads send each unit's queued steps in batches. The bytes go to
+the unit over the transport, never through Ray. Queued bytes are bounded:
+``put`` blocks while ``writer_inflight_bytes`` are still unsent.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
-import sys
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -34,25 +24,16 @@ import numpy as np
 from gputq.client.clients import UnitClients
 from gputq.client.fanout import fan_out, tally
 from gputq.client.placement import rendezvous_unit
+from gputq.client.sends import SendQueue
 from gputq.config import GputqConfig
 from gputq.data.fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
 from gputq.data.keys import checked_name
 from gputq.data.refs import FieldRef, uses_by_unit
 from gputq.data.slices import layer_major
-from gputq.errors import (
-    CapacityError,
-    ClosedError,
-    DuplicateKeyError,
-    FieldValueError,
-    GputqError,
-    GputqTimeoutError,
-    InvalidInputError,
-    RequestTooLargeError,
-    TransferError,
-)
-from gputq.transport.base import Closeable, byte_view
+from gputq.errors import ClosedError, FieldValueError, GputqError, InvalidInputError, RequestTooLargeError, TransferError
+from gputq.transport.base import Closeable
 
-__all__ = ["Writer", "CommitRegion", "SENDER_NICE", "stored_key"]
+__all__ = ["Writer", "CommitRegion", "stored_key"]
 
 
 def stored_key(step_key: str, field: str) -> str:
@@ -78,17 +59,9 @@ class Writer(Closeable):
         self._clients = clients
         self._config = config
         self._registry = registry
-        self._pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="gputq-writer",
-                                        initializer=_background_priority)
-        self._buffers = _Buffers(config.writer_inflight_bytes)
+        self._sends = SendQueue(clients, config)
         self._expert_specs: dict[tuple, object] = {}
-        self._cond = threading.Condition()
-        self._inflight_bytes = 0
-        self._pending: dict[str, Future] = {}
-        self._failures: dict[str, BaseException] = {}
-        self._full: set[str] = set()  # units whose last write found no space
         self._closed = False
-        self.bytes_written = 0
 
     # -- specs -----------------------------------------------------------
     def _spec(self, field: str, array: np.ndarray):
@@ -142,7 +115,7 @@ class Writer(Closeable):
             for field, arr in arrays.items():
                 spec = specs[field]
                 # The one pass: checked and compacted straight into a buffer the writer owns.
-                buffer = self._buffers.take(arr.shape[0] * row_nbytes(spec) if arr.ndim else 0)
+                buffer = self._sends.buffers.take(arr.shape[0] * row_nbytes(spec) if arr.ndim else 0)
                 taken.append(buffer)
                 # Rows of two or more dimensions go layer-major: a pipeline stage's layers are then
                 # one contiguous run each, whatever tokens its rank reads.
@@ -150,10 +123,9 @@ class Writer(Closeable):
                 ref = FieldRef(stored_key(key, field), field, unit, arr.shape[0], spec.dtype,
                                spec.row_shape, partition, incarnation, secrets.randbits(63) or 1, spec.num_experts)
                 prepared.append((ref, compact, buffer))
-            self._submit(prepared)
+            self._sends.submit(prepared)
         except BaseException:
-            for buffer in taken:
-                self._buffers.give(buffer, self._inflight_bytes)
+            self._sends.give_back(taken)
             raise
         return {ref.field: ref for ref, _, _ in prepared}
 
@@ -164,102 +136,16 @@ class Writer(Closeable):
             raise RequestTooLargeError(f"key {key!r}: its fields need {sum(sizes.values())} bytes ({sizes}), more "
                                        f"than a unit's arena of {self._config.unit_capacity_bytes}; nothing was stored")
 
-    def _submit(self, prepared: list) -> None:
-        """Queue every field of one put, or none of them."""
-        nbytes = sum(compact.nbytes for _, compact, _ in prepared)
-        with self._cond:
-            # One oversized put may go alone; otherwise wait until it fits the bound.
-            while not self._closed and self._inflight_bytes and \
-                    self._inflight_bytes + nbytes > self._config.writer_inflight_bytes:
-                self._cond.wait()
-            if self._closed:
-                raise ClosedError("Writer is closed")
-            for ref, _, _ in prepared:
-                if ref.key in self._pending:
-                    raise DuplicateKeyError(f"{ref.key} is already being written")
-            self._inflight_bytes += nbytes
-            future = self._pool.submit(self._send_all, prepared)  # one hand-off per put, not per field
-            for ref, _, _ in prepared:
-                self._pending[ref.key] = future
-
-    def _send_all(self, prepared: list) -> None:
-        """Send one put's fields in order: once one fails, the rest are not sent and those already stored
-        are deleted, before any of the step's keys stops being pending (a flush then sees the step gone)."""
-        stored, failure = [], None
-        for ref, compact, buffer in prepared:
-            attempted, let_go = failure is None, False
-            if attempted:
-                let_go, failure = self._send(ref, compact)
-                if failure is None:
-                    stored.append(ref)
-            with self._cond:
-                self._inflight_bytes -= compact.nbytes
-                # Back in the pool before the key stops being pending: a put right after flush() must find
-                # it there, not fault in a fresh one. A failed send may have left the transport holding it.
-                if let_go or not attempted:
-                    self._buffers.give(buffer, self._inflight_bytes)
-        if failure is not None:
-            self._undo(stored, failure)
-        with self._cond:
-            for ref, _, _ in prepared:
-                if failure is not None:
-                    self._failures[ref.key] = failure
-                self._pending.pop(ref.key, None)
-            self._cond.notify_all()
-
-    def _send(self, ref: FieldRef, compact: np.ndarray) -> tuple[bool, Exception | None]:
-        """Write one field: (whether the transport let go of its buffer, the failure or None)."""
-        meta = {"field": ref.field, "dtype": ref.dtype, "rows": ref.rows,
-                "row_shape": list(ref.row_shape), "partition": ref.partition, "generation": ref.generation}
-        if ref.num_experts:
-            meta["num_experts"] = ref.num_experts
-        let_go = False
-        try:
-            self._refuse_if_still_full(ref, compact.nbytes)
-            receipt = self._clients.channel(ref.unit).write(ref.key, byte_view(compact), meta,
-                                                            timeout=self._config.put_timeout_s)
-            let_go = True
-            _check_receipt(ref, receipt)
-        except Exception as exc:  # recorded for flush; a BaseException (interpreter exit) goes on up
-            if isinstance(exc, CapacityError):
-                self._full.add(ref.unit)
-            return let_go, exc
-        with self._cond:
-            self.bytes_written += compact.nbytes
-            self._full.discard(ref.unit)
-        return True, None
-
-    def _refuse_if_still_full(self, ref: FieldRef, nbytes: int) -> None:
-        """Raise ``CapacityError`` at once for a unit whose last write found no space and that has none yet.
-
-        A full unit costs the rollout one put timeout, not one per step queued
-        behind it: each later write asks for the largest free block first (one
-        control call, made only while the unit is full) and waits only if it fits.
-        """
-        if ref.unit not in self._full:
-            return
-        stats = self._clients.channel(ref.unit).call("stats", timeout=self._config.control_timeout_s)
-        if int(stats["largest_free"]) < nbytes or stats["writers_waiting"]:
-            raise CapacityError(f"unit {ref.unit}: no space for key {ref.key!r} ({nbytes} bytes): its last write "
-                                f"found it full and its largest free block is {stats['largest_free']} bytes "
-                                f"({stats['writers_waiting']} writers waiting); not waiting again")
-
-    def _undo(self, stored: list, failure: BaseException) -> None:
-        """Delete the fields of a failed step that did land: a step is stored whole or not at all."""
-        by_unit: dict[str, list[str]] = {}
-        for ref in stored:
-            by_unit.setdefault(ref.unit, []).append(ref.key)
-        for unit, keys in by_unit.items():
-            try:
-                self._clients.channel(unit).call("delete", timeout=self._config.control_timeout_s, keys=keys)
-            except Exception as exc:  # the unit is gone with them, or will be: say so with the failure
-                failure.add_note(f"gputq: deleting the step's stored keys {keys} from unit {unit} failed: {exc!r}")
-
     @property
     def buffers_kept(self) -> int:
         """Sent buffers kept for reuse now. It grows to what the sends in flight at once
         needed, each new one faulted in by a put; a steady stream of puts stops it growing."""
-        return self._buffers.count
+        return self._sends.buffers.count
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of the fields stored so far."""
+        return self._sends.bytes_written
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued write has landed.
@@ -270,26 +156,11 @@ class Writer(Closeable):
         ``TransferError``; its ``keys`` name every key of the failed steps.
         Raises ``GputqTimeoutError`` if writes are still pending.
         """
-        with self._cond:
-            if not self._cond.wait_for(lambda: not self._pending, timeout):
-                raise GputqTimeoutError(f"{len(self._pending)} writes still pending after {timeout}s")
-        self._raise_failures()
-
-    def _raise_failures(self) -> None:
-        with self._cond:
-            failures, self._failures = self._failures, {}
-        if failures:
-            first = next(iter(failures.values()))
-            raise _one_error(failures, f"{len(failures)} writes failed, first: {first!r}; keys: "
-                                       f"{sorted(failures)[:8]}") from first
+        self._sends.flush(timeout)
 
     def wait(self, keys, timeout: float | None = None) -> None:
         """Wait for the writes of ``keys`` only (failures stay recorded)."""
-        keys = set(keys)
-        with self._cond:
-            if not self._cond.wait_for(lambda: not keys.intersection(self._pending), timeout):
-                raise GputqTimeoutError(f"writes of {sorted(keys & set(self._pending))[:8]} still "
-                                        f"pending after {timeout}s")
+        self._sends.wait(keys, timeout)
 
     def finalize(self, samples, partition: str, *, readers: int = 1) -> None:
         """Hand the stored steps' lifetime over to the segments built from them.
@@ -340,8 +211,7 @@ class Writer(Closeable):
         uses = uses_by_unit(samples)
         written = {key for keys in uses.values() for key in keys}
         self.wait(sorted(written))
-        with self._cond:
-            failed = sorted(written & set(self._failures))
+        failed = self._sends.failed(written)
         if failed:
             raise TransferError(f"cannot finalize: writes of {failed[:8]} failed", keys=failed)
         tally(fan_out(uses, lambda unit: self._finalize_on(unit, uses[unit] * readers, partition)),
@@ -364,10 +234,7 @@ class Writer(Closeable):
         self.wait([k for keys in by_unit.values() for k in keys])
         for unit, keys in by_unit.items():
             self._clients.channel(unit).call("delete", timeout=self._config.control_timeout_s, keys=keys)
-        with self._cond:
-            for keys in by_unit.values():
-                for key in keys:
-                    self._failures.pop(key, None)
+        self._sends.forget(k for keys in by_unit.values() for k in keys)
 
     @contextlib.contextmanager
     def commit_region(self) -> Iterator["CommitRegion"]:
@@ -396,12 +263,8 @@ class Writer(Closeable):
         """
         if self._closed:
             return
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._pool.shutdown(wait=True)
-        self._buffers.clear()
-        self._raise_failures()
+        self._closed = True
+        self._sends.close()
 
     def __exit__(self, exc_type, exc, tb):
         try:
@@ -414,40 +277,6 @@ class Writer(Closeable):
 
 _LOGPROBS = logprobs_spec()
 
-#: How much lower the sender threads' CPU priority is than the caller's (Linux nice steps).
-SENDER_NICE = 10
-
-
-def _background_priority() -> None:
-    """Lower the calling sender thread's CPU priority, where the OS allows it per thread (Linux).
-
-    Sending is background work: when cores are scarce, the thread calling
-    ``put`` must win them over the sends of earlier steps. The senders still
-    get every core nobody else wants, and a put that finds the in-flight
-    bound full leaves them its core while it waits.
-    """
-    if sys.platform != "linux":  # elsewhere PRIO_PROCESS with a thread id means another process
-        return
-    with contextlib.suppress(OSError):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + SENDER_NICE))
-
-
-def _one_error(failures: dict, message: str) -> GputqError:
-    """Failed writes as one error, with ``keys`` naming them all: of the failures' own class where they
-    share one (a full arena's ``CapacityError`` stays a TimeoutError, a ``DuplicateKeyError`` a
-    ValueError), else a ``TransferError``."""
-    kinds = {type(exc) for exc in failures.values()}
-    kind = kinds.pop() if len(kinds) == 1 else TransferError
-    error = None
-    if issubclass(kind, GputqError):
-        with contextlib.suppress(TypeError):  # a class whose constructor needs more than a message
-            error = kind(message)
-    if error is None:
-        error = TransferError(message)
-    error.keys = tuple(sorted(failures))
-    return error
-
 
 def _as_array(key: str, field: str, value) -> np.ndarray:
     """``value`` as one numpy array, or ``FieldValueError`` (ragged nesting, mixed objects)."""
@@ -456,80 +285,6 @@ def _as_array(key: str, field: str, value) -> np.ndarray:
     except (ValueError, TypeError) as exc:
         raise FieldValueError(f"key {key!r} field {field!r}: not an array of one shape and dtype "
                               f"({type(exc).__name__}: {exc})") from None
-
-
-def _check_receipt(ref: FieldRef, receipt) -> None:
-    """Refuse a write that landed under another generation or unit incarnation than ``ref`` says.
-
-    Units that report their incarnation in receipts also store the writer's
-    generation; a mismatch means the unit restarted since the membership was
-    read, or ignored the generation: either way ``ref`` could never be read.
-    """
-    if not isinstance(receipt, dict) or "incarnation" not in receipt:
-        return
-    if ref.incarnation and receipt["incarnation"] != ref.incarnation:
-        raise TransferError(f"unit {ref.unit} restarted: {ref.key} landed in incarnation "
-                            f"{receipt['incarnation']}, the reference is for {ref.incarnation}",
-                            unit=ref.unit, keys=[ref.key])
-    if receipt.get("generation") != ref.generation:
-        raise TransferError(f"unit {ref.unit} stored {ref.key} as generation {receipt.get('generation')}, "
-                            f"not the writer's {ref.generation}", unit=ref.unit, keys=[ref.key])
-
-
-class _Buffers:
-    """Byte buffers for compact copies, kept after their send for the next put.
-
-    Sizes are rounded up to classes 1/8 of a power of two apart, so steps of
-    slightly different lengths share buffers; a buffer is reused for a
-    request of at least half its size. Buffers kept plus bytes in flight
-    stay within ``limit``; small ones are not kept (malloc reuses them well).
-    """
-
-    MIN_BYTES = 64 << 10
-
-    def __init__(self, limit: int):
-        self._limit = limit
-        self._lock = threading.Lock()
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._kept = 0
-
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        step = 1 << max(nbytes.bit_length() - 4, 12)
-        return -(-nbytes // step) * step
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least ``nbytes`` bytes (uint8, 1-D)."""
-        if nbytes < self.MIN_BYTES:
-            return np.empty(nbytes, np.uint8)
-        size = self.size_class(nbytes)
-        with self._lock:
-            for cls in sorted(c for c in self._free if size <= c <= 2 * nbytes):
-                buffer = self._free[cls].pop()
-                if not self._free[cls]:
-                    del self._free[cls]
-                self._kept -= buffer.nbytes
-                return buffer
-        return np.empty(size, np.uint8)
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return sum(len(kept) for kept in self._free.values())
-
-    def clear(self) -> None:
-        """Drop every kept buffer."""
-        with self._lock:
-            self._free, self._kept = {}, 0
-
-    def give(self, buffer: np.ndarray, inflight: int) -> None:
-        """Keep ``buffer`` for reuse if it fits the bound with ``inflight`` bytes queued."""
-        if buffer.nbytes < self.MIN_BYTES:
-            return
-        with self._lock:
-            if self._kept + buffer.nbytes + inflight <= self._limit:
-                self._free.setdefault(buffer.nbytes, []).append(buffer)
-                self._kept += buffer.nbytes
 
 
 class CommitRegion:

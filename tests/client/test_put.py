@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from gputq.client.reader import Reader
-from gputq.client.writer import SENDER_NICE, Writer, _Buffers
+from gputq.client.sends import SENDER_NICE, Buffers
+from gputq.client.writer import Writer
 from gputq.data.fields import canonicalize, logprobs_spec, routed_experts_spec
 from gputq.data.refs import Layout
 from gputq.errors import FieldValueError, InvalidInputError
@@ -185,9 +186,9 @@ def test_canonicalize_into_out_is_one_owned_copy():
 
 
 def test_buffers_are_reused_within_the_bound():
-    buffers = _Buffers(limit=8 << 20)
+    buffers = Buffers(limit=8 << 20)
     first = buffers.take(3 << 20)
-    assert first.nbytes == _Buffers.size_class(3 << 20) >= 3 << 20
+    assert first.nbytes == Buffers.size_class(3 << 20) >= 3 << 20
     buffers.give(first, inflight=0)
     assert buffers.take((3 << 20) - 1000) is first  # a slightly shorter step reuses it
     buffers.give(first, inflight=0)
@@ -200,7 +201,7 @@ def test_buffers_are_reused_within_the_bound():
     buffers.give(buffers.take(3 << 20), inflight=0)
     buffers.clear()
     assert buffers._kept == 0 and buffers.take(3 << 20) is not first
-    assert [_Buffers.size_class(n) for n in (1, 4096, 4097, 1 << 20, (1 << 20) + 1)] == [
+    assert [Buffers.size_class(n) for n in (1, 4096, 4097, 1 << 20, (1 << 20) + 1)] == [
         4096, 4096, 8192, 1 << 20, (1 << 20) + (1 << 17)]
 
 
@@ -211,7 +212,7 @@ def test_sent_buffers_are_back_in_the_pool_when_flush_returns(monkeypatch):
             Writer(clients, config) as writer:
         experts = np.random.default_rng(1).integers(0, 100, (1024, 8, 8), dtype=np.int32)  # 128 KiB stored
         window, taken = threading.Event(), []
-        real_give, real_take = writer._buffers.give, writer._buffers.take
+        real_give, real_take = writer._sends.buffers.give, writer._sends.buffers.take
 
         def slow_give(buffer, inflight):
             window.wait(0.2)  # the window in which an early flush() used to return
@@ -221,15 +222,15 @@ def test_sent_buffers_are_back_in_the_pool_when_flush_returns(monkeypatch):
             taken.append(real_take(nbytes))
             return taken[-1]
 
-        monkeypatch.setattr(writer._buffers, "give", slow_give)
-        monkeypatch.setattr(writer._buffers, "take", take)
+        monkeypatch.setattr(writer._sends.buffers, "give", slow_give)
+        monkeypatch.setattr(writer._sends.buffers, "take", take)
         for round_ in range(5):
             taken.clear()
             for i in range(3):
                 writer.put(f"r{round_}/{i}", "p", {"routed_experts": experts})
             writer.flush(timeout=30)
             # Every buffer the round's puts took is back (on a slow host a put may reuse one already back).
-            kept = {id(buffer) for pool in writer._buffers._free.values() for buffer in pool}
+            kept = {id(buffer) for buffer in writer._sends.buffers.kept()}
             assert len(taken) == 3 and all(id(buffer) in kept for buffer in taken), f"round {round_}"
 
 
@@ -237,6 +238,7 @@ def test_sent_buffers_are_back_in_the_pool_when_flush_returns(monkeypatch):
 def test_senders_run_below_the_callers_priority():
     with local_units("tcp", units=1) as (config, _, clients), Writer(clients, config) as writer:
         own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        sender = writer._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(10)
+        sends = writer._sends
+        sender = sends._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(10)
         assert sender == min(19, own + SENDER_NICE)
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller keeps its own

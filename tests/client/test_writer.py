@@ -11,7 +11,14 @@ from gputq.client.clients import UnitClients
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.data.refs import Layout, uses_by_unit
-from gputq.errors import CapacityError, GputqTimeoutError, PartialFailureError, TransferError, UnknownKeyError
+from gputq.errors import (
+    CapacityError,
+    DuplicateKeyError,
+    GputqTimeoutError,
+    PartialFailureError,
+    TransferError,
+    UnknownKeyError,
+)
 from tests.conftest import local_units
 
 
@@ -88,13 +95,13 @@ def test_wait_and_flush_time_out_typed():
     with local_units("tcp", units=1) as (config, _, clients):
         with Writer(clients, config) as writer:
             gate = threading.Event()
-            original = writer._send
+            original = writer._sends._send_batch
 
             def slow_send(*args):
                 gate.wait(5)
                 return original(*args)
 
-            writer._send = slow_send
+            writer._sends._send_batch = slow_send
             writer.put("slow", "p", {"logprobs": np.ones(4, np.float32)})
             with pytest.raises(GputqTimeoutError, match="slow"):
                 writer.wait(["slow/logprobs"], timeout=0.1)
@@ -116,13 +123,13 @@ def test_refs_carry_a_fresh_generation_and_the_units_incarnation():
         metas = []
         for unit in clients.units:
             channel = clients.channel(unit)
-            original = channel.write
+            original = channel.write_many
 
-            def spy(key, payload, meta, timeout=None, _original=original):
-                metas.append((key, dict(meta)))
-                return _original(key, payload, meta, timeout=timeout)
+            def spy(items, timeout=None, _original=original):
+                metas.extend((key, dict(meta)) for key, _, meta in items)
+                return _original(items, timeout=timeout)
 
-            channel.write = spy
+            channel.write_many = spy
         with Writer(clients, config) as writer:
             refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((4, 2, 2), i, np.int32),
                                               "logprobs": np.full(4, -i, np.float32)}) for i in range(20)]
@@ -169,14 +176,15 @@ def test_keys_are_placed_on_live_units_only():
 def test_a_write_stored_under_another_version_fails(change, message):
     with local_units("tcp", units=1) as (config, _, base), _with_incarnations(base, config) as clients:
         channel = clients.channel("su-0")
-        original = channel.write
+        original = channel.write_many
 
-        def other_version(key, payload, meta, timeout=None):
-            receipt = original(key, payload, meta, timeout=timeout)
-            return receipt | {"incarnation": clients.membership["su-0"]["incarnation"],
-                              "generation": meta["generation"]} | change
+        def other_version(items, timeout=None):
+            receipts = original(items, timeout=timeout)
+            return [receipt | {"incarnation": clients.membership["su-0"]["incarnation"],
+                               "generation": meta["generation"]} | change
+                    for receipt, (_, _, meta) in zip(receipts, items)]
 
-        channel.write = other_version
+        channel.write_many = other_version
         with Writer(clients, config) as writer:
             writer.put("s", "p", {"logprobs": np.ones(4, np.float32)})
             with pytest.raises(TransferError, match=message) as info:
@@ -227,3 +235,34 @@ def test_finalize_raises_a_units_own_answer_after_the_others_finalized():
                 writer.finalize(shard, "p")
         assert _holders(by_name[kept], uses[kept]) == {key: {"p": 1} for key in uses[kept]}
         assert clients.lost == {}
+
+
+def test_steps_queued_behind_a_send_go_in_one_request_and_a_failed_one_is_undone_alone():
+    """Puts made while a request is on the wire are sent together; a step of that batch whose field the unit
+    refuses is deleted whole, and its neighbours in the request are stored."""
+    with local_units("tcp", units=1, writer_threads=1) as (config, services, clients):
+        channel = clients.channel(services[0].name)
+        channel.write("s1/logprobs", np.zeros(4, np.float32).tobytes(), {"partition": "p"}, timeout=5)
+        original, gate, batches = channel.write_many, threading.Event(), []
+
+        def gated(items, timeout=None):
+            batches.append([key for key, _, _ in items])
+            gate.wait(10)  # the first request holds the single sender while the next puts queue
+            return original(items, timeout=timeout)
+
+        channel.write_many = gated
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((4, 2, 2), i, np.int32),
+                                              "logprobs": np.full(4, -i, np.float32)}) for i in range(4)]
+            gate.set()
+            with pytest.raises(DuplicateKeyError) as info:
+                writer.flush(timeout=10)
+        assert info.value.keys == ("s1/logprobs", "s1/routed_experts")
+        assert batches == [["s0/routed_experts", "s0/logprobs"],
+                           [f"s{i}/{f}" for i in (1, 2, 3) for f in ("routed_experts", "logprobs")]]
+        assert services[0].stats()["keys"] == 7  # s0, s2, s3 and the s1/logprobs stored before
+        with pytest.raises(UnknownKeyError):  # s1's field that landed was deleted
+            services[0].unit.lookup(["s1/routed_experts"])
+        with Reader(clients, config) as reader:
+            got = reader.fetch([{f: Layout.from_ref(r) for f, r in refs[i].items()} for i in (0, 2, 3)])
+        assert [int(g["rollout_routed_experts"][0, 0, 0]) for g in got] == [0, 2, 3]

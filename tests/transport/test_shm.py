@@ -417,10 +417,10 @@ def test_a_unit_without_a_directory_is_read_after_its_lease(served, monkeypatch)
         assert np.array_equal(dest, blobs["a"]) and plain.reads_ahead == 0
 
 
-def test_writes_and_control_go_over_the_tcp_lane(served):
+def test_writes_are_copied_into_the_arena_and_control_goes_over_the_tcp_lane(served):
     unit, _, channel, _ = served
     receipt = channel.write("d", np.arange(10, dtype=np.uint8), {"partition": "p"}, timeout=5)
-    assert receipt["offset"] >= 0
+    assert receipt["offset"] >= 0 and channel.writes_copied == 1 and channel.write_fallback_reason is None
     assert channel.call("stats", timeout=5)["keys"] == 4
     dest = np.empty(10, np.uint8)
     channel.read(["d"], dest, timeout=5)
