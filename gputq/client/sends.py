@@ -39,9 +39,11 @@ __all__ = ["SendQueue", "Buffers", "SENDER_NICE", "BATCH_STEPS", "BATCH_BYTES"]
 
 #: How much lower the sender threads' CPU priority is than the caller's (Linux nice steps).
 SENDER_NICE = 10
-#: The most steps one request carries, and the most bytes (a step larger than that goes alone).
+#: The most steps one request carries, and the most bytes (a step larger than that goes alone). A
+#: request's fixed cost is a small share of a few MiB already; a larger batch only makes the unit's
+#: receive one longer burst on the cores the caller's puts need (their tail grows).
 BATCH_STEPS = 64
-BATCH_BYTES = 64 << 20
+BATCH_BYTES = 4 << 20
 
 
 class SendQueue:
