@@ -49,7 +49,10 @@ GIL, which the pass gives up and takes back around each chunk and which a
 sender holds for a few microseconds between its system calls. What is left
 is the host's: other processes' load and memory bandwidth. The ``tail_*``
 columns split the slowest 1% of puts' time (Linux): on a core, waiting for
-one, and blocked.
+one, and blocked. ``--caller-core N`` (Linux) runs the timed puts and
+passes with the caller's thread alone on core N, the units and the writer's
+senders on the other cores: what a put costs where nothing else of gputq
+takes its core, as where the units are other hosts.
 """
 
 from __future__ import annotations
@@ -185,9 +188,43 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+@contextlib.contextmanager
+def on_cores(cores):
+    """The block with the calling thread on ``cores`` only (``None``: as it is); processes and threads it
+    starts meanwhile keep them."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def caller_and_other_cores(core: int | None) -> tuple:
+    """``({core}, the other cores this process may use)``, or ``(None, None)`` for no ``core``.
+
+    Raises ``ValueError`` for a core this process may not use or one that leaves no other.
+    """
+    if core is None:
+        return None, None
+    allowed = os.sched_getaffinity(0)
+    if core not in allowed or len(allowed) < 2:
+        raise ValueError(f"--caller-core {core}: this process may use cores {sorted(allowed)}, and needs "
+                         f"another one besides")
+    return {core}, allowed - {core}
+
+
 def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every: int, rng,
-                raw: dict) -> dict:
-    """Time ``puts`` puts of one step shape and the baseline pass between rounds."""
+                raw: dict, cores=(None, None)) -> dict:
+    """Time ``puts`` puts of one step shape and the baseline pass between rounds.
+
+    ``cores``: the caller's thread's cores for the timed rounds, and for the
+    untimed ones before, in which the writer starts its senders (they keep them).
+    """
+    caller_cores, sender_cores = cores
     fields = step_fields(kind, tokens, rng)
     baseline = one_pass(kind, fields)
     step_bytes = sum(a.nbytes for a in fields.values())
@@ -202,29 +239,31 @@ def latency_row(clients, config, kind: str, tokens: int, puts: int, flush_every:
         # thread. A proxy pays those faults in its first seconds, not on every step; timed, they
         # would be the p99 of a short run. The row reports how many rounds that took.
         warm_rounds, kept = 0, -1
-        while warm_rounds < WARM_ROUNDS and writer.buffers_kept != kept:
-            kept = writer.buffers_kept
-            for i in range(flush_every):
-                writer.put(f"warm-{warm_rounds}/{i}", f"warm-{warm_rounds}", fields)
-            writer.flush()
-            _release(clients, f"warm-{warm_rounds}")
-            warm_rounds += 1
-        rounds = -(-puts // flush_every)
-        for r in range(rounds):
-            for _ in range(PASSES_A_ROUND):
-                started = time.perf_counter()
-                baseline()
-                pass_s.append(time.perf_counter() - started)
-            partition = f"{kind}-{tokens}-{r}"
-            for i in range(min(flush_every, puts - r * flush_every)):
-                cpu0, queued0 = stat.read()
-                started = time.perf_counter()
-                writer.put(f"{partition}/{i}", partition, fields)
-                put_s.append(time.perf_counter() - started)
-                cpu1, queued1 = stat.read()
-                sched.append((put_s[-1], cpu1 - cpu0, queued1 - queued0))
-            writer.flush()
-            _release(clients, partition)
+        with on_cores(sender_cores):
+            while warm_rounds < WARM_ROUNDS and writer.buffers_kept != kept:
+                kept = writer.buffers_kept
+                for i in range(flush_every):
+                    writer.put(f"warm-{warm_rounds}/{i}", f"warm-{warm_rounds}", fields)
+                writer.flush()
+                _release(clients, f"warm-{warm_rounds}")
+                warm_rounds += 1
+        with on_cores(caller_cores):
+            rounds = -(-puts // flush_every)
+            for r in range(rounds):
+                for _ in range(PASSES_A_ROUND):
+                    started = time.perf_counter()
+                    baseline()
+                    pass_s.append(time.perf_counter() - started)
+                partition = f"{kind}-{tokens}-{r}"
+                for i in range(min(flush_every, puts - r * flush_every)):
+                    cpu0, queued0 = stat.read()
+                    started = time.perf_counter()
+                    writer.put(f"{partition}/{i}", partition, fields)
+                    put_s.append(time.perf_counter() - started)
+                    cpu1, queued1 = stat.read()
+                    sched.append((put_s[-1], cpu1 - cpu0, queued1 - queued0))
+                writer.flush()
+                _release(clients, partition)
         buffers = writer.buffers_kept
     raw[f"{kind} {tokens}"] = {"put_us": [round(s * 1e6, 1) for s in put_s],
                                "pass_us": [round(s * 1e6, 1) for s in pass_s]}
@@ -327,11 +366,14 @@ def run(args) -> dict:
                          host="127.0.0.1", writer_threads=args.sender_threads)
     rows, tput, raw = [], [], {}
     todo = [(k, t) for t in tokens_list for k in kinds]
-    with remote_units(config) as (config, clients):
+    cores = caller_and_other_cores(args.caller_core)
+    with contextlib.ExitStack() as stack:
+        with on_cores(cores[1]):  # the units' processes keep the cores they start on
+            config, clients = stack.enter_context(remote_units(config))
         for n, (kind, tokens) in enumerate(todo, 1):
             puts = args.puts if tokens < 32768 else max(args.flush_every * 5, args.puts // 10)
             print(f"  [{n}/{len(todo)}] {kind} x {tokens} tokens: {puts} puts ...", file=sys.stderr, flush=True)
-            rows.append(latency_row(clients, config, kind, tokens, puts, args.flush_every, rng, raw))
+            rows.append(latency_row(clients, config, kind, tokens, puts, args.flush_every, rng, raw, cores))
         for threads in (1, 4):
             print(f"  [throughput] {threads} thread(s) ...", file=sys.stderr, flush=True)
             tput.append(throughput_row(clients, config, args.throughput_kind, args.throughput_tokens, threads,
@@ -360,12 +402,18 @@ def main(argv=None) -> int:
     parser.add_argument("--sender-threads", type=int, default=2, help="the writer's background senders")
     parser.add_argument("--sender-nice", type=int, default=sends_module.SENDER_NICE,
                         help="how much lower the senders' CPU priority is (0: the caller's)")
+    parser.add_argument("--caller-core", type=int, default=None, metavar="N",
+                        help="time puts with the caller's thread alone on core N, units and senders on the others")
     parser.add_argument("--throughput-steps", type=int, default=200, help="steps per throughput run")
     parser.add_argument("--throughput-tokens", type=int, default=8192)
     parser.add_argument("--throughput-kind", default="uint16", choices=KINDS)
     parser.add_argument("--log", nargs="?", const="", default=None, metavar="PATH",
                         help="also save the output and every raw latency (default docs/logs/put-<UTC time>.log)")
     args = parser.parse_args(argv)
+    try:
+        caller_and_other_cores(args.caller_core)
+    except ValueError as exc:
+        parser.error(str(exc))
     sends_module.SENDER_NICE = args.sender_nice
     log = None
     if args.log is not None:
@@ -377,6 +425,7 @@ def main(argv=None) -> int:
         print_header("gputq put: the caller's cost of one step", cpus=os.cpu_count(),
                      units=f"{args.units} in child processes, tcp", flush_every=args.flush_every,
                      sender_threads=args.sender_threads, sender_nice=args.sender_nice,
+                     caller_core="shared" if args.caller_core is None else args.caller_core,
                      load=" ".join(f"{x:.2f}" for x in os.getloadavg()))
         started = time.perf_counter()
         result = run(args)

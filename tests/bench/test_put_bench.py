@@ -6,8 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
+
+from bench.put import caller_and_other_cores, on_cores
 
 
 @pytest.mark.slow
@@ -30,3 +33,28 @@ def test_bench_put_runs_small_and_reports_its_ratios(tmp_path):
     assert "[2/2] logprobs x 256 tokens" in done.stderr  # progress
     text = log.read_text()
     assert "== gputq put" in text and text.count("raw ") == 4
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="core affinity is a Linux feature")
+@pytest.mark.timeout(60)
+def test_caller_core_splits_the_cores_and_the_block_restores_them():
+    allowed = os.sched_getaffinity(0)
+    assert caller_and_other_cores(None) == (None, None)
+    with pytest.raises(ValueError, match="--caller-core 4096"):
+        caller_and_other_cores(4096)
+    if len(allowed) < 2:
+        pytest.skip("one core: nothing to split")
+    core = min(allowed)
+    caller, others = caller_and_other_cores(core)
+    assert caller == {core} and others == allowed - {core}
+    seen = {}
+
+    def child():
+        seen["thread"] = os.sched_getaffinity(0)
+
+    with on_cores(others):
+        thread = threading.Thread(target=child)
+        thread.start()
+        thread.join(10)
+        assert os.sched_getaffinity(0) == others
+    assert seen["thread"] == others and os.sched_getaffinity(0) == allowed  # started threads keep them
