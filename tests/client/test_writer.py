@@ -118,6 +118,12 @@ def _with_incarnations(clients, config):
     return UnitClients(membership, config)
 
 
+def _put_steps(writer, count: int) -> list:
+    """Steps ``s0 ..`` of partition ``p`` whose R3 and logprobs hold their index."""
+    return [writer.put(f"s{i}", "p", {"routed_experts": np.full((4, 2, 2), i, np.int32),
+                                      "logprobs": np.full(4, -i, np.float32)}) for i in range(count)]
+
+
 def test_refs_carry_a_fresh_generation_and_the_units_incarnation():
     with local_units("tcp", units=2) as (config, _, base), _with_incarnations(base, config) as clients:
         metas = []
@@ -131,8 +137,7 @@ def test_refs_carry_a_fresh_generation_and_the_units_incarnation():
 
             channel.write_many = spy
         with Writer(clients, config) as writer:
-            refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((4, 2, 2), i, np.int32),
-                                              "logprobs": np.full(4, -i, np.float32)}) for i in range(20)]
+            refs = _put_steps(writer, 20)
             writer.flush()
         by_key = {r.key: r for ref in refs for r in ref.values()}
         membership = clients.membership
@@ -252,8 +257,7 @@ def test_steps_queued_behind_a_send_go_in_one_request_and_a_failed_one_is_undone
 
         channel.write_many = gated
         with Writer(clients, config) as writer:
-            refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((4, 2, 2), i, np.int32),
-                                              "logprobs": np.full(4, -i, np.float32)}) for i in range(4)]
+            refs = _put_steps(writer, 4)
             gate.set()
             with pytest.raises(DuplicateKeyError) as info:
                 writer.flush(timeout=10)
