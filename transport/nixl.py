@@ -73,12 +73,12 @@ from gputq.transport.base import (
     byte_view,
     describe_keys,
     is_device_buffer,
-    write_window,
 )
 from gputq.transport.one_sided import HeldLease, LeaseProtocol, LeasingChannel
 from gputq.transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
-from gputq.transport.nixl_server import ABORT_WRITE, BEGIN_WRITE, COMMIT_WRITE, CONNECT, NixlServer
+from gputq.transport.nixl_server import CONNECT, NixlServer
 from gputq.transport.policy import gpudirect_support
+from gputq.transport.reserved_writes import ReservedWrites
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
 
@@ -194,8 +194,7 @@ class NixlChannel(LeasingChannel):
         try:
             info = self._tcp.call(CONNECT, timeout=timeout)
             self._base, self._arena_nbytes = int(info["arena_base"]), int(info["arena_nbytes"])
-            reservation = info.get("reservation_timeout_s")
-            self._reservation_timeout_s = None if reservation is None else float(reservation)
+            self._pushed = ReservedWrites(self._tcp, self.unit, self._arena_nbytes, "push")
             self._remote = self._local.add_remote(info["agent_metadata"])
         except BaseException as exc:
             self._tcp.close()
@@ -445,54 +444,35 @@ class NixlChannel(LeasingChannel):
     def write(self, key: str, payload, meta: dict | None = None, timeout: float | None = None) -> dict:
         """Store ``payload`` under ``key``: over tcp, or pushed with NIXL WRITEs (see ``write_path``)."""
         self._check_open()
-        view = byte_view(payload)
-        nbytes = view.nbytes
-        if not self._pushes(nbytes):
+        if not self._pushes(byte_view(payload).nbytes):
             return self._tcp.write(key, payload, meta, timeout=timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        offset = self._tcp.call(BEGIN_WRITE, timeout=timeout, key=key, nbytes=nbytes,
-                                meta=meta or {}, wait_s=timeout)
-        # Commit and abort name this write's reservation, not a later one of the same key.
-        generation = (meta or {}).get("generation")
-        reservation = {"generation": generation} if type(generation) is int else {}
-        # The unit cannot stop a WRITE it granted: once the reservation expires
-        # the region may hold another key, and a late push would overwrite it.
-        # So the push ends inside the reservation, with half of it to spare,
-        # counted from the reply (the reservation began before it).
-        window = write_window(self._reservation_timeout_s, _left(deadline))
-        push_deadline = None if window is None else time.monotonic() + window
-        try:
-            if offset < 0 or offset + nbytes > self._arena_nbytes:
-                raise TransferError(f"unit {self.unit} reserved a region outside its arena for {key!r}",
-                                    self.unit, [key])
-            if nbytes:
-                try:
-                    self._push(key, np.frombuffer(view, np.uint8), offset, push_deadline)
-                except GputqTimeoutError as exc:
-                    bound = "the write's timeout" if self._reservation_timeout_s is None else \
-                        f"the write's timeout, at most half the unit's {self._reservation_timeout_s:g} s reservation"
-                    raise GputqTimeoutError(f"unit {self.unit}: push of key {key!r} ({nbytes} bytes) not done "
-                                            f"within {window:g} s ({bound}): {exc}; write aborted") from None
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self._tcp.call(ABORT_WRITE, timeout=_CLEANUP_TIMEOUT_S, key=key, **reservation)
-            raise
-        return self._tcp.call(COMMIT_WRITE, timeout=_left(deadline), key=key, **reservation)
+        (result,) = self._pushed.write_many([(key, payload, meta)], timeout, self._push_reserved)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def write_many(self, items, timeout: float | None = None) -> list:
         """:meth:`write` of every ``(key, payload, meta)``: those that go over tcp in batched requests (see
-        :meth:`TcpChannel.write_many <gputq.transport.tcp.TcpChannel.write_many>`), pushed ones one by one."""
+        :meth:`TcpChannel.write_many <gputq.transport.tcp.TcpChannel.write_many>`), the pushed ones reserved
+        and committed together (:mod:`gputq.transport.reserved_writes`)."""
         self._check_open()
         pushes = [self._pushes(byte_view(payload).nbytes) for _, payload, _ in items]
-        sent = [i for i, push in enumerate(pushes) if not push]
         results: list = [None] * len(items)
-        if sent:
-            for i, result in zip(sent, self._tcp.write_many([items[i] for i in sent], timeout)):
+        for push in (False, True):
+            chosen = [i for i, p in enumerate(pushes) if p is push]
+            if not chosen:
+                continue
+            batch = [items[i] for i in chosen]
+            done = self._pushed.write_many(batch, timeout, self._push_reserved) if push \
+                else self._tcp.write_many(batch, timeout)
+            for i, result in zip(chosen, done):
                 results[i] = result
-        for i, push in enumerate(pushes):
-            if push:
-                results[i] = self.write(*items[i], timeout=timeout)
         return results
+
+    def _push_reserved(self, key: str, offset: int, data: np.ndarray, deadline: float | None) -> None:
+        """A reserved write's move: NIXL WRITEs of ``data`` to ``offset``, none started past ``deadline``."""
+        if data.size:
+            self._push(key, data, offset, deadline)
 
     def _pushes(self, nbytes: int) -> bool:
         """Whether a write of ``nbytes`` is pushed with NIXL WRITEs (else it goes over tcp)."""

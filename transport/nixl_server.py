@@ -3,19 +3,18 @@
 The arena is registered at start; readers READ it one-sided. Control is
 served by the tcp backend beside it: every tcp server answers the one-sided
 readers' ``lease`` / ``end_lease`` calls, and :class:`_NixlControl` adds the
-rdma-only methods in front of the handler's own:
+rdma-only method in front of the handler's own:
 
 - ``nixl_connect`` hands out the NIXL agent metadata and the arena's base
   address. It is the only way to get them, and only over a connection that
   passed the token handshake: they let a NIXL peer read and write the whole
   arena, so they never appear in the address, the membership or a log.
-- ``nixl_begin_write`` / ``nixl_commit_write`` / ``nixl_abort_write`` frame a
-  pushed write (the client NIXL-WRITEs into the reserved region in between).
-  The unit cannot stop a remote WRITE into its arena, so ``nixl_connect``
-  also tells the client the unit's ``reservation_timeout_s``: the client
-  bounds its push by :func:`~gputq.transport.base.write_window` of it, and a
-  commit after the reservation expired is refused by the unit with a typed
-  error the client raises.
+
+A pushed write is framed by the reservation calls every tcp server answers
+(:mod:`gputq.transport.write_batches`); the client NIXL-WRITEs into the
+reserved regions in between, within the safe window of
+:mod:`gputq.transport.reserved_writes`, and a commit after a reservation
+expired is refused by the unit with a typed error the client raises.
 """
 
 from __future__ import annotations
@@ -26,36 +25,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gputq.errors import InvalidInputError
 from gputq.transport.base import ArenaHandler, Lease, LogLimiter, Server, ServerLimits, check_handler
 from gputq.transport.nixl_pool import agent_name, host_ptr, import_nixl
 from gputq.transport.policy import infiniband_devices, local_hostname
 from gputq.transport.tcp import TcpTransport
 from gputq.transport.ucx_devices import ucx_bound_to
 
-__all__ = ["NixlServer", "CONNECT", "BEGIN_WRITE", "COMMIT_WRITE", "ABORT_WRITE"]
+__all__ = ["NixlServer", "CONNECT"]
 
 log = logging.getLogger(__name__)
 
-#: Control methods the server adds in front of the handler's own.
+#: The control method the server adds in front of the handler's own.
 CONNECT = "nixl_connect"
-BEGIN_WRITE, COMMIT_WRITE, ABORT_WRITE = "nixl_begin_write", "nixl_commit_write", "nixl_abort_write"
 _SERVER_PROGRESS_S = 0.001
-
-
-def _key(args: dict) -> str:
-    key = args.get("key")
-    if not isinstance(key, str):
-        raise InvalidInputError("key must be a str")
-    return key
-
-
-def _generation(args: dict) -> int | None:
-    """The write's generation, naming its reservation; None when the client sent none."""
-    generation = args.get("generation")
-    if generation is not None and type(generation) is not int:
-        raise InvalidInputError("generation must be an int")
-    return generation
 
 
 class _NixlControl(ArenaHandler):
@@ -118,21 +100,9 @@ class _NixlControl(ArenaHandler):
         return self._handler.end_lease(lease_id)
 
     def control(self, method: str, args: dict) -> Any:
-        h = self._handler
         if method == CONNECT:
             return dict(self._connect_info)
-        if method == BEGIN_WRITE:
-            nbytes, meta, wait_s = args.get("nbytes"), args.get("meta") or {}, args.get("wait_s")
-            if type(nbytes) is not int or not isinstance(meta, dict) \
-                    or not (wait_s is None or isinstance(wait_s, (int, float))):
-                raise InvalidInputError("nixl_begin_write needs nbytes (int), meta (map), wait_s (number)")
-            return h.begin_write(_key(args), nbytes, meta, wait_s)
-        if method == COMMIT_WRITE:
-            return h.commit_write(_key(args), _generation(args))
-        if method == ABORT_WRITE:
-            h.abort_write(_key(args), _generation(args))
-            return None
-        return h.control(method, args)
+        return self._handler.control(method, args)
 
 
 class NixlServer(Server):
@@ -172,8 +142,7 @@ class NixlServer(Server):
             if nbytes:
                 self._reg = self._agent.register_memory(
                     np.array([[base, nbytes, 0]], dtype=np.uint64), "DRAM")
-            info = {"agent_metadata": self._agent.get_agent_metadata(), "arena_base": base, "arena_nbytes": nbytes,
-                    "reservation_timeout_s": handler.reservation_timeout_s}
+            info = {"agent_metadata": self._agent.get_agent_metadata(), "arena_base": base, "arena_nbytes": nbytes}
             self._tcp = TcpTransport().serve(_NixlControl(handler, info), host=host, port=port, token=token,
                                              limits=limits)
             control = self._tcp.address

@@ -70,7 +70,6 @@ from gputq.errors import (
     TransferError,
 )
 from gputq.transport import arena_copies
-from gputq.transport.arena_writes import ArenaWrites
 from gputq.transport.base import (
     ArenaHandler,
     Channel,
@@ -93,6 +92,7 @@ from gputq.transport.directory import DirectoryView, directory_nbytes
 from gputq.transport.one_sided import ARENA_FILE, LeaseProtocol, LeasingChannel
 from gputq.transport.nixl import NixlTransport
 from gputq.transport.policy import local_hostname, nixl_import_error
+from gputq.transport.reserved_writes import ReservedWrites
 from gputq.transport.spans import SPAN_WIRE_BYTES, span_regions, spans_from_wire, spans_to_wire
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
@@ -118,7 +118,7 @@ class ArenaMapping:
         The arena's size; the file must hold at least that much.
     writable : bool
         Map it for writing too (a writer on the unit's host, see
-        :mod:`gputq.transport.arena_writes`); readers never do.
+        :mod:`gputq.transport.reserved_writes`); readers never do.
 
     Raises
     ------
@@ -329,7 +329,10 @@ class ShmChannel(LeasingChannel):
         self.fallback_reason: str | None = None
         #: Why writes go over tcp although the arena is mapped for reads, or None.
         self.write_fallback_reason: str | None = None
-        self._writes: ArenaWrites | None = None
+        #: Writes this channel copied straight into the unit's arena.
+        self.writes_copied = 0
+        self._writable_mapping: ArenaMapping | None = None
+        self._writes: ReservedWrites | None = None
         self._writes_lock = threading.Lock()
         host = address.get("hostname")
         if host is not None and host != local_hostname():
@@ -338,6 +341,7 @@ class ShmChannel(LeasingChannel):
             try:
                 info = self._tcp.call(ARENA_FILE, timeout=timeout)
                 self.mapping = ArenaMapping(str(info["path"]), int(info["nbytes"]))
+                self._writes = ReservedWrites(self._tcp, self.unit, self.mapping.nbytes, "copy")
             except Exception as exc:  # InvalidInputError from an older server, OSError, ...
                 self.fallback_reason = f"cannot map the arena file of unit {self.unit}: {exc}"
             else:
@@ -567,29 +571,29 @@ class ShmChannel(LeasingChannel):
 
     def write_many(self, items, timeout: float | None = None) -> list:
         """Store ``(key, payload, meta)`` items, copied straight into the unit's arena file mapped writable
-        (:mod:`gputq.transport.arena_writes`); over tcp where it cannot be mapped so."""
+        (:mod:`gputq.transport.reserved_writes`); over tcp where it cannot be mapped so."""
         self._check_open()
-        writes = self._arena_writes()
-        if writes is None:
+        if self._writable() is None:
             return self._tcp.write_many(items, timeout)
-        return writes.write_many(items, timeout)
+        return self._writes.write_many(items, timeout, self._copy_in)
 
-    @property
-    def writes_copied(self) -> int:
-        """Payloads this channel copied straight into the unit's arena."""
-        return 0 if self._writes is None else self._writes.copied
-
-    def _arena_writes(self) -> ArenaWrites | None:
-        """The channel's writes into the arena, mapped on first use; None where that failed (then tried no more)."""
+    def _writable(self) -> ArenaMapping | None:
+        """The arena mapped writable, on first use; None where that failed (then tried no more)."""
         with self._writes_lock:
-            if self._writes is None and self.mapping is not None and self.write_fallback_reason is None:
+            if self._writable_mapping is None and self.mapping is not None and self.write_fallback_reason is None:
                 try:
-                    self._writes = ArenaWrites(self._tcp, self.unit,
-                                               ArenaMapping(self.mapping.path, self.mapping.nbytes, writable=True))
+                    self._writable_mapping = ArenaMapping(self.mapping.path, self.mapping.nbytes, writable=True)
                 except OSError as exc:
                     self.write_fallback_reason = f"cannot map the arena file of unit {self.unit} writable: {exc}"
                     _log.warning("shm channel to %s writes over tcp: %s", self.unit, self.write_fallback_reason)
-            return self._writes
+            return self._writable_mapping
+
+    def _copy_in(self, key: str, offset: int, data: np.ndarray, deadline: float | None) -> None:
+        """A reserved write's move: one copy into the writable mapping (started inside its window)."""
+        with self._writable_mapping.held() as mapping:
+            np.copyto(mapping.array[offset:offset + data.nbytes], data)
+        with self._writes_lock:
+            self.writes_copied += 1
 
     def close(self) -> None:
         if self._closed:
@@ -597,9 +601,7 @@ class ShmChannel(LeasingChannel):
         self._closed = True
         self._leases.close()
         self._exchanges.close()
-        if self._writes is not None:
-            self._writes.close()
-        for mapping in (self.mapping, self._directory_mapping):
+        for mapping in (self.mapping, self._directory_mapping, self._writable_mapping):
             if mapping is not None:
                 mapping.close()
         if self._fallback is not None and self._fallback is not self._tcp:

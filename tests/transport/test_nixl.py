@@ -252,8 +252,8 @@ def test_push_slower_than_half_the_reservation_is_abandoned_while_it_holds(monke
             return transfer(*args, **kwargs)
 
         ch._transfer = slow_first_chunk
-        with pytest.raises(GputqTimeoutError, match=r"unit-push: push of key 'slow' .* within 0.5 s \(the write's "
-                                                    r"timeout, at most half the unit's 1 s reservation\): "
+        with pytest.raises(GputqTimeoutError, match=r"unit unit-push: push of key 'slow' .* within 0.5 s of its "
+                                                    r"reservation's request \(half the unit's reservation\): "
                                                     r".*timed out.*; write aborted"):
             ch.write("slow", payload, {}, timeout=30)
         assert len(chunks) == 1  # no chunk started past the window

@@ -1,0 +1,135 @@
+"""Writes whose bytes the writer moves itself into regions its unit reserved: reserve, move, commit.
+
+Two channels move a write's bytes without the unit's threads: a writer on
+the unit's host copies them into the arena file, mapped writable (shm), and
+an rdma writer pushes them with NIXL WRITEs. Both speak the same protocol
+over the unit's control lane (:mod:`gputq.transport.write_batches`), a
+whole batch at a time:
+
+1. :data:`~gputq.transport.write_batches.RESERVE_WRITES` reserves a region
+   for every write of the batch (one round trip);
+2. the channel moves each payload to its region (:class:`ReservedWrites`'
+   ``move``);
+3. :data:`~gputq.transport.write_batches.COMMIT_WRITES` makes them readable
+   (one more round trip), each under the writer's generation; a write the
+   unit refused (a full arena, a key written already) is that item's error.
+
+The unit cannot stop a copy or a WRITE into its arena, and once a
+reservation expires its region may hold another key. So no move starts or
+goes on past :func:`~gputq.transport.base.write_window` of the unit's
+reservation lifetime (half of it), counted from when the
+reservation was *requested* (the unit granted it later); a batch that would
+is given back (:data:`~gputq.transport.write_batches.ABORT_WRITES`) while
+its reservations hold, and raises ``GputqTimeoutError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from gputq.errors import GputqTimeoutError, ProtocolError
+from gputq.transport.base import byte_view, describe_keys, write_window
+from gputq.transport.wire import error_from_wire
+from gputq.transport.write_batches import ABORT_WRITES, COMMIT_WRITES, RESERVE_WRITES, generation_of
+
+__all__ = ["ReservedWrites", "REPLY_GRACE_S"]
+
+#: Seconds a reservation's reply may take beyond the request's own wait for space; and what a
+#: commit or an abort may take when the write's timeout is spent (a moved batch must get committed).
+REPLY_GRACE_S = 10.0
+
+#: ``move(key, offset, data, deadline)``: put ``data`` (uint8) at ``offset`` of the arena, raising
+#: ``GputqTimeoutError`` rather than moving a byte after ``deadline`` (``time.monotonic``; None: unbounded).
+Move = Callable[[str, int, np.ndarray, "float | None"], None]
+
+
+class ReservedWrites:
+    """The reserve-move-commit writes of one channel to its unit.
+
+    Parameters
+    ----------
+    control:
+        The unit's control lane (a :class:`~gputq.transport.tcp.TcpChannel`: ``request``).
+    unit:
+        The unit's name, for messages.
+    arena_nbytes:
+        The arena's size: a reservation outside it is a protocol error.
+    verb:
+        What a move is called in messages ("copy", "push").
+    """
+
+    def __init__(self, control, unit: str, arena_nbytes: int, verb: str):
+        self._control = control
+        self.unit = unit
+        self._arena_nbytes = int(arena_nbytes)
+        self._verb = verb
+
+    def write_many(self, items: Sequence[tuple], timeout: float | None, move: Move) -> list:
+        """Store ``(key, payload, meta)`` items: each one's receipt or the unit's error for it, in order
+        (see :meth:`Channel.write_many <gputq.transport.base.Channel.write_many>`)."""
+        keys = [key for key, _, _ in items]
+        views = [np.frombuffer(byte_view(payload), np.uint8) for _, payload, _ in items]
+        metas = [meta or {} for _, _, meta in items]
+        asked = time.monotonic()
+        reply = self._control.request(
+            RESERVE_WRITES, {"items": [[k, v.nbytes, m] for k, v, m in zip(keys, views, metas)], "wait_s": timeout},
+            None if timeout is None else timeout + REPLY_GRACE_S, keys=keys, write=True)
+        results, reserved = self._reserved(reply, keys, views)
+        if not reserved:
+            return results
+        named = [[keys[i], generation_of(metas[i])] for i, _ in reserved]
+        window = write_window(reply.get("reservation_s"))
+        try:
+            for i, offset in reserved:
+                self._move(move, keys[i], offset, views[i], None if window is None else asked + window, window)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the move's error is the one to see
+                self._control.request(ABORT_WRITES, {"items": named}, REPLY_GRACE_S, keys=keys, write=True)
+            raise
+        done = self._control.request(COMMIT_WRITES, {"items": named}, None if timeout is None else REPLY_GRACE_S,
+                                     keys=keys, write=True)
+        committed = done.get("results") if isinstance(done, dict) else None
+        if not _results(committed, len(reserved), "receipt"):
+            raise ProtocolError(f"unit {self.unit}: malformed {COMMIT_WRITES} reply for keys {describe_keys(keys)}")
+        for (i, _), result in zip(reserved, committed):
+            results[i] = error_from_wire(result["error"]) if "error" in result else result["receipt"]
+        return results
+
+    def _move(self, move: Move, key: str, offset: int, data: np.ndarray, deadline: float | None,
+              window: float | None) -> None:
+        """One move, never started past ``deadline``; a late one raises naming the window."""
+        try:
+            if deadline is not None and time.monotonic() > deadline:
+                raise GputqTimeoutError(f"it would start {time.monotonic() - deadline:.3g} s past it")
+            move(key, offset, data, deadline)
+        except GputqTimeoutError as exc:
+            raise GputqTimeoutError(f"unit {self.unit}: {self._verb} of key {key!r} ({data.nbytes} bytes) not done "
+                                    f"within {window:g} s of its reservation's request (half the unit's "
+                                    f"reservation): {exc}; write aborted") from None
+
+    def _reserved(self, reply, keys: list, views: list) -> tuple[list, list[tuple[int, int]]]:
+        """The reservation reply's errors in place, and ``(item, offset)`` of every region reserved."""
+        answers = reply.get("results") if isinstance(reply, dict) else None
+        if not _results(answers, len(keys), "offset"):
+            raise ProtocolError(f"unit {self.unit}: malformed {RESERVE_WRITES} reply for keys {describe_keys(keys)}")
+        results: list = [None] * len(keys)
+        reserved = []
+        for i, answer in enumerate(answers):
+            if "error" in answer:
+                results[i] = error_from_wire(answer["error"])
+                continue
+            offset = answer["offset"]
+            if type(offset) is not int or offset < 0 or offset + views[i].nbytes > self._arena_nbytes:
+                raise ProtocolError(f"unit {self.unit} reserved {offset!r} for {views[i].nbytes} bytes of "
+                                    f"{keys[i]!r}, outside its arena of {self._arena_nbytes}")
+            reserved.append((i, offset))
+        return results, reserved
+
+
+def _results(answers, count: int, ok: str) -> bool:
+    return isinstance(answers, list) and len(answers) == count and \
+        all(isinstance(a, dict) and (ok in a or "error" in a) for a in answers)
