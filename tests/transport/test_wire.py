@@ -17,6 +17,7 @@ import pytest
 
 from gputq.errors import (
     AuthenticationError,
+    DuplicateKeyError,
     GputqTimeoutError,
     InvalidInputError,
     PeerLostError,
@@ -62,6 +63,16 @@ GOLDEN = {
     "write_ok": ("475054510110000000000043000000000000000081a77265636569707484a66f666673657400a66e6279746573"
                  "03aa67656e65726174696f6e05ab696e6361726e6174696f6eb030313233343536373839616263646566",
                  Op.OK, {"receipt": {"offset": 0, "nbytes": 3, "generation": 5, "incarnation": INC}}, b""),
+    "write_many": ("47505451010500000000001b000000000000000382a56974656d739293a16b038093a16b0080a774696d656f7574c0"
+                   "616263",
+                   Op.WRITE_MANY, {"items": [["k", 3, {}], ["k", 0, {}]], "timeout": None}, b"abc"),
+    "write_many_ok": ("47505451011000000000008f000000000000000081a7726573756c74739281a77265636569707484a66f6666736574"
+                      "00a66e627974657303aa67656e65726174696f6e05ab696e6361726e6174696f6eb030313233343536373839616263"
+                      "64656681a56572726f7282a56572726f72b14475706c69636174654b65794572726f72a76d657373616765b9756e"
+                      "69742073752d303a206b657920276b2720657869737473",
+                      Op.OK, {"results": [{"receipt": {"offset": 0, "nbytes": 3, "generation": 5, "incarnation": INC}},
+                                          {"error": {"error": "DuplicateKeyError",
+                                                     "message": "unit su-0: key 'k' exists"}}]}, b""),
     "read": ("47505451010300000000000b000000000000000081a46b65797392a161a162",
              Op.READ, {"keys": ["a", "b"]}, b""),
     "read_generations": ("475054510103000000000034000000000000000083a46b65797391a161ab67656e65726174696f6e7391"
@@ -173,7 +184,7 @@ def test_channel_requests_are_the_golden_bytes():
     """A real TcpChannel against a scripted peer that answers only the golden requests."""
     replies = {bytes.fromhex(GOLDEN[req][0]): bytes.fromhex(GOLDEN[rep][0]) for req, rep in [
         ("hello", "hello_ok"), ("write", "write_ok"), ("read", "read_ok"), ("read_generations", "error"),
-        ("call", "call_ok")]}
+        ("call", "call_ok"), ("write_many", "write_many_ok")]}
     seen, unexpected = [], []
     listener = socket.create_server(("127.0.0.1", 0))
 
@@ -208,9 +219,12 @@ def test_channel_requests_are_the_golden_bytes():
         with pytest.raises(UnknownKeyError, match="unknown key 'a'"):
             ch.read(["a"], dest, generations=[7], incarnation=INC)
         assert ch.call("stats") == 1
+        receipt, refused = ch.write_many([("k", b"abc", {}), ("k", b"", {})])
+        assert receipt == GOLDEN["write_ok"][2]["receipt"]
+        assert isinstance(refused, DuplicateKeyError) and "key 'k' exists" in str(refused)
     acceptor.join(5)
     assert not unexpected
-    assert len(seen) == 6  # two HELLOs, one of each request
+    assert len(seen) == 7  # two HELLOs, one of each request
 
 
 def test_server_replies_match_the_golden_layout():
