@@ -89,8 +89,8 @@ __all__ = ["NixlTransport", "NixlServer", "NixlChannel", "import_nixl", "local_p
 
 WRITE_PATHS = ("auto", "tcp", "push")
 #: ``write_path="auto"`` pushes payloads of at least this size with NIXL WRITE: below it tcp's
-#: one control round trip beats the push's three, above it the push's one-sided copy wins
-#: (docs/operations.md has the loopback measurement).
+#: one round trip beats the push's two control round trips, above it the push's one-sided copy wins
+#: where the fabric does RDMA (docs/operations.md has the measurements).
 PUSH_MIN_BYTES = 1 << 20
 #: Environment variable choosing the write path of channels built by default.
 WRITE_PATH_ENV = "GPUTQ_RDMA_WRITE_PATH"
