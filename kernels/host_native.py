@@ -36,12 +36,12 @@ import numpy as np
 
 from gputq.errors import PlanError
 
-from .plan import check_call, check_unpack_call
+from .plan import as_plan_array, check_call, check_unpack_call
 from .reference import reference_unpack_scatter, reference_widen_scatter, unpack_rows_into
 
 __all__ = ["HOST_CODEC_SOURCES", "PATH_AVX512", "PATH_BMI2", "PATH_VBMI", "host_codec", "host_codec_status",
            "unpack_rows_host", "unpack_scatter_host", "unpack_token_major_host", "pack_rows_host", "narrow_rows_host",
-           "widen_scatter_host"]
+           "widen_scatter_host", "widen_scatter_mapped_host"]
 
 #: The codec's C sources, built into one library (the header is part of what the build depends on).
 HOST_CODEC_SOURCES = tuple(Path(__file__).with_name(name) for name in ("host_codec.c", "host_pack.c", "host_widen.c"))
@@ -152,6 +152,9 @@ def _typed(lib):
     lib.gputq_widen_scatter.argtypes = [c.c_void_p, c.c_int, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p,
                                         c.c_int64, c.c_uint32]
     lib.gputq_widen_scatter.restype = c.c_int64
+    lib.gputq_widen_scatter_mapped.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_int, c.c_void_p,
+                                               c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_uint32]
+    lib.gputq_widen_scatter_mapped.restype = c.c_int64
     lib.gputq_set_paths.argtypes = [c.c_int]
     lib.gputq_set_paths.restype = c.c_int
     return lib
@@ -218,6 +221,35 @@ def widen_scatter_host(staging: np.ndarray, plan, width: int, out: np.ndarray, f
     if bad >= 0:
         raise PlanError(f"plan row {bad} {plan[bad].tolist()} reads or writes outside the buffers "
                         f"({staging.size // width} staging rows, {out.size // width} out rows)")
+    return out
+
+
+#: What the mapped widen takes: the stored element type and the output type it widens into.
+_MAPPED_WIDENS = {("uint8", "int32"), ("uint16", "int32"), ("int32", "int32"), ("float32", "float32")}
+
+
+def widen_scatter_mapped_host(segments: tuple, dtype, plan, width: int, out: np.ndarray,
+                              fill=0) -> np.ndarray | None:
+    """:func:`widen_scatter_host` reading the staging bytes where they lie: ``segments`` are a mapped
+    source's ``(starts, addresses, lengths)`` (int64 arrays, staging byte offsets ascending, host
+    addresses) of elements of ``dtype``. None where the codec cannot take it (not loaded, a pair of
+    types other than uint8, uint16 or int32 into int32 and float32 into float32, or ``out`` not writable
+    and C-contiguous): the caller translates the plan itself. Raises ``PlanError`` for a plan row outside
+    one segment, misaligned or outside ``out``; nothing of it or after it is written."""
+    lib = host_codec()
+    dtype = np.dtype(dtype)
+    if lib is None or (dtype.name, out.dtype.name) not in _MAPPED_WIDENS or not dtype.isnative \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        return None
+    itemsize = dtype.itemsize
+    plan = np.ascontiguousarray(as_plan_array(plan), dtype=np.int64)
+    starts, addresses, lengths = (np.ascontiguousarray(a, dtype=np.int64) for a in segments)
+    bad = lib.gputq_widen_scatter_mapped(starts.ctypes.data, addresses.ctypes.data, lengths.ctypes.data, len(starts),
+                                         itemsize, plan.ctypes.data, len(plan), width, out.ctypes.data,
+                                         out.size // width, int(np.asarray(fill, out.dtype).view(np.uint32)))
+    if bad >= 0:
+        raise PlanError(f"plan row {bad} {plan[bad].tolist()} reads staging bytes that no mapped segment holds "
+                        f"whole and aligned, or writes outside the {out.size // width} out rows")
     return out
 
 

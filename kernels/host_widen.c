@@ -40,3 +40,34 @@ int64_t gputq_widen_scatter(const void* src, int src_bytes, int64_t src_rows, co
     }
     return -1;
 }
+
+/* gputq_widen_scatter with the staging bytes where they lie: `nseg` segments, staging bytes
+   [starts[j], starts[j] + lengths[j]) at host address addresses[j], `starts` ascending (a mapped source: a
+   restore reading same-host arenas in place). A copied plan row must lie inside one segment, its first
+   element aligned to `src_bytes`. Returns -1, or the index of the first plan row that breaks a rule or
+   writes outside dst (nothing of it or after it is written). */
+int64_t gputq_widen_scatter_mapped(const int64_t* starts, const int64_t* addresses, const int64_t* lengths,
+                                   int64_t nseg, int src_bytes, const int64_t* plan, int64_t nplan, int64_t width,
+                                   uint32_t* dst, int64_t dst_rows, uint32_t fill) {
+    const int64_t row_bytes = width * src_bytes;
+    for (int64_t i = 0; i < nplan; ++i) {
+        const int64_t s = plan[3 * i], d = plan[3 * i + 1], n = plan[3 * i + 2];
+        if (n < 0 || d < 0 || d > dst_rows - n) return i;
+        uint32_t* o = dst + d * width;
+        if (s < 0) {
+            for (int64_t k = 0; k < n * width; ++k) o[k] = fill;
+            continue;
+        }
+        const int64_t first = s * row_bytes;
+        int64_t lo = 0, hi = nseg;  /* the last segment starting at or before `first` */
+        while (hi - lo > 1) {
+            const int64_t mid = lo + (hi - lo) / 2;
+            if (starts[mid] <= first) lo = mid; else hi = mid;
+        }
+        if (nseg == 0 || starts[lo] > first || first + n * row_bytes > starts[lo] + lengths[lo]) return i;
+        const uint8_t* from = (const uint8_t*)(intptr_t)(addresses[lo] + (first - starts[lo]));
+        if ((uintptr_t)from % (uintptr_t)src_bytes) return i;
+        widen_run(from, src_bytes, o, n * width);
+    }
+    return -1;
+}

@@ -20,7 +20,7 @@ from gputq.errors import PlanError
 
 from .cupy_backend import widen_scatter_from_pointer
 from .plan import as_plan_array
-from .host_native import widen_scatter_host
+from .host_native import widen_scatter_host, widen_scatter_mapped_host
 
 __all__ = ["MappedSource", "SPAN_GAP_BYTES"]
 
@@ -123,6 +123,10 @@ class MappedSource:
         a numpy ``out`` needs host addresses, which the host codec (or the numpy
         reference) reads in place: one widening pass from the mapping into ``out``.
         """
+        if isinstance(out, np.ndarray) and not validate and widen_scatter_mapped_host(
+                (self.starts, self.addresses, self.lengths), self.dtype, plan, int(width), out.reshape(-1), fill) \
+                is not None:
+            return out  # the codec translated each row to its segment as it went: no element plan built
         elements, base, src_elems = self.element_plan(plan, int(width))
         if isinstance(out, np.ndarray):
             return widen_scatter_host(self._host_elements(base, src_elems), elements, 1, out.reshape(-1), fill,

@@ -7,8 +7,9 @@ import pytest
 
 from gputq.errors import PlanError
 from gputq.kernels import MappedSource, reference_widen_scatter
+from gputq.kernels.host_native import host_codec, host_codec_status, widen_scatter_mapped_host
 from gputq.transport.arena_copies import copy_runs
-from tests.kernels.test_reference import DTYPES, bits, poisoned_out, random_plan, random_staging
+from tests.kernels.test_reference import POISON_INT, DTYPES, bits, poisoned_out, random_plan, random_staging
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -139,3 +140,64 @@ def test_a_field_whose_segments_lie_above_an_odd_aligned_one_reads_its_own_eleme
     flat = memory[base:base + src_elems * 4].view(np.float32)
     out = reference_widen_scatter(flat, elements, 1, np.zeros(8, np.float32), 0)
     np.testing.assert_array_equal(out, values)
+
+
+def _scattered(rng, staging: np.ndarray, row_bytes: int, src_rows: int, misalign: int = 0):
+    """``staging``'s rows cut into segments of whole rows, copied out of order (with gaps) into one host
+    buffer; returns the buffer (keep it alive) and the segments' (starts, addresses, lengths)."""
+    cuts = np.unique(np.concatenate([[0, src_rows], rng.integers(1, src_rows, 6)]))
+    starts, lengths = cuts[:-1] * row_bytes, np.diff(cuts) * row_bytes
+    memory = np.zeros(int(lengths.sum()) + 4096 * len(lengths), np.uint8)
+    addresses, cursor = np.zeros(len(starts), np.int64), 256 + misalign
+    for i in rng.permutation(len(starts)):
+        addresses[i] = memory.ctypes.data + cursor
+        memory[cursor:cursor + lengths[i]] = staging.view(np.uint8)[starts[i]:starts[i] + lengths[i]]
+        cursor += int(lengths[i]) + 16 * int(rng.integers(0, 3))
+    return memory, (starts.astype(np.int64), addresses, lengths.astype(np.int64))
+
+
+@pytest.mark.skipif(host_codec() is None, reason=f"no host codec: {host_codec_status()}")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 6, 384])
+def test_the_codec_reads_each_row_from_its_segment_where_it_lies(dtype, width):
+    rng = np.random.default_rng(7 * width)
+    src_rows, dst_rows = 400 // width + 30, 900 // width + 50
+    staging = random_staging(rng, dtype, src_rows * width)
+    memory, segments = _scattered(rng, staging, width * staging.itemsize, src_rows)
+    # Half of each segment from its first row on, a fill row after each, then single rows from anywhere.
+    row_bytes = width * staging.itemsize
+    rows, cursor = [], 0
+    for first, size in zip(segments[0] // row_bytes, segments[2] // row_bytes):
+        rows += [(int(first), cursor, max(1, int(size) // 2)), (-1, cursor + max(1, int(size) // 2), 1)]
+        cursor += max(1, int(size) // 2) + 1
+    rows += [(int(r), cursor + i, 1) for i, r in enumerate(rng.integers(0, src_rows, dst_rows - cursor))]
+    plan = np.array(rows, np.int64)[rng.permutation(len(rows))]
+    want = reference_widen_scatter(staging, plan, width, poisoned_out(dtype, dst_rows * width), 3)
+    got = widen_scatter_mapped_host(segments, dtype, plan, width, poisoned_out(dtype, dst_rows * width), 3)
+    np.testing.assert_array_equal(bits(got), bits(want))
+    source = MappedSource(*segments, staging.nbytes).view(dtype)
+    through = source.widen_scatter(plan, width, poisoned_out(dtype, dst_rows * width), 3, validate=False)
+    np.testing.assert_array_equal(bits(through), bits(want))
+    del memory
+
+
+@pytest.mark.skipif(host_codec() is None, reason=f"no host codec: {host_codec_status()}")
+def test_the_codec_refuses_a_row_across_segments_misaligned_or_outside_and_writes_nothing_from_it_on():
+    staging = np.arange(100, dtype=np.uint16)  # 20 rows of 5
+    memory = np.zeros(8192, np.uint8)
+    base = memory.ctypes.data
+    memory[256:356] = staging[:50].view(np.uint8)
+    memory[1024:1124] = staging[50:].view(np.uint8)
+    segments = (np.array([0, 100]), np.array([base + 256, base + 1024]), np.array([100, 100]))
+    for plan, row in [([[0, 0, 2], [8, 2, 4], [12, 6, 1]], 1),  # rows 8..11: bytes 80..120, two segments
+                      ([[0, 0, 2], [12, 9, 2]], 1),  # out has 10 rows
+                      ([[0, 0, 2], [20, 2, 1]], 1)]:  # row 20: past the last segment
+        out = poisoned_out("uint16", 50)
+        with pytest.raises(PlanError, match=f"plan row {row} "):
+            widen_scatter_mapped_host(segments, "uint16", plan, 5, out)
+        np.testing.assert_array_equal(out[:10], staging[:10])
+        assert (out[10:] == POISON_INT).all()
+    odd = (segments[0], segments[1] + 1, segments[2])
+    with pytest.raises(PlanError, match="plan row 0 "):
+        widen_scatter_mapped_host(odd, "uint16", [[0, 0, 1]], 5, poisoned_out("uint16", 50))
+    assert widen_scatter_mapped_host(segments, "int8", [[0, 0, 1]], 5, np.zeros(50, np.int32)) is None
