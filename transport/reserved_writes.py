@@ -82,7 +82,12 @@ class ReservedWrites:
         if not reserved:
             return results
         named = [[keys[i], generation_of(metas[i])] for i, _ in reserved]
-        window = write_window(reply.get("reservation_s"))
+        reservation_s = reply.get("reservation_s")
+        if reservation_s is not None and (isinstance(reservation_s, bool) or not isinstance(reservation_s, (int, float))
+                                          or not reservation_s > 0):
+            raise ProtocolError(f"unit {self.unit}: {RESERVE_WRITES} states a reservation lifetime of "
+                                f"{reservation_s!r}; writes of {describe_keys(keys)} not made")
+        window = write_window(reservation_s)
         try:
             for i, offset in reserved:
                 self._move(move, keys[i], offset, views[i], None if window is None else asked + window, window)

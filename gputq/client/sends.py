@@ -108,14 +108,16 @@ class SendQueue:
                 steps.append(queue.popleft())
                 nbytes += step_bytes
         if steps:
-            self._send_batch(unit, steps, nbytes)
+            self._send_batch(unit, steps)
 
-    def _send_batch(self, unit: str, steps: list, nbytes: int) -> None:
+    def _send_batch(self, unit: str, steps: list) -> None:
         """Send ``steps`` in one request; settle each step (stored whole, or undone and its failure kept)."""
         fields = [field for step in steps for field in step]
         let_go = False
         try:
-            self._refuse_if_still_full(unit, fields[0][0].key, nbytes)
+            # Each field is a block of its own: the largest must fit, as when each went alone.
+            largest = max(fields, key=lambda field: field[1].nbytes)
+            self._refuse_if_still_full(unit, largest[0].key, largest[1].nbytes)
             results = self._clients.channel(unit).write_many(
                 [(ref.key, byte_view(compact), _meta(ref)) for ref, compact, _ in fields],
                 timeout=self._config.put_timeout_s)
@@ -169,8 +171,8 @@ class SendQueue:
             return
         stats = self._clients.channel(unit).call("stats", timeout=self._config.control_timeout_s)
         if int(stats["largest_free"]) < nbytes or stats["writers_waiting"]:
-            raise CapacityError(f"unit {unit}: no space for key {key!r} and the steps queued with it ({nbytes} "
-                                f"bytes): its last write found it full and its largest free block is "
+            raise CapacityError(f"unit {unit}: no space for key {key!r} ({nbytes} bytes) and the steps queued "
+                                f"with it: its last write found it full and its largest free block is "
                                 f"{stats['largest_free']} bytes ({stats['writers_waiting']} writers waiting); "
                                 f"not waiting again")
 

@@ -270,3 +270,26 @@ def test_steps_queued_behind_a_send_go_in_one_request_and_a_failed_one_is_undone
         with Reader(clients, config) as reader:
             got = reader.fetch([{f: Layout.from_ref(r) for f, r in refs[i].items()} for i in (0, 2, 3)])
         assert [int(g["rollout_routed_experts"][0, 0, 0]) for g in got] == [0, 2, 3]
+
+
+def test_a_batch_to_a_unit_marked_full_is_sent_when_its_largest_field_fits():
+    """Once the unit has room again, the check before a batch asks that each field fit, as each did when sent
+    alone: not the batch's total, which needs no single block."""
+    with local_units("tcp", units=1, capacity=1 << 20, put_timeout_s=0.2, writer_threads=1) as (config, services,
+                                                                                               clients):
+        with Writer(clients, config) as writer:
+            writer.put("first", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})
+            writer.flush()
+            writer.put("no-room", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})
+            with pytest.raises(CapacityError):
+                writer.flush()  # the unit is marked full
+            clients.channel(services[0].name).call("release_partition", timeout=5, partition="p")
+            gate = threading.Event()
+            writer._sends._pool.submit(gate.wait, 10)  # the single sender waits while three steps queue
+            for i in range(3):
+                writer.put(f"s{i}", "q", {"logprobs": np.full((400 << 10) // 4, i, np.float32)})
+            gate.set()
+            with pytest.raises(CapacityError) as info:
+                writer.flush(timeout=10)
+        assert info.value.keys == ("s2/logprobs",)  # 1.2 MiB in all, but two of them fit: they landed
+        assert services[0].stats()["keys"] == 2

@@ -10,12 +10,14 @@ from gputq.errors import (
     DuplicateKeyError,
     GputqTimeoutError,
     InvalidInputError,
+    ProtocolError,
     RequestTooLargeError,
     UnknownKeyError,
 )
 from gputq.transport import get_transport, shm
 from gputq.transport.base import ServerLimits
 from gputq.transport.policy import nixl_import_error
+from gputq.transport.reserved_writes import ReservedWrites
 from gputq.transport.wire import Op
 from gputq.unit.storage_unit import StorageUnit
 from tests.transport.test_wire import frame, serve_pair
@@ -173,3 +175,20 @@ def test_rdma_sends_small_items_in_one_request_and_pushes_large_ones(tmp_path):
         results = channel.write_many(items, timeout=10)
         assert [type(r) for r in results] == [dict, dict, dict, DuplicateKeyError]
         assert _stored(unit, "small") == items[0][1].tobytes() and _stored(unit, "large") == items[1][1].tobytes()
+
+
+@pytest.mark.parametrize("lifetime", ["soon", True, 0, -1.0])
+def test_a_reservation_reply_stating_no_usable_lifetime_moves_nothing(lifetime):
+    """A scripted unit's reply: without a lifetime to bound the moves by, none starts."""
+    class Control:
+        calls = []
+
+        def request(self, method, args, timeout=None, *, keys=(), write=False):
+            self.calls.append(method)
+            return {"results": [{"offset": 0}], "reservation_s": lifetime}
+
+    moved = []
+    writes = ReservedWrites(Control(), "su-x", 1 << 20, "copy")
+    with pytest.raises(ProtocolError, match="reservation lifetime"):
+        writes.write_many([("k", b"abc", {})], 5, lambda *args: moved.append(args))
+    assert moved == [] and Control.calls == ["reserve_writes"]
