@@ -118,10 +118,10 @@ def _with_incarnations(clients, config):
     return UnitClients(membership, config)
 
 
-def _put_steps(writer, count: int) -> list:
-    """Steps ``s0 ..`` of partition ``p`` whose R3 and logprobs hold their index."""
+def _put_steps(writer, count: int, first: int = 0) -> list:
+    """Steps ``s<first> ..`` of partition ``p`` whose R3 and logprobs hold their index."""
     return [writer.put(f"s{i}", "p", {"routed_experts": np.full((4, 2, 2), i, np.int32),
-                                      "logprobs": np.full(4, -i, np.float32)}) for i in range(count)]
+                                      "logprobs": np.full(4, -i, np.float32)}) for i in range(first, first + count)]
 
 
 def test_refs_carry_a_fresh_generation_and_the_units_incarnation():
@@ -248,16 +248,19 @@ def test_steps_queued_behind_a_send_go_in_one_request_and_a_failed_one_is_undone
     with local_units("tcp", units=1, writer_threads=1) as (config, services, clients):
         channel = clients.channel(services[0].name)
         channel.write("s1/logprobs", np.zeros(4, np.float32).tobytes(), {"partition": "p"}, timeout=5)
-        original, gate, batches = channel.write_many, threading.Event(), []
+        original, on_wire, gate, batches = channel.write_many, threading.Event(), threading.Event(), []
 
         def gated(items, timeout=None):
             batches.append([key for key, _, _ in items])
+            on_wire.set()
             gate.wait(10)  # the first request holds the single sender while the next puts queue
             return original(items, timeout=timeout)
 
         channel.write_many = gated
         with Writer(clients, config) as writer:
-            refs = _put_steps(writer, 4)
+            refs = _put_steps(writer, 1)
+            assert on_wire.wait(10)  # s0's request is on the wire before the next puts
+            refs += _put_steps(writer, 3, first=1)
             gate.set()
             with pytest.raises(DuplicateKeyError) as info:
                 writer.flush(timeout=10)
