@@ -355,11 +355,12 @@ class Channel(Closeable):
     - reads sent ahead of their replies, received chunk by chunk as they
       land (tcp): :attr:`pipelines_reads`, :meth:`pipeline`;
     - the unit's arena mapped here for zero-copy reads (shm):
-      :attr:`mapping`, :meth:`mapped_source`, :meth:`device_mappable`,
-      and the counters :attr:`reads_ahead` and :attr:`hint_misses`;
-    - one-sided reads whose lease is taken before the read (rdma):
-      :attr:`leases_ahead`, :meth:`lease_ahead`, :meth:`read_leased`,
-      :meth:`drop_lease`, and the counter :attr:`leased_ahead`;
+      :attr:`mapping`, :meth:`mapped_source`, :meth:`mapped_lease` (under a
+      lease from :meth:`lease_ahead`), :meth:`device_mappable`, and the
+      counters :attr:`reads_ahead` and :attr:`hint_misses`;
+    - leases taken before the copy (shm, rdma): :meth:`lease_ahead`,
+      :meth:`drop_lease`; and reads under them (rdma): :attr:`leases_ahead`,
+      :meth:`read_leased`, and the counter :attr:`leased_ahead`;
     - :attr:`fallback_reason`: why a channel reads another way than asked.
     """
 
@@ -389,13 +390,18 @@ class Channel(Closeable):
         """Lease ``keys`` and lend their bytes where they lie in the mapped arena (a context manager)."""
         raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} maps no arena for zero-copy reads")
 
+    def mapped_lease(self, held):
+        """The regions of a lease from :meth:`lease_ahead` where they lie in the mapped arena (a context
+        manager yielding host addresses and lengths)."""
+        raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} maps no arena for zero-copy reads")
+
     def device_mappable(self) -> bool:
         """Whether the mapped arena is also registered with CUDA, for the kernel to read in place."""
         return False
 
     @property
     def leases_ahead(self) -> bool:
-        """Whether :meth:`lease_ahead` is available."""
+        """Whether :meth:`read_leased` reads under a lease from :meth:`lease_ahead`."""
         return False
 
     def lease_ahead(self, keys: Sequence[str], timeout: float | None = None, **kwargs):

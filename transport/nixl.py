@@ -249,22 +249,6 @@ class NixlChannel(LeasingChannel):
     def leases_ahead(self) -> bool:
         return True
 
-    def lease_ahead(self, keys: Sequence[str], timeout: float | None = None, *,
-                    generations: Sequence[int] | None = None, incarnation: str | None = None,
-                    spans=None) -> HeldLease:
-        """Lease what :meth:`read` of ``keys`` would READ, now, for :meth:`read_leased` to READ under it.
-
-        A stream takes the next micro-batch's leases while this one's bytes
-        move: its READ then pays no control round trip. The unit checks
-        generations and incarnation now (``StaleReadError``, ``UnknownKeyError``).
-        """
-        self._check_open()
-        keys = list(keys)
-        if not keys:
-            raise InvalidInputError(f"unit {self.unit}: a lease names at least one key")
-        return self._leases.hold(keys, {"generations": generations, "incarnation": incarnation, "spans": spans},
-                                 timeout, self)
-
     def read_leased(self, held: HeldLease, dest, timeout: float | None = None) -> list[int]:
         """:meth:`read` what ``held`` names, under it: no round trip before the READ.
 
@@ -282,11 +266,6 @@ class NixlChannel(LeasingChannel):
         else:
             self.leased_ahead += 1
         return self._read_held(held, dest, deadline)
-
-    def drop_lease(self, held: HeldLease) -> None:
-        """End a lease from :meth:`lease_ahead` that no read will use (off the caller's path)."""
-        if held.owner is self:
-            self._leases.ends.defer(held.lease_id)
 
     def _read_held(self, held: HeldLease, dest, deadline: float | None) -> list[int]:
         """READ the regions of ``held`` into ``dest``, then settle the lease (see :meth:`read`)."""

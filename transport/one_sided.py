@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gputq.errors import ClosedError, StaleReadError
+from gputq.errors import ClosedError, InvalidInputError, StaleReadError
 from gputq.transport.base import Channel, describe_keys, leased_regions, read_args
 from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 
@@ -67,6 +67,10 @@ class HeldLease:
     @property
     def lease_id(self) -> int:
         return int(self.reply["lease_id"])
+
+    def covered(self, now: float | None = None) -> bool:
+        """Whether the lease is provably still held (see :func:`~gputq.transport.lease_ends.lease_covered`)."""
+        return lease_covered(self.started, expires_in_of(self.reply), now)
 
     def fresh(self, now: float | None = None) -> bool:
         """Whether at most :data:`FRESH_FRACTION` of the lease's stated lifetime has passed (provably)."""
@@ -167,6 +171,28 @@ class LeasingChannel(Channel):
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
         self._check_open()
         return self._tcp.call(method, timeout=timeout, **args)
+
+    def lease_ahead(self, keys: Sequence[str], timeout: float | None = None, *,
+                    generations: Sequence[int] | None = None, incarnation: str | None = None,
+                    spans=None) -> HeldLease:
+        """Lease what a read of ``keys`` (same keyword arguments) would copy, now, for a copy to come: over
+        rdma :meth:`read_leased`, over shm a restore from the mapping (:meth:`mapped_lease`).
+
+        A stream takes its next reads' leases while this one's bytes move:
+        their copies then pay no control round trip. The unit checks
+        generations and incarnation now (``StaleReadError``, ``UnknownKeyError``).
+        """
+        self._check_open()
+        keys = list(keys)
+        if not keys:
+            raise InvalidInputError(f"unit {self.unit}: a lease names at least one key")
+        return self._leases.hold(keys, {"generations": generations, "incarnation": incarnation, "spans": spans},
+                                 timeout, self)
+
+    def drop_lease(self, held: HeldLease) -> None:
+        """End a lease from :meth:`lease_ahead` that no copy will use any more (off the caller's path)."""
+        if held.owner is self:
+            self._leases.ends.defer(held.lease_id)
 
     def abandon(self) -> None:
         """The unit is lost: its deferred lease ends are dropped and its control connection closed first,

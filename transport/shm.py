@@ -89,7 +89,7 @@ from gputq.transport.cuda import (
     read_only_register_supported,
 )
 from gputq.transport.directory import DirectoryView, directory_nbytes
-from gputq.transport.one_sided import ARENA_FILE, LeaseProtocol, LeasingChannel
+from gputq.transport.one_sided import ARENA_FILE, HeldLease, LeaseProtocol, LeasingChannel
 from gputq.transport.nixl import NixlTransport
 from gputq.transport.policy import local_hostname, nixl_import_error
 from gputq.transport.reserved_writes import ReservedWrites
@@ -486,6 +486,37 @@ class ShmChannel(LeasingChannel):
         with self._leased(keys, generations, incarnation, timeout, hinted=hinted, spans=wire_spans) as regions:
             lent = regions.copy()
             lent[:, 0] += base
+            yield lent
+
+    @contextlib.contextmanager
+    def mapped_lease(self, held: HeldLease):
+        """The regions of a lease taken ahead (:meth:`lease_ahead`) where they lie in the mapping: host
+        addresses, int64 ``[n, 2]`` of (address, length), the mapping held mapped for the block.
+
+        One lease may serve several blocks (a stream leases a window of
+        micro-batches at once). The holder settles it: a block that ends
+        past the lease's proven lifetime (see
+        :func:`~gputq.transport.lease_ends.lease_covered`) read garbage, and
+        :meth:`drop_lease` ends it once no block will read it.
+
+        Raises
+        ------
+        HintMissedError
+            Another channel (one reconnected since) took the lease: lease again.
+        MissingDependencyError
+            The arena is not mapped here.
+        """
+        self._check_open()
+        if self.mapping is None:
+            raise MissingDependencyError(f"unit {self.unit}: no mapped arena for zero-copy reads "
+                                         f"({self.fallback_reason})")
+        if held.owner is not self:
+            raise HintMissedError(f"unit {self.unit}: the lease of keys {describe_keys(held.keys)} was taken on "
+                                  f"another connection; lease them again")
+        regions = self._leases.regions(held.reply, held.keys, self.mapping.nbytes, held.rows)
+        with self.mapping.held():
+            lent = regions.astype(np.int64)  # a copy: the reply's bytes are read-only
+            lent[:, 0] += self.mapping.address
             yield lent
 
     def device_mappable(self) -> bool:

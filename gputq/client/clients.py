@@ -118,10 +118,10 @@ class UnitChannel(Channel):
     the unit and the keys; while the unit is marked lost, requests fail at
     once. ``close`` is a no-op: :class:`UnitClients` owns the connection.
 
-    Same-host reads (the shm transport) add :meth:`mapped_source`, under the
-    same rule, byte-stream reads (tcp) add :meth:`pipeline`, one-sided
-    reads (rdma) :meth:`lease_ahead`, :meth:`read_leased` and
-    :meth:`drop_lease`, and the queries :attr:`pipelines_reads`,
+    Same-host reads (the shm transport) add :meth:`mapped_source` and
+    :meth:`mapped_lease`, under the same rule, byte-stream reads (tcp) add
+    :meth:`pipeline`, one-sided reads (shm, rdma) :meth:`lease_ahead` and
+    :meth:`drop_lease`, rdma :meth:`read_leased`, and the queries :attr:`pipelines_reads`,
     :attr:`leases_ahead`, :attr:`mapping`, :meth:`device_mappable`,
     :attr:`fallback_reason`, :attr:`reads_ahead`, :attr:`hint_misses` and :attr:`leased_ahead`,
     which answer "nothing mapped" (``None``, ``False``, ``0``) for other
@@ -219,6 +219,22 @@ class UnitChannel(Channel):
                 raise
         else:
             owner._guarded(self.unit, keys, "read", source.__exit__, None, None, None)
+
+    @contextlib.contextmanager
+    def mapped_lease(self, held) -> Iterator:
+        """:meth:`ShmChannel.mapped_lease <gputq.transport.shm.ShmChannel.mapped_lease>` (the regions of a lease
+        from :meth:`lease_ahead` where they lie in the mapping, held mapped for the block) under the loss
+        rule; a channel reconnected since the lease raises ``HintMissedError`` (lease again)."""
+
+        def enter(chan):
+            manager = chan.mapped_lease(held)
+            return manager, manager.__enter__()
+
+        manager, lent = self._owner._run(self.unit, held.keys, "read", enter)
+        try:
+            yield lent
+        finally:
+            manager.__exit__(None, None, None)  # the mapping's hold ends: nothing of the unit's is asked
 
     @property
     def mapping(self):

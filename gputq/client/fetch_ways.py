@@ -1,7 +1,8 @@
 """A stream's ways of fetching a micro-batch: one class each, called as ``way(plan)`` on the fetch thread.
 
 - :class:`InPlaceFetch`: same-host arenas (shm) on the host. The spans are
-  leased where they lie and the restore reads them there: no staging copy.
+  leased where they lie, one lease per unit for a window of micro-batches,
+  and the restore reads them there: no staging copy.
 - :class:`StagedFetch`: each unit's span requests read into a compact
   buffer (rdma into registered memory, GPU destinations, and packed IDs,
   which unpack whole rows). Over rdma the next micro-batch's leases are
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from gputq.client.fetch import Fetched, LeasesAhead, ReadsAhead, fits_socket_buffers, lease_in_place, read_staged
+from gputq.client.fetch import Fetched, LeasesAhead, ReadsAhead, fits_socket_buffers, read_staged
 from gputq.client.in_place import mapped_here
 from gputq.client.landing import land_replies
+from gputq.client.lease_window import LeaseWindows
 from gputq.client.plan import MicroPlan
 from gputq.client.read_context import ReadContext
 from gputq.client.stream_buffers import StreamBuffers
@@ -44,20 +46,18 @@ def choose_ways(context: ReadContext, units: list, prefetch: int, hold: bool, pa
 
 
 class InPlaceFetch:
-    """Lease a micro-batch's spans where they lie; the restore reads them there and confirms the leases."""
+    """Lease micro-batches' spans where they lie, a window of them per lease (:mod:`gputq.client.lease_window`);
+    the restore reads them there and confirms it was covered."""
 
-    def __init__(self, context: ReadContext):
-        self._ctx = context
+    def __init__(self, context: ReadContext, plans: list):
+        self._windows = LeaseWindows(context, plans)
 
     def __call__(self, plan: MicroPlan) -> Fetched:
-        plan.finish()  # here, not up front: the first micro-batch waits for its own planning alone
-        # Leased ahead: the directories' regions at once, the leases confirmed after the restore, so a
-        # micro-batch adds no lease round trip to the fetch thread's path.
-        return Fetched(in_place=lease_in_place(self._ctx, plan, ahead=True),
-                       again=lambda: lease_in_place(self._ctx, plan))
+        return self._windows(plan)
 
     def close(self) -> None:
-        """Nothing is held between fetches (a fetched micro-batch's leases end with its restore or drop)."""
+        """End the windows' leases (a fetched micro-batch's share ends with its restore or drop). Idempotent."""
+        self._windows.close()
 
 
 class StagedFetch:

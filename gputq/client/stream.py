@@ -150,7 +150,7 @@ class MicroBatchStream:
         if self._landing:
             self._way = LandingFetch(context, plans, self._buffers, self._shaped, lambda: self._submitted, closed)
         else:
-            self._way = InPlaceFetch(context) if self._in_place else StagedFetch(context, plans, self._buffers,
+            self._way = InPlaceFetch(context, plans) if self._in_place else StagedFetch(context, plans, self._buffers,
                                                                                  units, closed)
         self._submit_until(prefetch)
 

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import numpy as np
 import pytest
 import torch
 
+from gputq.client.lease_window import window_bounds
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.data.packing import bits_for, packed_row_bytes
 from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
-from gputq.errors import InvalidInputError, LayoutError, UnknownKeyError
+from gputq.errors import InvalidInputError, LayoutError, StaleReadError, UnknownKeyError
 from tests.conftest import local_units
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -291,34 +294,91 @@ def _check(mb, batch, data, stage, rank) -> bool:
     return True
 
 
-def test_in_place_leases_are_taken_ahead_and_a_stale_directory_costs_a_second_lease_not_wrong_bytes(monkeypatch):
-    """Over shm each micro-batch reads the key directory's regions at once and confirms its leases after the
-    restore; where the directory names other bytes (here: the first lookup is shifted by a row), the lease
-    disagrees, and the micro-batch is leased and restored again: the consumer sees the right bytes."""
-    from gputq.transport.directory import DirectoryView
+def _stale(layout: Layout) -> Layout:
+    """``layout`` naming a generation of its keys one past the stored one (a reference gone stale)."""
+    frags = tuple(dataclasses.replace(f, ref=dataclasses.replace(f.ref, generation=f.ref.generation + 1))
+                  for f in layout.fragments)
+    return dataclasses.replace(layout, fragments=frags)
 
-    lookup, shifted = DirectoryView.lookup, []
 
-    def stale_once(self, keys, generations, *, within=None):
-        regions = lookup(self, keys, generations, within=within)
-        if regions is not None and not shifted:
-            shifted.append(True)
-            regions = regions.copy()
-            regions[:, 0] += 2 * TOPK  # a row of uint16 IDs further on: other bytes of the arena
-        return regions
+def _leases_taken(unit) -> int:
+    return unit.stats()["reads"]  # a one-sided reader's lease is the unit's read
 
-    monkeypatch.setattr(DirectoryView, "lookup", stale_once)
+
+def test_window_bounds_grow_to_the_most_and_cover_every_micro_batch_once():
+    assert window_bounds(0) == []
+    assert window_bounds(1) == [(0, 1)]
+    assert window_bounds(20) == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 20)]
+    assert window_bounds(5, most=2) == [(0, 1), (1, 3), (3, 5)]
+
+
+def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_ends():
+    """Over shm one lease per unit covers a window of micro-batches (1, 2, 4, 8 ...): the unit grants one
+    per window, not one per micro-batch, the bytes are exact, and once the stream is closed (here before
+    its end, with windows leased ahead) the unit holds no lease."""
     rng = np.random.default_rng(13)
-    lengths, batches = [37, 50, 64, 23], [[0, 1], [2], [3]]
+    lengths = [37, 50, 64, 23, 41, 19, 33, 28, 45, 30]
+    batches = [[i] for i in range(len(lengths))]
+    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
+    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, lengths)
+        before = _leases_taken(units[0])
+        with Reader(clients, config) as reader:
+            with reader.stream(shard, batches, rank) as stream:
+                consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
+            assert consumed == list(range(len(batches)))
+            assert _leases_taken(units[0]) - before == len(window_bounds(len(batches))) == 4
+            wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the windows' leases to end")
+            with reader.stream(shard, batches, rank) as stream:
+                assert next(stream).index == 0 and next(stream).index == 1  # windows [1, 3) and [3, 7) leased
+            wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the leases of a closed stream to end")
+
+
+def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restored_again(monkeypatch):
+    """A restore that ended past its window's proven lease lifetime may have read another key's bytes: the
+    micro-batch is leased on its own and restored again, and the consumer sees the right bytes."""
+    from gputq.transport.one_sided import HeldLease
+
+    covered, missed = HeldLease.covered, []
+
+    def late_once(self, now=None):
+        if not missed:
+            missed.append(True)
+            return False
+        return covered(self, now)
+
+    monkeypatch.setattr(HeldLease, "covered", late_once)
+    rng = np.random.default_rng(14)
+    lengths, batches = [37, 50, 64, 23], [[0], [1, 2], [3]]
+    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
+    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, lengths)
+        before = _leases_taken(units[0])
+        with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
+            consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
+        assert consumed == [0, 1, 2] and missed
+        assert _leases_taken(units[0]) - before == len(window_bounds(len(batches))) + 1  # the one leased alone
+
+
+def test_in_place_a_stale_key_fails_its_own_micro_batch_not_the_others_of_its_window():
+    """Micro-batch 2's reference is stale: the lease of its window ([1, 3)) is refused, micro-batch 1 is
+    leased alone and yielded exactly, and micro-batch 2 raises the unit's StaleReadError at its own turn."""
+    rng = np.random.default_rng(15)
+    lengths, batches = [37, 50, 64, 23], [[0], [1], [2], [3]]
     rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
     with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, _, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, rng, lengths)
+        shard[2] = {name: _stale(layout) for name, layout in shard[2].items()}
+        consumed = []
         with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
-            consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
-        channel = clients.channel(clients.units[0])
-        assert consumed == [0, 1, 2] and shifted
-        assert channel.hint_misses == 1 and channel.reads_ahead == len(batches) - 1
+            with pytest.raises(StaleReadError, match="generation"):
+                for mb in stream:
+                    assert _check(mb, batches[mb.index], data, range(0, LAYERS), rank)
+                    consumed.append(mb.index)
+        assert consumed == [0, 1]
 
 
 def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consumer_holds_one(monkeypatch):

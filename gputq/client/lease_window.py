@@ -1,0 +1,241 @@
+"""In-place reads leased a window of micro-batches at a time: one lease per unit covers several restores.
+
+A stream over same-host arenas (shm) restores each micro-batch straight
+out of the mappings, under a lease that keeps the unit from reusing the
+regions meanwhile. A lease per micro-batch costs a control round trip and
+the unit's handling of it, on the cores the restore shares. Here one
+lease per unit (more only where a request limit splits it) covers a window
+of micro-batches: 1, 2, 4, then :data:`WINDOW_MICRO_BATCHES` (the first
+micro-batch waits for a small lease alone). The next window's leases are
+taken in the background as a window's first micro-batch is fetched.
+
+Integrity is the per-read lease's:
+
+- a restore counts only if it ended within the lease's proven lifetime
+  (:meth:`~gputq.transport.one_sided.HeldLease.covered`); one that did not
+  is leased alone and restored again (``HintMissedError`` inside the
+  fetched micro-batch), so no byte read uncovered reaches the consumer;
+- a window past :data:`~gputq.transport.one_sided.FRESH_FRACTION` of its
+  lifetime when a micro-batch is fetched, a channel reconnected since, or
+  a window whose lease failed (a stale key, say) is not used: the
+  micro-batch is leased alone, and raises its own error at its own turn.
+  Where the window's lease found a unit lost, each of its micro-batches
+  that reads that unit raises that error (``UnitTimeoutError`` for a hung
+  one), at its own turn;
+- a window's leases end once each of its micro-batches was restored,
+  dropped, or leased alone, or when the stream closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from bisect import bisect_right
+from concurrent.futures import Future, wait
+
+import numpy as np
+
+from gputq.client.fetch import Fetched, lease_in_place
+from gputq.client.in_place import add_leased
+from gputq.client.plan import READ_BATCH_KEY_BYTES, READ_BATCH_KEYS, MicroPlan, SpanRequest
+from gputq.client.read_context import ReadContext
+from gputq.errors import GputqError, HintMissedError, UnitLostError
+from gputq.kernels import MappedSource
+from gputq.transport.spans import MAX_SPANS
+
+__all__ = ["LeaseWindows", "window_bounds", "WINDOW_MICRO_BATCHES"]
+
+#: Micro-batches one window's leases cover at most: enough that a lease is a small share of their
+#: restores, few enough that released steps are not held long past their use.
+WINDOW_MICRO_BATCHES = 8
+
+
+def window_bounds(count: int, most: int = WINDOW_MICRO_BATCHES) -> list[tuple[int, int]]:
+    """The windows of a stream of ``count`` micro-batches, as ``[first, stop)``: sizes 1, 2, 4, ... ``most``."""
+    bounds, first, size = [], 0, 1
+    while first < count:
+        bounds.append((first, min(count, first + size)))
+        first, size = first + size, min(2 * size, most)
+    return bounds
+
+
+class _Lease:
+    """One lease request of a window being built: a unit's keys (each once) and the spans of its reads."""
+
+    def __init__(self, unit: str, incarnation: str):
+        self.unit, self.incarnation = unit, incarnation
+        self.keys: list = []
+        self.generations: list = []
+        self.spans: list = []
+        self.rows = self.key_bytes = 0
+        self._index: dict = {}  # (key, generation) -> its index in keys
+
+    def fits(self, request: SpanRequest) -> bool:
+        """Whether ``request`` can join without passing a request's limits (keys, key bytes, spans)."""
+        return (len(self.keys) + len(request.keys) <= READ_BATCH_KEYS
+                and self.key_bytes + request.key_bytes <= READ_BATCH_KEY_BYTES
+                and self.rows + len(request.spans) <= MAX_SPANS)
+
+    def add(self, request: SpanRequest) -> slice:
+        """Join ``request``'s keys and spans; returns the lease's rows that are its spans' regions."""
+        remap = np.empty(len(request.keys), dtype=np.int64)
+        for i, (key, generation) in enumerate(zip(request.keys, request.generations)):
+            index = self._index.get((key, generation))
+            if index is None:
+                index = self._index[(key, generation)] = len(self.keys)
+                self.keys.append(key)
+                self.generations.append(generation)
+                self.key_bytes += len(key.encode()) + 8
+            remap[i] = index
+        spans = np.array(request.spans, dtype=np.int64, copy=True)
+        spans[:, 0] = remap[spans[:, 0]]
+        self.spans.append(spans)
+        rows = slice(self.rows, self.rows + len(spans))
+        self.rows += len(spans)
+        return rows
+
+    def take(self, context: ReadContext):
+        """Lease it on its unit's channel (a :class:`~gputq.transport.one_sided.HeldLease`)."""
+        return context.channel(self.unit).lease_ahead(self.keys, context.read_timeout_s,
+                                                      generations=self.generations,
+                                                      incarnation=self.incarnation or None,
+                                                      spans=np.concatenate(self.spans))
+
+
+class _Window:
+    """The leases of micro-batches ``[first, stop)``: per micro-batch, (request, lease, the lease's rows)."""
+
+    def __init__(self, first: int, stop: int):
+        self.first, self.stop = first, stop
+        self.shares: dict[int, list] = {}
+        self.leases: list = []  # (unit, held lease)
+        self.unsettled = set(range(first, stop))
+        self.future: Future = Future()
+
+
+class LeaseWindows:
+    """A stream's in-place fetches, leased a window at a time (see the module docstring).
+
+    Called as ``windows(plan)`` on the stream's fetch thread, in order;
+    returns the micro-batch's :class:`~gputq.client.fetch.Fetched`, whose
+    restore confirms the micro-batch and settles its share of the window.
+    """
+
+    def __init__(self, context: ReadContext, plans: list):
+        self._ctx, self._plans = context, plans
+        self._windows = [_Window(first, stop) for first, stop in window_bounds(len(plans))]
+        self._firsts = [w.first for w in self._windows]
+        self._started = 0  # windows whose leases were requested
+        self._lock, self._closed = threading.Lock(), False
+
+    def __call__(self, plan: MicroPlan) -> Fetched:
+        number = bisect_right(self._firsts, plan.index) - 1
+        window = self._windows[number]
+        self._start_until(number + 2)  # this window, and the next in the background
+        again = lambda: lease_in_place(self._ctx, plan)  # noqa: E731
+        wait([window.future])
+        failed = window.future.exception()
+        if isinstance(failed, UnitLostError) and failed.unit in plan.units:
+            self._settle(window, plan.index)
+            raise failed  # the unit this micro-batch reads was found lost: its error, not "is lost" again
+        if failed is None and all(held.fresh() for _, held, _ in window.shares.get(plan.index, ())):
+            try:
+                return Fetched(in_place=self._in_window(window, plan), again=again)
+            except GputqError:  # a channel reconnected since, or a lost unit: leased alone, its own error
+                pass
+        self._settle(window, plan.index)
+        return Fetched(in_place=lease_in_place(self._ctx, plan, ahead=True), again=again)  # leased alone
+
+    def _start_until(self, count: int) -> None:
+        """Request the leases of the windows before ``count`` not requested yet: the first on this thread (the
+        fetch waits for it anyway), later ones in the background."""
+        with self._lock:
+            while self._started < min(count, len(self._windows)) and not self._closed:
+                window = self._windows[self._started]
+                if self._started == 0:
+                    self._lease(window)
+                else:
+                    self._ctx.pool.submit(self._lease, window)
+                self._started += 1
+
+    def _lease(self, window: _Window) -> None:
+        """Place the window's micro-batches and lease their requests, unit by unit, into ``window.future``."""
+        if not window.future.set_running_or_notify_cancel():
+            return
+        try:
+            building: dict[tuple, _Lease] = {}
+            placed = []
+            for index in range(window.first, window.stop):
+                for request in self._plans[index].finish().requests:
+                    lease = building.get((request.unit, request.incarnation))
+                    if lease is None or not lease.fits(request):
+                        lease = building[(request.unit, request.incarnation)] = _Lease(request.unit,
+                                                                                        request.incarnation)
+                        window.leases.append((lease, None))
+                    placed.append((index, request, lease, lease.add(request)))
+            for i, (lease, _) in enumerate(window.leases):
+                window.leases[i] = (lease, lease.take(self._ctx))
+            held = dict(window.leases)
+            for index, request, lease, rows in placed:
+                window.shares.setdefault(index, []).append((request, held[lease], rows))
+            window.future.set_result(None)
+        except BaseException as exc:
+            self._end(window)
+            window.future.set_exception(exc)
+
+    def _in_window(self, window: _Window, plan: MicroPlan) -> tuple[MappedSource, contextlib.ExitStack]:
+        """``plan``'s regions where they lie, under the window's leases: the source, and the stack whose
+        close checks the restore was covered and settles the micro-batch's share."""
+        stack = contextlib.ExitStack()
+        stack.callback(self._settle, window, plan.index)
+        try:
+            starts, addresses, lengths = [], [], []
+            lent: dict[int, np.ndarray] = {}
+            shares = window.shares.get(plan.index, [])
+            for request, held, rows in shares:
+                if id(held) not in lent:
+                    lent[id(held)] = stack.enter_context(self._ctx.channel(request.unit).mapped_lease(held))
+                add_leased(request, lent[id(held)][rows].tolist(), starts, addresses, lengths)
+            helds = [held for _, held, _ in shares]
+            stack.push(lambda kind, *_: _covered(kind, helds, plan.index))
+            return MappedSource(starts, addresses, lengths, plan.nbytes), stack
+        except BaseException:
+            stack.close()
+            raise
+
+    def _settle(self, window: _Window, index: int) -> None:
+        """Micro-batch ``index`` no longer reads under ``window``: its leases end after the last one's."""
+        with self._lock:
+            window.unsettled.discard(index)
+            last = not window.unsettled
+        if last:
+            self._end(window)
+
+    def _end(self, window: _Window) -> None:
+        """End the window's leases (once; a lost unit's need nothing)."""
+        with self._lock:
+            leases, window.leases = window.leases, []
+        for lease, held in leases:
+            if held is not None:
+                with contextlib.suppress(GputqError):  # an unended lease costs the unit's lease timeout only
+                    self._ctx.channel(lease.unit).drop_lease(held)
+
+    def close(self) -> None:
+        """End every window's leases: those requested in the background once they are answered. Idempotent."""
+        with self._lock:
+            self._closed = True
+            started = self._windows[:self._started]
+        for window in started:
+            window.future.cancel()
+        wait([window.future for window in started])
+        for window in started:
+            self._end(window)
+
+
+def _covered(kind, helds: list, index: int) -> bool:
+    """After micro-batch ``index``'s restore (``kind``: its error's type, or None): raise ``HintMissedError``
+    where a lease did not provably cover it (lease it alone and restore again)."""
+    if kind is None and not all(held.covered() for held in helds):
+        raise HintMissedError(f"micro-batch {index} was restored past its window's proven lease lifetime; "
+                              f"leased alone and restored again")
+    return False
