@@ -356,7 +356,8 @@ class Channel(Closeable):
       land (tcp): :attr:`pipelines_reads`, :meth:`pipeline`;
     - the unit's arena mapped here for zero-copy reads (shm):
       :attr:`mapping`, :meth:`mapped_source`, :meth:`mapped_lease` (under a
-      lease from :meth:`lease_ahead`), :meth:`device_mappable`, and the
+      lease from :meth:`lease_ahead`), :meth:`directory_lent` (the key
+      directory's hint), :meth:`device_mappable`, and the
       counters :attr:`reads_ahead` and :attr:`hint_misses`;
     - leases taken before the copy (shm, rdma): :meth:`lease_ahead`,
       :meth:`drop_lease`; and reads under them (rdma): :attr:`leases_ahead`,
@@ -388,6 +389,11 @@ class Channel(Closeable):
 
     def mapped_source(self, keys: Sequence[str], timeout: float | None = None, **kwargs):
         """Lease ``keys`` and lend their bytes where they lie in the mapped arena (a context manager)."""
+        raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} maps no arena for zero-copy reads")
+
+    def directory_lent(self, keys: Sequence[str], generations: Sequence[int], spans=None):
+        """The regions the unit's key directory names for ``keys`` where they lie in the mapped arena, a hint
+        (a context manager yielding host addresses and lengths, or None)."""
         raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} maps no arena for zero-copy reads")
 
     def mapped_lease(self, held):

@@ -489,6 +489,28 @@ class ShmChannel(LeasingChannel):
             yield lent
 
     @contextlib.contextmanager
+    def directory_lent(self, keys: Sequence[str], generations: Sequence[int], spans=None):
+        """The regions the unit's key directory names for ``keys`` (or their ``spans``), as host addresses
+        (int64 ``[n, 2]`` of address, length) with the mapping held for the block, or None where it names
+        them not all.
+
+        A hint only (see :mod:`gputq.transport.directory`): a block that
+        reads them stands once a lease of the same keys names the same
+        regions and provably covered the read.
+        """
+        self._check_open()
+        keys = list(keys)
+        wire = None if spans is None else spans_to_wire(spans, len(keys))
+        hinted = self._hinted_regions(keys, generations, float("inf"), wire) if self.mapping is not None else None
+        if hinted is None:
+            yield None
+            return
+        with self.mapping.held():
+            lent = hinted.astype(np.int64)
+            lent[:, 0] += self.mapping.address
+            yield lent
+
+    @contextlib.contextmanager
     def mapped_lease(self, held: HeldLease):
         """The regions of a lease taken ahead (:meth:`lease_ahead`) where they lie in the mapping: host
         addresses, int64 ``[n, 2]`` of (address, length), the mapping held mapped for the block.

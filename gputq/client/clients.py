@@ -118,8 +118,8 @@ class UnitChannel(Channel):
     the unit and the keys; while the unit is marked lost, requests fail at
     once. ``close`` is a no-op: :class:`UnitClients` owns the connection.
 
-    Same-host reads (the shm transport) add :meth:`mapped_source` and
-    :meth:`mapped_lease`, under the same rule, byte-stream reads (tcp) add
+    Same-host reads (the shm transport) add :meth:`mapped_source`,
+    :meth:`mapped_lease` and :meth:`directory_lent`, under the same rule, byte-stream reads (tcp) add
     :meth:`pipeline`, one-sided reads (shm, rdma) :meth:`lease_ahead` and
     :meth:`drop_lease`, rdma :meth:`read_leased`, and the queries :attr:`pipelines_reads`,
     :attr:`leases_ahead`, :attr:`mapping`, :meth:`device_mappable`,
@@ -220,21 +220,33 @@ class UnitChannel(Channel):
         else:
             owner._guarded(self.unit, keys, "read", source.__exit__, None, None, None)
 
-    @contextlib.contextmanager
-    def mapped_lease(self, held) -> Iterator:
+    def mapped_lease(self, held) -> contextlib.AbstractContextManager:
         """:meth:`ShmChannel.mapped_lease <gputq.transport.shm.ShmChannel.mapped_lease>` (the regions of a lease
         from :meth:`lease_ahead` where they lie in the mapping, held mapped for the block) under the loss
         rule; a channel reconnected since the lease raises ``HintMissedError`` (lease again)."""
+        return self._held_mapping(held.keys, lambda chan: chan.mapped_lease(held))
+
+    def directory_lent(self, keys: Sequence[str], generations: Sequence[int],
+                       spans=None) -> contextlib.AbstractContextManager:
+        """:meth:`ShmChannel.directory_lent <gputq.transport.shm.ShmChannel.directory_lent>` (the key directory's
+        regions of ``keys``, a hint, held mapped for the block; None where it names them not all) under
+        the loss rule."""
+        return self._held_mapping(keys, lambda chan: chan.directory_lent(keys, generations, spans))
+
+    @contextlib.contextmanager
+    def _held_mapping(self, keys: Sequence[str], manager_of: Callable) -> Iterator:
+        """Enter ``manager_of(chan)`` (a block holding the mapping, that asks nothing of the unit on exit) on
+        the live channel, under the loss rule."""
 
         def enter(chan):
-            manager = chan.mapped_lease(held)
+            manager = manager_of(chan)
             return manager, manager.__enter__()
 
-        manager, lent = self._owner._run(self.unit, held.keys, "read", enter)
+        manager, lent = self._owner._run(self.unit, keys, "read", enter)
         try:
             yield lent
         finally:
-            manager.__exit__(None, None, None)  # the mapping's hold ends: nothing of the unit's is asked
+            manager.__exit__(None, None, None)  # the mapping's hold ends
 
     @property
     def mapping(self):

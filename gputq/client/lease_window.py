@@ -131,8 +131,12 @@ class LeaseWindows:
     def __call__(self, plan: MicroPlan) -> Fetched:
         number = bisect_right(self._firsts, plan.index) - 1
         window = self._windows[number]
-        self._start_until(number + 2)  # this window, and the next in the background
+        self._start_until(number + 2)  # this window, and the next
         again = lambda: lease_in_place(self._ctx, plan)  # noqa: E731
+        if not window.future.done():
+            hinted = self._hinted(window, plan)
+            if hinted is not None:
+                return Fetched(in_place=hinted, again=again)
         wait([window.future])
         failed = window.future.exception()
         if isinstance(failed, UnitLostError) and failed.unit in plan.units:
@@ -147,26 +151,25 @@ class LeaseWindows:
         return Fetched(in_place=lease_in_place(self._ctx, plan, ahead=True), again=again)  # leased alone
 
     def _start_until(self, count: int) -> None:
-        """Request the leases of the windows before ``count`` not requested yet: the first on this thread (the
-        fetch waits for it anyway), later ones in the background."""
+        """Lease the windows before ``count`` not requested yet, in the background; their micro-batches are
+        placed here first (on the fetch thread, the one that places every micro-batch)."""
         with self._lock:
             while self._started < min(count, len(self._windows)) and not self._closed:
                 window = self._windows[self._started]
-                if self._started == 0:
-                    self._lease(window)
-                else:
-                    self._ctx.pool.submit(self._lease, window)
+                for index in range(window.first, window.stop):
+                    self._plans[index].finish()
+                self._ctx.pool.submit(self._lease, window)
                 self._started += 1
 
     def _lease(self, window: _Window) -> None:
-        """Place the window's micro-batches and lease their requests, unit by unit, into ``window.future``."""
+        """Lease the window's requests, unit by unit, into ``window.future``."""
         if not window.future.set_running_or_notify_cancel():
             return
         try:
             building: dict[tuple, _Lease] = {}
             placed = []
             for index in range(window.first, window.stop):
-                for request in self._plans[index].finish().requests:
+                for request in self._plans[index].requests:
                     lease = building.get((request.unit, request.incarnation))
                     if lease is None or not lease.fits(request):
                         lease = building[(request.unit, request.incarnation)] = _Lease(request.unit,
@@ -182,6 +185,51 @@ class LeaseWindows:
         except BaseException as exc:
             self._end(window)
             window.future.set_exception(exc)
+
+    def _hinted(self, window: _Window, plan: MicroPlan) -> tuple[MappedSource, contextlib.ExitStack] | None:
+        """``plan``'s regions as the units' key directories name them, while the window's leases are on their
+        way: the source, and the stack whose close confirms them against the leases; None where a
+        directory names them not all."""
+        try:
+            with contextlib.ExitStack() as held:
+                starts, addresses, lengths, hints = [], [], [], []
+                for request in plan.requests:
+                    lent = held.enter_context(self._ctx.channel(request.unit).directory_lent(
+                        request.keys, request.generations, request.spans))
+                    if lent is None:
+                        return None
+                    add_leased(request, lent.tolist(), starts, addresses, lengths)
+                    hints.append(lent)
+                stack = held.pop_all()
+        except GputqError:  # a lost unit, a torn entry: the window's leases say
+            return None
+        stack.callback(self._settle, window, plan.index)
+        stack.push(lambda kind, *_: self._confirmed(kind, window, plan, hints))
+        return MappedSource(starts, addresses, lengths, plan.nbytes), stack
+
+    def _confirmed(self, kind, window: _Window, plan: MicroPlan, hints: list) -> bool:
+        """After a restore on the directories' regions (``kind``: its error's type, or None): its window's
+        leases must name the same regions and have covered it, else ``HintMissedError`` (lease it alone
+        and restore again); a unit the window's lease found lost raises its error."""
+        if kind is not None:
+            return False
+        wait([window.future])
+        failed = window.future.exception()
+        if isinstance(failed, UnitLostError) and failed.unit in plan.units:
+            raise failed
+        shares = window.shares.get(plan.index, []) if failed is None else None
+        if shares is None or not all(held.covered() for _, held, _ in shares) or not self._named(shares, hints):
+            raise HintMissedError(f"micro-batch {plan.index} was restored on key directory regions its window's "
+                                  f"leases did not confirm; leased alone and restored again")
+        return False
+
+    def _named(self, shares: list, hints: list) -> bool:
+        """Whether each request's leased regions are the ones its directory named."""
+        for (request, held, rows), hint in zip(shares, hints):
+            with self._ctx.channel(request.unit).mapped_lease(held) as lent:
+                if not np.array_equal(lent[rows], hint):
+                    return False
+        return True
 
     def _in_window(self, window: _Window, plan: MicroPlan) -> tuple[MappedSource, contextlib.ExitStack]:
         """``plan``'s regions where they lie, under the window's leases: the source, and the stack whose

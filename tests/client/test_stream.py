@@ -362,6 +362,43 @@ def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restore
         assert _leases_taken(units[0]) - before == len(window_bounds(len(batches))) + 1  # the one leased alone
 
 
+def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(monkeypatch):
+    """While its window's leases are on their way a micro-batch is restored on the regions the key directory
+    names; where those are other bytes (here: the first lookup is shifted by a row), the window's leases
+    disagree, and the micro-batch is leased alone and restored again: the consumer sees the right bytes."""
+    from gputq.client import lease_window
+    from gputq.transport.directory import DirectoryView
+
+    lookup, take, shifted, looked = DirectoryView.lookup, lease_window._Lease.take, [], threading.Event()
+
+    def stale_once(self, keys, generations, *, within=None):
+        regions = lookup(self, keys, generations, within=within)
+        if regions is not None and not shifted:
+            shifted.append(True)
+            regions = regions.copy()
+            regions[:, 0] += 2 * TOPK  # a row of uint16 IDs further on: other bytes of the arena
+        looked.set()
+        return regions
+
+    def after_a_lookup(self, context):  # micro-batch 0 then always finds its window's leases on their way
+        assert looked.wait(10)
+        return take(self, context)
+
+    monkeypatch.setattr(DirectoryView, "lookup", stale_once)
+    monkeypatch.setattr(lease_window._Lease, "take", after_a_lookup)
+    rng = np.random.default_rng(16)
+    lengths, batches = [37, 50, 64, 23], [[0, 1], [2], [3]]
+    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
+    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, lengths)
+        before = _leases_taken(units[0])
+        with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
+            consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
+        assert consumed == [0, 1, 2] and shifted
+        assert _leases_taken(units[0]) - before == len(window_bounds(len(batches))) + 1  # micro-batch 0's own
+
+
 def test_in_place_a_stale_key_fails_its_own_micro_batch_not_the_others_of_its_window():
     """Micro-batch 2's reference is stale: the lease of its window ([1, 3)) is refused, micro-batch 1 is
     leased alone and yielded exactly, and micro-batch 2 raises the unit's StaleReadError at its own turn."""
