@@ -5,9 +5,15 @@ out of the mappings, under a lease that keeps the unit from reusing the
 regions meanwhile. A lease per micro-batch costs a control round trip and
 the unit's handling of it, on the cores the restore shares. Here one
 lease per unit (more only where a request limit splits it) covers a window
-of micro-batches: 1, 2, 4, then :data:`WINDOW_MICRO_BATCHES` (the first
-micro-batch waits for a small lease alone). The next window's leases are
-taken in the background as a window's first micro-batch is fetched.
+of micro-batches (:func:`window_bounds`: after the first, 2, 4, then
+:data:`WINDOW_MICRO_BATCHES`), taken in the background as the window's
+first micro-batch is fetched, one window's at a time. The first
+micro-batch, which nothing overlaps, is leased alone as a
+read would be: its regions read from the key directories while each
+unit's lease is exchanged, by the channels' own helper threads. A
+micro-batch whose window's leases are still on their way is restored on
+the directories' regions likewise, and confirmed against the window's
+leases after.
 
 Integrity is the per-read lease's:
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from bisect import bisect_right
 from concurrent.futures import Future, wait
 
@@ -39,7 +46,7 @@ from gputq.client.fetch import Fetched, lease_in_place
 from gputq.client.in_place import add_leased
 from gputq.client.plan import READ_BATCH_KEY_BYTES, READ_BATCH_KEYS, MicroPlan, SpanRequest
 from gputq.client.read_context import ReadContext
-from gputq.errors import GputqError, HintMissedError, UnitLostError
+from gputq.errors import ClosedError, GputqError, HintMissedError, UnitLostError
 from gputq.kernels import MappedSource
 from gputq.transport.spans import MAX_SPANS
 
@@ -51,7 +58,8 @@ WINDOW_MICRO_BATCHES = 8
 
 
 def window_bounds(count: int, most: int = WINDOW_MICRO_BATCHES) -> list[tuple[int, int]]:
-    """The windows of a stream of ``count`` micro-batches, as ``[first, stop)``: sizes 1, 2, 4, ... ``most``."""
+    """The windows of a stream of ``count`` micro-batches, as ``[first, stop)``: sizes 1 (the first micro-batch,
+    leased alone), 2, 4, ... ``most``."""
     bounds, first, size = [], 0, 1
     while first < count:
         bounds.append((first, min(count, first + size)))
@@ -125,23 +133,30 @@ class LeaseWindows:
         self._ctx, self._plans = context, plans
         self._windows = [_Window(first, stop) for first, stop in window_bounds(len(plans))]
         self._firsts = [w.first for w in self._windows]
-        self._started = 0  # windows whose leases were requested
+        self._placed = self._started = 0  # windows placed, and whose leases were requested
+        if self._windows:  # the first micro-batch is leased alone: the fastest start
+            self._windows[0].future.set_running_or_notify_cancel()
+            self._windows[0].future.set_result(None)
+            self._placed = self._started = 1
         self._lock, self._closed = threading.Lock(), False
 
     def __call__(self, plan: MicroPlan) -> Fetched:
         number = bisect_right(self._firsts, plan.index) - 1
         window = self._windows[number]
-        self._start_until(number + 2)  # this window, and the next
         again = lambda: lease_in_place(self._ctx, plan)  # noqa: E731
+        if number == 0:  # its lease exchanged by the channels' own helpers, its regions read meanwhile
+            return Fetched(in_place=lease_in_place(self._ctx, plan.finish(), ahead=True), again=again)
+        self._start_until(number + 1)
         if not window.future.done():
             hinted = self._hinted(window, plan)
             if hinted is not None:
                 return Fetched(in_place=hinted, again=again)
-        wait([window.future])
-        failed = window.future.exception()
-        if isinstance(failed, UnitLostError) and failed.unit in plan.units:
+        failed = _outcome(window)
+        try:
+            _raise_own(failed, plan)
+        except GputqError:
             self._settle(window, plan.index)
-            raise failed  # the unit this micro-batch reads was found lost: its error, not "is lost" again
+            raise
         if failed is None and all(held.fresh() for _, held, _ in window.shares.get(plan.index, ())):
             try:
                 return Fetched(in_place=self._in_window(window, plan), again=again)
@@ -151,15 +166,29 @@ class LeaseWindows:
         return Fetched(in_place=lease_in_place(self._ctx, plan, ahead=True), again=again)  # leased alone
 
     def _start_until(self, count: int) -> None:
-        """Lease the windows before ``count`` not requested yet, in the background; their micro-batches are
-        placed here first (on the fetch thread, the one that places every micro-batch)."""
+        """Place the windows before ``count`` not placed yet (here, on the fetch thread, the one that places
+        every micro-batch), and lease the next one whose turn it is."""
+        while self._placed < min(count, len(self._windows)) and not self._closed:
+            window = self._windows[self._placed]
+            for index in range(window.first, window.stop):
+                self._plans[index].finish()
+                # Python's GIL goes to a waiting thread only after a switch interval of Python on this
+                # one: the restore thread, ready to widen, and the lease thread get it now.
+                time.sleep(0)
+            with self._lock:
+                self._placed += 1
+        self._lease_next()
+
+    def _lease_next(self) -> None:
+        """Lease the next placed window in the background once the one before it is answered: one window's
+        leases in flight at a time, so the answer a restore waits for has the unit to itself."""
         with self._lock:
-            while self._started < min(count, len(self._windows)) and not self._closed:
-                window = self._windows[self._started]
-                for index in range(window.first, window.stop):
-                    self._plans[index].finish()
-                self._ctx.pool.submit(self._lease, window)
-                self._started += 1
+            if self._closed or self._started >= self._placed or \
+                    (self._started and not self._windows[self._started - 1].future.done()):
+                return
+            window = self._windows[self._started]
+            self._started += 1
+        self._ctx.pool.submit(self._lease, window)
 
     def _lease(self, window: _Window) -> None:
         """Lease the window's requests, unit by unit, into ``window.future``."""
@@ -176,8 +205,7 @@ class LeaseWindows:
                                                                                         request.incarnation)
                         window.leases.append((lease, None))
                     placed.append((index, request, lease, lease.add(request)))
-            for i, (lease, _) in enumerate(window.leases):
-                window.leases[i] = (lease, lease.take(self._ctx))
+            self._take(window)
             held = dict(window.leases)
             for index, request, lease, rows in placed:
                 window.shares.setdefault(index, []).append((request, held[lease], rows))
@@ -185,6 +213,24 @@ class LeaseWindows:
         except BaseException as exc:
             self._end(window)
             window.future.set_exception(exc)
+        self._lease_next()
+
+    def _take(self, window: _Window) -> None:
+        """Take the window's leases, units in parallel (each is a round trip to its own unit), the first on
+        this thread; every one taken is kept in ``window.leases`` (to be ended), and the first failure raised."""
+        leases = [lease for lease, _ in window.leases]
+        if not leases:
+            return
+        others = [self._ctx.pool.submit(lease.take, self._ctx) for lease in leases[1:]]
+        try:
+            window.leases[0] = (leases[0], leases[0].take(self._ctx))
+        finally:
+            wait(others)
+            for i, future in enumerate(others, start=1):
+                if future.exception() is None:
+                    window.leases[i] = (leases[i], future.result())
+        for future in others:
+            future.result()
 
     def _hinted(self, window: _Window, plan: MicroPlan) -> tuple[MappedSource, contextlib.ExitStack] | None:
         """``plan``'s regions as the units' key directories name them, while the window's leases are on their
@@ -213,10 +259,8 @@ class LeaseWindows:
         and restore again); a unit the window's lease found lost raises its error."""
         if kind is not None:
             return False
-        wait([window.future])
-        failed = window.future.exception()
-        if isinstance(failed, UnitLostError) and failed.unit in plan.units:
-            raise failed
+        failed = _outcome(window)
+        _raise_own(failed, plan)
         shares = window.shares.get(plan.index, []) if failed is None else None
         if shares is None or not all(held.covered() for _, held, _ in shares) or not self._named(shares, hints):
             raise HintMissedError(f"micro-batch {plan.index} was restored on key directory regions its window's "
@@ -271,13 +315,32 @@ class LeaseWindows:
     def close(self) -> None:
         """End every window's leases: those requested in the background once they are answered. Idempotent."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            started = self._windows[:self._started]
-        for window in started:
-            window.future.cancel()
-        wait([window.future for window in started])
-        for window in started:
+            started = self._started
+        for number, window in enumerate(self._windows):
+            # A window not leased yet never will be; one queued is told by its own lease task.
+            if window.future.cancel() and number >= started:
+                window.future.set_running_or_notify_cancel()
+        wait([window.future for window in self._windows])
+        for window in self._windows:
             self._end(window)
+
+
+def _raise_own(failed: BaseException | None, plan: MicroPlan) -> None:
+    """Raise what a window's failed lease means for ``plan`` itself: the stream closed, or a unit it reads
+    was found lost (its error, ``UnitTimeoutError`` for a hung one, not "is lost" again)."""
+    if isinstance(failed, ClosedError) or (isinstance(failed, UnitLostError) and failed.unit in plan.units):
+        raise failed
+
+
+def _outcome(window: _Window) -> BaseException | None:
+    """Wait for the window's leases: None once taken, else why not (``ClosedError`` once the stream closed)."""
+    wait([window.future])
+    if window.future.cancelled():
+        return ClosedError("the stream was closed")
+    return window.future.exception()
 
 
 def _covered(kind, helds: list, index: int) -> bool:

@@ -305,6 +305,19 @@ def _leases_taken(unit) -> int:
     return unit.stats()["reads"]  # a one-sided reader's lease is the unit's read
 
 
+def _streamed_over_shm(seed: int, batches: list) -> tuple[list, int]:
+    """A stream of ``batches`` of four samples on one shm unit, every micro-batch checked against slime's
+    rows: (the micro-batches consumed, the leases the unit granted beyond one per window)."""
+    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
+    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(seed), [37, 50, 64, 23])
+        before = _leases_taken(units[0])
+        with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
+            consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
+        return consumed, _leases_taken(units[0]) - before - len(window_bounds(len(batches)))
+
+
 def test_window_bounds_grow_to_the_most_and_cover_every_micro_batch_once():
     assert window_bounds(0) == []
     assert window_bounds(1) == [(0, 1)]
@@ -335,9 +348,33 @@ def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_end
             wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the leases of a closed stream to end")
 
 
-def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restored_again(monkeypatch):
+def _hinted_first(monkeypatch) -> None:
+    """Hold every window's leases back until a micro-batch of it was restored on the key directory's regions
+    (so that micro-batch always finds its window's leases on their way)."""
+    from gputq.client import lease_window
+
+    hinted, take, looked = lease_window.LeaseWindows._hinted, lease_window._Lease.take, threading.Event()
+
+    def hinting(self, window, plan):
+        try:
+            return hinted(self, window, plan)
+        finally:
+            looked.set()
+
+    def after_a_hint(self, context):
+        assert looked.wait(10)
+        return take(self, context)
+
+    monkeypatch.setattr(lease_window.LeaseWindows, "_hinted", hinting)
+    monkeypatch.setattr(lease_window._Lease, "take", after_a_hint)
+
+
+@pytest.mark.parametrize("path", ["window", "hinted"])
+def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restored_again(monkeypatch, path):
     """A restore that ended past its window's proven lease lifetime may have read another key's bytes: the
-    micro-batch is leased on its own and restored again, and the consumer sees the right bytes."""
+    micro-batch is leased on its own and restored again, and the consumer sees the right bytes; whether
+    its window's leases were in when it was fetched (``window``) or on their way (``hinted``)."""
+    from gputq.client import lease_window
     from gputq.transport.one_sided import HeldLease
 
     covered, missed = HeldLease.covered, []
@@ -349,54 +386,36 @@ def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restore
         return covered(self, now)
 
     monkeypatch.setattr(HeldLease, "covered", late_once)
-    rng = np.random.default_rng(14)
-    lengths, batches = [37, 50, 64, 23], [[0], [1, 2], [3]]
-    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
-    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, rng, lengths)
-        before = _leases_taken(units[0])
-        with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
-            consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
-        assert consumed == [0, 1, 2] and missed
-        assert _leases_taken(units[0]) - before == len(window_bounds(len(batches))) + 1  # the one leased alone
+    if path == "window":
+        monkeypatch.setattr(lease_window.LeaseWindows, "_hinted", lambda self, window, plan: None)
+    else:
+        _hinted_first(monkeypatch)
+    consumed, extra = _streamed_over_shm(14, [[0], [1, 2], [3]])
+    assert consumed == [0, 1, 2] and missed and extra == 1  # the one leased alone
 
 
-def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(monkeypatch):
-    """While its window's leases are on their way a micro-batch is restored on the regions the key directory
-    names; where those are other bytes (here: the first lookup is shifted by a row), the window's leases
-    disagree, and the micro-batch is leased alone and restored again: the consumer sees the right bytes."""
-    from gputq.client import lease_window
+@pytest.mark.parametrize("first", [True, False])
+def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(monkeypatch, first):
+    """A micro-batch is restored on the regions the key directory names while its lease (the first
+    micro-batch's own, or its window's) is on its way; where those are other bytes (here: that lookup is
+    shifted by a row), the lease disagrees, and the micro-batch is leased alone and restored again: the
+    consumer sees the right bytes."""
     from gputq.transport.directory import DirectoryView
 
-    lookup, take, shifted, looked = DirectoryView.lookup, lease_window._Lease.take, [], threading.Event()
+    lookup, lookups = DirectoryView.lookup, []
 
     def stale_once(self, keys, generations, *, within=None):
         regions = lookup(self, keys, generations, within=within)
-        if regions is not None and not shifted:
-            shifted.append(True)
+        lookups.append(True)
+        if regions is not None and len(lookups) == (1 if first else 2):  # micro-batch 0's, or 1's
             regions = regions.copy()
             regions[:, 0] += 2 * TOPK  # a row of uint16 IDs further on: other bytes of the arena
-        looked.set()
         return regions
 
-    def after_a_lookup(self, context):  # micro-batch 0 then always finds its window's leases on their way
-        assert looked.wait(10)
-        return take(self, context)
-
     monkeypatch.setattr(DirectoryView, "lookup", stale_once)
-    monkeypatch.setattr(lease_window._Lease, "take", after_a_lookup)
-    rng = np.random.default_rng(16)
-    lengths, batches = [37, 50, 64, 23], [[0, 1], [2], [3]]
-    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
-    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, rng, lengths)
-        before = _leases_taken(units[0])
-        with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
-            consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
-        assert consumed == [0, 1, 2] and shifted
-        assert _leases_taken(units[0]) - before == len(window_bounds(len(batches))) + 1  # micro-batch 0's own
+    _hinted_first(monkeypatch)
+    consumed, extra = _streamed_over_shm(16, [[0, 1], [2], [3]])
+    assert consumed == [0, 1, 2] and len(lookups) >= 2 and extra == 1  # the one leased alone
 
 
 def test_in_place_a_stale_key_fails_its_own_micro_batch_not_the_others_of_its_window():
