@@ -55,7 +55,9 @@ process, which receives and restores (``*_receiver_us_per_MiB``, for the
 ceiling and the reads alone too), and the processes that send
 (``stream_units_us_per_MiB``, ``baseline_sender_us_per_MiB``): a process
 kept busy all the time bounds its side's throughput by its CPU per byte.
-Where the kernel says (Linux), ``*_waiting_cores`` are the cores' worth
+``unit_requests_per_micro_batch`` counts what the units served for one
+pass (their ``reads``: a read request over tcp, a lease over shm and rdma)
+per micro-batch. Where the kernel says (Linux), ``*_waiting_cores`` are the cores' worth
 of each side's threads that were runnable but waiting for a core over
 the passes: with more runnable threads than cores at moments and idle
 cores at others, a side is slower than its CPU per byte alone implies.
@@ -157,7 +159,12 @@ def _micro_batches(n: int, per: int) -> list[list[int]]:
 
 
 def _bytes_read(clients) -> int:
-    return sum(clients.channel(u).call("stats")["bytes_read"] for u in clients.units)
+    return _unit_count(clients, "bytes_read")
+
+
+def _unit_count(clients, counter: str) -> int:
+    """The units' ``counter`` (a ``stats`` field), summed."""
+    return sum(clients.channel(u).call("stats")[counter] for u in clients.units)
 
 
 def _stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0) -> tuple[float, int, list]:
@@ -366,7 +373,11 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
     a ratio below 1 is CPU the stream spends beyond the baseline's.
     """
     _, nbytes, _ = _stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
-    per_mb = -(-nbytes // len(_micro_batches(len(shard), args.mb_samples)))
+    micro_batches = len(_micro_batches(len(shard), args.mb_samples))
+    per_mb = -(-nbytes // micro_batches)
+    before = _unit_count(clients, "reads")  # a read request, or a one-sided reader's lease
+    _stream_pass(reader, shard, args, 0, 0)
+    requests = (_unit_count(clients, "reads") - before) / micro_batches
     loops, base, top, alone = [], [], [], []
     reads_pass = None
     stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
@@ -430,7 +441,7 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
     return {"slice_MiB": round(nbytes / _MIB, 1), "baseline": baseline,
             "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(base_cores, 2),
             "stream_GBps": round(gbps(nbytes, loop_s), 2), "stream_cores": round(loop_cores, 2),
-            "ratio": round(ratio, 3),
+            "ratio": round(ratio, 3), "unit_requests_per_micro_batch": round(requests, 2),
             "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2), **receiving, **waiting,
             "ceiling": ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(top)), 2),
             "ceiling_vs_baseline": round(ceiling_ratio, 3), "stream_vs_ceiling": round(vs_ceiling, 3),

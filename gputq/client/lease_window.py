@@ -116,7 +116,7 @@ class _Window:
     def __init__(self, first: int, stop: int):
         self.first, self.stop = first, stop
         self.shares: dict[int, list] = {}
-        self.leases: list = []  # (unit, held lease)
+        self.leases: list = []  # (its _Lease, the held lease once taken)
         self.unsettled = set(range(first, stop))
         self.future: Future = Future()
 

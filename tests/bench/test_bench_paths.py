@@ -88,6 +88,7 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
     for row in out["throughput_rows"]:  # the cores each side kept busy: the miss reason on a CPU-bound box
         assert 0 < row["stream_cores"] <= os.cpu_count() + 0.5 and 0 < row["baseline_cores"] <= os.cpu_count() + 0.5
         assert row["cpu_per_byte_vs_baseline"] > 0
+        assert row["unit_requests_per_micro_batch"] >= 1  # over tcp a read request at least per micro-batch
         assert row["ceiling"] == "socket, widened as it lands" and row["ceiling_GBps"] > 0
         assert row["ceiling_vs_baseline"] > 0 and row["stream_vs_ceiling"] > 0
         assert row["reads_GBps"] > 0 and row["reads_vs_baseline"] > 0 and row["stream_vs_reads"] > 0
