@@ -5,11 +5,11 @@ out of the mappings, under a lease that keeps the unit from reusing the
 regions meanwhile. A lease per micro-batch costs a control round trip and
 the unit's handling of it, on the cores the restore shares. Here one
 lease per unit (more only where a request limit splits it) covers a window
-of micro-batches (:func:`window_bounds`: after the first, 2, 4, then
+of micro-batches (:func:`window_bounds`: 2, 4, then
 :data:`WINDOW_MICRO_BATCHES`), taken in the background as the window's
-first micro-batch is fetched, one window's at a time. The first
-micro-batch, which nothing overlaps, is leased alone as a
-read would be: its regions read from the key directories while each
+first micro-batch is fetched, one window's at a time. The first two
+micro-batches, fetched before anything is restored, are leased alone as a
+read would be: their regions read from the key directories while each
 unit's lease is exchanged, by the channels' own helper threads. A
 micro-batch whose window's leases are still on their way is restored on
 the directories' regions likewise, and confirmed against the window's
@@ -50,20 +50,25 @@ from gputq.errors import ClosedError, GputqError, HintMissedError, UnitLostError
 from gputq.kernels import MappedSource
 from gputq.transport.spans import MAX_SPANS
 
-__all__ = ["LeaseWindows", "window_bounds", "WINDOW_MICRO_BATCHES"]
+__all__ = ["LeaseWindows", "window_bounds", "WINDOW_MICRO_BATCHES", "LEASED_ALONE"]
 
 #: Micro-batches one window's leases cover at most: enough that a lease is a small share of their
 #: restores, few enough that released steps are not held long past their use.
 WINDOW_MICRO_BATCHES = 8
+#: The first micro-batches, each leased alone: they are fetched before anything is restored, and a
+#: window's lease taken then would compete with the first restore, which nothing overlaps.
+LEASED_ALONE = 2
 
 
 def window_bounds(count: int, most: int = WINDOW_MICRO_BATCHES) -> list[tuple[int, int]]:
-    """The windows of a stream of ``count`` micro-batches, as ``[first, stop)``: sizes 1 (the first micro-batch,
-    leased alone), 2, 4, ... ``most``."""
-    bounds, first, size = [], 0, 1
+    """The windows of a stream of ``count`` micro-batches, as ``[first, stop)``: the first
+    :data:`LEASED_ALONE` of one micro-batch each (leased alone), then 2, 4, ... ``most``."""
+    bounds, first = [], 0
+    sizes = [1] * LEASED_ALONE
     while first < count:
+        size = sizes.pop(0) if sizes else min(2 * (bounds[-1][1] - bounds[-1][0]), most)
         bounds.append((first, min(count, first + size)))
-        first, size = first + size, min(2 * size, most)
+        first += size
     return bounds
 
 
@@ -134,17 +139,17 @@ class LeaseWindows:
         self._windows = [_Window(first, stop) for first, stop in window_bounds(len(plans))]
         self._firsts = [w.first for w in self._windows]
         self._placed = self._started = 0  # windows placed, and whose leases were requested
-        if self._windows:  # the first micro-batch is leased alone: the fastest start
-            self._windows[0].future.set_running_or_notify_cancel()
-            self._windows[0].future.set_result(None)
-            self._placed = self._started = 1
+        for window in self._windows[:LEASED_ALONE]:  # leased alone: the fastest start
+            window.future.set_running_or_notify_cancel()
+            window.future.set_result(None)
+            self._placed = self._started = self._placed + 1
         self._lock, self._closed = threading.Lock(), False
 
     def __call__(self, plan: MicroPlan) -> Fetched:
         number = bisect_right(self._firsts, plan.index) - 1
         window = self._windows[number]
         again = lambda: lease_in_place(self._ctx, plan)  # noqa: E731
-        if number == 0:  # its lease exchanged by the channels' own helpers, its regions read meanwhile
+        if number < LEASED_ALONE:  # its lease exchanged by the channels' own helpers, its regions read meanwhile
             return Fetched(in_place=lease_in_place(self._ctx, plan.finish(), ahead=True), again=again)
         self._start_until(number + 1)
         if not window.future.done():

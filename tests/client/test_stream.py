@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gputq.client.lease_window import window_bounds
+from gputq.client.lease_window import LEASED_ALONE, window_bounds
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.data.packing import bits_for, packed_row_bytes
@@ -319,15 +319,16 @@ def _streamed_over_shm(seed: int, batches: list) -> tuple[list, int]:
 
 
 def test_window_bounds_grow_to_the_most_and_cover_every_micro_batch_once():
+    assert LEASED_ALONE == 2
     assert window_bounds(0) == []
     assert window_bounds(1) == [(0, 1)]
-    assert window_bounds(20) == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 20)]
-    assert window_bounds(5, most=2) == [(0, 1), (1, 3), (3, 5)]
+    assert window_bounds(20) == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 20)]
+    assert window_bounds(6, most=2) == [(0, 1), (1, 2), (2, 4), (4, 6)]
 
 
 def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_ends():
-    """Over shm one lease per unit covers a window of micro-batches (1, 2, 4, 8 ...): the unit grants one
-    per window, not one per micro-batch, the bytes are exact, and once the stream is closed (here before
+    """Over shm one lease per unit covers a window of micro-batches (after the first two, 2, 4, 8 ...): the
+    unit grants one per window, not one per micro-batch, the bytes are exact, and once the stream is closed (here before
     its end, with windows leased ahead) the unit holds no lease."""
     rng = np.random.default_rng(13)
     lengths = [37, 50, 64, 23, 41, 19, 33, 28, 45, 30]
@@ -341,7 +342,7 @@ def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_end
             with reader.stream(shard, batches, rank) as stream:
                 consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
             assert consumed == list(range(len(batches)))
-            assert _leases_taken(units[0]) - before == len(window_bounds(len(batches))) == 4
+            assert _leases_taken(units[0]) - before == len(window_bounds(len(batches))) == 5
             wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the windows' leases to end")
             with reader.stream(shard, batches, rank) as stream:
                 assert next(stream).index == 0 and next(stream).index == 1  # windows [1, 3) and [3, 7) leased
@@ -394,10 +395,10 @@ def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restore
     assert consumed == [0, 1, 2] and missed and extra == 1  # the one leased alone
 
 
-@pytest.mark.parametrize("first", [True, False])
-def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(monkeypatch, first):
-    """A micro-batch is restored on the regions the key directory names while its lease (the first
-    micro-batch's own, or its window's) is on its way; where those are other bytes (here: that lookup is
+@pytest.mark.parametrize("shifted", [1, 3])
+def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(monkeypatch, shifted):
+    """A micro-batch is restored on the regions the key directory names while its lease (micro-batch 0's
+    own: the first lookup, or micro-batch 2's window's: the third) is on its way; where those are other bytes (here: that lookup is
     shifted by a row), the lease disagrees, and the micro-batch is leased alone and restored again: the
     consumer sees the right bytes."""
     from gputq.transport.directory import DirectoryView
@@ -407,7 +408,7 @@ def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(mon
     def stale_once(self, keys, generations, *, within=None):
         regions = lookup(self, keys, generations, within=within)
         lookups.append(True)
-        if regions is not None and len(lookups) == (1 if first else 2):  # micro-batch 0's, or 1's
+        if regions is not None and len(lookups) == shifted:
             regions = regions.copy()
             regions[:, 0] += 2 * TOPK  # a row of uint16 IDs further on: other bytes of the arena
         return regions
@@ -415,26 +416,26 @@ def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(mon
     monkeypatch.setattr(DirectoryView, "lookup", stale_once)
     _hinted_first(monkeypatch)
     consumed, extra = _streamed_over_shm(16, [[0, 1], [2], [3]])
-    assert consumed == [0, 1, 2] and len(lookups) >= 2 and extra == 1  # the one leased alone
+    assert consumed == [0, 1, 2] and len(lookups) >= shifted and extra == 1  # the one leased alone
 
 
 def test_in_place_a_stale_key_fails_its_own_micro_batch_not_the_others_of_its_window():
-    """Micro-batch 2's reference is stale: the lease of its window ([1, 3)) is refused, micro-batch 1 is
-    leased alone and yielded exactly, and micro-batch 2 raises the unit's StaleReadError at its own turn."""
+    """Micro-batch 3's reference is stale: the lease of its window ([2, 4)) is refused, micro-batch 2 is
+    leased alone and yielded exactly, and micro-batch 3 raises the unit's StaleReadError at its own turn."""
     rng = np.random.default_rng(15)
     lengths, batches = [37, 50, 64, 23], [[0], [1], [2], [3]]
     rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
     with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, _, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, rng, lengths)
-        shard[2] = {name: _stale(layout) for name, layout in shard[2].items()}
+        shard[3] = {name: _stale(layout) for name, layout in shard[3].items()}
         consumed = []
         with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
             with pytest.raises(StaleReadError, match="generation"):
                 for mb in stream:
                     assert _check(mb, batches[mb.index], data, range(0, LAYERS), rank)
                     consumed.append(mb.index)
-        assert consumed == [0, 1]
+        assert consumed == [0, 1, 2]
 
 
 def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consumer_holds_one(monkeypatch):
