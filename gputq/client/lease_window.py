@@ -151,7 +151,7 @@ class LeaseWindows:
         again = lambda: lease_in_place(self._ctx, plan)  # noqa: E731
         if number < LEASED_ALONE:  # its lease exchanged by the channels' own helpers, its regions read meanwhile
             return Fetched(in_place=lease_in_place(self._ctx, plan.finish(), ahead=True), again=again)
-        self._start_until(number + 1)
+        self._start_until(number + 2)  # this window and the next: its lease is back before its turn
         if not window.future.done():
             hinted = self._hinted(window, plan)
             if hinted is not None:
