@@ -505,9 +505,7 @@ class ShmChannel(LeasingChannel):
         if hinted is None:
             yield None
             return
-        with self.mapping.held():
-            lent = hinted.astype(np.int64)
-            lent[:, 0] += self.mapping.address
+        with self._lent(hinted) as lent:
             yield lent
 
     @contextlib.contextmanager
@@ -535,9 +533,14 @@ class ShmChannel(LeasingChannel):
         if held.owner is not self:
             raise HintMissedError(f"unit {self.unit}: the lease of keys {describe_keys(held.keys)} was taken on "
                                   f"another connection; lease them again")
-        regions = self._leases.regions(held.reply, held.keys, self.mapping.nbytes, held.rows)
+        with self._lent(self._leases.regions(held.reply, held.keys, self.mapping.nbytes, held.rows)) as lent:
+            yield lent
+
+    @contextlib.contextmanager
+    def _lent(self, regions: np.ndarray):
+        """``regions`` (arena offset, length) as host addresses in the mapping, held mapped for the block."""
         with self.mapping.held():
-            lent = regions.astype(np.int64)  # a copy: the reply's bytes are read-only
+            lent = regions.astype(np.int64)  # a copy: a reply's bytes are read-only
             lent[:, 0] += self.mapping.address
             yield lent
 

@@ -1,8 +1,9 @@
 """A stream's ways of fetching a micro-batch: one class each, called as ``way(plan)`` on the fetch thread.
 
-- :class:`InPlaceFetch`: same-host arenas (shm) on the host. The spans are
-  leased where they lie, one lease per unit for a window of micro-batches,
-  and the restore reads them there: no staging copy.
+- :class:`~gputq.client.lease_window.LeaseWindows`: same-host arenas (shm)
+  on the host. The spans are leased where they lie, one lease per unit for
+  a window of micro-batches, and the restore reads them there: no staging
+  copy.
 - :class:`StagedFetch`: each unit's span requests read into a compact
   buffer (rdma into registered memory, GPU destinations, and packed IDs,
   which unpack whole rows). Over rdma the next micro-batch's leases are
@@ -24,12 +25,11 @@ from typing import Callable
 from gputq.client.fetch import Fetched, LeasesAhead, ReadsAhead, fits_socket_buffers, read_staged
 from gputq.client.in_place import mapped_here
 from gputq.client.landing import land_replies
-from gputq.client.lease_window import LeaseWindows
 from gputq.client.plan import MicroPlan
 from gputq.client.read_context import ReadContext
 from gputq.client.stream_buffers import StreamBuffers
 
-__all__ = ["choose_ways", "InPlaceFetch", "StagedFetch", "LandingFetch"]
+__all__ = ["choose_ways", "StagedFetch", "LandingFetch"]
 
 
 def choose_ways(context: ReadContext, units: list, prefetch: int, hold: bool, packed: bool
@@ -43,21 +43,6 @@ def choose_ways(context: ReadContext, units: list, prefetch: int, hold: bool, pa
     in_place = on_host and all(mapped_here(context.channel(unit), False) for unit in units)
     landing = on_host and not in_place and all(context.channel(unit).pipelines_reads for unit in units)
     return in_place, landing, context.on_host and prefetch >= 2 and not hold and not landing
-
-
-class InPlaceFetch:
-    """Lease micro-batches' spans where they lie, a window of them per lease (:mod:`gputq.client.lease_window`);
-    the restore reads them there and confirms it was covered."""
-
-    def __init__(self, context: ReadContext, plans: list):
-        self._windows = LeaseWindows(context, plans)
-
-    def __call__(self, plan: MicroPlan) -> Fetched:
-        return self._windows(plan)
-
-    def close(self) -> None:
-        """End the windows' leases (a fetched micro-batch's share ends with its restore or drop). Idempotent."""
-        self._windows.close()
 
 
 class StagedFetch:

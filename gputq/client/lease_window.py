@@ -274,11 +274,19 @@ class LeaseWindows:
 
     def _named(self, shares: list, hints: list) -> bool:
         """Whether each request's leased regions are the ones its directory named."""
-        for (request, held, rows), hint in zip(shares, hints):
-            with self._ctx.channel(request.unit).mapped_lease(held) as lent:
-                if not np.array_equal(lent[rows], hint):
-                    return False
-        return True
+        with contextlib.ExitStack() as stack:
+            return all(np.array_equal(lent, hint) for lent, hint in zip(self._lent(stack, shares), hints))
+
+    def _lent(self, stack: contextlib.ExitStack, shares: list) -> list:
+        """Each share's leased regions where they lie (host addresses, one lease decoded once), the
+        mappings held until ``stack`` closes."""
+        by_lease: dict[int, np.ndarray] = {}
+        lent = []
+        for request, held, rows in shares:
+            if id(held) not in by_lease:
+                by_lease[id(held)] = stack.enter_context(self._ctx.channel(request.unit).mapped_lease(held))
+            lent.append(by_lease[id(held)][rows])
+        return lent
 
     def _in_window(self, window: _Window, plan: MicroPlan) -> tuple[MappedSource, contextlib.ExitStack]:
         """``plan``'s regions where they lie, under the window's leases: the source, and the stack whose
@@ -287,12 +295,9 @@ class LeaseWindows:
         stack.callback(self._settle, window, plan.index)
         try:
             starts, addresses, lengths = [], [], []
-            lent: dict[int, np.ndarray] = {}
             shares = window.shares.get(plan.index, [])
-            for request, held, rows in shares:
-                if id(held) not in lent:
-                    lent[id(held)] = stack.enter_context(self._ctx.channel(request.unit).mapped_lease(held))
-                add_leased(request, lent[id(held)][rows].tolist(), starts, addresses, lengths)
+            for (request, _, _), lent in zip(shares, self._lent(stack, shares)):
+                add_leased(request, lent.tolist(), starts, addresses, lengths)
             helds = [held for _, held, _ in shares]
             stack.push(lambda kind, *_: _covered(kind, helds, plan.index))
             return MappedSource(starts, addresses, lengths, plan.nbytes), stack

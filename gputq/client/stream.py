@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from gputq.client.fetch import Fetched
-from gputq.client.fetch_ways import InPlaceFetch, LandingFetch, StagedFetch, choose_ways
+from gputq.client.fetch_ways import LandingFetch, StagedFetch, choose_ways
+from gputq.client.lease_window import LeaseWindows
 from gputq.client.read_context import ReadContext
 from gputq.client.replay import LayerRef, LazyReplay
 from gputq.client.shape import SlimeShaper
@@ -114,8 +115,9 @@ class MicroBatchStream:
 
     A fetch thread reads micro-batches ahead, in order; iterating yields them
     restored, and by default each is released when the next is asked for.
-    How the bytes move decides the rest (the ways: :mod:`gputq.client.fetch_ways`; the buffers each way
-    holds: :mod:`gputq.client.stream_buffers`): on the host a restore thread widens
+    How the bytes move decides the rest (the ways: :mod:`gputq.client.fetch_ways`
+    and, over shm, :mod:`gputq.client.lease_window`; the buffers each way holds:
+    :mod:`gputq.client.stream_buffers`): on the host a restore thread widens
     the next micro-batch while the current one trains; read where they lie
     in same-host arenas (shm) micro-batches need no compact buffer; on the
     host over tcp the fetch thread widens each micro-batch as its replies
@@ -150,7 +152,7 @@ class MicroBatchStream:
         if self._landing:
             self._way = LandingFetch(context, plans, self._buffers, self._shaped, lambda: self._submitted, closed)
         else:
-            self._way = InPlaceFetch(context, plans) if self._in_place else StagedFetch(context, plans, self._buffers,
+            self._way = LeaseWindows(context, plans) if self._in_place else StagedFetch(context, plans, self._buffers,
                                                                                  units, closed)
         self._submit_until(prefetch)
 
