@@ -9,6 +9,12 @@ R3-shaped shards; each shard is read, as one batched read, through:
   :meth:`NixlTransport.destination` (the process-wide registered pool, the
   way the Reader stages: no copy after the READ);
 - ``rdma+copy``: the same read into a plain numpy array (one extra memcpy);
+- ``rdma ahead``: reads of the shard as a stream issues them (the
+  :class:`LeasedAhead` pass): :data:`AHEAD_READS` reads back to back, each
+  read's lease requested on a helper thread while the read before it
+  READs (:meth:`NixlChannel.lease_ahead`, then
+  :meth:`NixlChannel.read_leased`); timed per read, the first lease's
+  round trip included;
 - ``nixl``: the baseline for rdma, raw NIXL as its best users write it: no
   lease, no gputq; one page-aligned destination registered once and
   reused; adjacent regions merged into one descriptor; the local and
@@ -23,7 +29,8 @@ R3-shaped shards; each shard is read, as one batched read, through:
   (its server in a child process like the unit's, page-aligned buffers
   touched once and reused, sending under a deadline as a unit does).
 
-Ratios: ``rdma / nixl``, ``rdma / repost`` and ``tcp / socket`` per shape;
+Ratios: ``rdma / nixl``, ``rdma ahead / nixl``, ``rdma / repost`` and
+``tcp / socket`` per shape;
 the JSON line has their minima over shapes. A second table times, on the
 largest shape, the plainer baselines these replaced (NIXL into numpy's own
 buffer placement, 16 bytes past a page start; a socket with numpy's
@@ -36,6 +43,8 @@ the measurement behind ``gputq.transport.nixl.PUSH_MIN_BYTES``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import statistics
@@ -58,7 +67,7 @@ from gputq.transport.nixl import NixlTransport, import_nixl
 from gputq.transport.tcp import TcpTransport
 from gputq.unit.storage_unit import StorageUnit
 
-__all__ = ["SHAPES", "merge_regions", "main"]
+__all__ = ["SHAPES", "AHEAD_READS", "LeasedAhead", "merge_regions", "main"]
 
 #: (name, keys, bytes per key): R3 shards as a trainer reads them.
 SHAPES = (
@@ -66,6 +75,8 @@ SHAPES = (
     ("1024x16KiB", 1024, 16 << 10),
     ("1x256MiB", 1, 256 << 20),
 )
+#: Reads of one ``rdma ahead`` pass.
+AHEAD_READS = 8
 TOKEN = "bench"
 MAX_FRAME = 1 << 30
 LIMITS = ServerLimits(max_frame_bytes=MAX_FRAME)
@@ -167,6 +178,29 @@ class RawNixl:
         self.agent.deregister_memory(self._reg)
 
 
+class LeasedAhead:
+    """Reads of one shard back to back as a stream issues them: each next read's lease requested on one
+    helper thread while this read's bytes move, so a read after the first pays no round trip before its READ.
+
+    Calling it runs one pass of ``reads`` reads into ``dest``; :meth:`close` stops the helper.
+    """
+
+    def __init__(self, channel, keys: list, dest, reads: int = AHEAD_READS):
+        self._channel, self._keys, self._dest, self.reads = channel, keys, dest, reads
+        self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-lease")
+
+    def __call__(self) -> None:
+        lease = self._helper.submit(self._channel.lease_ahead, self._keys)
+        for i in range(self.reads):
+            held = lease.result()
+            if i + 1 < self.reads:
+                lease = self._helper.submit(self._channel.lease_ahead, self._keys)
+            self._channel.read_leased(held, self._dest)
+
+    def close(self) -> None:
+        self._helper.shutdown()
+
+
 def interleaved_medians(paths: dict, repeats: int) -> dict[str, float]:
     """Median seconds of each callable, timed round-robin (rotating) after one warm-up each.
 
@@ -254,9 +288,11 @@ def read_rows(address: dict, repeats: int, shapes=SHAPES) -> tuple[list[dict], l
                 regions = _regions(tcp, shard)
                 prepared = raw.prepare(regions)
                 handles.append(raw.handle(prepared))
-                with transport.destination(nbytes) as staged:
+                with transport.destination(nbytes) as staged, \
+                        contextlib.closing(LeasedAhead(rdma, shard, staged)) as ahead:
                     t = interleaved_medians({
                         "rdma": lambda: rdma.read(shard, staged),
+                        "rdma ahead": ahead,
                         "rdma+copy": lambda: rdma.read(shard, dest),
                         "nixl": lambda: raw.read_prepared(prepared),
                         "nixl built": lambda: raw.read(regions),
@@ -264,12 +300,14 @@ def read_rows(address: dict, repeats: int, shapes=SHAPES) -> tuple[list[dict], l
                         "tcp": lambda: tcp.read(shard, dest),
                         "socket": lambda: sock.read(nbytes),
                     }, repeats)
+                    t["rdma ahead"] /= ahead.reads  # per read
                     assert np.array_equal(staged[:nbytes], raw.dest[:nbytes])
                     assert np.array_equal(staged[:nbytes], dest[:nbytes])
                 rows.append({
                     "shape": name, "MiB": nbytes / (1 << 20),
                     **{f"{path} GB/s": gbps(nbytes, t[path]) for path in t},
-                    "rdma/nixl": t["nixl"] / t["rdma"], "rdma/repost": t["nixl repost"] / t["rdma"],
+                    "rdma/nixl": t["nixl"] / t["rdma"], "rdma ahead/nixl": t["nixl"] / t["rdma ahead"],
+                    "rdma/repost": t["nixl repost"] / t["rdma"],
                     "tcp/socket": t["socket"] / t["tcp"],
                     "rdma ms": t["rdma"] * 1e3, "nixl ms": t["nixl"] * 1e3,
                 })
@@ -348,6 +386,7 @@ def run(repeats: int, scale: int = 1) -> tuple[list[dict], list[dict], list[dict
         unit.join(30)
     summary = {
         "rdma_vs_nixl_min_ratio": min(r["rdma/nixl"] for r in rows),
+        "rdma_ahead_vs_nixl_min_ratio": min(r["rdma ahead/nixl"] for r in rows),
         "rdma_vs_nixl_repost_min_ratio": min(r["rdma/repost"] for r in rows),
         "tcp_vs_socket_min_ratio": min(r["tcp/socket"] for r in rows),
         "rdma_vs_tcp_min_ratio": min(r["rdma GB/s"] / r["tcp GB/s"] for r in rows),
@@ -367,8 +406,9 @@ def main(argv=None) -> int:
                  devices="host memory only")
     started = time.perf_counter()
     rows, variants, writes, summary = run(args.repeats, args.scale)
-    print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma+copy GB/s", "nixl GB/s", "nixl built GB/s",
-                       "nixl repost GB/s", "tcp GB/s", "socket GB/s", "rdma/nixl", "rdma/repost", "tcp/socket",
+    print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma ahead GB/s", "rdma+copy GB/s", "nixl GB/s",
+                       "nixl built GB/s", "nixl repost GB/s", "tcp GB/s", "socket GB/s", "rdma/nixl",
+                       "rdma ahead/nixl", "rdma/repost", "tcp/socket",
                        "rdma ms", "nixl ms"])
     print()
     print("  the plainer baselines, on the largest shape (gputq/baseline > 1: the baseline loses):")

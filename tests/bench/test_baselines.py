@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -134,10 +135,42 @@ def test_transport_bench_at_tiny_sizes_reports_every_baseline(capsys):
     assert [r["shape"] for r in out["rows"]] == [name for name, _, _ in transport.SHAPES]
     assert [r["MiB"] for r in out["rows"]] == [0.0625, 0.0625, 1.0]
     for row in out["rows"]:
-        assert all(row[f"{path} GB/s"] > 0 for path in ("rdma", "nixl", "nixl built", "nixl repost", "tcp", "socket"))
+        assert all(row[f"{path} GB/s"] > 0
+                   for path in ("rdma", "rdma ahead", "nixl", "nixl built", "nixl repost", "tcp", "socket"))
         assert row["rdma/nixl"] == pytest.approx(row["rdma GB/s"] / row["nixl GB/s"])
+        assert row["rdma ahead/nixl"] == pytest.approx(row["rdma ahead GB/s"] / row["nixl GB/s"])
     assert [v["baseline"] for v in out["baseline_variants"]] == [
         "nixl", "nixl, numpy placement", "socket", "socket, numpy placement", "socket, blocking sendall"]
     assert [v["gputq"] for v in out["baseline_variants"]] == ["rdma", "rdma", "tcp", "tcp", "tcp"]
     assert out["rdma_vs_nixl_min_ratio"] == min(r["rdma/nixl"] for r in out["rows"])
+    assert out["rdma_ahead_vs_nixl_min_ratio"] == min(r["rdma ahead/nixl"] for r in out["rows"])
     assert [w["write"] for w in out["writes"]] == ["1 KiB", "4 KiB", "16 KiB", "256 KiB"]
+
+
+@pytest.mark.rdma
+@pytest.mark.timeout(60)
+def test_reads_leased_ahead_use_the_lease_taken_while_the_read_before_moved():
+    """``rdma ahead``: every read of a pass READs under a lease taken ahead of it (one lease each, none of
+    its own), and the bytes are the keys'."""
+    if nixl_import_error() is not None:
+        pytest.skip(f"bench.transport needs NIXL: {nixl_import_error()}")
+    from bench.transport import LeasedAhead
+    from gputq.transport.base import ServerLimits
+    from gputq.transport.nixl import NixlTransport
+    from gputq.unit.storage_unit import StorageUnit
+
+    rng = np.random.default_rng(3)
+    payloads = {f"k{i}": rng.integers(0, 256, 20_000 + i, dtype=np.uint8) for i in range(3)}
+    transport = NixlTransport()
+    with StorageUnit("bench-ahead", 4 << 20) as unit, \
+            transport.serve(unit, token="t", limits=ServerLimits(max_frame_bytes=1 << 22)) as server, \
+            transport.connect(server.address, token="t", max_frame_bytes=1 << 22, timeout=10) as channel:
+        for key, value in payloads.items():
+            channel.write(key, value, {})
+        expected = np.concatenate(list(payloads.values()))
+        with transport.destination(expected.size) as staged, \
+                contextlib.closing(LeasedAhead(channel, list(payloads), staged, reads=4)) as ahead:
+            reads = unit.stats()["reads"]
+            ahead()
+            assert np.array_equal(staged[:expected.size], expected)
+            assert unit.stats()["reads"] - reads == 4 and channel.leased_ahead == 4
