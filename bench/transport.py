@@ -15,6 +15,10 @@ R3-shaped shards; each shard is read, as one batched read, through:
   READs (:meth:`NixlChannel.lease_ahead`, then
   :meth:`NixlChannel.read_leased`); timed per read, the first lease's
   round trip included;
+- ``rdma leased``: the same reads with every lease of the pass taken
+  before it, the reads alone timed: the READ path with no lease beside it
+  (what ``rdma ahead`` pays beyond it is the next lease's work, run
+  beside the READ);
 - ``nixl``: the baseline for rdma, raw NIXL as its best users write it: no
   lease, no gputq; one page-aligned destination registered once and
   reused; adjacent regions merged into one descriptor; the local and
@@ -29,8 +33,8 @@ R3-shaped shards; each shard is read, as one batched read, through:
   (its server in a child process like the unit's, page-aligned buffers
   touched once and reused, sending under a deadline as a unit does).
 
-Ratios: ``rdma / nixl``, ``rdma ahead / nixl``, ``rdma / repost`` and
-``tcp / socket`` per shape;
+Ratios: ``rdma / nixl``, ``rdma ahead / nixl``, ``rdma leased / nixl``,
+``rdma / repost`` and ``tcp / socket`` per shape;
 the JSON line has their minima over shapes. A second table times, on the
 largest shape, the plainer baselines these replaced (NIXL into numpy's own
 buffer placement, 16 bytes past a page start; a socket with numpy's
@@ -67,7 +71,7 @@ from gputq.transport.nixl import NixlTransport, import_nixl
 from gputq.transport.tcp import TcpTransport
 from gputq.unit.storage_unit import StorageUnit
 
-__all__ = ["SHAPES", "AHEAD_READS", "LeasedAhead", "merge_regions", "main"]
+__all__ = ["SHAPES", "AHEAD_READS", "LeasedAhead", "SelfTimed", "merge_regions", "main"]
 
 #: (name, keys, bytes per key): R3 shards as a trainer reads them.
 SHAPES = (
@@ -178,31 +182,45 @@ class RawNixl:
         self.agent.deregister_memory(self._reg)
 
 
+class SelfTimed(float):
+    """Seconds a path of :func:`interleaved_medians` timed itself (its call also did what is not timed)."""
+
+
 class LeasedAhead:
     """Reads of one shard back to back as a stream issues them: each next read's lease requested on one
     helper thread while this read's bytes move, so a read after the first pays no round trip before its READ.
 
-    Calling it runs one pass of ``reads`` reads into ``dest``; :meth:`close` stops the helper.
+    Calling it runs one pass of ``reads`` reads into ``dest``. With ``beside=False`` every lease of the pass
+    is taken first and only the reads are timed: the call returns their :class:`SelfTimed` seconds (the READ
+    path alone, with no lease exchanged beside it). :meth:`close` stops the helper.
     """
 
-    def __init__(self, channel, keys: list, dest, reads: int = AHEAD_READS):
-        self._channel, self._keys, self._dest, self.reads = channel, keys, dest, reads
+    def __init__(self, channel, keys: list, dest, reads: int = AHEAD_READS, *, beside: bool = True):
+        self._channel, self._keys, self._dest, self.reads, self._beside = channel, keys, dest, reads, beside
         self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-lease")
 
-    def __call__(self) -> None:
+    def __call__(self) -> SelfTimed | None:
+        if not self._beside:
+            leases = [self._channel.lease_ahead(self._keys) for _ in range(self.reads)]
+            start = time.perf_counter()
+            for held in leases:
+                self._channel.read_leased(held, self._dest)
+            return SelfTimed(time.perf_counter() - start)
         lease = self._helper.submit(self._channel.lease_ahead, self._keys)
         for i in range(self.reads):
             held = lease.result()
             if i + 1 < self.reads:
                 lease = self._helper.submit(self._channel.lease_ahead, self._keys)
             self._channel.read_leased(held, self._dest)
+        return None
 
     def close(self) -> None:
         self._helper.shutdown()
 
 
 def interleaved_medians(paths: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each callable, timed round-robin (rotating) after one warm-up each.
+    """Median seconds of each callable, timed round-robin (rotating) after one warm-up each (a callable
+    that returns :class:`SelfTimed` seconds timed itself: they are its time).
 
     Round-robin rather than one path after another: on a shared box a burst
     of background load then hits every path alike instead of one of them.
@@ -216,8 +234,8 @@ def interleaved_medians(paths: dict, repeats: int) -> dict[str, float]:
         # (or flushed) the caches for it.
         for name in names[i % len(names):] + names[:i % len(names)]:
             start = time.perf_counter()
-            paths[name]()
-            times[name].append(time.perf_counter() - start)
+            timed = paths[name]()
+            times[name].append(timed if isinstance(timed, SelfTimed) else time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -289,10 +307,12 @@ def read_rows(address: dict, repeats: int, shapes=SHAPES) -> tuple[list[dict], l
                 prepared = raw.prepare(regions)
                 handles.append(raw.handle(prepared))
                 with transport.destination(nbytes) as staged, \
-                        contextlib.closing(LeasedAhead(rdma, shard, staged)) as ahead:
+                        contextlib.closing(LeasedAhead(rdma, shard, staged)) as ahead, \
+                        contextlib.closing(LeasedAhead(rdma, shard, staged, beside=False)) as leased:
                     t = interleaved_medians({
                         "rdma": lambda: rdma.read(shard, staged),
                         "rdma ahead": ahead,
+                        "rdma leased": leased,
                         "rdma+copy": lambda: rdma.read(shard, dest),
                         "nixl": lambda: raw.read_prepared(prepared),
                         "nixl built": lambda: raw.read(regions),
@@ -301,12 +321,14 @@ def read_rows(address: dict, repeats: int, shapes=SHAPES) -> tuple[list[dict], l
                         "socket": lambda: sock.read(nbytes),
                     }, repeats)
                     t["rdma ahead"] /= ahead.reads  # per read
+                    t["rdma leased"] /= leased.reads
                     assert np.array_equal(staged[:nbytes], raw.dest[:nbytes])
                     assert np.array_equal(staged[:nbytes], dest[:nbytes])
                 rows.append({
                     "shape": name, "MiB": nbytes / (1 << 20),
                     **{f"{path} GB/s": gbps(nbytes, t[path]) for path in t},
                     "rdma/nixl": t["nixl"] / t["rdma"], "rdma ahead/nixl": t["nixl"] / t["rdma ahead"],
+                    "rdma leased/nixl": t["nixl"] / t["rdma leased"],
                     "rdma/repost": t["nixl repost"] / t["rdma"],
                     "tcp/socket": t["socket"] / t["tcp"],
                     "rdma ms": t["rdma"] * 1e3, "nixl ms": t["nixl"] * 1e3,
@@ -406,9 +428,9 @@ def main(argv=None) -> int:
                  devices="host memory only")
     started = time.perf_counter()
     rows, variants, writes, summary = run(args.repeats, args.scale)
-    print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma ahead GB/s", "rdma+copy GB/s", "nixl GB/s",
-                       "nixl built GB/s", "nixl repost GB/s", "tcp GB/s", "socket GB/s", "rdma/nixl",
-                       "rdma ahead/nixl", "rdma/repost", "tcp/socket",
+    print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma ahead GB/s", "rdma leased GB/s", "rdma+copy GB/s",
+                       "nixl GB/s", "nixl built GB/s", "nixl repost GB/s", "tcp GB/s", "socket GB/s", "rdma/nixl",
+                       "rdma ahead/nixl", "rdma leased/nixl", "rdma/repost", "tcp/socket",
                        "rdma ms", "nixl ms"])
     print()
     print("  the plainer baselines, on the largest shape (gputq/baseline > 1: the baseline loses):")

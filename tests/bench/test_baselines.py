@@ -154,7 +154,7 @@ def test_reads_leased_ahead_use_the_lease_taken_while_the_read_before_moved():
     its own), and the bytes are the keys'."""
     if nixl_import_error() is not None:
         pytest.skip(f"bench.transport needs NIXL: {nixl_import_error()}")
-    from bench.transport import LeasedAhead
+    from bench.transport import LeasedAhead, SelfTimed
     from gputq.transport.base import ServerLimits
     from gputq.transport.nixl import NixlTransport
     from gputq.unit.storage_unit import StorageUnit
@@ -169,8 +169,21 @@ def test_reads_leased_ahead_use_the_lease_taken_while_the_read_before_moved():
             channel.write(key, value, {})
         expected = np.concatenate(list(payloads.values()))
         with transport.destination(expected.size) as staged, \
-                contextlib.closing(LeasedAhead(channel, list(payloads), staged, reads=4)) as ahead:
+                contextlib.closing(LeasedAhead(channel, list(payloads), staged, reads=4)) as ahead, \
+                contextlib.closing(LeasedAhead(channel, list(payloads), staged, reads=3, beside=False)) as leased:
             reads = unit.stats()["reads"]
-            ahead()
+            assert ahead() is None
             assert np.array_equal(staged[:expected.size], expected)
             assert unit.stats()["reads"] - reads == 4 and channel.leased_ahead == 4
+            staged[:] = 0
+            assert isinstance(leased(), SelfTimed)
+            assert np.array_equal(staged[:expected.size], expected)
+            assert unit.stats()["reads"] - reads == 7 and channel.leased_ahead == 7
+
+
+def test_interleaved_medians_take_a_path_s_own_timing_where_it_times_itself():
+    from bench.transport import SelfTimed, interleaved_medians
+
+    calls = []
+    medians = interleaved_medians({"own": lambda: SelfTimed(42.0), "wall": lambda: calls.append(1) or [7]}, 3)
+    assert medians["own"] == 42.0 and 0 <= medians["wall"] < 42.0 and len(calls) == 4  # a warm-up, then 3
