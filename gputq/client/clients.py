@@ -268,23 +268,26 @@ class UnitChannel(Channel):
         chan = self._live()
         return None if chan is None else chan.fallback_reason
 
+    def _counter(self, name: str) -> int:
+        """The current channel's counter ``name``, one :class:`~gputq.transport.base.Channel` declares
+        (0 while the unit is lost)."""
+        chan = self._live()
+        return 0 if chan is None else int(getattr(chan, name))
+
     @property
     def reads_ahead(self) -> int:
         """Reads of the current shm channel copied from the key directory ahead of their lease."""
-        chan = self._live()
-        return 0 if chan is None else int(chan.reads_ahead)
+        return self._counter("reads_ahead")
 
     @property
     def hint_misses(self) -> int:
         """Reads of the current shm channel whose directory regions the lease did not confirm."""
-        chan = self._live()
-        return 0 if chan is None else int(chan.hint_misses)
+        return self._counter("hint_misses")
 
     @property
     def leased_ahead(self) -> int:
         """Reads of the current rdma channel that copied under a lease taken ahead of them."""
-        chan = self._live()
-        return 0 if chan is None else int(chan.leased_ahead)
+        return self._counter("leased_ahead")
 
     @property
     def incarnation(self) -> str:
