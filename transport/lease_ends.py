@@ -32,8 +32,8 @@ import time
 import weakref
 from typing import Callable
 
-__all__ = ["LeaseEnds", "lease_covered", "expires_in_of", "CLOCK_RATE_SLACK", "DEADLINE_MARGIN_S", "MAX_IDS_PER_CALL",
-           "SEND_DELAY_S"]
+__all__ = ["LeaseEnds", "lease_covered", "expires_in_of", "stated_seconds", "CLOCK_RATE_SLACK", "DEADLINE_MARGIN_S",
+           "MAX_IDS_PER_CALL", "SEND_DELAY_S"]
 
 _log = logging.getLogger(__name__)
 
@@ -61,12 +61,17 @@ def lease_covered(started: float, expires_in: float | None, now: float | None = 
     return now - started < expires_in * (1.0 - CLOCK_RATE_SLACK) - DEADLINE_MARGIN_S
 
 
-def expires_in_of(reply) -> float | None:
-    """The lease lifetime a ``lease`` reply states, or None when it states none usable."""
-    value = reply.get("expires_in") if isinstance(reply, dict) else None
+def stated_seconds(value) -> float | None:
+    """A lifetime a unit states (a lease's, a reservation's) as seconds, or None when it is not a usable
+    one: a positive, finite number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         return None
     return float(value)
+
+
+def expires_in_of(reply) -> float | None:
+    """The lease lifetime a ``lease`` reply states, or None when it states none usable."""
+    return stated_seconds(reply.get("expires_in") if isinstance(reply, dict) else None)
 
 
 class LeaseEnds:

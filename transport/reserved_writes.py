@@ -33,6 +33,7 @@ import numpy as np
 
 from gputq.errors import GputqTimeoutError, ProtocolError
 from gputq.transport.base import byte_view, describe_keys, write_window
+from gputq.transport.lease_ends import stated_seconds
 from gputq.transport.wire import error_from_wire
 from gputq.transport.write_batches import ABORT_WRITES, COMMIT_WRITES, RESERVE_WRITES, generation_of
 
@@ -83,8 +84,7 @@ class ReservedWrites:
             return results
         named = [[keys[i], generation_of(metas[i])] for i, _ in reserved]
         reservation_s = reply.get("reservation_s")
-        if reservation_s is not None and (isinstance(reservation_s, bool) or not isinstance(reservation_s, (int, float))
-                                          or not reservation_s > 0):
+        if reservation_s is not None and stated_seconds(reservation_s) is None:
             raise ProtocolError(f"unit {self.unit}: {RESERVE_WRITES} states a reservation lifetime of "
                                 f"{reservation_s!r}; writes of {describe_keys(keys)} not made")
         window = write_window(reservation_s)

@@ -151,9 +151,10 @@ class MicroBatchStream:
         closed = lambda: self._closed  # noqa: E731
         if self._landing:
             self._way = LandingFetch(context, plans, self._buffers, self._shaped, lambda: self._submitted, closed)
+        elif self._in_place:
+            self._way = LeaseWindows(context, plans)
         else:
-            self._way = LeaseWindows(context, plans) if self._in_place else StagedFetch(context, plans, self._buffers,
-                                                                                 units, closed)
+            self._way = StagedFetch(context, plans, self._buffers, units, closed)
         self._submit_until(prefetch)
 
     @property

@@ -177,7 +177,7 @@ def test_rdma_sends_small_items_in_one_request_and_pushes_large_ones(tmp_path):
         assert _stored(unit, "small") == items[0][1].tobytes() and _stored(unit, "large") == items[1][1].tobytes()
 
 
-@pytest.mark.parametrize("lifetime", ["soon", True, 0, -1.0])
+@pytest.mark.parametrize("lifetime", ["soon", True, 0, -1.0, float("inf")])
 def test_a_reservation_reply_stating_no_usable_lifetime_moves_nothing(lifetime):
     """A scripted unit's reply: without a lifetime to bound the moves by, none starts."""
     class Control:
