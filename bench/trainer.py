@@ -67,7 +67,10 @@ restored with no gputq in it, from the plainest parts. Over tcp,
 the plain socket's reads of each micro-batch's bytes, widened to int32 as
 they land, 64 KiB at a time, on the receiving thread
 (:class:`~bench.common.SocketWidened`); over shm, the same bytes widened
-to int32 on the memcpy's threads.
+to int32 on the memcpy's threads, and (``one_thread_widen_vs_ceiling``)
+on one thread, as the stream's restore widens: where that reaches the
+ceiling, the widen is bound by memory, not by the stream's one restore
+thread.
 ``ceiling_vs_baseline`` is its ratio to the baseline (where it is below a
 goal, the goal asks more of this machine than a bare socket or memory plus
 numpy's widen gives: the widened output is twice the bytes),
@@ -378,8 +381,8 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
     before = _unit_count(clients, "reads")  # a read request, or a one-sided reader's lease
     _stream_pass(reader, shard, args, 0, 0)
     requests = (_unit_count(clients, "reads") - before) / micro_batches
-    loops, base, top, alone = [], [], [], []
-    reads_pass = None
+    loops, base, top, alone, one = [], [], [], [], []
+    reads_pass = one_thread_pass = None
     stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
     units = [child.pid for child in multiprocessing.active_children()]  # the bench's only children so far
     ids = np.dtype(args.dtype if args.dtype in ("uint8", "uint16", "int32") else "uint8")  # packed: a uint8 widen
@@ -390,6 +393,7 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
             widened = np.ones(nbytes // ids.itemsize, np.int32)
             baseline_pass = functools.partial(threaded_memcpy, dst, src, 2)
             ceiling_pass = functools.partial(threaded_memcpy, widened, compact, 2)
+            one_thread_pass = functools.partial(threaded_memcpy, widened, compact, 1)  # as the stream's restore
             baseline_pids, baseline, ceiling = (), "memcpy x2 threads", "widen x2 threads"
         else:
             # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
@@ -416,6 +420,8 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
             top.append(wall_time(ceiling_pass))
             if reads_pass is not None:
                 alone.append(wall_time(reads_pass))
+            if one_thread_pass is not None:
+                one.append(wall_time(one_thread_pass))
             loops.append(wall_time(stream_pass))
         base_use, loop_use = _cores(baseline_pass, baseline_pids), _cores(stream_pass, units)
         # Where the receiving process is the one kept busy, its CPU per byte bounds the throughput.
@@ -445,6 +451,9 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
             "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2), **receiving, **waiting,
             "ceiling": ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(top)), 2),
             "ceiling_vs_baseline": round(ceiling_ratio, 3), "stream_vs_ceiling": round(vs_ceiling, 3),
+            **({} if not one else {
+                "one_thread_widen_GBps": round(gbps(nbytes, statistics.median(one)), 2),
+                "one_thread_widen_vs_ceiling": round(statistics.median(c / o for c, o in zip(top, one)), 3)}),
             **({} if not alone else {
                 "reads_GBps": round(gbps(nbytes, statistics.median(alone)), 2),
                 "reads_vs_baseline": round(statistics.median(b / a for b, a in zip(base, alone)), 3),
@@ -533,6 +542,8 @@ def run(args) -> dict:
             result["throughput_ratio"] = min(r["ratio"] for r in big) if big else None
             result["ceiling_vs_baseline"] = min(r["ceiling_vs_baseline"] for r in big) if big else None
             result["stream_vs_ceiling"] = min(r["stream_vs_ceiling"] for r in big) if big else None
+            if big and "one_thread_widen_vs_ceiling" in big[0]:
+                result["one_thread_widen_vs_ceiling"] = min(r["one_thread_widen_vs_ceiling"] for r in big)
             if big and "reads_vs_baseline" in big[0]:
                 result["reads_vs_baseline"] = min(r["reads_vs_baseline"] for r in big)
                 result["stream_vs_reads"] = min(r["stream_vs_reads"] for r in big)
@@ -612,6 +623,9 @@ def main(argv=None) -> None:
     print(f"min stream vs baseline (slices >= 16 MiB): {result['throughput_ratio']}  (goal >= {goal}); "
           f"the ceiling (no gputq) reaches {result['ceiling_vs_baseline']} of the baseline, the stream "
           f"{result['stream_vs_ceiling']} of the ceiling")
+    if "one_thread_widen_vs_ceiling" in result:
+        print(f"one thread widening the same bytes (as the stream's restore does) reaches "
+              f"{result['one_thread_widen_vs_ceiling']} of the ceiling")
     if "reads_vs_baseline" in result:
         print(f"the stream's reads alone reach {result['reads_vs_baseline']} of the baseline, the stream "
               f"{result['stream_vs_reads']} of its reads alone")

@@ -102,12 +102,18 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_trainer_overlap_at_a_fixed_compute(capsys, tmp_path):
+def test_trainer_overlap_at_a_fixed_compute_over_shm(capsys, tmp_path):
     # Two libraries compared at one compute: the goal's (twice the fetch+restore) grows with a slower stream.
     trainer.main(["--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "8192",
                   "--samples", "2", "--scales", "2,4", "--repeats", "1", "--step-samples", "8",
-                  "--overlap-steps", "1", "--overlap-compute-ms", "3.5", "--figures", "", "--json"])
+                  "--overlap-steps", "1", "--overlap-compute-ms", "3.5", "--transport", "shm", "--figures", "",
+                  "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["transport"] == "shm" and out["every_rank_exactly_its_slice"]
+    for row in out["throughput_rows"]:  # the ceiling's widen on two threads, and on one as the stream's restore
+        assert row["baseline"] == "memcpy x2 threads" and row["ceiling"] == "widen x2 threads"
+        assert row["one_thread_widen_GBps"] > 0 and row["one_thread_widen_vs_ceiling"] > 0
+    assert "one_thread_widen_vs_ceiling" not in out  # no slice of 16 MiB or more here: no summary figure
     assert out["overlap"]["compute"] == "fixed" and out["overlap"]["compute_ms"] == 3.5
     # Four micro-batches of 3.5 ms each: the compute alone, however long the fetches took.
     assert 4 * 3.5e-3 <= out["overlap"]["compute_alone_s"] < 4 * 3.5e-3 + 0.5
