@@ -103,6 +103,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -368,6 +369,90 @@ def _reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
     return one_pass
 
 
+@dataclass
+class _References:
+    """What a throughput pass is compared with: its baseline and ceiling passes (named), the processes that
+    serve the baseline, and the extra passes timed beside them (``reads``, ``one_thread_widen``)."""
+
+    baseline: str
+    baseline_pass: Callable
+    baseline_pids: tuple
+    ceiling: str
+    ceiling_pass: Callable
+    extra: dict
+
+
+def _references(clients, config, shard, args, transport: str, nbytes: int, per_mb: int,
+                stack: contextlib.ExitStack) -> _References:
+    """The baseline, the ceiling and the extra passes of ``transport`` over the slice's ``nbytes``."""
+    ids = np.dtype(args.dtype if args.dtype in ("uint8", "uint16", "int32") else "uint8")  # packed: a uint8 widen
+    if transport == "shm":
+        src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+        compact = src[:nbytes // ids.itemsize * ids.itemsize].view(ids)
+        widened = np.ones(nbytes // ids.itemsize, np.int32)
+        return _References("memcpy x2 threads", functools.partial(threaded_memcpy, dst, src, 2), (),
+                           "widen x2 threads", functools.partial(threaded_memcpy, widened, compact, 2),
+                           # on one thread, as the stream's restore widens
+                           {"one_thread_widen": functools.partial(threaded_memcpy, widened, compact, 1)})
+    # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
+    socket = stack.enter_context(SocketBaseline(nbytes))
+    widening = SocketWidened(socket, per_mb, ids)
+    socket.read(nbytes)
+    widening.read(nbytes)
+
+    def baseline_pass():
+        for off in range(0, nbytes, per_mb):
+            socket.read(min(per_mb, nbytes - off), offset=off)
+
+    extra = {}
+    if transport == "tcp":
+        extra["reads"] = _reads_alone(clients, config, shard, args, stack)
+        before = _bytes_read(clients)
+        extra["reads"]()
+        if _bytes_read(clients) - before != nbytes:  # the stream's reads, or the figure means nothing
+            raise RuntimeError(f"the reads alone moved {_bytes_read(clients) - before} bytes, the stream {nbytes}")
+    return _References("plain socket", baseline_pass, (socket.server_pid,), "socket, widened as it lands",
+                       functools.partial(widening.read, nbytes), extra)
+
+
+def _cpu_figures(refs: _References, stream_pass, units: list, nbytes: int) -> tuple[dict, float, float]:
+    """Per side, the CPU per MiB of the receiving and the sending processes and the cores' worth of their
+    threads kept waiting; and the cores the baseline and the stream kept busy."""
+    base_use, loop_use = _cores(refs.baseline_pass, refs.baseline_pids), _cores(stream_pass, units)
+    # Where the receiving process is the one kept busy, its CPU per byte bounds the throughput.
+    figures = {"stream_receiver_us_per_MiB": _us_per_mib(loop_use.own, loop_use.pass_s, nbytes),
+               "stream_units_us_per_MiB": _us_per_mib(loop_use.others, loop_use.pass_s, nbytes),
+               "baseline_receiver_us_per_MiB": _us_per_mib(base_use.own, base_use.pass_s, nbytes)}
+    if refs.baseline_pids:
+        figures["baseline_sender_us_per_MiB"] = _us_per_mib(base_use.others, base_use.pass_s, nbytes)
+    for side, work in (("ceiling", refs.ceiling_pass), ("reads", refs.extra.get("reads"))):
+        if work is not None:
+            top_side = _cores(work, ())
+            figures[f"{side}_receiver_us_per_MiB"] = _us_per_mib(top_side.own, top_side.pass_s, nbytes)
+    waiting = {"stream_receiver": loop_use.own_waiting, "stream_units": loop_use.others_waiting,
+               "baseline_receiver": base_use.own_waiting}
+    if refs.baseline_pids:
+        waiting["baseline_sender"] = base_use.others_waiting
+    figures.update({f"{side}_waiting_cores": round(v, 2) for side, v in waiting.items() if v is not None})
+    return figures, base_use.own + base_use.others, loop_use.own + loop_use.others
+
+
+def _extra_figures(nbytes: int, base: list, top: list, loops: list, extra: dict) -> dict:
+    """The extra passes' figures: the reads alone against the baseline and the stream, the one-thread widen
+    against the ceiling (medians of the pairs timed side by side)."""
+    figures = {}
+    if "one_thread_widen" in extra:
+        one = extra["one_thread_widen"]
+        figures["one_thread_widen_GBps"] = round(gbps(nbytes, statistics.median(one)), 2)
+        figures["one_thread_widen_vs_ceiling"] = round(statistics.median(c / o for c, o in zip(top, one)), 3)
+    if "reads" in extra:
+        alone = extra["reads"]
+        figures["reads_GBps"] = round(gbps(nbytes, statistics.median(alone)), 2)
+        figures["reads_vs_baseline"] = round(statistics.median(b / a for b, a in zip(base, alone)), 3)
+        figures["stream_vs_reads"] = round(statistics.median(a / t for a, t in zip(alone, loops)), 3)
+    return figures
+
+
 def _throughput(reader, clients, config, shard, args, transport: str, repeats: int) -> dict:
     """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes.
 
@@ -377,88 +462,32 @@ def _throughput(reader, clients, config, shard, args, transport: str, repeats: i
     """
     _, nbytes, _ = _stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
     micro_batches = len(_micro_batches(len(shard), args.mb_samples))
-    per_mb = -(-nbytes // micro_batches)
     before = _unit_count(clients, "reads")  # a read request, or a one-sided reader's lease
     _stream_pass(reader, shard, args, 0, 0)
     requests = (_unit_count(clients, "reads") - before) / micro_batches
-    loops, base, top, alone, one = [], [], [], [], []
-    reads_pass = one_thread_pass = None
     stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
     units = [child.pid for child in multiprocessing.active_children()]  # the bench's only children so far
-    ids = np.dtype(args.dtype if args.dtype in ("uint8", "uint16", "int32") else "uint8")  # packed: a uint8 widen
     with contextlib.ExitStack() as stack:
-        if transport == "shm":
-            src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
-            compact = src[:nbytes // ids.itemsize * ids.itemsize].view(ids)
-            widened = np.ones(nbytes // ids.itemsize, np.int32)
-            baseline_pass = functools.partial(threaded_memcpy, dst, src, 2)
-            ceiling_pass = functools.partial(threaded_memcpy, widened, compact, 2)
-            one_thread_pass = functools.partial(threaded_memcpy, widened, compact, 1)  # as the stream's restore
-            baseline_pids, baseline, ceiling = (), "memcpy x2 threads", "widen x2 threads"
-        else:
-            # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
-            socket = stack.enter_context(SocketBaseline(nbytes))
-            widening = SocketWidened(socket, per_mb, ids)
-            socket.read(nbytes)
-            widening.read(nbytes)
-
-            def baseline_pass():
-                for off in range(0, nbytes, per_mb):
-                    socket.read(min(per_mb, nbytes - off), offset=off)
-
-            ceiling_pass = functools.partial(widening.read, nbytes)
-            baseline_pids, baseline, ceiling = (socket.server_pid,), "plain socket", "socket, widened as it lands"
-            if transport == "tcp":
-                reads_pass = _reads_alone(clients, config, shard, args, stack)
-                before = _bytes_read(clients)
-                reads_pass()
-                if _bytes_read(clients) - before != nbytes:  # the stream's reads, or the figure means nothing
-                    raise RuntimeError(f"the reads alone moved {_bytes_read(clients) - before} bytes, the stream "
-                                       f"{nbytes}")
+        refs = _references(clients, config, shard, args, transport, nbytes, -(-nbytes // micro_batches), stack)
+        loops, base, top, extra = [], [], [], {name: [] for name in refs.extra}
         for _ in range(repeats):
-            base.append(wall_time(baseline_pass))
-            top.append(wall_time(ceiling_pass))
-            if reads_pass is not None:
-                alone.append(wall_time(reads_pass))
-            if one_thread_pass is not None:
-                one.append(wall_time(one_thread_pass))
+            base.append(wall_time(refs.baseline_pass))
+            top.append(wall_time(refs.ceiling_pass))
+            for name, work in refs.extra.items():
+                extra[name].append(wall_time(work))
             loops.append(wall_time(stream_pass))
-        base_use, loop_use = _cores(baseline_pass, baseline_pids), _cores(stream_pass, units)
-        # Where the receiving process is the one kept busy, its CPU per byte bounds the throughput.
-        receiving = {"stream_receiver_us_per_MiB": _us_per_mib(loop_use.own, loop_use.pass_s, nbytes),
-                     "stream_units_us_per_MiB": _us_per_mib(loop_use.others, loop_use.pass_s, nbytes),
-                     "baseline_receiver_us_per_MiB": _us_per_mib(base_use.own, base_use.pass_s, nbytes)}
-        if baseline_pids:
-            receiving["baseline_sender_us_per_MiB"] = _us_per_mib(base_use.others, base_use.pass_s, nbytes)
-        for side, work in (("ceiling", ceiling_pass), ("reads", reads_pass)):
-            if work is not None:
-                top_side = _cores(work, ())
-                receiving[f"{side}_receiver_us_per_MiB"] = _us_per_mib(top_side.own, top_side.pass_s, nbytes)
-        waiting = {"stream_receiver": loop_use.own_waiting, "stream_units": loop_use.others_waiting,
-                   "baseline_receiver": base_use.own_waiting}
-        if baseline_pids:
-            waiting["baseline_sender"] = base_use.others_waiting
-        waiting = {f"{side}_waiting_cores": round(v, 2) for side, v in waiting.items() if v is not None}
-        base_cores, loop_cores = base_use.own + base_use.others, loop_use.own + loop_use.others
-    ratio = statistics.median(b / t for b, t in zip(base, loops))
-    ceiling_ratio = statistics.median(b / c for b, c in zip(base, top))
-    vs_ceiling = statistics.median(c / t for c, t in zip(top, loops))
+        cpu, base_cores, loop_cores = _cpu_figures(refs, stream_pass, units, nbytes)
     base_s, loop_s = statistics.median(base), statistics.median(loops)
-    return {"slice_MiB": round(nbytes / _MIB, 1), "baseline": baseline,
+    return {"slice_MiB": round(nbytes / _MIB, 1), "baseline": refs.baseline,
             "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(base_cores, 2),
             "stream_GBps": round(gbps(nbytes, loop_s), 2), "stream_cores": round(loop_cores, 2),
-            "ratio": round(ratio, 3), "unit_requests_per_micro_batch": round(requests, 2),
-            "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2), **receiving, **waiting,
-            "ceiling": ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(top)), 2),
-            "ceiling_vs_baseline": round(ceiling_ratio, 3), "stream_vs_ceiling": round(vs_ceiling, 3),
-            **({} if not one else {
-                "one_thread_widen_GBps": round(gbps(nbytes, statistics.median(one)), 2),
-                "one_thread_widen_vs_ceiling": round(statistics.median(c / o for c, o in zip(top, one)), 3)}),
-            **({} if not alone else {
-                "reads_GBps": round(gbps(nbytes, statistics.median(alone)), 2),
-                "reads_vs_baseline": round(statistics.median(b / a for b, a in zip(base, alone)), 3),
-                "stream_vs_reads": round(statistics.median(a / t for a, t in zip(alone, loops)), 3)}),
-            "loop_s": loop_s}
+            "ratio": round(statistics.median(b / t for b, t in zip(base, loops)), 3),
+            "unit_requests_per_micro_batch": round(requests, 2),
+            "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2), **cpu,
+            "ceiling": refs.ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(top)), 2),
+            "ceiling_vs_baseline": round(statistics.median(b / c for b, c in zip(base, top)), 3),
+            "stream_vs_ceiling": round(statistics.median(c / t for c, t in zip(top, loops)), 3),
+            **_extra_figures(nbytes, base, top, loops, extra), "loop_s": loop_s}
 
 
 @contextlib.contextmanager
