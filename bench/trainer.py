@@ -502,6 +502,81 @@ def _frozen_gc():
         gc.unfreeze()
 
 
+def _bytes_figures(reader: Reader, clients, shards: list, args) -> dict:
+    """Every rank of every DP group against the group's whole-shard fetch: the bytes each moved."""
+    rows, shares = [], []
+    for dp, shard in enumerate(shards):
+        before = _bytes_read(clients)
+        reader.fetch(shard)
+        whole = _bytes_read(clients) - before
+        group = 0
+        for rank in progress_range(f"bytes, DP rank {dp}", args.pp * args.cp):
+            pp, cp = divmod(rank, args.cp)
+            before = _bytes_read(clients)
+            _, planned, _ = _stream_pass(reader, shard, args, pp, cp)
+            moved = _bytes_read(clients) - before
+            group += moved
+            rows.append({"rank": f"dp{dp}/pp{pp}/cp{cp}", "moved_MiB": round(moved / _MIB, 2),
+                         "whole_shard_MiB": round(whole / _MIB, 2), "share": round(moved / whole, 4),
+                         "exactly_the_slice": moved == planned})
+        shares.append(group / (args.pp * args.cp) / whole)
+    return {"bytes_rows": rows,
+            "bytes_ratio_vs_whole_shard": round(max(shares, key=lambda r: abs(r * args.pp * args.cp - 1)), 5),
+            "bytes_goal": round(1 / (args.pp * args.cp), 5),
+            "every_rank_exactly_its_slice": all(r["exactly_the_slice"] for r in rows)}
+
+
+def _overlap_figures(reader: Reader, stored: list, loop_s: float, args) -> dict:
+    """Training steps over ``stored`` cycled to ``--step-samples``, with compute (twice the fetch+restore of
+    a micro-batch of the throughput pass that took ``loop_s``, or ``--overlap-compute-ms``)."""
+    step = [stored[i % len(stored)] for i in range(args.step_samples)] or stored
+    per_mb_s = loop_s / len(_micro_batches(len(stored), args.mb_samples))
+    compute_s = args.overlap_compute_ms / 1e3 or 2 * per_mb_s
+    trained = [_overlap_step(reader, step, args, compute_s)
+               for _ in progress_range("overlap, training steps", args.overlap_steps)]
+    typical = sorted(trained, key=lambda t: t["ratio"])[len(trained) // 2]
+    overlap = {"step_samples": len(step), "micro_batches": len(_micro_batches(len(step), args.mb_samples)),
+               "compute_ms": round(compute_s * 1e3, 2),
+               "compute": "fixed" if args.overlap_compute_ms else "twice the fetch+restore",
+               "fetch_restore_ms": round(per_mb_s * 1e3, 2), "steps": len(trained),
+               **{k: v for k, v in typical.items() if k not in ("ratio", "after_first")},
+               "step_ratios": [t["ratio"] for t in trained]}
+    return {"overlap": overlap, "overlap_ratio": typical["ratio"],
+            "overlap_ratio_after_first": statistics.median(t["after_first"] for t in trained)}
+
+
+def _throughput_summary(speed: list) -> dict:
+    """The goals' figures over the slices of 16 MiB or more: each the least of its rows."""
+    big = [r for r in speed if r["slice_MiB"] >= 16]
+    summary = {name: min(r[name] for r in big) if big else None
+               for name in ("ratio", "ceiling_vs_baseline", "stream_vs_ceiling")}
+    summary["throughput_ratio"] = summary.pop("ratio")
+    for name in ("one_thread_widen_vs_ceiling", "reads_vs_baseline", "stream_vs_reads"):
+        if big and name in big[0]:
+            summary[name] = min(r[name] for r in big)
+    return summary
+
+
+def _memory_figures(clients, config, shards: dict, scales: list, args) -> dict:
+    """Fresh reader processes, streamed and whole-shard, at each scale: their peak memory."""
+    memory = []
+    for run in progress_range("memory, fresh readers", 2 * len(scales)):
+        s, path = scales[run // 2], ("stream", "whole")[run % 2]
+        peak = _peak_rss(clients, config, shards[s][0], args, path)
+        memory.append({"scale": s, "path": path, "peak_rss_MiB": round(peak / _MIB, 1)})
+    stream_peaks = {r["scale"]: r["peak_rss_MiB"] for r in memory if r["path"] == "stream"}
+    return {"memory_rows": memory, "peak_growth_4x": round(stream_peaks[max(scales)] / stream_peaks[scales[0]], 3)}
+
+
+def _buffer_figures(reader: Reader, first: list, args) -> dict:
+    """The stream's buffers over ``first`` (the smallest scale's shard), and the widened shard against them."""
+    with reader.stream(first, _micro_batches(len(first), args.mb_samples), _rank_slice(args, 0, 0),
+                       prefetch=args.prefetch) as stream:
+        buffers = stream.buffer_bytes
+    whole_widened = sum(layout.nbytes for sample in first for layout in sample.values())
+    return {"stream_buffers_MiB": round(buffers / _MIB, 2), "shard_vs_stream_buffers": round(whole_widened / buffers, 1)}
+
+
 def run(args) -> dict:
     scales = [int(s) for s in args.scales.split(",")]
     samples_total = args.dp * args.samples * max(scales)
@@ -522,75 +597,18 @@ def run(args) -> dict:
         result["transport"] = transport
         shards = {s: [[rollout[i] for i in range(d, args.dp * args.samples * s, args.dp)] for d in range(args.dp)]
                   for s in scales}
-        # Bytes, scale 1: every rank of every DP group against the group's whole-shard fetch.
-        rows, shares = [], []
         with Reader(clients, config) as reader:
-            for dp, shard in enumerate(shards[scales[0]]):
-                before = _bytes_read(clients)
-                reader.fetch(shard)
-                whole = _bytes_read(clients) - before
-                group = 0
-                for rank in progress_range(f"bytes, DP rank {dp}", args.pp * args.cp):
-                    pp, cp = divmod(rank, args.cp)
-                    before = _bytes_read(clients)
-                    _, planned, _ = _stream_pass(reader, shard, args, pp, cp)
-                    moved = _bytes_read(clients) - before
-                    group += moved
-                    rows.append({"rank": f"dp{dp}/pp{pp}/cp{cp}", "moved_MiB": round(moved / _MIB, 2),
-                                 "whole_shard_MiB": round(whole / _MIB, 2), "share": round(moved / whole, 4),
-                                 "exactly_the_slice": moved == planned})
-                shares.append(group / (args.pp * args.cp) / whole)
-            result["bytes_rows"] = rows
-            result["bytes_ratio_vs_whole_shard"] = round(max(shares, key=lambda r: abs(r * args.pp * args.cp - 1)), 5)
-            result["bytes_goal"] = round(1 / (args.pp * args.cp), 5)
-            result["every_rank_exactly_its_slice"] = all(r["exactly_the_slice"] for r in rows)
-            # Throughput and overlap: rank dp0/pp0/cp0 over each scale's shard.
-            speed = []
+            result.update(_bytes_figures(reader, clients, shards[scales[0]], args))  # scale 1
+            speed = []  # throughput and overlap: rank dp0/pp0/cp0 over each scale's shard
             for s in scales:
                 row = _throughput(reader, clients, config, shards[s][0], args, transport, args.repeats)
                 speed.append({"scale": s, **{k: v for k, v in row.items() if k != "loop_s"}})
                 if s == max(scales):  # the most micro-batches: the first one's fetch, never hidden, weighs least
-                    stored = shards[s][0]
-                    step = [stored[i % len(stored)] for i in range(args.step_samples)] or stored
-                    per_mb_s = row["loop_s"] / len(_micro_batches(len(stored), args.mb_samples))
-                    mbs = len(_micro_batches(len(step), args.mb_samples))
-                    compute_s = args.overlap_compute_ms / 1e3 or 2 * per_mb_s
-                    trained = [_overlap_step(reader, step, args, compute_s)
-                               for _ in progress_range("overlap, training steps", args.overlap_steps)]
-                    typical = sorted(trained, key=lambda t: t["ratio"])[len(trained) // 2]
-                    result["overlap"] = {"step_samples": len(step), "micro_batches": mbs,
-                                         "compute_ms": round(compute_s * 1e3, 2),
-                                         "compute": "fixed" if args.overlap_compute_ms else "twice the fetch+restore",
-                                         "fetch_restore_ms": round(per_mb_s * 1e3, 2), "steps": len(trained),
-                                         **{k: v for k, v in typical.items() if k not in ("ratio", "after_first")},
-                                         "step_ratios": [t["ratio"] for t in trained]}
-                    result["overlap_ratio"] = typical["ratio"]
-                    result["overlap_ratio_after_first"] = statistics.median(t["after_first"] for t in trained)
+                    result.update(_overlap_figures(reader, shards[s][0], row["loop_s"], args))
             result["throughput_rows"] = speed
-            big = [r for r in speed if r["slice_MiB"] >= 16]
-            result["throughput_ratio"] = min(r["ratio"] for r in big) if big else None
-            result["ceiling_vs_baseline"] = min(r["ceiling_vs_baseline"] for r in big) if big else None
-            result["stream_vs_ceiling"] = min(r["stream_vs_ceiling"] for r in big) if big else None
-            if big and "one_thread_widen_vs_ceiling" in big[0]:
-                result["one_thread_widen_vs_ceiling"] = min(r["one_thread_widen_vs_ceiling"] for r in big)
-            if big and "reads_vs_baseline" in big[0]:
-                result["reads_vs_baseline"] = min(r["reads_vs_baseline"] for r in big)
-                result["stream_vs_reads"] = min(r["stream_vs_reads"] for r in big)
-            first = shards[scales[0]][0]
-            with reader.stream(first, _micro_batches(len(first), args.mb_samples),
-                               _rank_slice(args, 0, 0), prefetch=args.prefetch) as stream:
-                result["stream_buffers_MiB"] = round(stream.buffer_bytes / _MIB, 2)
-            whole_widened = sum(layout.nbytes for sample in first for layout in sample.values())
-            result["shard_vs_stream_buffers"] = round(whole_widened / stream.buffer_bytes, 1)
-        # Memory: fresh reader processes, streamed and whole-shard, at each scale.
-        memory = []
-        for run in progress_range("memory, fresh readers", 2 * len(scales)):
-            s, path = scales[run // 2], ("stream", "whole")[run % 2]
-            peak = _peak_rss(clients, config, shards[s][0], args, path)
-            memory.append({"scale": s, "path": path, "peak_rss_MiB": round(peak / _MIB, 1)})
-        result["memory_rows"] = memory
-        stream_peaks = {r["scale"]: r["peak_rss_MiB"] for r in memory if r["path"] == "stream"}
-        result["peak_growth_4x"] = round(stream_peaks[max(scales)] / stream_peaks[scales[0]], 3)
+            result.update(_throughput_summary(speed))
+            result.update(_buffer_figures(reader, shards[scales[0]][0], args))
+        result.update(_memory_figures(clients, config, shards, scales, args))
     return result
 
 
@@ -640,6 +658,16 @@ def main(argv=None) -> None:
                  transport=args.transport, units=args.units, scales=args.scales, device="cpu",
                  gc="objects alive after setup frozen (gc.freeze)")
     result = run(args)
+    _report(result)
+    if args.figures:
+        for path in write_figures(trainer_memory_figure, result, args.figures):
+            print(f"figure: {path}")
+    if args.json:
+        emit_json(result)
+
+
+def _report(result: dict) -> None:
+    """The tables and the goals' figures, as they print."""
     print_table(result["bytes_rows"], list(result["bytes_rows"][0]))
     print(f"bytes_ratio_vs_whole_shard (DP group mean share): {result['bytes_ratio_vs_whole_shard']}  "
           f"(goal {result['bytes_goal']} +-1%); every rank moved exactly its slice: "
@@ -661,11 +689,6 @@ def main(argv=None) -> None:
     print(f"overlap: {result['overlap']}")
     print(f"overlap_ratio (the median of {result['overlap']['steps']} steps): {result['overlap_ratio']}  "
           f"(goal <= 1.05); after the first micro-batch: {result['overlap_ratio_after_first']}")
-    if args.figures:
-        for path in write_figures(trainer_memory_figure, result, args.figures):
-            print(f"figure: {path}")
-    if args.json:
-        emit_json(result)
 
 
 if __name__ == "__main__":
