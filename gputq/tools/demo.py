@@ -132,28 +132,73 @@ def demo_bytes(sessions: int, steps: int, tokens: int, row_bytes: int) -> int:
     return sessions * per_session * row_bytes
 
 
+@dataclass
+class _Rollout:
+    """What the demo's rollout left: the sessions, their segments and what writing them took."""
+
+    sessions: list
+    segments: list
+    aborted: int
+    write_seconds: float
+    bytes_offloaded: int
+
+
+def _demo_config(options: DemoOptions, config: GputqConfig | None) -> GputqConfig:
+    """``config`` (default: :meth:`GputqConfig.load`) with the options' settings and units sized for them."""
+    spec = routed_experts_spec(options.layers, options.topk, options.dtype, options.experts)
+    estimate = demo_bytes(options.sessions, options.steps, options.tokens, row_nbytes(spec))
+    capacity = max(64 << 20, int(1.5 * estimate / options.units))
+    return (config if config is not None else GputqConfig.load()).replace(
+        enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=options.dtype, num_experts=options.experts,
+        transport=options.transport, num_units=options.units, unit_capacity_bytes=capacity)
+
+
+def _roll_out(options: DemoOptions, clients, config: GputqConfig, partition: str) -> _Rollout:
+    """SGLang responses of synthetic sessions through the ingest path into the units; segments composed
+    from their references (each step then lives as long as a segment that uses it)."""
+    synth = SyntheticConfig(sessions=options.sessions, steps_per_session=options.steps,
+                            layers=options.layers, topk=options.topk, num_experts=options.experts,
+                            prompt_tokens=options.tokens // 2, tokens_per_step=options.tokens,
+                            tool_tokens=max(1, options.tokens // 8), branch_prob=0.25, rewrite_prob=0.2,
+                            seed=options.seed)
+    with Writer(clients, config) as writer:
+        started = time.perf_counter()
+        ingest = RolloutIngest(config, num_layers=options.layers, topk=options.topk, partition=partition,
+                               writer=writer, keep_inline=True)
+        sessions = ingest_synthetic(synth, ingest)
+        writer.flush()
+        write_seconds = time.perf_counter() - started
+        make = lineage_segments if options.view == "lineage" else timeline_segments
+        segments = [seg for session in sessions for seg in make(session)]
+        writer.finalize([seg.layouts for seg in segments], partition)
+        return _Rollout(sessions, segments, ingest.aborted, write_seconds, writer.bytes_written)
+
+
+def _train(ray, deployment, config: GputqConfig, options: DemoOptions, samples: list, partition: str,
+           progress: bool) -> list:
+    """The samples through the rollout manager to the trainer ranks, which hydrate theirs: their reports."""
+    manager = ray.remote(num_cpus=0)(RolloutManager).remote()
+    ray.get(manager.submit.remote(samples))
+    membership = deployment.membership()
+    trainer_cls = ray.remote(num_cpus=0)(TrainerRank)
+    trainers = [trainer_cls.remote(rank, membership, config, options.device) for rank in range(options.ranks)]
+    _say(progress, f"[5/6] {options.ranks} trainer ranks hydrating their samples (slime's checks)")
+    reports = ray.get([t.train_step.remote(manager, options.ranks, partition) for t in trainers])
+    ray.get([t.close.remote() for t in trainers])
+    return reports
+
+
 def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progress: bool = True) -> dict:
     """Run the demo; returns the summary (``verified`` and the figures).
 
     ``config`` (default: ``GputqConfig.load()``, the file and ``GPUTQ_*``
     variables) supplies every setting the options do not fix.
     """
-
     ray = import_ray()
     t0 = time.perf_counter()
-    synth = SyntheticConfig(sessions=options.sessions, steps_per_session=options.steps,
-                            layers=options.layers, topk=options.topk, num_experts=options.experts,
-                            prompt_tokens=options.tokens // 2, tokens_per_step=options.tokens,
-                            tool_tokens=max(1, options.tokens // 8), branch_prob=0.25, rewrite_prob=0.2,
-                            seed=options.seed)
-    spec = routed_experts_spec(options.layers, options.topk, options.dtype, options.experts)
-    estimate = demo_bytes(options.sessions, options.steps, options.tokens, row_nbytes(spec))
-    capacity = max(64 << 20, int(1.5 * estimate / options.units))
-    config = (config if config is not None else GputqConfig.load()).replace(
-        enabled=True, use_rollout_routing_replay=True, routed_experts_dtype=options.dtype, num_experts=options.experts,
-        transport=options.transport, num_units=options.units, unit_capacity_bytes=capacity)
+    config = _demo_config(options, config)
     partition = "rollout-0"
-    _say(progress, f"[1/6] starting Ray with {options.units} StorageUnits of {capacity >> 20} MiB")
+    _say(progress, f"[1/6] starting Ray with {options.units} StorageUnits of {config.unit_capacity_bytes >> 20} MiB")
     with Deployment.start(config, num_cpus=2) as deployment:
         config = deployment.config
         ray.get(deployment.controller.open_partition.remote(partition))
@@ -162,36 +207,16 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
         _say(progress, "      transport: " + "; ".join(f"{name} ({reason})" for name, reason in sorted(used)))
         _say(progress, f"[2/6] {options.sessions} sessions: SGLang responses (base64 meta_info) "
                        f"through the ingest path into StorageUnits")
-        with Writer(clients, config) as writer:
-            t_write = time.perf_counter()
-            ingest = RolloutIngest(config, num_layers=options.layers, topk=options.topk, partition=partition,
-                                   writer=writer, keep_inline=True)
-            sessions = ingest_synthetic(synth, ingest)
-            writer.flush()
-            write_seconds = time.perf_counter() - t_write
-            bytes_offloaded = writer.bytes_written
-            make = lineage_segments if options.view == "lineage" else timeline_segments
-            segments = [seg for session in sessions for seg in make(session)]
-            # From here on each step lives as long as a segment that uses it.
-            writer.finalize([seg.layouts for seg in segments], partition)
+        rollout = _roll_out(options, clients, config, partition)
+        segments = rollout.segments
         _say(progress, f"[3/6] composed {len(segments)} {options.view} segments from references")
         samples = [{**to_slime_sample(seg), "index": i} for i, seg in enumerate(segments)]
         sample_bytes = len(pickle.dumps(samples))
-        manager = ray.remote(num_cpus=0)(RolloutManager).remote()
-        ray.get(manager.submit.remote(samples))
         _say(progress, f"[4/6] {len(samples)} slime samples ({sample_bytes / 1e6:.2f} MB) sent through the "
-                       f"rollout manager; {bytes_offloaded / 1e6:.1f} MB stayed in StorageUnits")
-        membership = deployment.membership()
-        trainer_cls = ray.remote(num_cpus=0)(TrainerRank)
-        trainers = [trainer_cls.remote(rank, membership, config, options.device)
-                    for rank in range(options.ranks)]
-        _say(progress, f"[5/6] {options.ranks} trainer ranks hydrating their samples (slime's checks)")
-        reports = ray.get([t.train_step.remote(manager, options.ranks, partition) for t in trainers])
-        ray.get([t.close.remote() for t in trainers])
+                       f"rollout manager; {rollout.bytes_offloaded / 1e6:.1f} MB stayed in StorageUnits")
+        reports = _train(ray, deployment, config, options, samples, partition, progress)
         _say(progress, "[6/6] comparing with the inline (non-offloaded) path")
         expected = {i: digest_fields(inline_fields(seg)) for i, seg in enumerate(segments)}
-        got = {i: d for report in reports for i, d in report["digests"].items()}
-        mismatched = sorted(segments[i].segment_id for i in expected if got.get(i) != expected[i])
         released = ray.get(deployment.controller.release_partition.remote(partition))
         overlap = None
         if options.overlap:
@@ -203,22 +228,34 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
         invariants = ray.get(deployment.controller.check_invariants.remote())
         stats = deployment.stats()
         clients.close()
+    result = _summary(options, rollout, reports, expected, sample_bytes, released, invariants, stats, overlap)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    if progress:
+        print(format_summary(result))
+    return result
+
+
+def _summary(options: DemoOptions, rollout: _Rollout, reports: list, expected: dict, sample_bytes: int,
+             released: dict, invariants: dict, stats: dict, overlap: dict | None) -> dict:
+    """The demo's result: whether every rank's fields equal the inline path's, and the figures."""
+    got = {i: d for report in reports for i, d in report["digests"].items()}
+    mismatched = sorted(rollout.segments[i].segment_id for i in expected if got.get(i) != expected[i])
     # Ranks fetch at once: the bytes of all over the slowest rank's fetch+restore.
     waited = max(r["fetch_restore_seconds"] for r in reports)
     bytes_fetched = sum(r["bytes_fetched"] for r in reports)
-    result = {
+    return {
         "verified": (not mismatched and len(got) == len(expected) and invariants["ok"]
                      and (overlap is None or overlap["verified"])),
         "mismatched": mismatched[:10],
-        "segments": len(segments),
-        "steps": sum(len(s.steps) for s in sessions),
-        "aborted_requests": ingest.aborted,
+        "segments": len(rollout.segments),
+        "steps": sum(len(s.steps) for s in rollout.sessions),
+        "aborted_requests": rollout.aborted,
         "unique_keys_fetched_per_rank": [r["unique_keys"] for r in reports],
         "referenced_keys_per_rank": [r["referenced_keys"] for r in reports],
-        "bytes_offloaded": bytes_offloaded,
+        "bytes_offloaded": rollout.bytes_offloaded,
         "bytes_fetched": bytes_fetched,
         "sample_bytes_through_ray": sample_bytes,
-        "rollout_seconds": round(write_seconds, 3),
+        "rollout_seconds": round(rollout.write_seconds, 3),
         "fetch_restore_seconds": round(waited, 6),
         "fetch_restore_gbps": bytes_fetched / waited / 1e9 if waited else 0.0,
         "transport": sorted({t for r in reports for t in r["transports"]}),
@@ -228,11 +265,7 @@ def run_demo(options: DemoOptions, *, config: GputqConfig | None = None, progres
         "invariants_ok": bool(invariants["ok"]),
         "invariant_violations": invariants["violations"][:10],
         "overlap": overlap,
-        "seconds": round(time.perf_counter() - t0, 2),
     }
-    if progress:
-        print(format_summary(result))
-    return result
 
 
 def format_summary(r: dict) -> str:
