@@ -235,6 +235,18 @@ class StorageUnit(ArenaHandler, Closeable):
         InvalidInputError
             A malformed key, size, meta, generation, partition or timeout.
         """
+        key, nbytes, meta, partition, generation, timeout = self._write_args(key, nbytes, meta, timeout)
+        now = time.monotonic()
+        deadline = now + min(max(0.0, float(timeout)), threading.TIMEOUT_MAX)  # NaN: 0, inf: TIMEOUT_MAX
+        with self._lock:
+            offset = self._allocate_waiting(key, nbytes, timeout, deadline, _Waiter(now))
+            entry = Entry(key, offset, nbytes, meta, generation)
+            self._table.reserve(entry, partition)
+            self._timer.poke(self._book.reserve(entry, time.monotonic()))  # under the lock: in order
+        return offset
+
+    def _write_args(self, key, nbytes, meta, timeout) -> tuple:
+        """:meth:`begin_write`'s arguments checked: key, size, meta, partition, generation and timeout."""
         key = check_key(self.name, key)
         nbytes = check_nbytes(self.name, nbytes)
         meta, partition, generation = check_meta(self.name, meta)
@@ -245,40 +257,38 @@ class StorageUnit(ArenaHandler, Closeable):
         if not self._alloc.fits_ever(nbytes):
             raise RequestTooLargeError(
                 f"unit {self.name}: key {key!r} needs {nbytes} bytes, arena holds {self.capacity}")
-        now = time.monotonic()
-        deadline = now + min(max(0.0, float(timeout)), threading.TIMEOUT_MAX)  # NaN: 0, inf: TIMEOUT_MAX
-        waiter = _Waiter(now)
-        with self._lock:
-            self._waiters.append(waiter)
-            try:
-                while True:
-                    self._check_open()
-                    if key in self._table:
-                        raise DuplicateKeyError(f"unit {self.name}: key {key!r} already exists")
-                    if self._may_allocate(waiter, now):
-                        offset = self._alloc.allocate(nbytes)
-                        if offset is not None:
-                            break
-                    if now >= deadline:
-                        self._counters["capacity_errors"] += 1
-                        raise CapacityError(
-                            f"unit {self.name}: no space for key {key!r} ({nbytes} bytes) "
-                            f"within {timeout:g} s; free {self._alloc.free_bytes} bytes, "
-                            f"largest free block {self._alloc.largest_free} bytes, "
-                            f"{len(self._waiters) - 1} other writers waiting")
-                    self._space.wait(deadline - now)
-                    now = time.monotonic()
-            finally:
-                if self._waiters[0] is waiter:
-                    self._space.notify_all()  # the next in line may pass or fit now
-                self._waiters.remove(waiter)
-                if now > waiter.since:
-                    self._counters["waits"] += 1
-                    self._counters["wait_us"] += int((now - waiter.since) * 1e6)
-            entry = Entry(key, offset, nbytes, meta, generation)
-            self._table.reserve(entry, partition)
-            self._timer.poke(self._book.reserve(entry, time.monotonic()))  # under the lock: in order
-        return offset
+        return key, nbytes, meta, partition, generation, timeout
+
+    def _allocate_waiting(self, key: str, nbytes: int, timeout: float, deadline: float, waiter: "_Waiter") -> int:
+        """Allocate ``nbytes`` for ``key``, waiting in line (``waiter``) for releases until ``deadline``; the
+        caller holds the lock. Raises ``DuplicateKeyError`` and ``CapacityError`` as :meth:`begin_write`."""
+        now = waiter.since
+        self._waiters.append(waiter)
+        try:
+            while True:
+                self._check_open()
+                if key in self._table:
+                    raise DuplicateKeyError(f"unit {self.name}: key {key!r} already exists")
+                if self._may_allocate(waiter, now):
+                    offset = self._alloc.allocate(nbytes)
+                    if offset is not None:
+                        return offset
+                if now >= deadline:
+                    self._counters["capacity_errors"] += 1
+                    raise CapacityError(
+                        f"unit {self.name}: no space for key {key!r} ({nbytes} bytes) "
+                        f"within {timeout:g} s; free {self._alloc.free_bytes} bytes, "
+                        f"largest free block {self._alloc.largest_free} bytes, "
+                        f"{len(self._waiters) - 1} other writers waiting")
+                self._space.wait(deadline - now)
+                now = time.monotonic()
+        finally:
+            if self._waiters[0] is waiter:
+                self._space.notify_all()  # the next in line may pass or fit now
+            self._waiters.remove(waiter)
+            if now > waiter.since:
+                self._counters["waits"] += 1
+                self._counters["wait_us"] += int((now - waiter.since) * 1e6)
 
     def commit_write(self, key: str, generation: int | None = None) -> dict:
         """Make a reserved, fully written key readable; return ``{"offset", "nbytes",
