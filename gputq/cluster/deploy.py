@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -198,25 +199,9 @@ class Deployment:
         ray = import_ray()
         if config.metrics_port:
             require_prometheus()  # here, in one line, not as a failed actor on every node
-        started = False
-        if not ray.is_initialized():
-            import os
-
-            # address="local": a cluster of our own, never one that another job (or a
-            # stale `ray start`) left on this machine, which ray.init() would join.
-            kwargs = {"address": ray_address} if ray_address else {
-                "address": "local", "num_cpus": num_cpus or max(2, os.cpu_count() or 2),
-                "include_dashboard": False}
-            ray.init(log_to_driver=False, namespace=NAMESPACE, **kwargs)
-            started = True
+        started = _init_ray(ray, ray_address, num_cpus)
         config = config.with_token()
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # The controller lives on the driver's node: a num_cpus=0 actor could otherwise land on
-        # any node, and take the membership down with it when an autoscaled node leaves.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        controller = ray.remote(num_cpus=0, max_concurrency=16)(ControllerService).options(
-            name=controller_name, namespace=NAMESPACE, scheduling_strategy=here).remote(config)
+        controller = _start_controller(ray, config, controller_name)
         alive = [n for n in ray.nodes() if n.get("Alive")]
         if per_node is None:
             per_node = len(alive) > 1
@@ -373,3 +358,26 @@ def local_cluster(config: GputqConfig) -> Iterator[tuple[GputqConfig, list[UnitS
     finally:
         for service in services:
             service.close()
+
+
+def _init_ray(ray, ray_address: str | None, num_cpus: int | None) -> bool:
+    """Connect to ``ray_address``, or start an embedded Ray of ``num_cpus``, unless this process has Ray
+    initialised already; whether it started one."""
+    if ray.is_initialized():
+        return False
+    # address="local": a cluster of our own, never one that another job (or a
+    # stale `ray start`) left on this machine, which ray.init() would join.
+    kwargs = {"address": ray_address} if ray_address else {
+        "address": "local", "num_cpus": num_cpus or max(2, os.cpu_count() or 2), "include_dashboard": False}
+    ray.init(log_to_driver=False, namespace=NAMESPACE, **kwargs)
+    return True
+
+
+def _start_controller(ray, config: GputqConfig, name: str):
+    """The controller actor ``name``, on the driver's node: a num_cpus=0 actor could otherwise land on any
+    node, and take the membership down with it when an autoscaled node leaves."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0, max_concurrency=16)(ControllerService).options(
+        name=name, namespace=NAMESPACE, scheduling_strategy=here).remote(config)
