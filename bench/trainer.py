@@ -574,7 +574,8 @@ def _buffer_figures(reader: Reader, first: list, args) -> dict:
                        prefetch=args.prefetch) as stream:
         buffers = stream.buffer_bytes
     whole_widened = sum(layout.nbytes for sample in first for layout in sample.values())
-    return {"stream_buffers_MiB": round(buffers / _MIB, 2), "shard_vs_stream_buffers": round(whole_widened / buffers, 1)}
+    return {"stream_buffers_MiB": round(buffers / _MIB, 2),
+            "shard_vs_stream_buffers": round(whole_widened / buffers, 1)}
 
 
 def run(args) -> dict:

@@ -8,6 +8,7 @@ every consumed sample bit for bit against the inline path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -92,52 +93,83 @@ def overlapping_rollouts(controller, clients, config, *, sessions: int = 6, step
     """
     if sessions < 3:
         raise InvalidInputError("overlapping_rollouts needs at least 3 sessions (carried, dropped, consumed)")
-    r0, r1 = "overlap-0", "overlap-1"
-    fields = FieldRegistry.builtin(layers, topk, config.routed_experts_dtype)
-    rng = np.random.default_rng([seed, 1])
     synth = dict(steps_per_session=steps, layers=layers, topk=topk, num_experts=experts,
                  prompt_tokens=tokens, tokens_per_step=tokens, tool_tokens=max(1, tokens // 8),
                  branch_prob=0.3, rewrite_prob=0.2)
-    summary: dict[str, Any] = {"mismatched": [], "invariants": []}
-
-    def segments_of(group):
-        return [seg for session in group for seg in lineage_segments(session)]
-
-    def check(referenced, when):
-        report = controller.check_invariants(referenced)
-        summary["invariants"].append({"after": when, "ok": report["ok"], "violations": report["violations"][:5]})
-
     with Writer(clients, config) as writer, Reader(clients, config) as reader:
-        controller.open_partition(r0)
-        first = _families(build_sessions(SyntheticConfig(sessions=sessions, seed=seed, **synth), fields=fields,
-                                         writer=writer, partition=r0))
-        writer.flush()
-        carried, dropped0, kept0 = first[0], first[1], [s for g in first[2:] for s in g]
-        controller.open_partition(r1)
-        summary["keys_carried"] = carry(carried, r0, r1, clients)
-        done0 = segments_of(kept0) + segments_of(dropped0)
-        writer.finalize([seg.layouts for seg in done0], r0)
-        summary["keys_freed_by_drop"] = drop([seg.layouts for seg in segments_of(dropped0)], r0, clients)
+        fields = FieldRegistry.builtin(layers, topk, config.routed_experts_dtype)
+        run = _Overlap(controller, clients, writer, reader, fields, synth, {"mismatched": [], "invariants": []})
+        carried, dropped0, kept0 = run.first(sessions, seed)
         # Rollout 1 is under way before rollout 0's samples are trained on.
-        second = _families(build_sessions(SyntheticConfig(sessions=max(2, sessions // 2), seed=seed + 1, **synth),
-                                          fields=fields, writer=writer, partition=r1))
+        second = run.rollout(_SECOND, max(2, sessions // 2), seed + 1)
+        rng = np.random.default_rng([seed, 1])
         for session in carried:
-            _continue(session, writer, r1, rng, layers, topk, experts, tokens)
+            _continue(session, writer, _SECOND, rng, layers, topk, experts, tokens)
         writer.flush()
-        summary["mismatched"] += _consume(reader, segments_of(kept0), r0)
-        summary["released_0"] = controller.release_partition(r0)
-        check([carried, second], f"release of {r0}")
+        run.consume(kept0, _FIRST)
+        run.summary["released_0"] = controller.release_partition(_FIRST)
+        run.check([carried, second], f"release of {_FIRST}")
         dropped1, kept1 = second[0], [s for g in second[1:] for s in g] + carried
-        done1 = segments_of(kept1) + segments_of(dropped1)
-        writer.finalize([seg.layouts for seg in done1], r1)
-        summary["keys_freed_by_drop"] += drop([seg.layouts for seg in segments_of(dropped1)], r1, clients)
-        summary["mismatched"] += _consume(reader, segments_of(kept1), r1)
-        summary["released_1"] = controller.release_partition(r1)
-        check([], f"release of {r1}")
+        run.finish(kept1, dropped1, _SECOND)
+        run.consume(kept1, _SECOND)
+        run.summary["released_1"] = controller.release_partition(_SECOND)
+        run.check([], f"release of {_SECOND}")
+    summary = run.summary
     totals = controller.stats()["totals"]
-    summary.update(segments_consumed=len(segments_of(kept0)) + len(segments_of(kept1)),
-                   segments_dropped=len(segments_of(dropped0)) + len(segments_of(dropped1)),
+    summary.update(segments_consumed=len(_segments_of(kept0)) + len(_segments_of(kept1)),
+                   segments_dropped=len(_segments_of(dropped0)) + len(_segments_of(dropped1)),
                    sessions_carried=len(carried), keys_left=int(totals["keys"]), bytes_left=int(totals["used"]))
     summary["verified"] = (not summary["mismatched"] and all(c["ok"] for c in summary["invariants"])
                            and summary["keys_left"] == 0 and summary["bytes_left"] == 0)
     return summary
+
+
+_FIRST, _SECOND = "overlap-0", "overlap-1"
+
+
+def _segments_of(group) -> list:
+    return [seg for session in group for seg in lineage_segments(session)]
+
+
+@dataclass
+class _Overlap:
+    """One run of :func:`overlapping_rollouts`: what its steps share, and the summary they fill in."""
+
+    controller: Any
+    clients: Any
+    writer: Writer
+    reader: Reader
+    fields: FieldRegistry
+    synth: dict
+    summary: dict
+
+    def rollout(self, partition: str, sessions: int, seed: int) -> list:
+        """Write ``sessions`` synthetic sessions into ``partition``: their families (a session and its branches)."""
+        return _families(build_sessions(SyntheticConfig(sessions=sessions, seed=seed, **self.synth),
+                                         fields=self.fields, writer=self.writer, partition=partition))
+
+    def first(self, sessions: int, seed: int) -> tuple[list, list, list]:
+        """Rollout 0, its first family carried to rollout 1 and its second dropped: (carried, dropped, kept)."""
+        self.controller.open_partition(_FIRST)
+        first = self.rollout(_FIRST, sessions, seed)
+        self.writer.flush()
+        carried, dropped, kept = first[0], first[1], [s for g in first[2:] for s in g]
+        self.controller.open_partition(_SECOND)
+        self.summary["keys_carried"] = carry(carried, _FIRST, _SECOND, self.clients)
+        self.summary["keys_freed_by_drop"] = 0
+        self.finish(kept, dropped, _FIRST)
+        return carried, dropped, kept
+
+    def finish(self, kept: list, dropped: list, partition: str) -> None:
+        """The rollout's segments finalized, the ``dropped`` group's dropped."""
+        self.writer.finalize([seg.layouts for seg in _segments_of(kept) + _segments_of(dropped)], partition)
+        self.summary["keys_freed_by_drop"] += drop([seg.layouts for seg in _segments_of(dropped)], partition,
+                                                   self.clients)
+
+    def consume(self, kept: list, partition: str) -> None:
+        """Train on the ``kept`` sessions' segments (checked bit-exact)."""
+        self.summary["mismatched"] += _consume(self.reader, _segments_of(kept), partition)
+
+    def check(self, referenced: list, when: str) -> None:
+        report = self.controller.check_invariants(referenced)
+        self.summary["invariants"].append({"after": when, "ok": report["ok"], "violations": report["violations"][:5]})
