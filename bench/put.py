@@ -392,7 +392,7 @@ def run(args) -> dict:
     return {"rows": rows, "throughput": tput, "layouts": layouts, "raw": raw, "summary": summary}
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = add_json_flag(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--tokens", default="1024,8192,65536", help="step sizes in tokens")
     parser.add_argument("--kinds", default=",".join(KINDS), help="stored expert dtypes and/or logprobs")
@@ -409,6 +409,39 @@ def main(argv=None) -> int:
     parser.add_argument("--throughput-kind", default="uint16", choices=KINDS)
     parser.add_argument("--log", nargs="?", const="", default=None, metavar="PATH",
                         help="also save the output and every raw latency (default docs/logs/put-<UTC time>.log)")
+    return parser
+
+
+def _report(result: dict) -> None:
+    """The tables and the goals' figures, as they print."""
+    print_table(result["rows"], ["kind", "tokens", "step_MiB", "puts", "pass_ms", "put_p50_ms",
+                                 "put_p99_ms", "put_p99.9_ms", "p50/pass", "p99/p50", "first_pass_ms",
+                                 "p50/first_pass", "tail_cpu%", "tail_runq%", "tail_blocked%", "warm_rounds",
+                                 "buffers"])
+    print("  first_pass: the pass's median where it runs first after a round's sends, as a put runs: its "
+          "input no longer in cache (pass_ms, the goal's baseline, is the median of all passes)")
+    print("  tail_*: of the slowest 1% of puts' time, the share on a core, waiting for a core "
+          "(other threads and processes had it), and blocked (GIL, locks, in-flight bound)")
+    print("  warm_rounds: untimed rounds until one added no buffer to the writer's pool; "
+          "buffers: the pool's size after the timed rounds")
+    print()
+    print_table(result["throughput"], ["kind", "tokens", "threads", "steps", "steps_per_s", "GB/s"])
+    summary = result["summary"]
+    if result["layouts"]:
+        print()
+        print_table(result["layouts"], list(result["layouts"][0]))
+        print(f"  layer-major storage vs row after row, put's own pass (worst step): "
+              f"{summary['layer_major_vs_rows']:.2f}x")
+    print(f"  put_p50_vs_pass (worst expert step): {summary['put_p50_vs_pass']:.2f}  (goal <= 1.5)")
+    print(f"  put_p99_vs_p50 (worst expert step): {summary['put_p99_vs_p50']:.2f}  (goal <= 3)")
+    if "logprobs_put_p50_us" in summary:
+        print(f"  logprobs-only steps: p50/pass {summary['logprobs_p50_vs_pass']:.2f}, p99/p50 "
+              f"{summary['logprobs_p99_vs_p50']:.2f}, put p50 {summary['logprobs_put_p50_us']:.0f} us "
+              f"(their pass takes microseconds: the fixed cost of a put dominates)")
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         caller_and_other_cores(args.caller_core)
@@ -429,37 +462,15 @@ def main(argv=None) -> int:
                      load=" ".join(f"{x:.2f}" for x in os.getloadavg()))
         started = time.perf_counter()
         result = run(args)
-        print_table(result["rows"], ["kind", "tokens", "step_MiB", "puts", "pass_ms", "put_p50_ms",
-                                     "put_p99_ms", "put_p99.9_ms", "p50/pass", "p99/p50", "first_pass_ms",
-                                     "p50/first_pass", "tail_cpu%", "tail_runq%", "tail_blocked%", "warm_rounds",
-                                     "buffers"])
-        print("  first_pass: the pass's median where it runs first after a round's sends, as a put runs: its "
-              "input no longer in cache (pass_ms, the goal's baseline, is the median of all passes)")
-        print("  tail_*: of the slowest 1% of puts' time, the share on a core, waiting for a core "
-              "(other threads and processes had it), and blocked (GIL, locks, in-flight bound)")
-        print("  warm_rounds: untimed rounds until one added no buffer to the writer's pool; "
-              "buffers: the pool's size after the timed rounds")
-        print()
-        print_table(result["throughput"], ["kind", "tokens", "threads", "steps", "steps_per_s", "GB/s"])
-        summary = result["summary"]
-        if result["layouts"]:
-            print()
-            print_table(result["layouts"], list(result["layouts"][0]))
-            print(f"  layer-major storage vs row after row, put's own pass (worst step): "
-                  f"{summary['layer_major_vs_rows']:.2f}x")
-        print(f"  put_p50_vs_pass (worst expert step): {summary['put_p50_vs_pass']:.2f}  (goal <= 1.5)")
-        print(f"  put_p99_vs_p50 (worst expert step): {summary['put_p99_vs_p50']:.2f}  (goal <= 3)")
-        if "logprobs_put_p50_us" in summary:
-            print(f"  logprobs-only steps: p50/pass {summary['logprobs_p50_vs_pass']:.2f}, p99/p50 "
-                  f"{summary['logprobs_p99_vs_p50']:.2f}, put p50 {summary['logprobs_put_p50_us']:.0f} us "
-                  f"(their pass takes microseconds: the fixed cost of a put dominates)")
+        _report(result)
         print(f"  elapsed: {time.perf_counter() - started:.1f} s")
         if log is not None:
             for name, values in result["raw"].items():
                 print(f"raw {name} put_us: {' '.join(map(str, values['put_us']))}", file=log)
                 print(f"raw {name} pass_us: {' '.join(map(str, values['pass_us']))}", file=log)
         if args.json:
-            emit_json({"bench": "put", "rows": result["rows"], "throughput": result["throughput"], **summary})
+            emit_json({"bench": "put", "rows": result["rows"], "throughput": result["throughput"],
+                       **result["summary"]})
     finally:
         if log is not None:
             sys.stdout = sys.stdout._stream
