@@ -9,7 +9,6 @@ import pytest
 
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
-from gputq.data.fields import FieldRegistry
 from gputq.data.refs import FieldRef, Layout
 from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
 from gputq.errors import CapacityError, UnknownKeyError

@@ -13,7 +13,6 @@ import pytest
 from gputq import kernels
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
-from gputq.data.fields import FieldRegistry
 from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
 from gputq.tools.synthetic import SyntheticConfig, build_sessions
 from tests.conftest import local_units
