@@ -245,7 +245,7 @@ def _launch_us(torch, plan, src_rows: int, width: int = 8, calls: int = 50) -> f
     return statistics.median(times) * 1e6
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.kernel", description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--topk", type=int, default=8)
@@ -256,7 +256,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", default="", help="also time these 16-byte groups per thread, e.g. 2,4,8")
     p.add_argument("--experts", type=int, default=384, help="packed IDs: experts E (0: skip the unpack kernel)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
 
     width = args.layers * args.topk
     # The host side is timed on a shard of ~1,000 fragments (2M rows, 128 samples).
@@ -278,6 +282,11 @@ def main(argv=None) -> int:
             print(json.dumps({"bench": "kernel", "host": host, "skipped": msg}))
         return 0
 
+    return _gpu_part(args, torch, host, width, host_plan, host_src_rows)
+
+
+def _gpu_part(args, torch, host: dict, width: int, host_plan, host_src_rows) -> int:
+    """The device half: the kernel against a copy and a naive loop per dtype, and the packed IDs' unpack."""
     from gputq.kernels.cupy_backend import DEFAULT_STEPS, cupy_usable
 
     host["launch_us"] = _launch_us(torch, host_plan, host_src_rows)
