@@ -442,7 +442,7 @@ def summarise(results: list[dict]) -> None:
             print(f"  {key}: {_median_range(values)}  (runs: {', '.join(f'{v:g}' for v in values)})")
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,16,64,256", help="shard sizes in MiB, comma separated")
     parser.add_argument("--systems", default=None, help="comma separated; default: every available one")
@@ -461,7 +461,11 @@ def main(argv=None) -> None:
                         help="print the median and range over these runs' logs (their last JSON line) and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     add_json_flag(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = _parser().parse_args(argv)
     if args.worker:
         emit_json(run_worker(args.worker, args))
         return
@@ -489,6 +493,18 @@ def main(argv=None) -> None:
             progress.note(system)
             results.append(_spawn(system, args))
             progress.step(f"{system} done")
+    result = _report(results, systems, args.goal_min_mib)
+    if args.plots and result["rows"]:
+        from bench import plots
+
+        for path in plots.write_figures(plots.peers_figure, result, args.plots):
+            print(f"wrote {path}")
+    if args.json:
+        emit_json(result)
+
+
+def _report(results: list, systems: list, goal_min_mib: float) -> dict:
+    """The systems' rows, failures and speedups, printed; returns the bench's result."""
     rows = [r for res in results for r in res["rows"]]
     print_table(rows, ["system", "via", "stored", "shard_MiB", "samples", "put_GBps", "get_GBps", "put_ms", "get_ms",
                        "restore_ms", "get_faults_per_MiB"])
@@ -497,21 +513,14 @@ def main(argv=None) -> None:
             print(f"  {res['system']} failed: {' | '.join(res['error'])}")
         if "warning" in res:
             print(f"  {res['system']}: {res['warning']}")
-    summary = speedups(rows, systems, args.goal_min_mib)
+    summary = speedups(rows, systems, goal_min_mib)
     for key, value in summary.items():
         if not key.endswith("_by_transport"):
-            print(f"  {key} (shards >= {args.goal_min_mib:g} MiB, min over sizes): {value}")
-    result = {"bench": "peers", "rows": rows, "systems": systems, **summary,
-              "pids": {r["system"]: r["pids"] for r in results if r.get("pids")},
-              "errors": {r["system"]: r["error"] for r in results if "error" in r},
-              "warnings": {r["system"]: r["warning"] for r in results if "warning" in r}}
-    if args.plots and rows:
-        from bench import plots
-
-        for path in plots.write_figures(plots.peers_figure, result, args.plots):
-            print(f"wrote {path}")
-    if args.json:
-        emit_json(result)
+            print(f"  {key} (shards >= {goal_min_mib:g} MiB, min over sizes): {value}")
+    return {"bench": "peers", "rows": rows, "systems": systems, **summary,
+            "pids": {r["system"]: r["pids"] for r in results if r.get("pids")},
+            "errors": {r["system"]: r["error"] for r in results if "error" in r},
+            "warnings": {r["system"]: r["warning"] for r in results if "warning" in r}}
 
 
 if __name__ == "__main__":
