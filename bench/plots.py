@@ -62,8 +62,14 @@ def memory_figures(result: dict, outdir: str) -> list[str]:
     fixed = [r for r in runs[1:] if r.get("arena") == "fixed"]
     head = next((r for r in sized if (r["units"], r["dtype"]) ==
                  (result["headline"]["units"], result["headline"]["dtype"])), runs[-1])
-    paths = []
+    return [_timeline_figure(plt, central, head, outdir),
+            _peaks_figure(plt, central, head, result["master_peak_ratio"], outdir),
+            _share_figure(plt, central, sized, fixed, outdir),
+            capacity_figure(result["calibration"], outdir)]
 
+
+def _timeline_figure(plt, central: dict, head: dict, outdir: str) -> str:
+    """The master node's memory over time, centralised beside gputq's headline run."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, run, title in ((axes[0], central, "centralised (int32 inline)"),
                            (axes[1], head, f"gputq ({head['units']} units, {head['dtype']})")):
@@ -79,8 +85,11 @@ def memory_figures(result: dict, outdir: str) -> list[str]:
         ax.set_xlabel("seconds")
     axes[0].set_ylabel("master-node trajectory MiB (above idle)")
     axes[1].legend(loc="upper right", fontsize=8)
-    paths.append(_save(fig, outdir, "memory_timeline.png"))
+    return _save(fig, outdir, "memory_timeline.png")
 
+
+def _peaks_figure(plt, central: dict, head: dict, ratio: float, outdir: str) -> str:
+    """Each master-node component's peak, centralised beside gputq's headline run."""
     fig, ax = plt.subplots(figsize=(7, 4))
     names = list(_COLORS)
     width = 0.38
@@ -91,10 +100,13 @@ def memory_figures(result: dict, outdir: str) -> list[str]:
     ax.set_xticks(range(len(names) + 1), [n.replace("rollout_manager", "rollout\nmanager") for n in names] +
                   ["master\ntotal"], fontsize=8)
     ax.set_ylabel("peak MiB (above idle)")
-    ax.set_title(f"master-node peaks; gputq/centralised = {result['master_peak_ratio']:.3f}")
+    ax.set_title(f"master-node peaks; gputq/centralised = {ratio:.3f}")
     ax.legend()
-    paths.append(_save(fig, outdir, "memory_peaks.png"))
+    return _save(fig, outdir, "memory_peaks.png")
 
+
+def _share_figure(plt, central: dict, sized: list, fixed: list, outdir: str) -> str:
+    """The master's peak under gputq against the centralised one, as the units grow."""
     fig, ax = plt.subplots(figsize=(6, 4))
     units = sorted({r["units"] for r in sized})
     for dtype in sorted({r["dtype"] for r in sized}):
@@ -114,9 +126,7 @@ def memory_figures(result: dict, outdir: str) -> list[str]:
     ax.set_ylabel("master peak, gputq / centralised")
     ax.set_title("master share against N")
     ax.legend()
-    paths.append(_save(fig, outdir, "memory_share_vs_units.png"))
-    paths.append(capacity_figure(result["calibration"], outdir))
-    return paths
+    return _save(fig, outdir, "memory_share_vs_units.png")
 
 
 def capacity_figure(calibration: dict, outdir: str) -> str:
