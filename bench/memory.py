@@ -403,6 +403,25 @@ def _sweep(args) -> list[tuple[int, str, str]]:
     return sweep
 
 
+def _runs(ray, rollout: Rollout, sweep: list, args) -> list[dict]:
+    """The centralised path, then gputq at each configuration of ``sweep``, each checked against it."""
+    runs = []
+    with Progress("bench.memory", 1 + len(sweep)) as progress:
+        progress.note("centralised")
+        central, central_digests = run_centralised(ray, rollout, args)
+        central.update(path="centralised", units=0, dtype="int32", arena="-", stored_bytes=0)
+        runs.append(central)
+        progress.step("centralised done")
+        for n, dtype, arena in sweep:
+            progress.note(f"gputq {n} units {dtype} {arena}")
+            summary, result = run_gputq(ray, rollout, n, dtype, args, f"n{n}{dtype}{arena}", arena)
+            summary.update(path="gputq", units=n, dtype=dtype, arena=arena, stored_bytes=result["written"],
+                           verified=result["digests"] == central_digests)
+            runs.append(summary)
+            progress.step(f"gputq {n} units {dtype} {arena}: master {summary['master_data'] / _MIB:.0f} MiB")
+    return runs
+
+
 def run(args) -> dict:
     """Both paths, every configuration of the sweep; figures and ratios (see the module's docstring)."""
     from gputq.cluster.names import import_ray
@@ -419,23 +438,11 @@ def run(args) -> dict:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  object_store_memory=_store_bytes(r3_int32))
     sweep = _sweep(args)
-    runs = []
     try:
-        with Progress("bench.memory", 1 + len(sweep)) as progress:
-            progress.note("centralised")
-            central, central_digests = run_centralised(ray, rollout, args)
-            central.update(path="centralised", units=0, dtype="int32", arena="-", stored_bytes=0)
-            runs.append(central)
-            progress.step("centralised done")
-            for n, dtype, arena in sweep:
-                progress.note(f"gputq {n} units {dtype} {arena}")
-                summary, result = run_gputq(ray, rollout, n, dtype, args, f"n{n}{dtype}{arena}", arena)
-                summary.update(path="gputq", units=n, dtype=dtype, arena=arena, stored_bytes=result["written"],
-                               verified=result["digests"] == central_digests)
-                runs.append(summary)
-                progress.step(f"gputq {n} units {dtype} {arena}: master {summary['master_data'] / _MIB:.0f} MiB")
+        runs = _runs(ray, rollout, sweep, args)
     finally:
         ray.shutdown()
+    central = runs[0]
     by = {(r["units"], r["dtype"], r["arena"]): r for r in runs[1:]}
     rows = [_row(r, central, by.get((r["units"], "int32", r["arena"]))) for r in runs]
     n0 = 2 if any(n == 2 for n, _, _ in sweep) else sweep[0][0]
