@@ -7,8 +7,9 @@ client receives them with ``recv_into`` straight into the caller's buffer
 (through a pinned staging ring when that buffer is on a GPU), or, through a
 :class:`ReadPipeline`, sends reads ahead of their replies and hands each
 reply over chunk by chunk as it lands. No payload byte is copied in Python
-on either side. The serving side is
-:mod:`gputq.transport.tcp_server`; the framing is :mod:`gputq.transport.wire`.
+on either side. The serving side is :mod:`gputq.transport.tcp_server`
+(accepting, handshakes) and :mod:`gputq.transport.tcp_connection` (each
+connection's requests); the framing is :mod:`gputq.transport.wire`.
 
 A :class:`TcpChannel` keeps two pools of connections: one for writes, which
 may wait on the unit for arena space, and one for reads and control calls,
@@ -52,12 +53,8 @@ from gputq.transport.base import (
     read_args,
 )
 from gputq.transport.staging import StagingPool, device_nbytes
-from gputq.transport.tcp_server import (
-    SOCKET_BUFFER_BYTES,
-    TcpServer,
-    serve_connection,
-    tune_socket,
-)
+from gputq.transport.tcp_connection import SOCKET_BUFFER_BYTES, serve_connection, tune_socket
+from gputq.transport.tcp_server import TcpServer
 from gputq.transport.wire import MAX_WRITE_ITEMS, Deadline, FrameReader, FrameWriter, Op, error_from_wire
 
 __all__ = [

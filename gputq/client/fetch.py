@@ -26,7 +26,7 @@ from gputq.client.read_context import ReadContext
 from gputq.client.plan import MicroPlan
 from gputq.errors import GputqError, HintMissedError
 from gputq.kernels import MappedSource
-from gputq.transport.tcp_server import SOCKET_BUFFER_BYTES
+from gputq.transport.tcp_connection import SOCKET_BUFFER_BYTES
 
 __all__ = ["read_staged", "read_requests", "ReadsAhead", "LeasesAhead", "lease_in_place", "fits_socket_buffers",
            "Fetched"]

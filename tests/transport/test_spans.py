@@ -7,7 +7,7 @@ import pytest
 
 from gputq.errors import InvalidInputError
 from gputq.transport.spans import MAX_SPANS, as_spans, span_regions, spans_from_wire, spans_to_wire
-from gputq.transport.tcp_server import _coalesce
+from gputq.transport.tcp_connection import _coalesce
 from gputq.unit.storage_unit import StorageUnit
 from tests.conftest import TRANSPORT_PARAMS, local_units
 

@@ -642,7 +642,7 @@ def test_undecodable_authenticated_body_closes_cleanly(server, handler):
 @pytest.mark.timeout(60)
 def test_writer_stalled_past_its_reservation_is_cut_off_and_its_late_bytes_land_nowhere(caplog):
     """The region of a stalled write expires and goes to another key; the writer's late bytes must not."""
-    caplog.set_level(logging.WARNING, logger="gputq.transport.tcp_server")
+    caplog.set_level(logging.WARNING, logger="gputq.transport.tcp_connection")
     reservation, nbytes = 1.0, 64 << 10
     stale, fresh = np.full(nbytes, 0xAA, np.uint8), random_bytes(nbytes, 7)
     with make_unit(4 * nbytes, name="su-tcp", reservation_timeout_s=reservation) as unit, \
