@@ -52,9 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
-import os
-import queue
 import threading
 import time
 from typing import Sequence
@@ -62,14 +59,13 @@ from typing import Sequence
 import numpy as np
 
 from gputq.errors import (
-    ClosedError,
     HintMissedError,
     InvalidInputError,
     MissingDependencyError,
     RequestTooLargeError,
-    TransferError,
 )
 from gputq.transport import arena_copies
+from gputq.transport.arena_mapping import ArenaMapping
 from gputq.transport.base import (
     ArenaHandler,
     Channel,
@@ -79,16 +75,9 @@ from gputq.transport.base import (
     describe_keys,
     is_device_buffer,
 )
-from gputq.transport.cuda import (
-    HOST_REGISTER_MAPPED,
-    HOST_REGISTER_PORTABLE,
-    HOST_REGISTER_READ_ONLY,
-    host_register,
-    host_unregister,
-    mapped_device_pointer,
-    read_only_register_supported,
-)
+from gputq.transport.cuda import mapped_device_pointer
 from gputq.transport.directory import DirectoryView, directory_nbytes
+from gputq.transport.lease_helpers import LeaseHelpers
 from gputq.transport.one_sided import ARENA_FILE, HeldLease, LeaseProtocol, LeasingChannel
 from gputq.transport.nixl import NixlTransport
 from gputq.transport.policy import local_hostname, nixl_import_error
@@ -97,7 +86,7 @@ from gputq.transport.spans import SPAN_WIRE_BYTES, span_regions, spans_from_wire
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
 
-__all__ = ["ShmTransport", "ShmChannel", "ArenaMapping", "LEASE_THREADS"]
+__all__ = ["ShmTransport", "ShmChannel", "LEASE_THREADS"]
 
 _log = logging.getLogger(__name__)
 
@@ -106,186 +95,6 @@ _log = logging.getLogger(__name__)
 #: reads at once). Each channel has its own: a unit that stops answering holds up its own
 #: reads only, never another unit's.
 LEASE_THREADS = 4
-
-class ArenaMapping:
-    """A unit's arena file mapped into this process, read-only unless ``writable``.
-
-    Parameters
-    ----------
-    path : str
-        The arena file (``"arena_file"`` control call).
-    nbytes : int
-        The arena's size; the file must hold at least that much.
-    writable : bool
-        Map it for writing too (a writer on the unit's host, see
-        :mod:`gputq.transport.reserved_writes`); readers never do.
-
-    Raises
-    ------
-    OSError
-        The file cannot be opened or mapped (another host, no permission).
-    """
-
-    def __init__(self, path: str, nbytes: int, *, writable: bool = False):
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_CLOEXEC", 0))
-        try:
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise OSError(f"{path} holds {size} bytes, the unit's arena {nbytes}")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
-        finally:
-            os.close(fd)
-        self.path = path
-        self.nbytes = int(nbytes)
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # read-only unless the mapping is writable
-        self.address = int(self.array.ctypes.data)
-        self._lock = threading.Lock()
-        self._registered: bool | None = None  # None: not tried yet
-        self.register_error: str | None = None
-        self._holds, self._closing = 0, False
-
-    def register(self) -> bool:
-        """Page-lock the mapping with CUDA, read-only and mapped, once; True when it is.
-
-        A refusal (no read-only registration on this driver, the page-lock
-        limit) is remembered: copies then run from pageable memory.
-        """
-        with self._lock:
-            if self._registered is None:
-                try:
-                    if not read_only_register_supported():
-                        raise TransferError("this GPU does not register read-only host memory")
-                    host_register(self.address, self.nbytes,
-                                  HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED | HOST_REGISTER_READ_ONLY)
-                    self._registered = True
-                except Exception as exc:  # the copy still works from pageable memory
-                    self.register_error = f"{type(exc).__name__}: {exc}"
-                    _log.warning("cannot page-lock the arena mapping %s (%s); GPU copies from it run "
-                                 "from pageable memory", self.path, self.register_error)
-                    self._registered = False
-            return self._registered
-
-    @property
-    def registered(self) -> bool:
-        return bool(self._registered)
-
-    @contextlib.contextmanager
-    def held(self):
-        """Keep the mapping mapped for the block, whatever closes it meanwhile (then it is unmapped when the
-        last block ends): what reads it by address, the restore or a kernel, would fault on an unmapped range.
-
-        Raises ``ClosedError`` when it is closed already.
-        """
-        with self._lock:
-            if self.array is None or self._closing:
-                raise ClosedError(f"the arena mapping {self.path} was closed")
-            self._holds += 1
-        try:
-            yield self
-        finally:
-            with self._lock:
-                self._holds -= 1
-                if self._closing and not self._holds:
-                    self._unmap()
-
-    def close(self) -> None:
-        """Unregister and unmap, once no :meth:`held` block reads it. Idempotent; a view still held keeps the
-        mapping alive."""
-        with self._lock:
-            if self._holds:
-                self._closing = True  # the last held block unmaps it
-                return
-            self._unmap()
-
-    def _unmap(self) -> None:
-        """Unregister and unmap now (the caller holds the lock)."""
-        if self._registered:
-            with contextlib.suppress(Exception):  # best effort at teardown
-                host_unregister(self.address)
-        self._registered = False
-        if self.array is None:
-            return
-        self.array = None
-        with contextlib.suppress(BufferError):
-            self._mmap.close()
-
-
-class _Exchange:
-    """The outcome of one job of :class:`_LeaseHelpers`."""
-
-    __slots__ = ("done", "value", "error")
-
-    def __init__(self):
-        self.done = threading.Lock()
-        self.done.acquire()  # released once the job ran
-        self.value = self.error = None
-
-    def result(self):
-        """Wait for the job; its return value, or its exception raised here."""
-        with self.done:
-            pass
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-class _LeaseHelpers:
-    """Threads of one channel running its lease exchanges while the reads copy.
-
-    Every read hands one over, so handing over must be cheap: a queue put and
-    a lock, about half what a ``ThreadPoolExecutor.submit`` (a future, its
-    condition, the idle-thread semaphore) costs in the caches a copy has
-    just swept. A thread starts when a job finds none idle, up to
-    ``threads``. Its job done (the reply handed to the read), a thread takes
-    pieces of the large copies under way (:func:`arena_copies.help_copies`)
-    before it waits for the next: on a box with few cores the core it ran
-    on is the one free at that point of a read.
-    """
-
-    def __init__(self, threads: int, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads, self._name = threads, name
-        self._started = self._idle = 0
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, fn, *args) -> _Exchange:
-        exchange = _Exchange()
-        with self._lock:  # no job may follow the stop marks of close()
-            if self._closed:
-                raise ClosedError(f"{self._name}: the channel is closed")
-            if self._idle:
-                self._idle -= 1  # that thread's job: the next one finds it busy
-            elif self._started < self._threads:
-                threading.Thread(target=self._run, name=f"{self._name}-{self._started}", daemon=True).start()
-                self._started += 1
-            self._jobs.put((fn, args, exchange))
-        return exchange
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, args, exchange = job
-            try:
-                exchange.value = fn(*args)
-            except BaseException as exc:  # handed to the waiting read
-                exchange.error = exc
-            finally:
-                exchange.done.release()
-            # Free now, while the read's copy (if large) likely still runs: take pieces of it.
-            arena_copies.help_copies()
-            with self._lock:
-                self._idle += 1
-
-    def close(self) -> None:
-        """Let the threads end once the jobs handed over are done. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for _ in range(self._started):
-                self._jobs.put(None)
-
 
 class ShmChannel(LeasingChannel):
     """A channel reading a same-host unit's arena through a read-only mapping.
@@ -321,7 +130,7 @@ class ShmChannel(LeasingChannel):
         self.unit = self._tcp.unit
         self.incarnation = getattr(self._tcp, "incarnation", address.get("incarnation"))
         self._leases = LeaseProtocol(self._tcp, self.unit)
-        self._exchanges = _LeaseHelpers(LEASE_THREADS, f"gputq-shm-lease-{self.unit}")
+        self._exchanges = LeaseHelpers(LEASE_THREADS, f"gputq-shm-lease-{self.unit}")
         self.mapping: ArenaMapping | None = None
         self.directory: DirectoryView | None = None
         self._directory_mapping: ArenaMapping | None = None
