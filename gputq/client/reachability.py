@@ -47,6 +47,8 @@ def unreachable_samples(samples: Sequence[Mapping[str, Layout]], clients, *,
 def refuse_lost(shard: Sequence[Mapping[str, Layout]], lost: Mapping[str, str]) -> None:
     """Raise ``UnitLostError`` naming the samples of ``shard`` whose bytes live on a unit in ``lost``
     (unit -> why it is lost), before anything is read."""
+    if not lost:  # the usual case: no sample's units need collecting (a stream opens on its step's path)
+        return
     on_lost = {i: sorted(units_of(sample) & set(lost)) for i, sample in enumerate(shard)}
     on_lost = {i: units for i, units in on_lost.items() if units}
     if not on_lost:
