@@ -548,12 +548,14 @@ def _overlap_figures(reader: Reader, stored: list, loop_s: float, args) -> dict:
 def _throughput_summary(speed: list) -> dict:
     """The goals' figures over the slices of 16 MiB or more: each the least of its rows."""
     big = [r for r in speed if r["slice_MiB"] >= 16]
-    summary = {name: min(r[name] for r in big) if big else None
-               for name in ("ratio", "ceiling_vs_baseline", "stream_vs_ceiling")}
-    summary["throughput_ratio"] = summary.pop("ratio")
-    for name in ("one_thread_widen_vs_ceiling", "reads_vs_baseline", "stream_vs_reads"):
-        if big and name in big[0]:
-            summary[name] = min(r[name] for r in big)
+
+    def least(name: str):
+        return min(r[name] for r in big) if big else None
+
+    summary = {"throughput_ratio": least("ratio"), "ceiling_vs_baseline": least("ceiling_vs_baseline"),
+               "stream_vs_ceiling": least("stream_vs_ceiling")}
+    summary.update({name: least(name) for name in ("one_thread_widen_vs_ceiling", "reads_vs_baseline",
+                                                    "stream_vs_reads") if big and name in big[0]})
     return summary
 
 

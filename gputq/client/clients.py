@@ -119,15 +119,16 @@ class UnitChannel(Channel):
     once. ``close`` is a no-op: :class:`UnitClients` owns the connection.
 
     Same-host reads (the shm transport) add :meth:`mapped_source`,
-    :meth:`mapped_lease` and :meth:`directory_lent`, under the same rule, byte-stream reads (tcp) add
-    :meth:`pipeline`, one-sided reads (shm, rdma) :meth:`lease_ahead` and
-    :meth:`drop_lease`, rdma :meth:`read_leased`, and the queries :attr:`pipelines_reads`,
-    :attr:`leases_ahead`, :attr:`mapping`, :meth:`device_mappable`,
-    :attr:`fallback_reason`, :attr:`reads_ahead`, :attr:`hint_misses` and :attr:`leased_ahead`,
-    which answer "nothing mapped" (``None``, ``False``, ``0``) for other
-    transports and while the unit is lost, so a reader takes the path whose
-    requests name their keys. Nothing else of the transport channel shows
-    through: each member decides how a lost unit appears.
+    :meth:`mapped_lease` and :meth:`directory_lent`, under the same rule,
+    byte-stream reads (tcp) add :meth:`pipeline`, one-sided reads (shm, rdma)
+    :meth:`lease_ahead` and :meth:`drop_lease`, rdma :meth:`read_leased`, and
+    the queries :attr:`pipelines_reads`, :attr:`leases_ahead`,
+    :attr:`mapping`, :meth:`device_mappable`, :attr:`fallback_reason`,
+    :attr:`reads_ahead`, :attr:`hint_misses` and :attr:`leased_ahead`, which
+    answer "nothing mapped" (``None``, ``False``, ``0``) for other transports
+    and while the unit is lost, so a reader takes the path whose requests name
+    their keys. Nothing else of the transport channel shows through: each
+    member decides how a lost unit appears.
     """
 
     def __init__(self, owner: "UnitClients", unit: str):

@@ -98,7 +98,8 @@ def overlapping_rollouts(controller, clients, config, *, sessions: int = 6, step
                  branch_prob=0.3, rewrite_prob=0.2)
     with Writer(clients, config) as writer, Reader(clients, config) as reader:
         fields = FieldRegistry.builtin(layers, topk, config.routed_experts_dtype)
-        run = _Overlap(controller, clients, writer, reader, fields, synth, {"mismatched": [], "invariants": []})
+        run = _Overlap(controller, clients, writer, reader, fields, synth,
+                       {"mismatched": [], "invariants": [], "keys_freed_by_drop": 0})
         carried, dropped0, kept0 = run.first(sessions, seed)
         # Rollout 1 is under way before rollout 0's samples are trained on.
         second = run.rollout(_SECOND, max(2, sessions // 2), seed + 1)
@@ -156,7 +157,6 @@ class _Overlap:
         carried, dropped, kept = first[0], first[1], [s for g in first[2:] for s in g]
         self.controller.open_partition(_SECOND)
         self.summary["keys_carried"] = carry(carried, _FIRST, _SECOND, self.clients)
-        self.summary["keys_freed_by_drop"] = 0
         self.finish(kept, dropped, _FIRST)
         return carried, dropped, kept
 

@@ -397,9 +397,9 @@ def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restore
 
 @pytest.mark.parametrize("shifted", [1, 3])
 def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(monkeypatch, shifted):
-    """A micro-batch is restored on the regions the key directory names while its lease (micro-batch 0's
-    own: the first lookup, or micro-batch 2's window's: the third) is on its way; where those are other bytes (here: that lookup is
-    shifted by a row), the lease disagrees, and the micro-batch is leased alone and restored again: the
+    """A micro-batch is restored on the regions the key directory names while its lease (micro-batch 0's own: the
+    first lookup, or micro-batch 2's window's: the third) is on its way; where those are other bytes (here: that
+    lookup is shifted by a row), the lease disagrees, and the micro-batch is leased alone and restored again: the
     consumer sees the right bytes."""
     from gputq.transport.directory import DirectoryView
 
