@@ -90,7 +90,7 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
         assert row["cpu_per_byte_vs_baseline"] > 0
         assert row["unit_requests_per_micro_batch"] >= 1  # over tcp a read request at least per micro-batch
         assert row["ceiling"] == "socket, widened as it lands" and row["ceiling_GBps"] > 0
-        assert row["ceiling_vs_baseline"] > 0 and row["stream_vs_ceiling"] > 0
+        assert row["ceiling_vs_baseline"] > 0 and row["stream_vs_ceiling"] > 0 and row["second_half_vs_ceiling"] > 0
         assert row["reads_GBps"] > 0 and row["reads_vs_baseline"] > 0 and row["stream_vs_reads"] > 0
         receiving = ("stream_receiver", "stream_units", "baseline_receiver", "baseline_sender", "ceiling_receiver",
                      "reads_receiver")
@@ -113,6 +113,7 @@ def test_trainer_overlap_at_a_fixed_compute_over_shm(capsys, tmp_path):
     for row in out["throughput_rows"]:  # the ceiling's widen on two threads, and on one as the stream's restore
         assert row["baseline"] == "memcpy x2 threads" and row["ceiling"] == "widen x2 threads"
         assert row["one_thread_widen_GBps"] > 0 and row["one_thread_widen_vs_ceiling"] > 0
+        assert row["second_half_vs_ceiling"] > 0
     assert "one_thread_widen_vs_ceiling" not in out  # no slice of 16 MiB or more here: no summary figure
     assert out["overlap"]["compute"] == "fixed" and out["overlap"]["compute_ms"] == 3.5
     # Four micro-batches of 3.5 ms each: the compute alone, however long the fetches took.
@@ -126,6 +127,15 @@ def _spin(spinning, cpu):
     spinning.set()
     while True:
         pass
+
+
+@pytest.mark.timeout(10)
+def test_trainer_second_half_paces_the_later_micro_batches_against_the_ceiling():
+    # Four equal micro-batches, the first wait holding the stream's opening: the later two took 2 s, and the
+    # ceiling moved the whole slice in 2 s, so their half in 1 s: half the ceiling's pace, the opening aside.
+    steps = [(5.0, 0.0), (1.5, 0.0), (1.0, 0.0), (1.0, 0.0)]
+    assert trainer._second_half(steps, 2.0) == 0.5
+    assert trainer._second_half(steps[:3], 3.0) == 0.8  # an odd count: the later two of three, 2.5 s for 2 s
 
 
 @pytest.mark.slow
