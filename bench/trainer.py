@@ -697,6 +697,9 @@ def _report(result: dict) -> None:
     print(f"min stream vs baseline (slices >= 16 MiB): {result['throughput_ratio']}  (goal >= {goal}); "
           f"the ceiling (no gputq) reaches {result['ceiling_vs_baseline']} of the baseline, the stream "
           f"{result['stream_vs_ceiling']} of the ceiling")
+    if "second_half_vs_ceiling" in result:
+        print(f"the later half of a pass's micro-batches (its opening and first fetches behind it) keeps "
+              f"{result['second_half_vs_ceiling']} of the ceiling's pace")
     if "one_thread_widen_vs_ceiling" in result:
         print(f"one thread widening the same bytes (as the stream's restore does) reaches "
               f"{result['one_thread_widen_vs_ceiling']} of the ceiling")
