@@ -101,7 +101,6 @@ import contextlib
 import functools
 import gc
 import multiprocessing
-import os
 import statistics
 import threading
 import time
@@ -124,6 +123,7 @@ from bench.common import (
     trainer_runtime,
     wall_time,
 )
+from bench.cores import kept_busy, us_per_mib
 from bench.plots import trainer_memory_figure, write_figures
 from gputq.client.landing import land_replies
 from gputq.client.reader import Reader
@@ -258,90 +258,6 @@ def _peak_rss(clients, config, shard, args, path: str) -> int:
 
 # -- baselines -------------------------------------------------------------------------
 
-def _cpu_seconds(pids) -> tuple[float, float]:
-    """CPU seconds so far of this process, and of the child processes ``pids`` (units, a baseline's server)."""
-    others = 0.0
-    for pid in pids:
-        # Linux's process-wide CPU clock of another process: (~pid << 3) | CPUCLOCK_SCHED. One call each,
-        # in ns, where /proc/<pid>/stat counts clock ticks (10 ms: a pass takes tens).
-        with contextlib.suppress(OSError):  # a child that just exited
-            others += time.clock_gettime(((~pid) << 3) | 2)
-    return time.process_time(), others
-
-
-_CORES_WINDOW_S = 0.25
-
-
-def _thread_waits(pids) -> dict | None:
-    """Nanoseconds each thread of ``pids`` has spent runnable but waiting for a core (Linux's ``schedstat``),
-    by ``(pid, thread id)``, or None where the kernel does not say."""
-    waits = {}
-    for pid in pids:
-        try:
-            threads = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            return None
-        for tid in threads:
-            with contextlib.suppress(OSError):  # a thread that just exited
-                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                    waits[(pid, tid)] = int(f.read().split()[1])
-    return waits
-
-
-def _waited(before: dict | None, after: dict | None, wall: float) -> float | None:
-    """Cores' worth of waiting for a core between two :func:`_thread_waits` ``wall`` seconds apart: by the
-    threads alive at the end (one that exited meanwhile, a unit's connection thread, takes its part along),
-    those started meanwhile in whole."""
-    if before is None or after is None:
-        return None
-    return sum(ns - before.get(thread, 0) for thread, ns in after.items()) / 1e9 / wall
-
-
-@dataclass(frozen=True)
-class _Cores:
-    """What one side's passes kept busy: cores of this process and of ``pids`` (CPU seconds over wall
-    seconds), cores' worth of their threads runnable but waiting for one (None where the kernel does not
-    say), and the wall seconds of one pass."""
-
-    own: float
-    others: float
-    own_waiting: float | None
-    others_waiting: float | None
-    pass_s: float
-
-
-def _cores(work, pids) -> _Cores:
-    """The cores ``work()`` keeps busy and waited for, in this process and in ``pids``, and its pass time.
-
-    The work repeats for at least ``_CORES_WINDOW_S``. A process's CPU clock
-    counts its threads running on other cores only up to their last
-    scheduler tick (milliseconds): over a single pass of a fraction of a
-    millisecond, CPU spent just before the window lands in it (a 2-core box
-    read 19.7 cores). Only the processes that do the work count: the units
-    idle through a baseline's pass. A thread that waits for a core while
-    the box has cores to spare (more runnable threads than cores at
-    moments, none at others) is what a busy side's CPU per byte does not
-    show.
-    """
-    me = os.getpid()
-    # The waits are read outside the CPU clocks' window: reading every thread's file costs CPU of its own.
-    own_wait, others_wait = _thread_waits((me,)), _thread_waits(pids)
-    passes, (own, others), started = 0, _cpu_seconds(pids), time.perf_counter()
-    while not passes or time.perf_counter() - started < _CORES_WINDOW_S:
-        work()
-        passes += 1
-    wall = time.perf_counter() - started
-    own_after, others_after = _cpu_seconds(pids)
-    return _Cores((own_after - own) / wall, (others_after - others) / wall,
-                  _waited(own_wait, _thread_waits((me,)), wall), _waited(others_wait, _thread_waits(pids), wall),
-                  wall / passes)
-
-
-def _us_per_mib(cores: float, pass_s: float, nbytes: int) -> int:
-    """CPU microseconds per MiB moved of a process that kept ``cores`` busy over passes of ``pass_s``."""
-    return round(cores * pass_s / (nbytes / _MIB) * 1e6)
-
-
 def _reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
     """A pass of rank dp0/pp0/cp0's span reads over tcp with nothing of the stream around them (see the module
     docstring); its pipelines close with ``stack``."""
@@ -421,17 +337,17 @@ def _references(clients, config, shard, args, transport: str, nbytes: int, per_m
 def _cpu_figures(refs: _References, stream_pass, units: list, nbytes: int) -> tuple[dict, float, float]:
     """Per side, the CPU per MiB of the receiving and the sending processes and the cores' worth of their
     threads kept waiting; and the cores the baseline and the stream kept busy."""
-    base_use, loop_use = _cores(refs.baseline_pass, refs.baseline_pids), _cores(stream_pass, units)
+    base_use, loop_use = kept_busy(refs.baseline_pass, refs.baseline_pids), kept_busy(stream_pass, units)
     # Where the receiving process is the one kept busy, its CPU per byte bounds the throughput.
-    figures = {"stream_receiver_us_per_MiB": _us_per_mib(loop_use.own, loop_use.pass_s, nbytes),
-               "stream_units_us_per_MiB": _us_per_mib(loop_use.others, loop_use.pass_s, nbytes),
-               "baseline_receiver_us_per_MiB": _us_per_mib(base_use.own, base_use.pass_s, nbytes)}
+    figures = {"stream_receiver_us_per_MiB": us_per_mib(loop_use.own, loop_use.pass_s, nbytes),
+               "stream_units_us_per_MiB": us_per_mib(loop_use.others, loop_use.pass_s, nbytes),
+               "baseline_receiver_us_per_MiB": us_per_mib(base_use.own, base_use.pass_s, nbytes)}
     if refs.baseline_pids:
-        figures["baseline_sender_us_per_MiB"] = _us_per_mib(base_use.others, base_use.pass_s, nbytes)
+        figures["baseline_sender_us_per_MiB"] = us_per_mib(base_use.others, base_use.pass_s, nbytes)
     for side, work in (("ceiling", refs.ceiling_pass), ("reads", refs.extra.get("reads"))):
         if work is not None:
-            top_side = _cores(work, ())
-            figures[f"{side}_receiver_us_per_MiB"] = _us_per_mib(top_side.own, top_side.pass_s, nbytes)
+            top_side = kept_busy(work, ())
+            figures[f"{side}_receiver_us_per_MiB"] = us_per_mib(top_side.own, top_side.pass_s, nbytes)
     waiting = {"stream_receiver": loop_use.own_waiting, "stream_units": loop_use.others_waiting,
                "baseline_receiver": base_use.own_waiting}
     if refs.baseline_pids:

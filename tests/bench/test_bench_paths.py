@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import multiprocessing
 import os
 
 import pytest
@@ -122,13 +121,6 @@ def test_trainer_overlap_at_a_fixed_compute_over_shm(capsys, tmp_path):
         trainer.main(["--overlap-compute-ms", "-1"])
 
 
-def _spin(spinning, cpu):
-    os.sched_setaffinity(0, {cpu})
-    spinning.set()
-    while True:
-        pass
-
-
 @pytest.mark.timeout(10)
 def test_trainer_second_half_paces_the_later_micro_batches_against_the_ceiling():
     # Four equal micro-batches, the first wait holding the stream's opening: the later two took 2 s, and the
@@ -136,63 +128,6 @@ def test_trainer_second_half_paces_the_later_micro_batches_against_the_ceiling()
     steps = [(5.0, 0.0), (1.5, 0.0), (1.0, 0.0), (1.0, 0.0)]
     assert trainer._second_half(steps, 2.0) == 0.5
     assert trainer._second_half(steps[:3], 3.0) == 0.8  # an odd count: the later two of three, 2.5 s for 2 s
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(60)
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: the child spins on one")
-def test_trainer_cores_count_a_busy_child_as_a_core_though_its_clock_trails_by_a_tick():
-    """Slow, not fast: it measures the machine (the child must get a whole core), so a busy machine fails it."""
-    # A spinning process's CPU clock, read from another, moves only at scheduler ticks (4 ms at
-    # HZ=250): over one pass of a few microseconds it reads no core of the child's or thousands,
-    # over a quarter second one. This process's own loop keeps the other core busy: two in all.
-    # On cores of their own, so that no wake-up of this process preempts the child and updates its clock.
-    ours, theirs, *_ = sorted(os.sched_getaffinity(0))
-    context = multiprocessing.get_context("spawn")
-    spinning = context.Event()
-    child = context.Process(target=_spin, args=(spinning, theirs), daemon=True)
-    child.start()
-    affinity = os.sched_getaffinity(0)
-    try:
-        assert spinning.wait(30), "the spinning child never started"
-        os.sched_setaffinity(0, {ours})
-        readings = []
-        for _ in range(12):
-            cores = trainer._cores(lambda: None, (child.pid,))
-            readings.append(cores.own + cores.others)
-    finally:
-        os.sched_setaffinity(0, affinity)
-        child.kill()
-        child.join(10)
-    assert all(1.4 < cores < 2.6 for cores in readings), readings
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(60)
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: the children share one")
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="the kernel's schedstat is Linux's")
-def test_trainer_counts_the_waiting_for_a_core_of_two_children_sharing_one():
-    """Slow, not fast: it measures the machine (a core of its own for this process), so a busy machine fails it."""
-    # Two spinning children on one core: one runs while the other waits, a core's worth of waiting
-    # between them; this process, alone on another core, waits for none.
-    ours, theirs, *_ = sorted(os.sched_getaffinity(0))
-    context = multiprocessing.get_context("spawn")
-    spinning = [context.Event() for _ in range(2)]
-    children = [context.Process(target=_spin, args=(event, theirs), daemon=True) for event in spinning]
-    for child in children:
-        child.start()
-    affinity = os.sched_getaffinity(0)
-    try:
-        assert all(event.wait(30) for event in spinning), "a spinning child never started"
-        os.sched_setaffinity(0, {ours})
-        cores = trainer._cores(lambda: None, [child.pid for child in children])
-    finally:
-        os.sched_setaffinity(0, affinity)
-        for child in children:
-            child.kill()
-            child.join(10)
-    assert 0.7 < cores.others_waiting < 1.3 and 0.7 < cores.others < 1.3, cores
-    assert cores.own_waiting < 0.2, cores
 
 
 @pytest.mark.slow
