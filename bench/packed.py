@@ -39,7 +39,8 @@ import numpy as np
 
 from bench.common import add_json_flag, emit_json, print_header, print_table
 from bench.put import one_pass
-from gputq.data.fields import canonicalize, routed_experts_spec
+from gputq.data.canonical import canonicalize
+from gputq.data.fields import routed_experts_spec
 from gputq.data.packing import bits_for, pack_rows
 from gputq.kernels.host_native import host_codec, host_codec_status, unpack_rows_host
 from gputq.kernels.plan import packed_row_bytes

@@ -74,7 +74,8 @@ from gputq.client import sends as sends_module
 from gputq.client.clients import UnitClients
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
-from gputq.data.fields import canonicalize, routed_experts_spec, row_nbytes
+from gputq.data.canonical import canonicalize
+from gputq.data.fields import routed_experts_spec, row_nbytes
 
 __all__ = ["main", "step_fields", "one_pass"]
 

@@ -26,7 +26,8 @@ from gputq.client.fanout import fan_out, tally
 from gputq.client.placement import rendezvous_unit
 from gputq.client.sends import SendQueue
 from gputq.config import GputqConfig
-from gputq.data.fields import FieldRegistry, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
+from gputq.data.canonical import canonicalize
+from gputq.data.fields import FieldRegistry, logprobs_spec, routed_experts_spec, row_nbytes
 from gputq.data.keys import checked_name
 from gputq.data.refs import FieldRef, uses_by_unit
 from gputq.data.slices import layer_major

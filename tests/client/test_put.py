@@ -12,7 +12,8 @@ import pytest
 from gputq.client.reader import Reader
 from gputq.client.sends import SENDER_NICE, Buffers
 from gputq.client.writer import Writer
-from gputq.data.fields import canonicalize, logprobs_spec, routed_experts_spec
+from gputq.data.canonical import canonicalize
+from gputq.data.fields import logprobs_spec, routed_experts_spec
 from gputq.data.refs import Layout
 from gputq.errors import FieldValueError, InvalidInputError
 from tests.conftest import local_units

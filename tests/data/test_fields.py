@@ -3,8 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from gputq.data import fields as fields_module
-from gputq.data.fields import FieldRegistry, FieldSpec, canonicalize, logprobs_spec, routed_experts_spec, row_nbytes
+from gputq.data import canonical
+from gputq.data.canonical import canonicalize
+from gputq.data.fields import FieldRegistry, FieldSpec, logprobs_spec, routed_experts_spec, row_nbytes
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 from gputq.kernels import host_native
 
@@ -149,7 +150,7 @@ def test_canonicalize_layer_major_stores_each_layer_contiguously(dtype, store_by
     src = np.random.default_rng(0).integers(0, 200, (3000, 5, 3)).astype(np.int32)  # several chunks
     stored = []
     spy = lambda *args: stored.append(host_native.narrow_rows_host(*args)) or stored[-1]  # noqa: E731
-    monkeypatch.setattr(fields_module, "narrow_rows_host", spy)
+    monkeypatch.setattr(canonical, "narrow_rows_host", spy)
     out = canonicalize("k", spec, src, out=np.empty(src.size * 4, np.uint8), layer_major=True)
     assert out.shape == (5, 3000, 3) and out.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(out, src.transpose(1, 0, 2))

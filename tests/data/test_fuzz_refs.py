@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
-from gputq.data import fields as fields_module  # noqa: E402
-from gputq.data.fields import FieldSpec, canonicalize, row_nbytes  # noqa: E402
+from gputq.data import canonical  # noqa: E402
+from gputq.data.canonical import canonicalize  # noqa: E402
+from gputq.data.fields import FieldSpec, row_nbytes  # noqa: E402
 from gputq.data.refs import FieldRef, Fragment, Layout  # noqa: E402
 from gputq.errors import FieldValueError, InvalidInputError  # noqa: E402
 
@@ -169,8 +170,8 @@ def _fuzz_payload(data):
     chunk = data.draw(st.sampled_from([1, 7, 64, 1 << 20]))  # chunk edges land anywhere
     expected = _expected_error("k", spec, arr)
     before = arr.copy()
-    saved = fields_module._CHUNK_BYTES
-    fields_module._CHUNK_BYTES = chunk
+    saved = canonical._CHUNK_BYTES
+    canonical._CHUNK_BYTES = chunk
     try:
         out = None
         if use_out and arr.ndim:
@@ -181,7 +182,7 @@ def _fuzz_payload(data):
             assert str(exc) == expected
             return exc
     finally:
-        fields_module._CHUNK_BYTES = saved
+        canonical._CHUNK_BYTES = saved
     assert expected is None, expected
     stored = np.dtype(spec.dtype)
     assert got.dtype == stored and got.shape == arr.shape and got.flags.c_contiguous

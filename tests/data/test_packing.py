@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gputq.data.fields import FieldSpec, canonicalize, routed_experts_spec, row_nbytes
+from gputq.data.canonical import canonicalize
+from gputq.data.fields import FieldSpec, routed_experts_spec, row_nbytes
 from gputq.data.packing import MAX_BITS, bits_for, pack_rows, packed_row_bytes, unpack_rows
 from gputq.data.refs import FieldRef
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError

@@ -3,7 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from gputq.data.fields import FieldRegistry, canonicalize
+from gputq.data.canonical import canonicalize
+from gputq.data.fields import FieldRegistry
 from gputq.data.refs import FieldRef
 from gputq.data.trajectory import (
     Segment,

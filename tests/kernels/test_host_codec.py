@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from gputq.data.fields import canonicalize, routed_experts_spec
+from gputq.data.canonical import canonicalize
+from gputq.data.fields import routed_experts_spec
 from gputq.data.packing import pack_rows
 from gputq.errors import FieldValueError, PlanError
 from gputq.kernels import host_native
