@@ -14,10 +14,10 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["Cores", "kept_busy", "cpu_seconds", "thread_waits", "waited", "us_per_mib", "WINDOW_S"]
+__all__ = ["Cores", "kept_busy", "us_per_mib"]
 
 
-def cpu_seconds(pids) -> tuple[float, float]:
+def _cpu_seconds(pids) -> tuple[float, float]:
     """CPU seconds so far of this process, and of the child processes ``pids`` (units, a baseline's server)."""
     others = 0.0
     for pid in pids:
@@ -29,10 +29,10 @@ def cpu_seconds(pids) -> tuple[float, float]:
 
 
 #: Wall seconds a :func:`kept_busy` measurement repeats its work for, at least.
-WINDOW_S = 0.25
+_WINDOW_S = 0.25
 
 
-def thread_waits(pids) -> dict | None:
+def _thread_waits(pids) -> dict | None:
     """Nanoseconds each thread of ``pids`` has spent runnable but waiting for a core (Linux's ``schedstat``),
     by ``(pid, thread id)``, or None where the kernel does not say."""
     waits = {}
@@ -48,8 +48,8 @@ def thread_waits(pids) -> dict | None:
     return waits
 
 
-def waited(before: dict | None, after: dict | None, wall: float) -> float | None:
-    """Cores' worth of waiting for a core between two :func:`thread_waits` ``wall`` seconds apart: by the
+def _waited(before: dict | None, after: dict | None, wall: float) -> float | None:
+    """Cores' worth of waiting for a core between two :func:`_thread_waits` ``wall`` seconds apart: by the
     threads alive at the end (one that exited meanwhile, a unit's connection thread, takes its part along),
     those started meanwhile in whole."""
     if before is None or after is None:
@@ -73,7 +73,7 @@ class Cores:
 def kept_busy(work, pids) -> Cores:
     """The cores ``work()`` keeps busy and waited for, in this process and in ``pids``, and its pass time.
 
-    The work repeats for at least ``WINDOW_S``. A process's CPU clock
+    The work repeats for at least ``_WINDOW_S``. A process's CPU clock
     counts its threads running on other cores only up to their last
     scheduler tick (milliseconds): over a single pass of a fraction of a
     millisecond, CPU spent just before the window lands in it (a 2-core box
@@ -85,15 +85,15 @@ def kept_busy(work, pids) -> Cores:
     """
     me = os.getpid()
     # The waits are read outside the CPU clocks' window: reading every thread's file costs CPU of its own.
-    own_wait, others_wait = thread_waits((me,)), thread_waits(pids)
-    passes, (own, others), started = 0, cpu_seconds(pids), time.perf_counter()
-    while not passes or time.perf_counter() - started < WINDOW_S:
+    own_wait, others_wait = _thread_waits((me,)), _thread_waits(pids)
+    passes, (own, others), started = 0, _cpu_seconds(pids), time.perf_counter()
+    while not passes or time.perf_counter() - started < _WINDOW_S:
         work()
         passes += 1
     wall = time.perf_counter() - started
-    own_after, others_after = cpu_seconds(pids)
+    own_after, others_after = _cpu_seconds(pids)
     return Cores((own_after - own) / wall, (others_after - others) / wall,
-                 waited(own_wait, thread_waits((me,)), wall), waited(others_wait, thread_waits(pids), wall),
+                 _waited(own_wait, _thread_waits((me,)), wall), _waited(others_wait, _thread_waits(pids), wall),
                  wall / passes)
 
 
