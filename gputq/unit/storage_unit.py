@@ -5,7 +5,8 @@ to transports as an :class:`~gputq.transport.base.ArenaHandler`.
 It is plain Python and thread-safe: the tcp and NIXL servers call it from
 many threads, and a Ray actor wraps it elsewhere. The key table and its
 ownership rules live in :mod:`gputq.unit.keytable`; leases, reservations and the
-timer that expires them in :mod:`gputq.unit.leases`.
+timer that expires them in :mod:`gputq.unit.leases`; the line of writers
+waiting for space in :mod:`gputq.unit.admission`.
 
 Partitions are normalised to ``str`` (msgpack maps need string keys); a
 write whose ``meta`` has no ``partition`` belongs to :data:`DEFAULT_PARTITION`.
@@ -18,8 +19,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter, deque
-from dataclasses import dataclass
+from collections import Counter
 from typing import Any, Sequence
 
 import numpy as np
@@ -36,6 +36,7 @@ from gputq.errors import (
 from gputq.transport.base import ArenaHandler, Closeable, Lease, Region
 from gputq.transport.directory import KeyDirectory, directory_nbytes, directory_slots
 from gputq.transport.spans import span_regions
+from gputq.unit.admission import WriteQueue
 from gputq.unit.allocator import FreeListAllocator
 from gputq.unit.arena import Arena
 from gputq.unit.keytable import (
@@ -65,13 +66,6 @@ CONTROL_METHODS = frozenset({
 })
 
 
-@dataclass(eq=False)
-class _Waiter:
-    """A writer waiting for space, and since when."""
-
-    since: float
-
-
 class StorageUnit(ArenaHandler, Closeable):
     """A pinned host arena plus a key table with reference-counted ownership.
 
@@ -84,12 +78,11 @@ class StorageUnit(ArenaHandler, Closeable):
     :attr:`incarnation` and each key's generation; a lease that names
     another incarnation or generation raises :class:`StaleReadError`.
 
-    Write admission. Waiting writers queue in arrival order. A writer that
-    fits in the free space may pass the writers ahead of it, so one large
-    write does not block smaller ones, until the first writer in line has
-    waited ``write_aging_s``: from then on nobody passes it, and the space
-    freed goes to it first. So no write waits forever behind smaller ones;
-    a write still gives up with :class:`CapacityError` at its own timeout.
+    Write admission. Waiting writers queue in arrival order; a smaller
+    write that fits may pass them until the first in line has waited
+    ``write_aging_s`` (:mod:`gputq.unit.admission`). So no write waits
+    forever behind smaller ones; a write still gives up with
+    :class:`CapacityError` at its own timeout.
 
     Expiry. Expiring leases end after ``lease_timeout_s`` and reservations
     (writes begun, not yet committed) are aborted after
@@ -143,7 +136,6 @@ class StorageUnit(ArenaHandler, Closeable):
         self._name = name
         self._incarnation = secrets.token_hex(8)
         self.put_timeout_s = float(put_timeout_s)
-        self.write_aging_s = float(write_aging_s)
         self._lease_timeout_s = float(lease_timeout_s)
         self._reservation_timeout_s = float(reservation_timeout_s)
         self._alloc = FreeListAllocator(capacity_bytes, alignment)  # validates before allocating
@@ -161,8 +153,8 @@ class StorageUnit(ArenaHandler, Closeable):
         self._space = threading.Condition(self._lock)  # writers waiting for space
         self._table = KeyTable(name, self._on_forget)
         self._book = LeaseBook(self.lease_timeout_s, self.reservation_timeout_s, self._free_region)
-        self._waiters: deque[_Waiter] = deque()
         self._counters = Counter()
+        self._admission = WriteQueue(self._space, write_aging_s, self._counters)
         self._closed = False
         self._timer = ExpiryTimer(threading.Condition(self._lock), self._expire_due,
                                   f"gputq-unit-timer-{name}")
@@ -178,6 +170,11 @@ class StorageUnit(ArenaHandler, Closeable):
     def incarnation(self) -> str:
         """16 random hex characters, new for each StorageUnit object."""
         return self._incarnation
+
+    @property
+    def write_aging_s(self) -> float:
+        """How long the first waiting writer may be passed by smaller writes, in seconds."""
+        return self._admission.aging_s
 
     @property
     def lease_timeout_s(self) -> float:
@@ -239,7 +236,15 @@ class StorageUnit(ArenaHandler, Closeable):
         now = time.monotonic()
         deadline = now + min(max(0.0, float(timeout)), threading.TIMEOUT_MAX)  # NaN: 0, inf: TIMEOUT_MAX
         with self._lock:
-            offset = self._allocate_waiting(key, nbytes, timeout, deadline, _Waiter(now))
+            offset = self._admission.allocate(lambda: self._alloc.allocate(nbytes),
+                                              lambda: self._may_write(key), now, deadline)
+            if offset is None:
+                self._counters["capacity_errors"] += 1
+                raise CapacityError(
+                    f"unit {self.name}: no space for key {key!r} ({nbytes} bytes) "
+                    f"within {timeout:g} s; free {self._alloc.free_bytes} bytes, "
+                    f"largest free block {self._alloc.largest_free} bytes, "
+                    f"{len(self._admission)} other writers waiting")
             entry = Entry(key, offset, nbytes, meta, generation)
             self._table.reserve(entry, partition)
             self._timer.poke(self._book.reserve(entry, time.monotonic()))  # under the lock: in order
@@ -258,37 +263,6 @@ class StorageUnit(ArenaHandler, Closeable):
             raise RequestTooLargeError(
                 f"unit {self.name}: key {key!r} needs {nbytes} bytes, arena holds {self.capacity}")
         return key, nbytes, meta, partition, generation, timeout
-
-    def _allocate_waiting(self, key: str, nbytes: int, timeout: float, deadline: float, waiter: "_Waiter") -> int:
-        """Allocate ``nbytes`` for ``key``, waiting in line (``waiter``) for releases until ``deadline``; the
-        caller holds the lock. Raises ``DuplicateKeyError`` and ``CapacityError`` as :meth:`begin_write`."""
-        now = waiter.since
-        self._waiters.append(waiter)
-        try:
-            while True:
-                self._check_open()
-                if key in self._table:
-                    raise DuplicateKeyError(f"unit {self.name}: key {key!r} already exists")
-                if self._may_allocate(waiter, now):
-                    offset = self._alloc.allocate(nbytes)
-                    if offset is not None:
-                        return offset
-                if now >= deadline:
-                    self._counters["capacity_errors"] += 1
-                    raise CapacityError(
-                        f"unit {self.name}: no space for key {key!r} ({nbytes} bytes) "
-                        f"within {timeout:g} s; free {self._alloc.free_bytes} bytes, "
-                        f"largest free block {self._alloc.largest_free} bytes, "
-                        f"{len(self._waiters) - 1} other writers waiting")
-                self._space.wait(deadline - now)
-                now = time.monotonic()
-        finally:
-            if self._waiters[0] is waiter:
-                self._space.notify_all()  # the next in line may pass or fit now
-            self._waiters.remove(waiter)
-            if now > waiter.since:
-                self._counters["waits"] += 1
-                self._counters["wait_us"] += int((now - waiter.since) * 1e6)
 
     def commit_write(self, key: str, generation: int | None = None) -> dict:
         """Make a reserved, fully written key readable; return ``{"offset", "nbytes",
@@ -583,8 +557,8 @@ class StorageUnit(ArenaHandler, Closeable):
                 "partitions": self._table.partition_stats(),
                 "leases": self._book.leases,
                 "pending_free_bytes": self._book.pending_free_bytes,
-                "writers_waiting": len(self._waiters),
-                "first_writer_wait_s": now - self._waiters[0].since if self._waiters else 0.0,
+                "writers_waiting": len(self._admission),
+                "first_writer_wait_s": self._admission.first_wait_s(now),
                 "pinned": self._arena.pinned,
                 "arena_path": self._arena.path,
                 "closed": self._closed,
@@ -646,9 +620,11 @@ class StorageUnit(ArenaHandler, Closeable):
         if self._closed:
             raise ClosedError(f"unit {self.name} is closed")
 
-    def _may_allocate(self, waiter: _Waiter, now: float) -> bool:
-        head = self._waiters[0]
-        return head is waiter or now - head.since < self.write_aging_s
+    def _may_write(self, key: str) -> None:
+        """Raise for a writer of ``key`` that must stop waiting: the unit closed, or the key stored meanwhile."""
+        self._check_open()
+        if key in self._table:
+            raise DuplicateKeyError(f"unit {self.name}: key {key!r} already exists")
 
     def _expire_due(self) -> float | None:
         """The timer's work: end expired leases, abort expired reservations."""

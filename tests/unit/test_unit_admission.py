@@ -1,12 +1,16 @@
 """Write admission: a small write that fits passes a large waiting one, until the large
-one has waited ``write_aging_s``; from then on nobody passes it, so no write waits forever."""
+one has waited ``write_aging_s``; from then on nobody passes it, so no write waits forever.
+Through the unit, and the line itself (``gputq.unit.admission.WriteQueue``)."""
 
 import threading
+import time
+from collections import Counter
 
 import numpy as np
 import pytest
 
-from gputq.errors import CapacityError
+from gputq.errors import CapacityError, ClosedError
+from gputq.unit.admission import WriteQueue
 from gputq.unit.storage_unit import StorageUnit
 from tests.waiting import wait_until
 
@@ -98,3 +102,52 @@ def test_an_aged_write_gets_in_while_smaller_writes_keep_coming():
         for thread in threads:
             thread.join(10)
         assert unit.stats()["used"] == 0
+
+
+class _Head(threading.Thread):
+    """A writer first in line since ``since``, that finds no space until ``stop`` is set (then its check
+    raises ``ClosedError``, as a closed unit's does)."""
+
+    def __init__(self, queue: WriteQueue, space: threading.Condition, since: float):
+        super().__init__(daemon=True)
+        self.queue, self.space, self.since = queue, space, since
+        self.stop, self.error = threading.Event(), None
+        self.start()
+
+    def check(self):
+        if self.stop.is_set():
+            raise ClosedError("stopped")
+
+    def run(self):
+        with self.space:
+            try:
+                self.queue.allocate(lambda: None, self.check, self.since, time.monotonic() + 30)
+            except ClosedError as exc:
+                self.error = exc
+
+    def finish(self):
+        with self.space:
+            self.stop.set()
+            self.space.notify_all()
+        self.join(10)
+        assert self.error is not None and len(self.queue) == 0
+
+
+@pytest.mark.parametrize("aging_s, passes", [(60.0, True), (1.0, False)])
+def test_the_queue_lets_a_writer_pass_the_first_in_line_only_until_it_has_aged(aging_s, passes):
+    """The first writer has waited 10 s: with 60 s of aging a later writer that fits passes it; with 1 s it
+    may not even try (its allocation is never called), and it gets None at its deadline."""
+    space, counters = threading.Condition(), Counter()
+    queue = WriteQueue(space, aging_s, counters)
+    head = _Head(queue, space, time.monotonic() - 10)
+    wait_until(lambda: len(queue) == 1, timeout=10, what="the first writer waits")
+    assert queue.first_wait_s(time.monotonic()) >= 10
+    tried = []
+    with space:
+        now = time.monotonic()
+        offset = queue.allocate(lambda: tried.append(1) or 4096, lambda: None, now, now)
+        assert len(queue) == 1  # the first writer still waits, the other left the line
+    assert (offset, tried) == ((4096, [1]) if passes else (None, []))
+    head.finish()
+    assert counters["waits"] == 1 and counters["wait_us"] >= 10e6  # the first writer's wait, none of the other's
+    assert queue.first_wait_s(time.monotonic()) == 0.0
