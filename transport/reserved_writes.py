@@ -21,23 +21,31 @@ reservation lifetime (half of it), counted from when the
 reservation was *requested* (the unit granted it later); a batch that would
 is given back (:data:`~gputq.transport.write_batches.ABORT_WRITES`) while
 its reservations hold, and raises ``GputqTimeoutError``.
+
+:class:`ArenaFileWrites` is the same-host writer's side: its move is one
+copy into the unit's arena file, mapped writable on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
 from gputq.errors import GputqTimeoutError, ProtocolError
+from gputq.transport.arena_mapping import ArenaMapping
 from gputq.transport.base import byte_view, describe_keys, write_window
 from gputq.transport.lease_ends import stated_seconds
 from gputq.transport.wire import error_from_wire
 from gputq.transport.write_batches import ABORT_WRITES, COMMIT_WRITES, RESERVE_WRITES, generation_of
 
-__all__ = ["ReservedWrites", "REPLY_GRACE_S"]
+__all__ = ["ReservedWrites", "ArenaFileWrites", "REPLY_GRACE_S"]
+
+_log = logging.getLogger(__name__)
 
 #: Seconds a reservation's reply may take beyond the request's own wait for space; and what a
 #: commit or an abort may take when the write's timeout is spent (a moved batch must get committed).
@@ -133,6 +141,68 @@ class ReservedWrites:
                                     f"{keys[i]!r}, outside its arena of {self._arena_nbytes}")
             reserved.append((i, offset))
         return results, reserved
+
+
+class ArenaFileWrites:
+    """A same-host writer's writes to one unit, copied straight into its arena file (mapped writable on first
+    use); over the control lane where the file cannot be mapped so.
+
+    Parameters
+    ----------
+    control:
+        The unit's control lane (a :class:`~gputq.transport.tcp.TcpChannel`).
+    unit:
+        The unit's name.
+    path, nbytes:
+        The arena file, and its size.
+
+    Attributes
+    ----------
+    fallback_reason : str or None
+        Why writes go over the control lane, once mapping the file writable failed.
+    copied : int
+        Writes copied into the arena.
+    """
+
+    def __init__(self, control, unit: str, path: str, nbytes: int):
+        self._control, self.unit, self._path, self._nbytes = control, unit, path, int(nbytes)
+        self._writes = ReservedWrites(control, unit, nbytes, "copy")
+        self._lock = threading.Lock()
+        self._mapping: ArenaMapping | None = None
+        self._closed = False
+        self.fallback_reason: str | None = None
+        self.copied = 0
+
+    def write_many(self, items: Sequence[tuple], timeout: float | None) -> list:
+        """Store ``(key, payload, meta)`` items, as :meth:`ReservedWrites.write_many` does."""
+        if self._writable() is None:
+            return self._control.write_many(items, timeout)
+        return self._writes.write_many(items, timeout, self._copy_in)
+
+    def _writable(self) -> ArenaMapping | None:
+        """The arena mapped writable, on first use; None where that failed (then tried no more)."""
+        with self._lock:
+            if self._mapping is None and self.fallback_reason is None and not self._closed:
+                try:
+                    self._mapping = ArenaMapping(self._path, self._nbytes, writable=True)
+                except OSError as exc:
+                    self.fallback_reason = f"cannot map the arena file of unit {self.unit} writable: {exc}"
+                    _log.warning("writes to unit %s go over tcp: %s", self.unit, self.fallback_reason)
+            return self._mapping
+
+    def _copy_in(self, key: str, offset: int, data: np.ndarray, deadline: float | None) -> None:
+        """A reserved write's move: one copy into the writable mapping (started inside its window)."""
+        with self._mapping.held() as mapping:
+            np.copyto(mapping.array[offset:offset + data.nbytes], data)
+        with self._lock:
+            self.copied += 1
+
+    def close(self) -> None:
+        """Unmap the arena file (once the copies into it are done). Idempotent."""
+        with self._lock:
+            mapping, self._mapping, self._closed = self._mapping, None, True
+        if mapping is not None:
+            mapping.close()
 
 
 def _results(answers, count: int, ok: str) -> bool:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from typing import Sequence
 
@@ -81,7 +80,7 @@ from gputq.transport.lease_helpers import LeaseHelpers
 from gputq.transport.one_sided import ARENA_FILE, HeldLease, LeaseProtocol, LeasingChannel
 from gputq.transport.nixl import NixlTransport
 from gputq.transport.policy import local_hostname, nixl_import_error
-from gputq.transport.reserved_writes import ReservedWrites
+from gputq.transport.reserved_writes import ArenaFileWrites
 from gputq.transport.spans import SPAN_WIRE_BYTES, span_regions, spans_from_wire, spans_to_wire
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
@@ -136,13 +135,7 @@ class ShmChannel(LeasingChannel):
         self._directory_mapping: ArenaMapping | None = None
         self.reads_ahead = self.hint_misses = 0
         self.fallback_reason: str | None = None
-        #: Why writes go over tcp although the arena is mapped for reads, or None.
-        self.write_fallback_reason: str | None = None
-        #: Writes this channel copied straight into the unit's arena.
-        self.writes_copied = 0
-        self._writable_mapping: ArenaMapping | None = None
-        self._writes: ReservedWrites | None = None
-        self._writes_lock = threading.Lock()
+        self._writes: ArenaFileWrites | None = None
         host = address.get("hostname")
         if host is not None and host != local_hostname():
             self.fallback_reason = f"unit {self.unit} runs on host {host!r}, not here ({local_hostname()!r})"
@@ -150,7 +143,7 @@ class ShmChannel(LeasingChannel):
             try:
                 info = self._tcp.call(ARENA_FILE, timeout=timeout)
                 self.mapping = ArenaMapping(str(info["path"]), int(info["nbytes"]))
-                self._writes = ReservedWrites(self._tcp, self.unit, self.mapping.nbytes, "copy")
+                self._writes = ArenaFileWrites(self._tcp, self.unit, self.mapping.path, self.mapping.nbytes)
             except Exception as exc:  # InvalidInputError from an older server, OSError, ...
                 self.fallback_reason = f"cannot map the arena file of unit {self.unit}: {exc}"
             else:
@@ -436,29 +429,21 @@ class ShmChannel(LeasingChannel):
 
     def write_many(self, items, timeout: float | None = None) -> list:
         """Store ``(key, payload, meta)`` items, copied straight into the unit's arena file mapped writable
-        (:mod:`gputq.transport.reserved_writes`); over tcp where it cannot be mapped so."""
+        (:class:`~gputq.transport.reserved_writes.ArenaFileWrites`); over tcp where it cannot be mapped so."""
         self._check_open()
-        if self._writable() is None:
+        if self._writes is None:
             return self._tcp.write_many(items, timeout)
-        return self._writes.write_many(items, timeout, self._copy_in)
+        return self._writes.write_many(items, timeout)
 
-    def _writable(self) -> ArenaMapping | None:
-        """The arena mapped writable, on first use; None where that failed (then tried no more)."""
-        with self._writes_lock:
-            if self._writable_mapping is None and self.mapping is not None and self.write_fallback_reason is None:
-                try:
-                    self._writable_mapping = ArenaMapping(self.mapping.path, self.mapping.nbytes, writable=True)
-                except OSError as exc:
-                    self.write_fallback_reason = f"cannot map the arena file of unit {self.unit} writable: {exc}"
-                    _log.warning("shm channel to %s writes over tcp: %s", self.unit, self.write_fallback_reason)
-            return self._writable_mapping
+    @property
+    def write_fallback_reason(self) -> str | None:
+        """Why writes go over tcp although the arena is mapped for reads, or None."""
+        return None if self._writes is None else self._writes.fallback_reason
 
-    def _copy_in(self, key: str, offset: int, data: np.ndarray, deadline: float | None) -> None:
-        """A reserved write's move: one copy into the writable mapping (started inside its window)."""
-        with self._writable_mapping.held() as mapping:
-            np.copyto(mapping.array[offset:offset + data.nbytes], data)
-        with self._writes_lock:
-            self.writes_copied += 1
+    @property
+    def writes_copied(self) -> int:
+        """Writes this channel copied straight into the unit's arena."""
+        return 0 if self._writes is None else self._writes.copied
 
     def close(self) -> None:
         if self._closed:
@@ -466,7 +451,9 @@ class ShmChannel(LeasingChannel):
         self._closed = True
         self._leases.close()
         self._exchanges.close()
-        for mapping in (self.mapping, self._directory_mapping, self._writable_mapping):
+        if self._writes is not None:
+            self._writes.close()
+        for mapping in (self.mapping, self._directory_mapping):
             if mapping is not None:
                 mapping.close()
         if self._fallback is not None and self._fallback is not self._tcp:

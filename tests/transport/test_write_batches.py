@@ -14,10 +14,9 @@ from gputq.errors import (
     RequestTooLargeError,
     UnknownKeyError,
 )
-from gputq.transport import get_transport, shm
+from gputq.transport import get_transport, reserved_writes
 from gputq.transport.base import ServerLimits
 from gputq.transport.policy import nixl_import_error
-from gputq.transport.reserved_writes import ReservedWrites
 from gputq.transport.wire import Op
 from gputq.unit.storage_unit import StorageUnit
 from tests.transport.test_wire import frame, serve_pair
@@ -136,14 +135,14 @@ def test_an_arena_that_cannot_be_mapped_writable_is_written_over_tcp(tmp_path, m
             get_transport("tcp").serve(unit, host="127.0.0.1", port=0, token=TOKEN,
                                        limits=ServerLimits(max_frame_bytes=MAX)) as server, \
             get_transport("shm").connect(server.address, token=TOKEN, max_frame_bytes=MAX, timeout=10) as channel:
-        real = shm.ArenaMapping
+        real = reserved_writes.ArenaMapping
 
         def refuse_writable(path, nbytes, *, writable=False):
             if writable:
                 raise PermissionError(13, "read-only file system")
             return real(path, nbytes)
 
-        monkeypatch.setattr(shm, "ArenaMapping", refuse_writable)
+        monkeypatch.setattr(reserved_writes, "ArenaMapping", refuse_writable)
         assert channel.write("k", b"abc", {}, timeout=5)["nbytes"] == 3
         assert channel.writes_copied == 0 and "read-only file system" in channel.write_fallback_reason
         assert _stored(unit, "k") == b"abc"
@@ -188,7 +187,7 @@ def test_a_reservation_reply_stating_no_usable_lifetime_moves_nothing(lifetime):
             return {"results": [{"offset": 0}], "reservation_s": lifetime}
 
     moved = []
-    writes = ReservedWrites(Control(), "su-x", 1 << 20, "copy")
+    writes = reserved_writes.ReservedWrites(Control(), "su-x", 1 << 20, "copy")
     with pytest.raises(ProtocolError, match="reservation lifetime"):
         writes.write_many([("k", b"abc", {})], 5, lambda *args: moved.append(args))
     assert moved == [] and Control.calls == ["reserve_writes"]
