@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gputq.errors import InvalidInputError, MissingDependencyError, ProtocolError
+from gputq.errors import InvalidInputError, MissingDependencyError
 
 from .spans import SPAN_WIRE_BYTES, span_regions, spans_to_wire
 
@@ -50,7 +50,6 @@ __all__ = [
     "LogLimiter",
     "describe_keys",
     "read_args",
-    "leased_regions",
     "WRITE_WINDOW_SHARE",
     "write_window",
 ]
@@ -622,32 +621,6 @@ def read_args(keys: Sequence[str], generations=None, incarnation: str | None = N
         return args, None
     args["spans"] = spans_to_wire(spans, len(keys))
     return args, len(args["spans"]) // SPAN_WIRE_BYTES
-
-
-def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str, rows: int | None = None) -> np.ndarray:
-    """Decode and check the regions of a ``"lease"`` reply before reading them one-sided.
-
-    ``raw`` is little-endian int64 ``[n, 2]`` of (offset, nbytes), one row
-    per key, or ``rows`` of them when the lease named that many spans. A
-    one-sided reader trusts nothing it did not check: a region outside the
-    arena would read (or, mapped, fault on) memory that is not the arena.
-
-    Raises
-    ------
-    ProtocolError
-        Wrong size or type, a negative value, or a region reaching past
-        ``arena_nbytes``; names the unit and the keys.
-    """
-    rows = len(keys) if rows is None else rows
-    if not isinstance(raw, (bytes, bytearray)) or len(raw) != 16 * rows:
-        raise ProtocolError(f"unit {unit}: lease reply for keys {describe_keys(keys)} is not "
-                            f"{rows} (offset, nbytes) pairs")
-    regions = np.frombuffer(raw, dtype="<i8").reshape(rows, 2)
-    # nbytes > arena - offset, not offset + nbytes > arena: the sum can overflow int64.
-    if rows and ((regions < 0).any() or (regions[:, 1] > arena_nbytes - regions[:, 0]).any()):
-        raise ProtocolError(f"unit {unit}: leased regions outside its {arena_nbytes}-byte arena for keys "
-                            f"{describe_keys(keys)}")
-    return regions
 
 
 def write_window(reservation_timeout_s: float | None, limit: float | None = None) -> float | None:

@@ -30,12 +30,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gputq.errors import ClosedError, InvalidInputError, StaleReadError
-from gputq.transport.base import Channel, describe_keys, leased_regions, read_args
+from gputq.errors import ClosedError, InvalidInputError, ProtocolError, StaleReadError
+from gputq.transport.base import Channel, describe_keys, read_args
 from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 
 __all__ = ["LeaseProtocol", "LeasingChannel", "HeldLease", "LEASE", "END_LEASE", "ARENA_FILE", "END_TIMEOUT_S",
-           "FRESH_FRACTION"]
+           "FRESH_FRACTION", "leased_regions"]
 
 #: Control methods every unit answers for one-sided readers (the last names its arena file to a
 #: reader on its host, which maps it).
@@ -204,3 +204,29 @@ class LeasingChannel(Channel):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"{self.kind} channel to {self.unit} is closed")
+
+
+def leased_regions(raw, keys: Sequence[str], arena_nbytes: int, unit: str, rows: int | None = None) -> np.ndarray:
+    """Decode and check the regions of a ``"lease"`` reply before reading them one-sided.
+
+    ``raw`` is little-endian int64 ``[n, 2]`` of (offset, nbytes), one row
+    per key, or ``rows`` of them when the lease named that many spans. A
+    one-sided reader trusts nothing it did not check: a region outside the
+    arena would read (or, mapped, fault on) memory that is not the arena.
+
+    Raises
+    ------
+    ProtocolError
+        Wrong size or type, a negative value, or a region reaching past
+        ``arena_nbytes``; names the unit and the keys.
+    """
+    rows = len(keys) if rows is None else rows
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != 16 * rows:
+        raise ProtocolError(f"unit {unit}: lease reply for keys {describe_keys(keys)} is not "
+                            f"{rows} (offset, nbytes) pairs")
+    regions = np.frombuffer(raw, dtype="<i8").reshape(rows, 2)
+    # nbytes > arena - offset, not offset + nbytes > arena: the sum can overflow int64.
+    if rows and ((regions < 0).any() or (regions[:, 1] > arena_nbytes - regions[:, 0]).any()):
+        raise ProtocolError(f"unit {unit}: leased regions outside its {arena_nbytes}-byte arena for keys "
+                            f"{describe_keys(keys)}")
+    return regions

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputq.errors import AuthenticationError, GputqError, ProtocolError
-from gputq.transport.base import ServerLimits, leased_regions
+from gputq.transport.base import ServerLimits
+from gputq.transport.one_sided import leased_regions
 from gputq.transport.tcp import TcpTransport
 from gputq.transport.tcp_server import Handshake
 from gputq.transport.wire import HEADER, MAGIC, PRE_AUTH_BODY_BYTES, VERSION, Op, encode_header, pack_body
