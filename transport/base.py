@@ -383,7 +383,8 @@ class Channel(Closeable):
         return False
 
     def pipeline(self):
-        """Reads sent ahead of their replies on one connection (see :class:`~gputq.transport.tcp.ReadPipeline`)."""
+        """Reads sent ahead of their replies on one connection
+        (see :class:`~gputq.transport.tcp_pipeline.ReadPipeline`)."""
         raise MissingDependencyError(f"unit {self.unit}: {type(self).__name__} sends no reads ahead")
 
     def mapped_source(self, keys: Sequence[str], timeout: float | None = None, **kwargs):

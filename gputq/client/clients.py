@@ -66,7 +66,7 @@ def _is_loss(exc: BaseException) -> bool:
 
 
 class UnitReadPipeline:
-    """:class:`~gputq.transport.tcp.ReadPipeline` of one unit under the loss rule.
+    """:class:`~gputq.transport.tcp_pipeline.ReadPipeline` of one unit under the loss rule.
 
     From :meth:`UnitChannel.pipeline`. Its transport pipeline (one
     connection) is opened by the first :meth:`send`; a lost peer or a
@@ -79,7 +79,7 @@ class UnitReadPipeline:
         self._pipe = None
 
     def send(self, keys: Sequence[str], timeout: float | None = None, **kwargs) -> None:
-        """:meth:`ReadPipeline.send <gputq.transport.tcp.ReadPipeline.send>`.
+        """:meth:`ReadPipeline.send <gputq.transport.tcp_pipeline.ReadPipeline.send>`.
 
         Raises
         ------
@@ -95,7 +95,7 @@ class UnitReadPipeline:
 
     def receive(self, sink, timeout: float | None = None, *, keys: Sequence[str] = (), chunk_bytes: int,
                 breaks: Sequence[int] = ()) -> list[int]:
-        """:meth:`ReadPipeline.receive <gputq.transport.tcp.ReadPipeline.receive>`; ``keys``, those of
+        """:meth:`ReadPipeline.receive <gputq.transport.tcp_pipeline.ReadPipeline.receive>`; ``keys``, those of
         the read being received, name it in a loss."""
         if self._pipe is None:
             raise ClosedError(f"no read of unit {self.unit} is in flight on this pipeline")

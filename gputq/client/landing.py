@@ -5,7 +5,7 @@ staging buffer and widens them afterwards (on a second thread, while the
 next micro-batch arrives) passes over memory three times: the receive
 writes the compact bytes out, the widen reads them back and writes the
 int32. Handing each chunk of the reply to a :class:`LandingWidener` as it
-is received (:meth:`ReadPipeline.receive <gputq.transport.tcp.ReadPipeline.receive>`,
+is received (:meth:`ReadPipeline.receive <gputq.transport.tcp_pipeline.ReadPipeline.receive>`,
 through :func:`land_replies`) lands it in a buffer that stays in the CPU's
 caches and widens it from there: the compact bytes never reach memory,
 and while the receiving thread widens, the unit's next bytes queue in the

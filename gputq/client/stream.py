@@ -121,7 +121,7 @@ class MicroBatchStream:
     the next micro-batch while the current one trains; read where they lie
     in same-host arenas (shm) micro-batches need no compact buffer; on the
     host over tcp the fetch thread widens each micro-batch as its replies
-    land, reading one pipeline per unit (:class:`~gputq.transport.tcp.ReadPipeline`).
+    land, reading one pipeline per unit (:class:`~gputq.transport.tcp_pipeline.ReadPipeline`).
     With ``hold=True`` the consumer releases each micro-batch itself
     (:meth:`MicroBatch.release`, after its backward in a pipeline schedule
     that runs several forwards first). :meth:`replay_handles` gives slime's

@@ -194,7 +194,7 @@ def test_a_read_that_fails_to_go_ahead_is_sent_again_by_its_own_micro_batch(monk
     nothing: its own fetch sends the read again and restores it exactly."""
     from gputq.client.fetch import ReadsAhead
     from gputq.errors import UnitBusyError
-    from gputq.transport.tcp import ReadPipeline
+    from gputq.transport.tcp_pipeline import ReadPipeline
 
     rng = np.random.default_rng(11)
     lengths = [37, 50, 64, 23, 41, 58]
@@ -212,8 +212,8 @@ def test_a_read_that_fails_to_go_ahead_is_sent_again_by_its_own_micro_batch(monk
 
     def send(pipe, *args, **kwargs):
         if not refused and sending_ahead.is_set():
-            refused.append(pipe._channel.unit)
-            raise UnitBusyError(f"unit {pipe._channel.unit} is at its connection cap")
+            refused.append(pipe.unit)
+            raise UnitBusyError(f"unit {pipe.unit} is at its connection cap")
         return real_send(pipe, *args, **kwargs)
 
     monkeypatch.setattr(ReadsAhead, "send_ahead", ahead)
