@@ -83,7 +83,7 @@ def add_leased(request, regions: list, starts: list, addresses: list, lengths: l
 
 
 def mapped_here(channel, on_device: bool) -> bool:
-    """Whether ``channel`` (a :class:`~gputq.client.clients.UnitChannel`) lends its unit's arena
+    """Whether ``channel`` (a :class:`~gputq.client.unit_channel.UnitChannel`) lends its unit's arena
     here: never for tcp or rdma, nor while the unit is lost (its reads then name their keys)."""
     if on_device:
         return channel.device_mappable()

@@ -62,7 +62,7 @@ class SpanRequest:
     key_bytes: int = 0  # of key names
 
     def send(self, pipe, timeout: float | None) -> None:
-        """Send this read on ``pipe`` (a :meth:`UnitChannel.pipeline <gputq.client.clients.UnitChannel.pipeline>`
+        """Send this read on ``pipe`` (a :meth:`UnitChannel.pipeline <gputq.client.unit_channel.UnitChannel.pipeline>`
         to its unit); its reply is left queued."""
         pipe.send(self.keys, timeout, generations=self.generations, incarnation=self.incarnation or None,
                   spans=self.spans)

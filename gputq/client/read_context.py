@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from gputq.client.clients import UnitChannel, UnitClients
+from gputq.client.clients import UnitClients
+from gputq.client.unit_channel import UnitChannel
 from gputq.config import GputqConfig
 from gputq.errors import InvalidInputError
 from gputq.kernels import cuda_available

@@ -147,7 +147,7 @@ def test_stream_matches_slime_and_moves_exactly_the_slice(transport, dtype):
 def test_over_tcp_on_the_host_micro_batches_land_widened_with_no_staging(monkeypatch, dtype):
     """Each chunk of a reply is widened as it lands (no compact buffer, no staged read), and gives the
     micro-batches the staged path gives; a long sample's runs (a layer's tokens) end chunks where they end."""
-    from gputq.client.clients import UnitChannel, UnitReadPipeline
+    from gputq.client.unit_channel import UnitChannel, UnitReadPipeline
 
     rng = np.random.default_rng(3)
     lengths = [37, 50, 64, 23, 41, 40_000]  # the last: a run of 20,000 tokens per layer, at least a quarter chunk
