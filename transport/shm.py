@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Sequence
 
 import numpy as np
@@ -76,12 +75,12 @@ from gputq.transport.base import (
 )
 from gputq.transport.cuda import mapped_device_pointer
 from gputq.transport.directory import DirectoryView, directory_nbytes
-from gputq.transport.lease_helpers import LeaseHelpers
+from gputq.transport.hinted_leases import HintedLeases, read_checks
 from gputq.transport.one_sided import ARENA_FILE, HeldLease, LeaseProtocol, LeasingChannel
 from gputq.transport.nixl import NixlTransport
 from gputq.transport.policy import local_hostname, nixl_import_error
 from gputq.transport.reserved_writes import ArenaFileWrites
-from gputq.transport.spans import SPAN_WIRE_BYTES, span_regions, spans_from_wire, spans_to_wire
+from gputq.transport.spans import spans_to_wire
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
 
@@ -129,11 +128,10 @@ class ShmChannel(LeasingChannel):
         self.unit = self._tcp.unit
         self.incarnation = getattr(self._tcp, "incarnation", address.get("incarnation"))
         self._leases = LeaseProtocol(self._tcp, self.unit)
-        self._exchanges = LeaseHelpers(LEASE_THREADS, f"gputq-shm-lease-{self.unit}")
         self.mapping: ArenaMapping | None = None
         self.directory: DirectoryView | None = None
         self._directory_mapping: ArenaMapping | None = None
-        self.reads_ahead = self.hint_misses = 0
+        self._hints: HintedLeases | None = None  # the reads' leases, once the arena is mapped
         self.fallback_reason: str | None = None
         self._writes: ArenaFileWrites | None = None
         host = address.get("hostname")
@@ -148,6 +146,8 @@ class ShmChannel(LeasingChannel):
                 self.fallback_reason = f"cannot map the arena file of unit {self.unit}: {exc}"
             else:
                 self._map_directory(info.get("directory"))
+                self._hints = HintedLeases(self._leases, self.unit, self.mapping.nbytes, self.directory,
+                                           LEASE_THREADS)
         self._fallback = None  # the channel reads go through when the arena is not mapped
         if self.fallback_reason is not None:
             self._fallback = self._fallback_channel(address, token, max_frame_bytes, timeout)
@@ -202,7 +202,7 @@ class ShmChannel(LeasingChannel):
         self._check_open()
         keys = list(keys)
         if self.mapping is None:
-            return self._fallback.read(keys, dest, timeout, spans=spans, **_read_checks(generations, incarnation))
+            return self._fallback.read(keys, dest, timeout, spans=spans, **read_checks(generations, incarnation))
         on_device = is_device_buffer(dest)
         if on_device:
             capacity = device_nbytes(dest)
@@ -212,7 +212,7 @@ class ShmChannel(LeasingChannel):
         if not keys:
             return []
         wire_spans = None if spans is None else spans_to_wire(spans, len(keys))
-        hinted = self._hinted_regions(keys, generations, capacity, wire_spans)
+        hinted = self._hints.regions(keys, generations, capacity, wire_spans)
         while True:
             try:
                 with self._leased(keys, generations, incarnation, timeout, hinted=hinted,
@@ -233,20 +233,6 @@ class ShmChannel(LeasingChannel):
                 if hinted is None:
                     raise
                 hinted = None  # copy again, after the lease
-
-    def _hinted_regions(self, keys: list, generations, capacity: float, spans: bytes | None = None):
-        """The regions the directory names for every key (or span), when they fit the arena and ``capacity``."""
-        if self.directory is None or generations is None:
-            return None
-        regions = self.directory.lookup(keys, generations, within=self.mapping.nbytes)
-        if regions is not None and spans is not None:
-            try:
-                regions = span_regions(regions, spans_from_wire(spans, len(keys)), keys, self.unit)
-            except InvalidInputError:
-                return None  # the lease answers with the unit's own error
-        if regions is None or (capacity < float("inf") and int(regions[:, 1].sum()) > capacity):
-            return None  # a torn or foreign entry, or too many bytes: wait for the lease
-        return regions
 
     @contextlib.contextmanager
     def mapped_source(self, keys: Sequence[str], timeout: float | None = None, *,
@@ -284,7 +270,7 @@ class ShmChannel(LeasingChannel):
             base = self.mapping.address
         keys = list(keys)
         wire_spans = None if spans is None else spans_to_wire(spans, len(keys))
-        hinted = self._hinted_regions(keys, generations, float("inf"), wire_spans) if ahead else None
+        hinted = self._hints.regions(keys, generations, float("inf"), wire_spans) if ahead else None
         with self._leased(keys, generations, incarnation, timeout, hinted=hinted, spans=wire_spans) as regions:
             lent = regions.copy()
             lent[:, 0] += base
@@ -303,7 +289,7 @@ class ShmChannel(LeasingChannel):
         self._check_open()
         keys = list(keys)
         wire = None if spans is None else spans_to_wire(spans, len(keys))
-        hinted = self._hinted_regions(keys, generations, float("inf"), wire) if self.mapping is not None else None
+        hinted = self._hints.regions(keys, generations, float("inf"), wire) if self.mapping is not None else None
         if hinted is None:
             yield None
             return
@@ -352,73 +338,14 @@ class ShmChannel(LeasingChannel):
 
     @contextlib.contextmanager
     def _leased(self, keys: list, generations, incarnation, timeout: float | None, *, hinted=None, spans=None):
-        """:meth:`_lease_for`, with the mapping held for the block: a close meanwhile (a lost unit's, on the
+        """:meth:`HintedLeases.lease <gputq.transport.hinted_leases.HintedLeases.lease>`, with the mapping held
+        for the block: a close meanwhile (a lost unit's, on the
         heartbeat's thread) unmaps it only once the block's reads of it are done."""
-        with self.mapping.held(), self._lease_for(keys, generations, incarnation, timeout, hinted=hinted,
-                                                  spans=spans) as regions:
+        with self.mapping.held(), self._hints.lease(keys, generations, incarnation, timeout, hinted=hinted,
+                                                    spans=spans) as regions:
             yield regions
 
-    @contextlib.contextmanager
-    def _lease_for(self, keys: list, generations, incarnation, timeout: float | None, *, hinted=None, spans=None):
-        """Lease ``keys`` for the block; yields their regions; confirms the lease after it.
-
-        With ``hinted``, the directory's regions of the keys, the block runs
-        on them while a helper thread requests the lease, and the lease must
-        name the same regions: else :class:`HintMissedError` is raised after
-        the block.
-        """
-        args = {"keys": keys, **_read_checks(generations, incarnation)}
-        rows = None
-        if spans is not None:
-            args["spans"], rows = spans, len(spans) // SPAN_WIRE_BYTES
-        if hinted is None:
-            reply, started = self._leases.request(args, timeout, keys)
-            with self._confirmed(reply, started, keys, rows) as regions:
-                yield regions
-            return
-        ended = self._leases.ends.take()
-        if ended:
-            args["end"] = ended
-        started, reply, done = time.monotonic(), None, False
-        # The exchange runs on a helper thread: its Python work (send, receive, decode) then
-        # runs while the block copies or restores with the GIL released, not after it.
-        exchange = self._exchanges.submit(lambda: self._leases.ask(args, timeout, keys))
-        try:
-            try:
-                yield hinted
-            except BaseException:
-                with contextlib.suppress(Exception):  # the block's error is the one to see
-                    reply = exchange.result()
-                raise
-            reply = exchange.result()
-            done = True  # from here the confirmation ends the lease, whatever happens
-            if reply.get("regions") == hinted.astype("<i8", copy=False).tobytes():  # checked when hinted
-                self._leases.settle(reply, started, keys)
-                self.reads_ahead += 1
-                return
-            with self._confirmed(reply, started, keys, rows):
-                self.hint_misses += 1
-                raise HintMissedError(f"unit {self.unit}: the key directory named other regions than the "
-                                      f"lease of keys {describe_keys(keys)}; read them again after the lease")
-        except BaseException:
-            if reply is None:
-                self._leases.ends.restore(ended)  # the request may never have reached the unit
-            elif not done:
-                self._leases.end(int(reply["lease_id"]), quiet=True)
-            raise
-
-    @contextlib.contextmanager
-    def _confirmed(self, reply: dict, started: float, keys: list, rows: int | None = None):
-        """The checked regions of a lease ``reply`` (``rows`` spans, or one per key) for the block;
-        the lease settled after it."""
-        ok = False
-        try:
-            yield self._leases.regions(reply, keys, self.mapping.nbytes, rows)
-            ok = True
-        finally:
-            self._leases.settle(reply, started, keys, ok=ok)
-
-    # -- writes and control ------------------------------------------------------------
+    # -- writes and control    # -- writes and control ------------------------------------------------------------
 
     def write(self, key: str, payload, meta: dict | None = None, timeout: float | None = None) -> dict:
         """Store ``payload`` under ``key``: copied into the mapped arena (see :meth:`write_many`)."""
@@ -441,6 +368,16 @@ class ShmChannel(LeasingChannel):
         return None if self._writes is None else self._writes.fallback_reason
 
     @property
+    def reads_ahead(self) -> int:
+        """Reads whose copy, made from the key directory while the lease was requested, the lease confirmed."""
+        return 0 if self._hints is None else self._hints.reads_ahead
+
+    @property
+    def hint_misses(self) -> int:
+        """Reads whose directory regions the lease did not confirm (copied again)."""
+        return 0 if self._hints is None else self._hints.hint_misses
+
+    @property
     def writes_copied(self) -> int:
         """Writes this channel copied straight into the unit's arena."""
         return 0 if self._writes is None else self._writes.copied
@@ -450,7 +387,8 @@ class ShmChannel(LeasingChannel):
             return
         self._closed = True
         self._leases.close()
-        self._exchanges.close()
+        if self._hints is not None:
+            self._hints.close()
         if self._writes is not None:
             self._writes.close()
         for mapping in (self.mapping, self._directory_mapping):
@@ -459,17 +397,6 @@ class ShmChannel(LeasingChannel):
         if self._fallback is not None and self._fallback is not self._tcp:
             self._fallback.close()
         self._tcp.close()
-
-
-
-def _read_checks(generations, incarnation) -> dict:
-    """The optional staleness checks of a read, as keyword arguments (absent when unset)."""
-    checks = {}
-    if generations is not None:
-        checks["generations"] = [int(g or 0) for g in generations]
-    if incarnation:
-        checks["incarnation"] = str(incarnation)
-    return checks
 
 
 class ShmTransport(TransportType):
