@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from gputq.transport.cuda import HOST_REGISTER_DEFAULT, host_unregister, page_lo
 from gputq.transport.policy import infiniband_devices, load_nixl_api, local_hostname
 
 __all__ = ["host_ptr", "import_nixl", "agent_name", "LocalAgent", "local_pool", "BufferPool", "CudaOps",
-           "cuda_device_of", "MIN_POOL_BYTES", "DRAM"]
+           "cuda_device_of", "MIN_POOL_BYTES", "DRAM", "DRAIN_S"]
 
 _log = logging.getLogger(__name__)
 
@@ -43,6 +44,11 @@ _log = logging.getLogger(__name__)
 MIN_POOL_BYTES = 1 << 20
 #: The memory kind of host buffers: (NIXL memory type, device id).
 DRAM = ("DRAM", 0)
+#: Seconds the reader's worker is driven after it drops a unit's agent (see ``LocalAgent._drain``): long
+#: enough for the unit's side of the closing handshake, short beside a channel's life.
+DRAIN_S = 0.01
+#: Seconds between two progress calls while draining: the unit's answer needs its own progress thread's turn.
+DRAIN_POLL_S = 0.001
 _PAGE = 4096
 
 
@@ -364,10 +370,29 @@ class LocalAgent:
         if name is not None:
             try:
                 self.agent.remove_remote_agent(name)
+                self._drain()
             except Exception:  # the agent may already be gone at interpreter exit
                 pass
         if last_channel:
             self.pool.trim()
+
+
+    def _drain(self) -> None:
+        """Drive the worker for :data:`DRAIN_S`, so that the endpoints to a unit just dropped finish closing while
+        it still answers.
+
+        UCX closes them in the background, and with no progress thread this
+        worker moves only while the reader transfers: left alone, an
+        endpoint whose wire-up was still under way stays half open until its
+        unit goes, is then reconnected at the next transfer, refused, and
+        left in a state whose teardown can abort the process.
+        """
+        deadline = time.monotonic() + DRAIN_S
+        while True:
+            self.agent.get_new_notifs()  # the reader expects no notifications: this only progresses the worker
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(DRAIN_POLL_S)
 
 
 def local_pool() -> BufferPool:

@@ -712,3 +712,23 @@ def test_a_lease_past_half_its_life_or_of_another_channel_is_taken_again(server,
         wait_until(lambda: handler.stats()["leases"] == 0, 10, "every lease is ended")
         with pytest.raises(InvalidInputError):
             ch.lease_ahead([], timeout=10)
+
+
+def test_closing_a_channel_drives_the_worker_after_dropping_its_units_agent(server, monkeypatch):
+    """The reader's worker has no progress thread: a channel's close drives it after dropping the unit's agent,
+    so the endpoints to the unit finish closing while it answers (an endpoint left half open is reconnected
+    once the unit is gone, refused, and its teardown can abort the process)."""
+    _nixl_or_skip()
+    from gputq.transport import nixl_pool
+
+    ch = _connect(server)
+    agent = nixl_pool.LocalAgent.get().agent
+    calls = []
+    remove, progress = agent.remove_remote_agent, agent.get_new_notifs
+    monkeypatch.setattr(agent, "remove_remote_agent", lambda name: (calls.append("remove"), remove(name))[1])
+    monkeypatch.setattr(agent, "get_new_notifs", lambda: (calls.append("progress"), progress())[1])
+    ch.write("k", np.ones(64, np.uint8), {})
+    assert ch.read(["k"], np.zeros(64, np.uint8)) == [64]
+    calls.clear()
+    ch.close()
+    assert calls[0] == "remove" and set(calls[1:]) == {"progress"}
