@@ -101,6 +101,8 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
                                  limits=ServerLimits(max_frame_bytes=MAX, handshake_timeout_s=deadline_s)) as srv:
         unit.put("sample", payload)
         address = (srv.address["host"], srv.address["port"])
+        # The legitimate fetch's destination, touched before the baseline: what grows is the attack's cost.
+        dest = np.ones(payload.size, np.uint8)
         threads_before, rss_before = threading.active_count(), rss_bytes()
         opened = {}
         for _ in range(nattackers):
@@ -114,7 +116,6 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
             pause(0.5)  # let the drip run first
             start = time.monotonic()
             with TcpTransport().connect(srv.address, token=TOKEN, max_frame_bytes=MAX, timeout=5) as ch:
-                dest = np.empty(payload.size, np.uint8)
                 ch.read(["sample"], dest, timeout=5)
             fetch["seconds"] = time.monotonic() - start
             fetch["exact"] = np.array_equal(dest, payload)
