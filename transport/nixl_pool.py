@@ -48,7 +48,7 @@ DRAM = ("DRAM", 0)
 #: enough for the unit's side of the closing handshake, short beside a channel's life.
 DRAIN_S = 0.01
 #: Seconds between two progress calls while draining: the unit's answer needs its own progress thread's turn.
-DRAIN_POLL_S = 0.001
+_DRAIN_POLL_S = 0.001
 _PAGE = 4096
 
 
@@ -376,7 +376,6 @@ class LocalAgent:
         if last_channel:
             self.pool.trim()
 
-
     def _drain(self) -> None:
         """Drive the worker for :data:`DRAIN_S`, so that the endpoints to a unit just dropped finish closing while
         it still answers.
@@ -392,7 +391,7 @@ class LocalAgent:
             self.agent.get_new_notifs()  # the reader expects no notifications: this only progresses the worker
             if time.monotonic() >= deadline:
                 return
-            time.sleep(DRAIN_POLL_S)
+            time.sleep(_DRAIN_POLL_S)
 
 
 def local_pool() -> BufferPool:
