@@ -141,7 +141,8 @@ def test_dripping_connections_cost_no_thread_and_little_memory():
         assert len(closed_at) == nattackers, f"{nattackers - len(closed_at)} drip connections still open"
         assert max(lifetimes) < deadline_s + 1.0, f"a drip connection lived {max(lifetimes):.2f} s"
         assert peak_threads - threads_before < 10, f"{peak_threads - threads_before} extra threads"
-        assert peak_rss - rss_before < 8 << 20, f"RSS grew {(peak_rss - rss_before) >> 20} MiB"
+        # The bound this test always had (8 MiB), less the 4 MiB destination it used to count in its window.
+        assert peak_rss - rss_before < 4 << 20, f"RSS grew {(peak_rss - rss_before) >> 20} MiB"
         assert fetch == {"seconds": fetch["seconds"], "exact": True} and fetch["seconds"] < 1.0, fetch
         assert srv.failed_handshakes == nattackers
         assert wait_until(lambda: srv.connections == 0)
