@@ -192,14 +192,7 @@ def build_sessions(cfg: SyntheticConfig, *, fields: FieldRegistry | None = None,
     fields = fields if fields is not None else FieldRegistry.builtin(cfg.layers, cfg.topk)
     sessions: dict[str, Session] = {}
     for call in generate_calls(cfg):
-        if call.branch_from is not None:
-            parent_id, at = call.branch_from
-            sessions[call.session_id] = sessions[parent_id].branch(at, session_id=call.session_id)
-        session = sessions.get(call.session_id)
-        if session is None:
-            session = sessions[call.session_id] = Session.create(call.session_id, fields)
-        if call.rewrite is not None:
-            session.rewrite_context(call.rewrite)
+        session = _session_of(call, sessions, lambda session_id: Session.create(session_id, fields))
         arrays = engine_fields(call.engine_output)
         refs = None
         if writer is not None:
@@ -207,6 +200,20 @@ def build_sessions(cfg: SyntheticConfig, *, fields: FieldRegistry | None = None,
         session.append_step(call.prompt_ids, call.engine_output["output_ids"],
                             arrays=arrays if inline else None, refs=refs)
     return list(sessions.values())
+
+
+def _session_of(call, sessions: dict, create) -> Session:
+    """The session ``call`` extends, as the engine saw it: branched off its parent where it branches, made by
+    ``create(session_id)`` where it is new, its context rewritten where the call rewrites it."""
+    if call.branch_from is not None:
+        parent_id, at = call.branch_from
+        sessions[call.session_id] = sessions[parent_id].branch(at, session_id=call.session_id)
+    session = sessions.get(call.session_id)
+    if session is None:
+        session = sessions[call.session_id] = create(call.session_id)
+    if call.rewrite is not None:
+        session.rewrite_context(call.rewrite)
+    return session
 
 
 def ingest_synthetic(synth: SyntheticConfig, ingest: RolloutIngest) -> list[Session]:
@@ -218,14 +225,7 @@ def ingest_synthetic(synth: SyntheticConfig, ingest: RolloutIngest) -> list[Sess
     """
     sessions: dict[str, Session] = {}
     for call in generate_calls(synth):
-        if call.branch_from is not None:
-            parent_id, at = call.branch_from
-            sessions[call.session_id] = sessions[parent_id].branch(at, session_id=call.session_id)
-        session = sessions.get(call.session_id)
-        if session is None:
-            session = sessions[call.session_id] = ingest.session(call.session_id)
-        if call.rewrite is not None:
-            session.rewrite_context(call.rewrite)
+        session = _session_of(call, sessions, ingest.session)
         meta = call.engine_output["meta_info"]
         output = call.engine_output["output_ids"]
         experts = meta["routed_experts"]
