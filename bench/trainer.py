@@ -98,105 +98,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import multiprocessing
 import statistics
 import threading
-import time
-from dataclasses import dataclass
-from typing import Callable
-
-import numpy as np
 
 from bench.common import (
-    SocketBaseline,
-    SocketWidened,
     add_json_flag,
     emit_json,
-    gbps,
     print_header,
     print_table,
     progress_range,
     remote_units,
-    threaded_memcpy,
     trainer_runtime,
-    wall_time,
 )
-from bench.cores import kept_busy, us_per_mib
 from bench.plots import trainer_memory_figure, write_figures
-from gputq.client.landing import land_replies
+from bench.trainer_rank import EXPERTS, MIB, bytes_read, micro_batches, rank_slice, rollout, stream_pass
+from bench.trainer_throughput import throughput, throughput_summary
 from gputq.client.reader import Reader
-from gputq.client.plan import plan_stream
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
-from gputq.data.refs import Layout
 from gputq.data.fields import routed_experts_spec, row_nbytes
-from gputq.data.slices import ParallelSlice
-
-_MIB = 1 << 20
-_EXPERTS = 128
-
-
-def _rollout(writer: Writer, samples: int, tokens: int, layers: int, topk: int) -> list[dict]:
-    """``samples`` one-step segments; IDs from a cheap pattern (random numbers would dominate the setup)."""
-    base = (np.arange((tokens - 1) * layers * topk, dtype=np.int32) * 7).reshape(tokens - 1, layers, topk)
-    log_probs = -np.linspace(0.01, 5.0, tokens // 2, dtype=np.float32)
-    shard = []
-    for i in range(samples):
-        experts = (base + i) % _EXPERTS
-        refs = writer.put(f"trainer/{i}", "bench", {"routed_experts": experts, "logprobs": log_probs})
-        shard.append({name: Layout.from_ref(ref) for name, ref in refs.items()})
-    writer.flush()
-    return shard
-
-
-def _rank_slice(args, pp: int, cp: int) -> ParallelSlice:
-    per_stage = args.layers // args.pp
-    return ParallelSlice(layers=range(pp * per_stage, (pp + 1) * per_stage), cp_rank=cp, cp_size=args.cp,
-                         num_experts=_EXPERTS)
-
-
-def _fields(args, pp: int) -> tuple[str, ...]:
-    return ("routed_experts", "logprobs") if pp == args.pp - 1 else ("routed_experts",)
-
-
-def _micro_batches(n: int, per: int) -> list[list[int]]:
-    return [list(range(i, min(n, i + per))) for i in range(0, n, per)]
-
-
-def _bytes_read(clients) -> int:
-    return _unit_count(clients, "bytes_read")
-
-
-def _unit_count(clients, counter: str) -> int:
-    """The units' ``counter`` (a ``stats`` field), summed."""
-    return sum(clients.channel(u).call("stats")[counter] for u in clients.units)
-
-
-def _stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0) -> tuple[float, int, list]:
-    """One pass of a rank's stream; returns (seconds, bytes planned, per micro-batch (waited, computed) seconds).
-
-    ``waited`` is the time the loop spent getting the micro-batch (the first one's includes planning).
-    """
-    steps = []
-    started = time.perf_counter()
-    with reader.stream(shard, _micro_batches(len(shard), args.mb_samples), _rank_slice(args, pp, cp),
-                       prefetch=args.prefetch, fields=_fields(args, pp)) as stream:
-        planned = stream.slice_bytes
-        asked = started
-        for _ in stream:
-            began = time.perf_counter()
-            if compute_s:
-                time.sleep(compute_s)
-            steps.append((began - asked, time.perf_counter() - began))
-            asked = time.perf_counter()
-    return time.perf_counter() - started, planned, steps
 
 
 def _overlap_step(reader: Reader, step, args, compute_s: float) -> dict:
     """One training step's streamed loop with ``compute_s`` of compute per micro-batch, against that compute."""
-    loop, _, steps = _stream_pass(reader, step, args, 0, 0, compute_s)
+    loop, _, steps = stream_pass(reader, step, args, 0, 0, compute_s)
     computed = sum(c for _, c in steps)
     waits = [w for w, _ in steps]
     later = sum(c for _, c in steps[1:])  # past the first micro-batch: its planning and fetch nothing can hide
@@ -224,7 +151,7 @@ def _rss_child(conn, membership, config, shard, args, path: str) -> None:
         sampler.start()
         try:
             if path == "stream":
-                _stream_pass(reader, shard, args, 0, 0)
+                stream_pass(reader, shard, args, 0, 0)
             else:
                 reader.fetch(shard)
             peak[0] = max(peak[0], _status_kib("RssAnon"))
@@ -256,170 +183,6 @@ def _peak_rss(clients, config, shard, args, path: str) -> int:
         proc.join(30)
 
 
-# -- baselines -------------------------------------------------------------------------
-
-def _reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
-    """A pass of rank dp0/pp0/cp0's span reads over tcp with nothing of the stream around them (see the module
-    docstring); its pipelines close with ``stack``."""
-    plans = [plan.finish() for plan in plan_stream(shard, _micro_batches(len(shard), args.mb_samples),
-                                                   _rank_slice(args, 0, 0), fields=_fields(args, 0),
-                                                   max_bytes=config.max_frame_bytes)]
-    pipes = {}
-    for unit in sorted({unit for plan in plans for unit in plan.units}):
-        pipes[unit] = clients.channel(unit).pipeline()
-        stack.callback(pipes[unit].close)
-    largest = {}
-    for plan in plans:
-        for name, fp in plan.fields.items():
-            largest[name] = (max(largest.get(name, (0,))[0], fp.out_elements), fp.restored)
-    outputs = [{name: np.ones(n, dtype) for name, (n, dtype) in largest.items()} for _ in range(args.prefetch + 1)]
-    timeout = config.read_timeout_s
-
-    def send(plan) -> None:
-        for request in plan.requests:
-            request.send(pipes[request.unit], timeout)
-
-    def one_pass() -> None:
-        send(plans[0])
-        for i, plan in enumerate(plans):
-            if i + 1 < len(plans):
-                send(plans[i + 1])
-            land_replies(plan, outputs[i % len(outputs)], pipes.__getitem__, timeout)
-    return one_pass
-
-
-@dataclass
-class _References:
-    """What a throughput pass is compared with: its baseline and ceiling passes (named), the processes that
-    serve the baseline, and the extra passes timed beside them (``reads``, ``one_thread_widen``)."""
-
-    baseline: str
-    baseline_pass: Callable
-    baseline_pids: tuple
-    ceiling: str
-    ceiling_pass: Callable
-    extra: dict
-
-
-def _references(clients, config, shard, args, transport: str, nbytes: int, per_mb: int,
-                stack: contextlib.ExitStack) -> _References:
-    """The baseline, the ceiling and the extra passes of ``transport`` over the slice's ``nbytes``."""
-    ids = np.dtype(args.dtype if args.dtype in ("uint8", "uint16", "int32") else "uint8")  # packed: a uint8 widen
-    if transport == "shm":
-        src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
-        compact = src[:nbytes // ids.itemsize * ids.itemsize].view(ids)
-        widened = np.ones(nbytes // ids.itemsize, np.int32)
-        return _References("memcpy x2 threads", functools.partial(threaded_memcpy, dst, src, 2), (),
-                           "widen x2 threads", functools.partial(threaded_memcpy, widened, compact, 2),
-                           # on one thread, as the stream's restore widens
-                           {"one_thread_widen": functools.partial(threaded_memcpy, widened, compact, 1)})
-    # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
-    socket = stack.enter_context(SocketBaseline(nbytes))
-    widening = SocketWidened(socket, per_mb, ids)
-    socket.read(nbytes)
-    widening.read(nbytes)
-
-    def baseline_pass():
-        for off in range(0, nbytes, per_mb):
-            socket.read(min(per_mb, nbytes - off), offset=off)
-
-    extra = {}
-    if transport == "tcp":
-        extra["reads"] = _reads_alone(clients, config, shard, args, stack)
-        before = _bytes_read(clients)
-        extra["reads"]()
-        if _bytes_read(clients) - before != nbytes:  # the stream's reads, or the figure means nothing
-            raise RuntimeError(f"the reads alone moved {_bytes_read(clients) - before} bytes, the stream {nbytes}")
-    return _References("plain socket", baseline_pass, (socket.server_pid,), "socket, widened as it lands",
-                       functools.partial(widening.read, nbytes), extra)
-
-
-def _cpu_figures(refs: _References, stream_pass, units: list, nbytes: int) -> tuple[dict, float, float]:
-    """Per side, the CPU per MiB of the receiving and the sending processes and the cores' worth of their
-    threads kept waiting; and the cores the baseline and the stream kept busy."""
-    base_use, loop_use = kept_busy(refs.baseline_pass, refs.baseline_pids), kept_busy(stream_pass, units)
-    # Where the receiving process is the one kept busy, its CPU per byte bounds the throughput.
-    figures = {"stream_receiver_us_per_MiB": us_per_mib(loop_use.own, loop_use.pass_s, nbytes),
-               "stream_units_us_per_MiB": us_per_mib(loop_use.others, loop_use.pass_s, nbytes),
-               "baseline_receiver_us_per_MiB": us_per_mib(base_use.own, base_use.pass_s, nbytes)}
-    if refs.baseline_pids:
-        figures["baseline_sender_us_per_MiB"] = us_per_mib(base_use.others, base_use.pass_s, nbytes)
-    for side, work in (("ceiling", refs.ceiling_pass), ("reads", refs.extra.get("reads"))):
-        if work is not None:
-            top_side = kept_busy(work, ())
-            figures[f"{side}_receiver_us_per_MiB"] = us_per_mib(top_side.own, top_side.pass_s, nbytes)
-    waiting = {"stream_receiver": loop_use.own_waiting, "stream_units": loop_use.others_waiting,
-               "baseline_receiver": base_use.own_waiting}
-    if refs.baseline_pids:
-        waiting["baseline_sender"] = base_use.others_waiting
-    figures.update({f"{side}_waiting_cores": round(v, 2) for side, v in waiting.items() if v is not None})
-    return figures, base_use.own + base_use.others, loop_use.own + loop_use.others
-
-
-def _extra_figures(nbytes: int, base: list, top: list, loops: list, extra: dict) -> dict:
-    """The extra passes' figures: the reads alone against the baseline and the stream, the one-thread widen
-    against the ceiling (medians of the pairs timed side by side)."""
-    figures = {}
-    if "one_thread_widen" in extra:
-        one = extra["one_thread_widen"]
-        figures["one_thread_widen_GBps"] = round(gbps(nbytes, statistics.median(one)), 2)
-        figures["one_thread_widen_vs_ceiling"] = round(statistics.median(c / o for c, o in zip(top, one)), 3)
-    if "reads" in extra:
-        alone = extra["reads"]
-        figures["reads_GBps"] = round(gbps(nbytes, statistics.median(alone)), 2)
-        figures["reads_vs_baseline"] = round(statistics.median(b / a for b, a in zip(base, alone)), 3)
-        figures["stream_vs_reads"] = round(statistics.median(a / t for a, t in zip(alone, loops)), 3)
-    return figures
-
-
-def _throughput(reader, clients, config, shard, args, transport: str, repeats: int) -> dict:
-    """The rank's streamed loop without compute, paired with its transport's baseline over the same bytes.
-
-    Each also reports the cores it kept busy (this process and the units'
-    or the socket server's): where both sides use every core,
-    a ratio below 1 is CPU the stream spends beyond the baseline's.
-    """
-    _, nbytes, _ = _stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
-    micro_batches = len(_micro_batches(len(shard), args.mb_samples))
-    before = _unit_count(clients, "reads")  # a read request, or a one-sided reader's lease
-    _stream_pass(reader, shard, args, 0, 0)
-    requests = (_unit_count(clients, "reads") - before) / micro_batches
-    stream_pass = functools.partial(_stream_pass, reader, shard, args, 0, 0)
-    units = [child.pid for child in multiprocessing.active_children()]  # the bench's only children so far
-    with contextlib.ExitStack() as stack:
-        refs = _references(clients, config, shard, args, transport, nbytes, -(-nbytes // micro_batches), stack)
-        loops, halves, base, top, extra = [], [], [], [], {name: [] for name in refs.extra}
-        for _ in range(repeats):
-            base.append(wall_time(refs.baseline_pass))
-            top.append(wall_time(refs.ceiling_pass))
-            for name, work in refs.extra.items():
-                extra[name].append(wall_time(work))
-            seconds, _, steps = stream_pass()
-            loops.append(seconds)
-            halves.append(_second_half(steps, top[-1]))
-        cpu, base_cores, loop_cores = _cpu_figures(refs, stream_pass, units, nbytes)
-    base_s, loop_s = statistics.median(base), statistics.median(loops)
-    return {"slice_MiB": round(nbytes / _MIB, 1), "baseline": refs.baseline,
-            "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(base_cores, 2),
-            "stream_GBps": round(gbps(nbytes, loop_s), 2), "stream_cores": round(loop_cores, 2),
-            "ratio": round(statistics.median(b / t for b, t in zip(base, loops)), 3),
-            "unit_requests_per_micro_batch": round(requests, 2),
-            "cpu_per_byte_vs_baseline": round(loop_cores * loop_s / (base_cores * base_s), 2), **cpu,
-            "ceiling": refs.ceiling, "ceiling_GBps": round(gbps(nbytes, statistics.median(top)), 2),
-            "ceiling_vs_baseline": round(statistics.median(b / c for b, c in zip(base, top)), 3),
-            "stream_vs_ceiling": round(statistics.median(c / t for c, t in zip(top, loops)), 3),
-            "second_half_vs_ceiling": round(statistics.median(halves), 3),
-            **_extra_figures(nbytes, base, top, loops, extra), "loop_s": loop_s}
-
-
-def _second_half(steps: list, ceiling_s: float) -> float:
-    """A pass's later micro-batches against the ceiling's pace over the same share of the bytes: the consumer's
-    waits for the second half of the micro-batches (all of one size here), once the stream's opening and its
-    first fetches are behind it."""
-    later = steps[len(steps) // 2:]
-    return ceiling_s * len(later) / len(steps) / sum(waited for waited, _ in later)
-
-
 @contextlib.contextmanager
 def _frozen_gc():
     """The objects alive now frozen out of collections, as a trainer's startup objects (see the module
@@ -436,18 +199,18 @@ def _bytes_figures(reader: Reader, clients, shards: list, args) -> dict:
     """Every rank of every DP group against the group's whole-shard fetch: the bytes each moved."""
     rows, shares = [], []
     for dp, shard in enumerate(shards):
-        before = _bytes_read(clients)
+        before = bytes_read(clients)
         reader.fetch(shard)
-        whole = _bytes_read(clients) - before
+        whole = bytes_read(clients) - before
         group = 0
         for rank in progress_range(f"bytes, DP rank {dp}", args.pp * args.cp):
             pp, cp = divmod(rank, args.cp)
-            before = _bytes_read(clients)
-            _, planned, _ = _stream_pass(reader, shard, args, pp, cp)
-            moved = _bytes_read(clients) - before
+            before = bytes_read(clients)
+            _, planned, _ = stream_pass(reader, shard, args, pp, cp)
+            moved = bytes_read(clients) - before
             group += moved
-            rows.append({"rank": f"dp{dp}/pp{pp}/cp{cp}", "moved_MiB": round(moved / _MIB, 2),
-                         "whole_shard_MiB": round(whole / _MIB, 2), "share": round(moved / whole, 4),
+            rows.append({"rank": f"dp{dp}/pp{pp}/cp{cp}", "moved_MiB": round(moved / MIB, 2),
+                         "whole_shard_MiB": round(whole / MIB, 2), "share": round(moved / whole, 4),
                          "exactly_the_slice": moved == planned})
         shares.append(group / (args.pp * args.cp) / whole)
     return {"bytes_rows": rows,
@@ -460,12 +223,12 @@ def _overlap_figures(reader: Reader, stored: list, loop_s: float, args) -> dict:
     """Training steps over ``stored`` cycled to ``--step-samples``, with compute (twice the fetch+restore of
     a micro-batch of the throughput pass that took ``loop_s``, or ``--overlap-compute-ms``)."""
     step = [stored[i % len(stored)] for i in range(args.step_samples)] or stored
-    per_mb_s = loop_s / len(_micro_batches(len(stored), args.mb_samples))
+    per_mb_s = loop_s / len(micro_batches(len(stored), args.mb_samples))
     compute_s = args.overlap_compute_ms / 1e3 or 2 * per_mb_s
     trained = [_overlap_step(reader, step, args, compute_s)
                for _ in progress_range("overlap, training steps", args.overlap_steps)]
     typical = sorted(trained, key=lambda t: t["ratio"])[len(trained) // 2]
-    overlap = {"step_samples": len(step), "micro_batches": len(_micro_batches(len(step), args.mb_samples)),
+    overlap = {"step_samples": len(step), "micro_batches": len(micro_batches(len(step), args.mb_samples)),
                "compute_ms": round(compute_s * 1e3, 2),
                "compute": "fixed" if args.overlap_compute_ms else "twice the fetch+restore",
                "fetch_restore_ms": round(per_mb_s * 1e3, 2), "steps": len(trained),
@@ -475,71 +238,57 @@ def _overlap_figures(reader: Reader, stored: list, loop_s: float, args) -> dict:
             "overlap_ratio_after_first": statistics.median(t["after_first"] for t in trained)}
 
 
-def _throughput_summary(speed: list) -> dict:
-    """The goals' figures over the slices of 16 MiB or more: each the least of its rows."""
-    big = [r for r in speed if r["slice_MiB"] >= 16]
-
-    def least(name: str):
-        return min(r[name] for r in big) if big else None
-
-    summary = {"throughput_ratio": least("ratio"), "ceiling_vs_baseline": least("ceiling_vs_baseline"),
-               "stream_vs_ceiling": least("stream_vs_ceiling")}
-    summary.update({name: least(name) for name in ("second_half_vs_ceiling", "one_thread_widen_vs_ceiling",
-                                                    "reads_vs_baseline", "stream_vs_reads") if big and name in big[0]})
-    return summary
-
-
 def _memory_figures(clients, config, shards: dict, scales: list, args) -> dict:
     """Fresh reader processes, streamed and whole-shard, at each scale: their peak memory."""
     memory = []
     for run in progress_range("memory, fresh readers", 2 * len(scales)):
         s, path = scales[run // 2], ("stream", "whole")[run % 2]
         peak = _peak_rss(clients, config, shards[s][0], args, path)
-        memory.append({"scale": s, "path": path, "peak_rss_MiB": round(peak / _MIB, 1)})
+        memory.append({"scale": s, "path": path, "peak_rss_MiB": round(peak / MIB, 1)})
     stream_peaks = {r["scale"]: r["peak_rss_MiB"] for r in memory if r["path"] == "stream"}
     return {"memory_rows": memory, "peak_growth_4x": round(stream_peaks[max(scales)] / stream_peaks[scales[0]], 3)}
 
 
 def _buffer_figures(reader: Reader, first: list, args) -> dict:
     """The stream's buffers over ``first`` (the smallest scale's shard), and the widened shard against them."""
-    with reader.stream(first, _micro_batches(len(first), args.mb_samples), _rank_slice(args, 0, 0),
+    with reader.stream(first, micro_batches(len(first), args.mb_samples), rank_slice(args, 0, 0),
                        prefetch=args.prefetch) as stream:
         buffers = stream.buffer_bytes
     whole_widened = sum(layout.nbytes for sample in first for layout in sample.values())
-    return {"stream_buffers_MiB": round(buffers / _MIB, 2),
+    return {"stream_buffers_MiB": round(buffers / MIB, 2),
             "shard_vs_stream_buffers": round(whole_widened / buffers, 1)}
 
 
 def run(args) -> dict:
     scales = [int(s) for s in args.scales.split(",")]
     samples_total = args.dp * args.samples * max(scales)
-    row_bytes = row_nbytes(routed_experts_spec(args.layers, args.topk, args.dtype, _EXPERTS))
+    row_bytes = row_nbytes(routed_experts_spec(args.layers, args.topk, args.dtype, EXPERTS))
     sample_bytes = (args.tokens - 1) * row_bytes + args.tokens * 2
     config = GputqConfig(transport=args.transport, num_units=args.units, routed_experts_dtype=args.dtype,
-                         num_experts=_EXPERTS,
-                         unit_capacity_bytes=int(samples_total * sample_bytes * 1.2 / args.units) + 64 * _MIB,
+                         num_experts=EXPERTS,
+                         unit_capacity_bytes=int(samples_total * sample_bytes * 1.2 / args.units) + 64 * MIB,
                          host="127.0.0.1")
     result: dict = {"dp": args.dp, "pp": args.pp, "cp": args.cp, "tokens": args.tokens, "layers": args.layers,
                     "topk": args.topk, "dtype": args.dtype, "samples_per_dp_rank": args.samples,
                     "mb_samples": args.mb_samples, "prefetch": args.prefetch, "step_samples": args.step_samples}
     with contextlib.ExitStack() as stack, remote_units(config) as (config, clients), \
             Writer(clients, config) as writer:
-        rollout = _rollout(writer, samples_total, args.tokens, args.layers, args.topk)
+        segments = rollout(writer, samples_total, args.tokens, args.layers, args.topk)
         stack.enter_context(_frozen_gc())
         transport = "+".join(sorted({clients.transport_of(u)[0] for u in clients.units}))
         result["transport"] = transport
-        shards = {s: [[rollout[i] for i in range(d, args.dp * args.samples * s, args.dp)] for d in range(args.dp)]
+        shards = {s: [[segments[i] for i in range(d, args.dp * args.samples * s, args.dp)] for d in range(args.dp)]
                   for s in scales}
         with Reader(clients, config) as reader:
             result.update(_bytes_figures(reader, clients, shards[scales[0]], args))  # scale 1
             speed = []  # throughput and overlap: rank dp0/pp0/cp0 over each scale's shard
             for s in scales:
-                row = _throughput(reader, clients, config, shards[s][0], args, transport, args.repeats)
+                row = throughput(reader, clients, config, shards[s][0], args, transport, args.repeats)
                 speed.append({"scale": s, **{k: v for k, v in row.items() if k != "loop_s"}})
                 if s == max(scales):  # the most micro-batches: the first one's fetch, never hidden, weighs least
                     result.update(_overlap_figures(reader, shards[s][0], row["loop_s"], args))
             result["throughput_rows"] = speed
-            result.update(_throughput_summary(speed))
+            result.update(throughput_summary(speed))
             result.update(_buffer_figures(reader, shards[scales[0]][0], args))
         result.update(_memory_figures(clients, config, shards, scales, args))
     return result

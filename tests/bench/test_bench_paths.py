@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from bench import e2e, fetch, trainer
+from bench import e2e, fetch, trainer, trainer_throughput
 from bench.common import same_host_copy_threads
 
 
@@ -126,8 +126,8 @@ def test_trainer_second_half_paces_the_later_micro_batches_against_the_ceiling()
     # Four equal micro-batches, the first wait holding the stream's opening: the later two took 2 s, and the
     # ceiling moved the whole slice in 2 s, so their half in 1 s: half the ceiling's pace, the opening aside.
     steps = [(5.0, 0.0), (1.5, 0.0), (1.0, 0.0), (1.0, 0.0)]
-    assert trainer._second_half(steps, 2.0) == 0.5
-    assert trainer._second_half(steps[:3], 3.0) == 0.8  # an odd count: the later two of three, 2.5 s for 2 s
+    assert trainer_throughput.second_half(steps, 2.0) == 0.5
+    assert trainer_throughput.second_half(steps[:3], 3.0) == 0.8  # an odd count: the later two of three, 2.5 s for 2 s
 
 
 @pytest.mark.slow
