@@ -30,7 +30,7 @@ from gputq.client.plan import plan_stream
 __all__ = ["throughput", "throughput_summary", "second_half"]
 
 
-def reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
+def _reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
     """A pass of rank dp0/pp0/cp0's span reads over tcp with nothing of the stream around them (see
     :mod:`bench.trainer`); its pipelines close with ``stack``."""
     plans = [plan.finish() for plan in plan_stream(shard, micro_batches(len(shard), args.mb_samples),
@@ -61,7 +61,7 @@ def reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
 
 
 @dataclass
-class References:
+class _References:
     """What a throughput pass is compared with: its baseline and ceiling passes (named), the processes that
     serve the baseline, and the extra passes timed beside them (``reads``, ``one_thread_widen``)."""
 
@@ -73,18 +73,18 @@ class References:
     extra: dict
 
 
-def references(clients, config, shard, args, transport: str, nbytes: int, per_mb: int,
-                stack: contextlib.ExitStack) -> References:
+def _references(clients, config, shard, args, transport: str, nbytes: int, per_mb: int,
+                stack: contextlib.ExitStack) -> _References:
     """The baseline, the ceiling and the extra passes of ``transport`` over the slice's ``nbytes``."""
     ids = np.dtype(args.dtype if args.dtype in ("uint8", "uint16", "int32") else "uint8")  # packed: a uint8 widen
     if transport == "shm":
         src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
         compact = src[:nbytes // ids.itemsize * ids.itemsize].view(ids)
         widened = np.ones(nbytes // ids.itemsize, np.int32)
-        return References("memcpy x2 threads", functools.partial(threaded_memcpy, dst, src, 2), (),
-                           "widen x2 threads", functools.partial(threaded_memcpy, widened, compact, 2),
-                           # on one thread, as the stream's restore widens
-                           {"one_thread_widen": functools.partial(threaded_memcpy, widened, compact, 1)})
+        return _References("memcpy x2 threads", functools.partial(threaded_memcpy, dst, src, 2), (),
+                            "widen x2 threads", functools.partial(threaded_memcpy, widened, compact, 2),
+                            # on one thread, as the stream's restore widens
+                            {"one_thread_widen": functools.partial(threaded_memcpy, widened, compact, 1)})
     # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
     socket = stack.enter_context(SocketBaseline(nbytes))
     widening = SocketWidened(socket, per_mb, ids)
@@ -97,19 +97,19 @@ def references(clients, config, shard, args, transport: str, nbytes: int, per_mb
 
     extra = {}
     if transport == "tcp":
-        extra["reads"] = reads_alone(clients, config, shard, args, stack)
+        extra["reads"] = _reads_alone(clients, config, shard, args, stack)
         before = bytes_read(clients)
         extra["reads"]()
         if bytes_read(clients) - before != nbytes:  # the stream's reads, or the figure means nothing
             raise RuntimeError(f"the reads alone moved {bytes_read(clients) - before} bytes, the stream {nbytes}")
-    return References("plain socket", baseline_pass, (socket.server_pid,), "socket, widened as it lands",
-                       functools.partial(widening.read, nbytes), extra)
+    return _References("plain socket", baseline_pass, (socket.server_pid,), "socket, widened as it lands",
+                        functools.partial(widening.read, nbytes), extra)
 
 
-def cpu_figures(refs: References, stream_pass, units: list, nbytes: int) -> tuple[dict, float, float]:
+def _cpu_figures(refs: _References, loop_pass, units: list, nbytes: int) -> tuple[dict, float, float]:
     """Per side, the CPU per MiB of the receiving and the sending processes and the cores' worth of their
     threads kept waiting; and the cores the baseline and the stream kept busy."""
-    base_use, loop_use = kept_busy(refs.baseline_pass, refs.baseline_pids), kept_busy(stream_pass, units)
+    base_use, loop_use = kept_busy(refs.baseline_pass, refs.baseline_pids), kept_busy(loop_pass, units)
     # Where the receiving process is the one kept busy, its CPU per byte bounds the throughput.
     figures = {"stream_receiver_us_per_MiB": us_per_mib(loop_use.own, loop_use.pass_s, nbytes),
                "stream_units_us_per_MiB": us_per_mib(loop_use.others, loop_use.pass_s, nbytes),
@@ -128,7 +128,7 @@ def cpu_figures(refs: References, stream_pass, units: list, nbytes: int) -> tupl
     return figures, base_use.own + base_use.others, loop_use.own + loop_use.others
 
 
-def extra_figures(nbytes: int, base: list, top: list, loops: list, extra: dict) -> dict:
+def _extra_figures(nbytes: int, base: list, top: list, loops: list, extra: dict) -> dict:
     """The extra passes' figures: the reads alone against the baseline and the stream, the one-thread widen
     against the ceiling (medians of the pairs timed side by side)."""
     figures = {}
@@ -159,7 +159,7 @@ def throughput(reader, clients, config, shard, args, transport: str, repeats: in
     one_pass = functools.partial(stream_pass, reader, shard, args, 0, 0)
     units = [child.pid for child in multiprocessing.active_children()]  # the bench's only children so far
     with contextlib.ExitStack() as stack:
-        refs = references(clients, config, shard, args, transport, nbytes, -(-nbytes // count), stack)
+        refs = _references(clients, config, shard, args, transport, nbytes, -(-nbytes // count), stack)
         loops, halves, base, top, extra = [], [], [], [], {name: [] for name in refs.extra}
         for _ in range(repeats):
             base.append(wall_time(refs.baseline_pass))
@@ -169,7 +169,7 @@ def throughput(reader, clients, config, shard, args, transport: str, repeats: in
             seconds, _, steps = one_pass()
             loops.append(seconds)
             halves.append(second_half(steps, top[-1]))
-        cpu, base_cores, loop_cores = cpu_figures(refs, one_pass, units, nbytes)
+        cpu, base_cores, loop_cores = _cpu_figures(refs, one_pass, units, nbytes)
     base_s, loop_s = statistics.median(base), statistics.median(loops)
     return {"slice_MiB": round(nbytes / MIB, 1), "baseline": refs.baseline,
             "baseline_GBps": round(gbps(nbytes, base_s), 2), "baseline_cores": round(base_cores, 2),
@@ -181,7 +181,7 @@ def throughput(reader, clients, config, shard, args, transport: str, repeats: in
             "ceiling_vs_baseline": round(statistics.median(b / c for b, c in zip(base, top)), 3),
             "stream_vs_ceiling": round(statistics.median(c / t for c, t in zip(top, loops)), 3),
             "second_half_vs_ceiling": round(statistics.median(halves), 3),
-            **extra_figures(nbytes, base, top, loops, extra), "loop_s": loop_s}
+            **_extra_figures(nbytes, base, top, loops, extra), "loop_s": loop_s}
 
 
 def second_half(steps: list, ceiling_s: float) -> float:
