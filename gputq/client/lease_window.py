@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from bisect import bisect_right
 from concurrent.futures import Future, wait
 
@@ -55,6 +54,9 @@ __all__ = ["LeaseWindows", "window_bounds", "WINDOW_MICRO_BATCHES", "LEASED_ALON
 #: Micro-batches one window's leases cover at most: enough that a lease is a small share of their
 #: restores, few enough that released steps are not held long past their use.
 WINDOW_MICRO_BATCHES = 8
+#: Micro-batches one :meth:`LeaseWindows.place_ahead` places at most: a few, so that the fetch queued behind it
+#: waits little, yet more than one, so that placement keeps ahead of the windows' leases.
+PLACED_AHEAD = 2
 #: The first micro-batches, each leased alone: they are fetched before anything is restored, and a
 #: window's lease taken then would compete with the first restore, which nothing overlaps.
 LEASED_ALONE = 2
@@ -139,6 +141,7 @@ class LeaseWindows:
         self._windows = [_Window(first, stop) for first, stop in window_bounds(len(plans))]
         self._firsts = [w.first for w in self._windows]
         self._placed = self._started = 0  # windows placed, and whose leases were requested
+        self._finished = self._windows[LEASED_ALONE].first if len(self._windows) > LEASED_ALONE else len(plans)
         for window in self._windows[:LEASED_ALONE]:  # leased alone: the fastest start
             window.future.set_running_or_notify_cancel()
             window.future.set_result(None)
@@ -151,7 +154,7 @@ class LeaseWindows:
         again = lambda: lease_in_place(self._ctx, plan)  # noqa: E731
         if number < LEASED_ALONE:  # its lease exchanged by the channels' own helpers, its regions read meanwhile
             return Fetched(in_place=lease_in_place(self._ctx, plan.finish(), ahead=True), again=again)
-        self._start_until(number + 2)  # this window and the next: its lease is back before its turn
+        self._start_until(number + 1)  # placed and leased by an earlier place_ahead, unless it failed
         if not window.future.done():
             hinted = self._hinted(window, plan)
             if hinted is not None:
@@ -170,18 +173,25 @@ class LeaseWindows:
         self._settle(window, plan.index)
         return Fetched(in_place=lease_in_place(self._ctx, plan, ahead=True), again=again)  # leased alone
 
-    def _start_until(self, count: int) -> None:
-        """Place the windows before ``count`` not placed yet (here, on the fetch thread, the one that places
-        every micro-batch), and lease the next one whose turn it is."""
-        while self._placed < min(count, len(self._windows)) and not self._closed:
-            window = self._windows[self._placed]
-            for index in range(window.first, window.stop):
-                self._plans[index].finish()
-                # Python's GIL goes to a waiting thread only after a switch interval of Python on this
-                # one: the restore thread, ready to widen, and the lease thread get it now.
-                time.sleep(0)
-            with self._lock:
-                self._placed += 1
+    def place_ahead(self, plan: MicroPlan) -> None:
+        """Place up to :data:`PLACED_AHEAD` micro-batches of the windows through the one after the next
+        micro-batch's, and lease the next window whose turn it is. Queued on the fetch thread behind
+        ``plan``'s fetch, so that it runs while ``plan`` is restored (the widen leaves the GIL), never
+        before a fetch returns: a fetch places its own micro-batch at most."""
+        self._start_until(bisect_right(self._firsts, plan.index + 1) + 1, PLACED_AHEAD)
+
+    def _start_until(self, count: int, most: int | None = None) -> None:
+        """Place the micro-batches of the windows before ``count`` not placed yet (``most`` of them at most;
+        here, on the fetch thread, the one that places every micro-batch), and lease the next window whose
+        turn it is."""
+        stop = self._windows[min(count, len(self._windows)) - 1].stop
+        while self._finished < stop and most != 0 and not self._closed:
+            self._plans[self._finished].finish()
+            self._finished += 1
+            most = None if most is None else most - 1
+            if self._finished == self._windows[self._placed].stop:
+                with self._lock:
+                    self._placed += 1
         self._lease_next()
 
     def _lease_next(self) -> None:

@@ -138,6 +138,7 @@ class MicroBatchStream:
         self._in_place, self._landing, self._ahead = choose_ways(context, units, prefetch, hold, packed)
         self._fetches: dict[int, Future] = {}  # index -> its fetch; below, its restore on the restore thread
         self._restores: dict[int, Future] = {}
+        self._aheads: list[Future] = []  # in place: the windows placed and leased ahead, after each fetch
         self._fetcher, self._restorer = context.stream_threads()
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
@@ -185,6 +186,8 @@ class MicroBatchStream:
             fetch.add_done_callback(lambda done: self._queue_restore(plan, done, restore))
         try:
             self._fetcher.submit(_run_into, fetch, self._way, plan)
+            if self._in_place:
+                self._aheads.append(self._fetcher.submit(self._way.place_ahead, plan))
         except BaseException as exc:  # the reader's threads are shut down
             if fetch.set_running_or_notify_cancel():
                 fetch.set_exception(exc)
@@ -318,7 +321,7 @@ class MicroBatchStream:
         if self._lazy is not None:
             self._lazy.close()  # the micro-batch replayed last was consumed: its references go
         self._closed = True
-        pending = [*self._restores.values(), *self._fetches.values()]
+        pending = [*self._restores.values(), *self._fetches.values(), *self._aheads]
         for future in pending:
             future.cancel()
         wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)

@@ -326,6 +326,41 @@ def test_window_bounds_grow_to_the_most_and_cover_every_micro_batch_once():
     assert window_bounds(6, most=2) == [(0, 1), (1, 2), (2, 4), (4, 6)]
 
 
+def test_in_place_a_fetch_places_only_its_own_micro_batch_and_the_windows_ahead_are_placed_after_it(monkeypatch):
+    """Over shm a fetch returns once its own micro-batch is placed; the windows ahead are placed by the task
+    queued behind it on the fetch thread, two micro-batches at a time, while it is restored: a fetch never
+    waits for a whole window ahead to be placed."""
+    from gputq.client import lease_window, plan as planning
+
+    doing, placed = [None], []
+    for name in ("__call__", "place_ahead"):
+        def labelled(self, plan, _name=name, _work=getattr(lease_window.LeaseWindows, name)):
+            doing[0] = (_name, plan.index)
+            try:
+                return _work(self, plan)
+            finally:
+                doing[0] = None
+        monkeypatch.setattr(lease_window.LeaseWindows, name, labelled)
+    finish = planning.MicroPlan.finish
+
+    def recorded(self):
+        if self.requests is None and doing[0] is not None:
+            placed.append((*doing[0], self.index))
+        return finish(self)
+    monkeypatch.setattr(planning.MicroPlan, "finish", recorded)
+    batches = [[i] for i in range(10)]  # windows [0] [1] [2, 4) [4, 8) [8, 10)
+    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
+    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(5), [37, 50, 64, 23, 41, 19, 33, 28, 45, 30])
+        with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
+            consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
+    assert consumed == list(range(10))
+    assert placed == [("__call__", 0, 0), ("place_ahead", 0, 2), ("place_ahead", 0, 3), ("__call__", 1, 1),
+                      ("place_ahead", 1, 4), ("place_ahead", 1, 5), ("place_ahead", 2, 6), ("place_ahead", 2, 7),
+                      ("place_ahead", 3, 8), ("place_ahead", 3, 9)]
+
+
 def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_ends():
     """Over shm one lease per unit covers a window of micro-batches (after the first two, 2, 4, 8 ...): the
     unit grants one per window, not one per micro-batch, the bytes are exact, and once the stream is closed (here before
