@@ -55,8 +55,8 @@ __all__ = ["LeaseWindows", "window_bounds", "WINDOW_MICRO_BATCHES", "LEASED_ALON
 #: restores, few enough that released steps are not held long past their use.
 WINDOW_MICRO_BATCHES = 8
 #: Micro-batches one :meth:`LeaseWindows.place_ahead` places at most: a few, so that the fetch queued behind it
-#: waits little, yet more than one, so that placement keeps ahead of the windows' leases.
-PLACED_AHEAD = 2
+#: waits little, yet enough that placement keeps a window ahead of the fetches.
+PLACED_AHEAD = 4
 #: The first micro-batches, each leased alone: they are fetched before anything is restored, and a
 #: window's lease taken then would compete with the first restore, which nothing overlaps.
 LEASED_ALONE = 2
@@ -175,10 +175,12 @@ class LeaseWindows:
 
     def place_ahead(self, plan: MicroPlan) -> None:
         """Place up to :data:`PLACED_AHEAD` micro-batches of the windows through the one after the next
-        micro-batch's, and lease the next window whose turn it is. Queued on the fetch thread behind
-        ``plan``'s fetch, so that it runs while ``plan`` is restored (the widen leaves the GIL), never
-        before a fetch returns: a fetch places its own micro-batch at most."""
-        self._start_until(bisect_right(self._firsts, plan.index + 1) + 1, PLACED_AHEAD)
+        micro-batch's, and lease the next window whose turn it is. The stream queues it on the fetch thread
+        behind each micro-batch's fetch, so that it runs while that one is restored (the widen leaves the
+        GIL), never before a fetch returns: a fetch places its own window at most. Nothing behind the
+        fetches leased alone: the first restore and its leases go first."""
+        if bisect_right(self._firsts, plan.index) > LEASED_ALONE:
+            self._start_until(bisect_right(self._firsts, plan.index + 1) + 1, PLACED_AHEAD)
 
     def _start_until(self, count: int, most: int | None = None) -> None:
         """Place the micro-batches of the windows before ``count`` not placed yet (``most`` of them at most;
