@@ -1,19 +1,20 @@
 """In-place reads leased a window of micro-batches at a time: one lease per unit covers several restores.
 
-A stream over same-host arenas (shm) restores each micro-batch straight
-out of the mappings, under a lease that keeps the unit from reusing the
-regions meanwhile. A lease per micro-batch costs a control round trip and
-the unit's handling of it, on the cores the restore shares. Here one
-lease per unit (more only where a request limit splits it) covers a window
-of micro-batches (:func:`window_bounds`: 2, 4, then
-:data:`WINDOW_MICRO_BATCHES`), taken in the background as the window's
-first micro-batch is fetched, one window's at a time. The first two
+A stream over same-host arenas (shm) restores each micro-batch straight out
+of the mappings, under a lease that keeps the unit from reusing the regions
+meanwhile. A lease per micro-batch costs a control round trip and the unit's
+handling of it, on the cores the restore shares. Here one lease per unit
+(more only where a request limit splits it) covers a window of micro-batches
+(:func:`window_bounds`: 2, 4, then :data:`WINDOW_MICRO_BATCHES`). The
+windows ahead are placed by a task the stream queues behind each fetch on
+the fetch thread, a few micro-batches at a time while that micro-batch is
+restored (a fetch places its own window at most), and each is leased in the
+background once placed, one window's leases at a time. The first two
 micro-batches, fetched before anything is restored, are leased alone as a
-read would be: their regions read from the key directories while each
-unit's lease is exchanged, by the channels' own helper threads. A
-micro-batch whose window's leases are still on their way is restored on
-the directories' regions likewise, and confirmed against the window's
-leases after.
+read would be: their regions read from the key directories while each unit's
+lease is exchanged, by the channels' own helper threads. A micro-batch whose
+window's leases are still on their way is restored on the directories'
+regions likewise, and confirmed against the window's leases after.
 
 Integrity is the per-read lease's:
 
@@ -141,6 +142,7 @@ class LeaseWindows:
         self._windows = [_Window(first, stop) for first, stop in window_bounds(len(plans))]
         self._firsts = [w.first for w in self._windows]
         self._placed = self._started = 0  # windows placed, and whose leases were requested
+        # The micro-batches before this one are placed (those leased alone place themselves when fetched).
         self._finished = self._windows[LEASED_ALONE].first if len(self._windows) > LEASED_ALONE else len(plans)
         for window in self._windows[:LEASED_ALONE]:  # leased alone: the fastest start
             window.future.set_running_or_notify_cancel()
