@@ -328,8 +328,8 @@ def test_window_bounds_grow_to_the_most_and_cover_every_micro_batch_once():
 
 def test_in_place_a_fetch_places_only_its_own_window_and_the_windows_ahead_are_placed_after_it(monkeypatch):
     """Over shm a fetch returns once its own micro-batch's window is placed; the windows ahead are placed by
-    the task queued behind it on the fetch thread (from the first window's fetch on), four micro-batches at
-    a time, while it is restored: a fetch never waits for a window ahead to be placed."""
+    the task queued behind it on the fetch thread (none behind the two fetches leased alone), four
+    micro-batches at a time, while it is restored: a fetch never waits for a window ahead to be placed."""
     from gputq.client import lease_window, plan as planning
 
     doing, placed = [None], []
