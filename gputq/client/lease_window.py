@@ -181,7 +181,7 @@ class LeaseWindows:
         behind each micro-batch's fetch, so that it runs while that one is restored (the widen leaves the
         GIL), never before a fetch returns: a fetch places its own window at most. Nothing behind the
         fetches leased alone: the first restore and its leases go first."""
-        if bisect_right(self._firsts, plan.index) > LEASED_ALONE:
+        if bisect_right(self._firsts, plan.index) - 1 >= LEASED_ALONE:  # plan's window, past those leased alone
             self._start_until(bisect_right(self._firsts, plan.index + 1) + 1, PLACED_AHEAD)
 
     def _start_until(self, count: int, most: int | None = None) -> None:
@@ -189,10 +189,11 @@ class LeaseWindows:
         here, on the fetch thread, the one that places every micro-batch), and lease the next window whose
         turn it is."""
         stop = self._windows[min(count, len(self._windows)) - 1].stop
-        while self._finished < stop and most != 0 and not self._closed:
+        if most is not None:
+            stop = min(stop, self._finished + most)
+        while self._finished < stop and not self._closed:
             self._plans[self._finished].finish()
             self._finished += 1
-            most = None if most is None else most - 1
             if self._finished == self._windows[self._placed].stop:
                 with self._lock:
                     self._placed += 1

@@ -305,13 +305,13 @@ def _leases_taken(unit) -> int:
     return unit.stats()["reads"]  # a one-sided reader's lease is the unit's read
 
 
-def _streamed_over_shm(seed: int, batches: list) -> tuple[list, int]:
-    """A stream of ``batches`` of four samples on one shm unit, every micro-batch checked against slime's
-    rows: (the micro-batches consumed, the leases the unit granted beyond one per window)."""
+def _streamed_over_shm(seed: int, batches: list, lengths=(37, 50, 64, 23)) -> tuple[list, int]:
+    """A stream of ``batches`` of samples of ``lengths`` on one shm unit, every micro-batch checked against
+    slime's rows: (the micro-batches consumed, the leases the unit granted beyond one per window)."""
     rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
     with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
         with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, np.random.default_rng(seed), [37, 50, 64, 23])
+            shard, data = _rollout(writer, np.random.default_rng(seed), list(lengths))
         before = _leases_taken(units[0])
         with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
             consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
@@ -349,12 +349,7 @@ def test_in_place_a_fetch_places_only_its_own_window_and_the_windows_ahead_are_p
         return finish(self)
     monkeypatch.setattr(planning.MicroPlan, "finish", recorded)
     batches = [[i] for i in range(10)]  # windows [0] [1] [2, 4) [4, 8) [8, 10)
-    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
-    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, _, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, np.random.default_rng(5), [37, 50, 64, 23, 41, 19, 33, 28, 45, 30])
-        with Reader(clients, config) as reader, reader.stream(shard, batches, rank) as stream:
-            consumed = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(0, LAYERS), rank)]
+    consumed, _ = _streamed_over_shm(5, batches, (37, 50, 64, 23, 41, 19, 33, 28, 45, 30))
     assert consumed == list(range(10))
     assert placed == [("__call__", 0, 0), ("__call__", 1, 1), ("__call__", 2, 2), ("__call__", 2, 3),
                       *(("place_ahead", 2, i) for i in range(4, 8)), ("place_ahead", 3, 8), ("place_ahead", 3, 9)]
