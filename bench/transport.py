@@ -15,10 +15,16 @@ R3-shaped shards; each shard is read, as one batched read, through:
   READs (:meth:`NixlChannel.lease_ahead`, then
   :meth:`NixlChannel.read_leased`); timed per read, the first lease's
   round trip included;
-- ``rdma leased``: the same reads with every lease of the pass taken
-  before it, the reads alone timed: the READ path with no lease beside it
-  (what ``rdma ahead`` pays beyond it is the next lease's work, run
-  beside the READ);
+- ``rdma steady``: the same pass timed from its first lease's answer: the
+  pace of a stream long enough that its first round trip does not count;
+- ``rdma handed``: every lease of the pass taken before it, then handed to
+  the reads by the helper thread as ``rdma ahead`` hands them, the reads
+  timed: the hand-off, with no lease exchanged beside the READs;
+- ``rdma leased``: every lease of the pass taken before it, the reads
+  alone timed: the READ path. Between them, what ``rdma ahead`` pays
+  beyond the READ path is split three ways: its first lease's round trip
+  (ahead against steady), the next lease's exchange beside each READ
+  (steady against handed) and the hand-off (handed against leased);
 - ``nixl``: the baseline for rdma, raw NIXL as its best users write it: no
   lease, no gputq; one page-aligned destination registered once and
   reused; adjacent regions merged into one descriptor; the local and
@@ -33,7 +39,7 @@ R3-shaped shards; each shard is read, as one batched read, through:
   (its server in a child process like the unit's, page-aligned buffers
   touched once and reused, sending under a deadline as a unit does).
 
-Ratios: ``rdma / nixl``, ``rdma ahead / nixl``, ``rdma leased / nixl``,
+Ratios: ``rdma / nixl``, each ``rdma ahead`` way's ``/ nixl``,
 ``rdma / repost`` and ``tcp / socket`` per shape;
 the JSON line has their minima over shapes. A second table times, on the
 largest shape, the plainer baselines these replaced (NIXL into numpy's own
@@ -49,6 +55,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import functools
 import multiprocessing
 import os
 import statistics
@@ -71,7 +78,7 @@ from gputq.transport.nixl import NixlTransport, import_nixl
 from gputq.transport.tcp import TcpTransport
 from gputq.unit.storage_unit import StorageUnit
 
-__all__ = ["SHAPES", "AHEAD_READS", "LeasedAhead", "SelfTimed", "merge_regions", "main"]
+__all__ = ["SHAPES", "AHEAD_READS", "AHEAD_WAYS", "LeasedAhead", "SelfTimed", "merge_regions", "main"]
 
 #: (name, keys, bytes per key): R3 shards as a trainer reads them.
 SHAPES = (
@@ -81,6 +88,9 @@ SHAPES = (
 )
 #: Reads of one ``rdma ahead`` pass.
 AHEAD_READS = 8
+#: The ways a :class:`LeasedAhead` pass takes its leases and is timed.
+AHEAD_WAYS = ("beside", "steady", "handed", "leased")
+_AHEAD_PATHS = {"beside": "rdma ahead", "steady": "rdma steady", "handed": "rdma handed", "leased": "rdma leased"}
 TOKEN = "bench"
 MAX_FRAME = 1 << 30
 LIMITS = ServerLimits(max_frame_bytes=MAX_FRAME)
@@ -190,29 +200,45 @@ class LeasedAhead:
     """Reads of one shard back to back as a stream issues them: each next read's lease requested on one
     helper thread while this read's bytes move, so a read after the first pays no round trip before its READ.
 
-    Calling it runs one pass of ``reads`` reads into ``dest``. With ``beside=False`` every lease of the pass
-    is taken first and only the reads are timed: the call returns their :class:`SelfTimed` seconds (the READ
-    path alone, with no lease exchanged beside it). :meth:`close` stops the helper.
+    Calling it runs one pass of ``reads`` reads into ``dest``, in one of :data:`AHEAD_WAYS` (``way``):
+
+    - ``"beside"``: as above, the whole pass timed by the caller (the first lease's round trip included);
+    - ``"steady"``: the same pass, timed from the first lease's answer: the pace of a stream long enough
+      that its first lease does not count;
+    - ``"handed"``: every lease of the pass taken first, then handed to the reads by the helper thread one
+      at a time as ``"beside"`` hands them, the reads timed: the hand-off with no lease exchanged beside
+      the READs;
+    - ``"leased"``: every lease of the pass taken first, the reads alone timed: the READ path.
+
+    The last three return their :class:`SelfTimed` seconds. :meth:`close` stops the helper.
     """
 
-    def __init__(self, channel, keys: list, dest, reads: int = AHEAD_READS, *, beside: bool = True):
-        self._channel, self._keys, self._dest, self.reads, self._beside = channel, keys, dest, reads, beside
+    def __init__(self, channel, keys: list, dest, reads: int = AHEAD_READS, *, way: str = "beside"):
+        if way not in AHEAD_WAYS:
+            raise ValueError(f"way must be one of {AHEAD_WAYS}, got {way!r}")
+        self._channel, self._keys, self._dest, self.reads, self._way = channel, keys, dest, reads, way
         self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-lease")
 
     def __call__(self) -> SelfTimed | None:
-        if not self._beside:
-            leases = [self._channel.lease_ahead(self._keys) for _ in range(self.reads)]
-            start = time.perf_counter()
-            for held in leases:
-                self._channel.read_leased(held, self._dest)
+        if self._way in ("handed", "leased"):
+            leases = iter([self._channel.lease_ahead(self._keys) for _ in range(self.reads)])
+            take = functools.partial(next, leases)
+        else:
+            take = functools.partial(self._channel.lease_ahead, self._keys)
+        start = time.perf_counter()
+        if self._way == "leased":
+            for _ in range(self.reads):
+                self._channel.read_leased(take(), self._dest)
             return SelfTimed(time.perf_counter() - start)
-        lease = self._helper.submit(self._channel.lease_ahead, self._keys)
+        lease = self._helper.submit(take)
         for i in range(self.reads):
             held = lease.result()
+            if i == 0 and self._way == "steady":
+                start = time.perf_counter()
             if i + 1 < self.reads:
-                lease = self._helper.submit(self._channel.lease_ahead, self._keys)
+                lease = self._helper.submit(take)
             self._channel.read_leased(held, self._dest)
-        return None
+        return None if self._way == "beside" else SelfTimed(time.perf_counter() - start)
 
     def close(self) -> None:
         self._helper.shutdown()
@@ -306,13 +332,12 @@ def read_rows(address: dict, repeats: int, shapes=SHAPES) -> tuple[list[dict], l
                 regions = _regions(tcp, shard)
                 prepared = raw.prepare(regions)
                 handles.append(raw.handle(prepared))
-                with transport.destination(nbytes) as staged, \
-                        contextlib.closing(LeasedAhead(rdma, shard, staged)) as ahead, \
-                        contextlib.closing(LeasedAhead(rdma, shard, staged, beside=False)) as leased:
+                with transport.destination(nbytes) as staged, contextlib.ExitStack() as passes:
+                    ahead = {way: passes.enter_context(contextlib.closing(LeasedAhead(rdma, shard, staged, way=way)))
+                             for way in AHEAD_WAYS}
                     t = interleaved_medians({
                         "rdma": lambda: rdma.read(shard, staged),
-                        "rdma ahead": ahead,
-                        "rdma leased": leased,
+                        **{_AHEAD_PATHS[way]: ahead[way] for way in AHEAD_WAYS},
                         "rdma+copy": lambda: rdma.read(shard, dest),
                         "nixl": lambda: raw.read_prepared(prepared),
                         "nixl built": lambda: raw.read(regions),
@@ -320,15 +345,15 @@ def read_rows(address: dict, repeats: int, shapes=SHAPES) -> tuple[list[dict], l
                         "tcp": lambda: tcp.read(shard, dest),
                         "socket": lambda: sock.read(nbytes),
                     }, repeats)
-                    t["rdma ahead"] /= ahead.reads  # per read
-                    t["rdma leased"] /= leased.reads
+                    for way in AHEAD_WAYS:
+                        t[_AHEAD_PATHS[way]] /= AHEAD_READS  # per read
                     assert np.array_equal(staged[:nbytes], raw.dest[:nbytes])
                     assert np.array_equal(staged[:nbytes], dest[:nbytes])
                 rows.append({
                     "shape": name, "MiB": nbytes / (1 << 20),
                     **{f"{path} GB/s": gbps(nbytes, t[path]) for path in t},
-                    "rdma/nixl": t["nixl"] / t["rdma"], "rdma ahead/nixl": t["nixl"] / t["rdma ahead"],
-                    "rdma leased/nixl": t["nixl"] / t["rdma leased"],
+                    "rdma/nixl": t["nixl"] / t["rdma"],
+                    **{f"{path}/nixl": t["nixl"] / t[path] for path in _AHEAD_PATHS.values()},
                     "rdma/repost": t["nixl repost"] / t["rdma"],
                     "tcp/socket": t["socket"] / t["tcp"],
                     "rdma ms": t["rdma"] * 1e3, "nixl ms": t["nixl"] * 1e3,
@@ -430,8 +455,8 @@ def main(argv=None) -> int:
     rows, variants, writes, summary = run(args.repeats, args.scale)
     print_table(rows, ["shape", "MiB", "rdma GB/s", "rdma ahead GB/s", "rdma leased GB/s", "rdma+copy GB/s",
                        "nixl GB/s", "nixl built GB/s", "nixl repost GB/s", "tcp GB/s", "socket GB/s", "rdma/nixl",
-                       "rdma ahead/nixl", "rdma leased/nixl", "rdma/repost", "tcp/socket",
-                       "rdma ms", "nixl ms"])
+                       "rdma ahead/nixl", "rdma steady/nixl", "rdma handed/nixl", "rdma leased/nixl", "rdma/repost",
+                       "tcp/socket", "rdma ms", "nixl ms"])
     print()
     print("  the plainer baselines, on the largest shape (gputq/baseline > 1: the baseline loses):")
     print_table(variants, ["shape", "baseline", "GB/s", "gputq", "gputq GB/s", "gputq/baseline"])

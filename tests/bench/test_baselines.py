@@ -150,11 +150,11 @@ def test_transport_bench_at_tiny_sizes_reports_every_baseline(capsys):
 @pytest.mark.rdma
 @pytest.mark.timeout(60)
 def test_reads_leased_ahead_use_the_lease_taken_while_the_read_before_moved():
-    """``rdma ahead``: every read of a pass READs under a lease taken ahead of it (one lease each, none of
-    its own), and the bytes are the keys'."""
+    """``rdma ahead``, each way: every read of a pass READs under a lease taken ahead of it (one lease each,
+    none of its own), the bytes are the keys', and the ways the pass times itself return their own seconds."""
     if nixl_import_error() is not None:
         pytest.skip(f"bench.transport needs NIXL: {nixl_import_error()}")
-    from bench.transport import LeasedAhead, SelfTimed
+    from bench.transport import AHEAD_WAYS, LeasedAhead, SelfTimed
     from gputq.transport.base import ServerLimits
     from gputq.transport.nixl import NixlTransport
     from gputq.unit.storage_unit import StorageUnit
@@ -168,17 +168,19 @@ def test_reads_leased_ahead_use_the_lease_taken_while_the_read_before_moved():
         for key, value in payloads.items():
             channel.write(key, value, {})
         expected = np.concatenate(list(payloads.values()))
-        with transport.destination(expected.size) as staged, \
-                contextlib.closing(LeasedAhead(channel, list(payloads), staged, reads=4)) as ahead, \
-                contextlib.closing(LeasedAhead(channel, list(payloads), staged, reads=3, beside=False)) as leased:
-            reads = unit.stats()["reads"]
-            assert ahead() is None
-            assert np.array_equal(staged[:expected.size], expected)
-            assert unit.stats()["reads"] - reads == 4 and channel.leased_ahead == 4
-            staged[:] = 0
-            assert isinstance(leased(), SelfTimed)
-            assert np.array_equal(staged[:expected.size], expected)
-            assert unit.stats()["reads"] - reads == 7 and channel.leased_ahead == 7
+        with transport.destination(expected.size) as staged, contextlib.ExitStack() as stack:
+            reads, leased_ahead = unit.stats()["reads"], 0
+            for way, count in zip(AHEAD_WAYS, (4, 3, 2, 3)):
+                ahead = stack.enter_context(contextlib.closing(
+                    LeasedAhead(channel, list(payloads), staged, reads=count, way=way)))
+                staged[:] = 0
+                timed = ahead()
+                assert (timed is None) == (way == "beside") and (timed is None or isinstance(timed, SelfTimed))
+                assert np.array_equal(staged[:expected.size], expected)
+                leased_ahead += count
+                assert unit.stats()["reads"] - reads == leased_ahead and channel.leased_ahead == leased_ahead, way
+            with pytest.raises(ValueError, match="way"):
+                LeasedAhead(channel, list(payloads), staged, way="sideways")
 
 
 def test_interleaved_medians_take_a_path_s_own_timing_where_it_times_itself():
