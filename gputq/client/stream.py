@@ -138,7 +138,9 @@ class MicroBatchStream:
         self._in_place, self._landing, self._ahead = choose_ways(context, units, prefetch, hold, packed)
         self._fetches: dict[int, Future] = {}  # index -> its fetch; below, its restore on the restore thread
         self._restores: dict[int, Future] = {}
-        self._aheads: list[Future] = []  # in place: the windows placed and leased ahead, after each fetch
+        # In place: the last placement of windows ahead queued behind a fetch. Those before it ran before a
+        # fetch queued after them, which close() waits for, so it is the only one close() must wait for itself.
+        self._placing: Future | None = None
         self._fetcher, self._restorer = context.stream_threads()
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
@@ -187,7 +189,7 @@ class MicroBatchStream:
         try:
             self._fetcher.submit(_run_into, fetch, self._way, plan)
             if self._in_place:
-                self._aheads.append(self._fetcher.submit(self._way.place_ahead, plan))
+                self._placing = self._fetcher.submit(self._way.place_ahead, plan)
         except BaseException as exc:  # the reader's threads are shut down
             if fetch.set_running_or_notify_cancel():
                 fetch.set_exception(exc)
@@ -321,7 +323,7 @@ class MicroBatchStream:
         if self._lazy is not None:
             self._lazy.close()  # the micro-batch replayed last was consumed: its references go
         self._closed = True
-        pending = [*self._restores.values(), *self._fetches.values(), *self._aheads]
+        pending = [*self._restores.values(), *self._fetches.values(), *filter(None, [self._placing])]
         for future in pending:
             future.cancel()
         wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)

@@ -355,6 +355,42 @@ def test_in_place_a_fetch_places_only_its_own_window_and_the_windows_ahead_are_p
                       *(("place_ahead", 2, i) for i in range(4, 8)), ("place_ahead", 3, 8), ("place_ahead", 3, 9)]
 
 
+def test_in_place_close_waits_for_the_placement_under_way_on_the_fetch_thread(monkeypatch):
+    """A stream closed while a window ahead is being placed returns only once that placement has ended (it
+    sees the stream closed), so nothing of the closed stream still runs on the reader's fetch thread."""
+    from gputq.client import lease_window
+
+    place_ahead, started, go, order = lease_window.LeaseWindows.place_ahead, threading.Event(), threading.Event(), []
+
+    def held(self, plan):
+        if plan.index == LEASED_ALONE:
+            started.set()
+            assert go.wait(10)
+            order.append("placed")
+        return place_ahead(self, plan)
+    monkeypatch.setattr(lease_window.LeaseWindows, "place_ahead", held)
+    lengths = [37, 50, 64, 23, 41, 19, 33, 28]
+    batches = [[i] for i in range(len(lengths))]
+    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
+    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, _ = _rollout(writer, np.random.default_rng(17), lengths)
+        with Reader(clients, config) as reader:
+            stream = reader.stream(shard, batches, rank)
+            # Queues micro-batch 2's fetch and its placement behind it, the last task of the fetch thread: no
+            # fetch behind it, whose future close() would wait for anyway.
+            assert next(stream).index == 0
+            assert started.wait(10)
+            closing = threading.Thread(target=lambda: (stream.close(), order.append("closed")))
+            closing.start()
+            closing.join(0.2)
+            assert closing.is_alive() and order == []  # still placing: close waits for it
+            go.set()
+            closing.join(10)
+            assert order == ["placed", "closed"]
+            wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the leases of a closed stream to end")
+
+
 def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_ends():
     """Over shm one lease per unit covers a window of micro-batches (after the first two, 2, 4, 8 ...): the
     unit grants one per window, not one per micro-batch, the bytes are exact, and once the stream is closed (here before
