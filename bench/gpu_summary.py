@@ -3,8 +3,8 @@
 ``python -m bench.gpu_summary OUT``
 
 Reads what the script's steps left in ``OUT``: ``date`` and ``gpu``, the
-GPU tests' log, and the last JSON line of ``anchors.log``, ``kernel.log``
-and ``fetch_{shm,rdma,tcp}.log``. A step that failed, timed out or was
+GPU tests' log, and the last JSON line of ``anchors.log``, ``kernel.log``,
+``fetch_{shm,rdma,tcp}.log`` and ``trainer_{shm,tcp}.log``. A step that failed, timed out or was
 skipped (no GPU) is a line saying so, never a missing table: the GPU lease
 that ran the script may not come back.
 """
@@ -18,8 +18,10 @@ from pathlib import Path
 
 __all__ = ["GOALS", "summary_rows", "main"]
 
-GOALS = "goals: shm fetch+restore >= 0.8x pinned copy; kernel >= 0.9x device copy; host <= 50 us"
+GOALS = ("goals: shm fetch+restore >= 0.8x pinned copy; kernel >= 0.9x device copy; host <= 50 us; "
+         "trainer stream >= 0.8x its ceiling, overlap <= 1.05")
 _FETCH_TRANSPORTS = ("shm", "rdma", "tcp")
+_TRAINER_TRANSPORTS = ("shm", "tcp")
 
 
 def _last_json(out: Path, name: str) -> dict:
@@ -77,6 +79,23 @@ def _fetch_rows(out: Path, name: str, pinned: float | None) -> list[tuple[str, s
     return rows
 
 
+def _trainer_rows(out: Path, name: str) -> list[tuple[str, str]]:
+    """The host-restored trainer stream of ``bench.trainer`` on this machine's cores, slice by slice."""
+    trainer = _last_json(out, f"trainer_{name}.log")
+    if "error" in trainer:
+        return [(f"trainer {name}", trainer["error"])]
+    rows = []
+    for r in trainer.get("throughput_rows", []):
+        one = r.get("one_thread_widen_vs_ceiling")
+        widen = "" if one is None else f", one widening thread {one:.2f}x"
+        rows.append((f"trainer stream {name} {r['slice_MiB']:g} MiB",
+                     f"{r['stream_vs_ceiling']:.2f}x its ceiling ({r['ceiling']}, {r['ceiling_GBps']} GB/s), "
+                     f"later half {r['second_half_vs_ceiling']:.2f}x{widen}"))
+    rows.append((f"trainer overlap {name}", f"{trainer['overlap_ratio']:.3f}, after the first micro-batch "
+                                            f"{trainer['overlap_ratio_after_first']:.3f}"))
+    return rows
+
+
 def summary_rows(out: Path) -> list[tuple[str, str]]:
     """``(check, result)`` lines from the outputs of ``bench/gpu_check.sh`` in ``out``."""
     out = Path(out)
@@ -92,6 +111,8 @@ def summary_rows(out: Path) -> list[tuple[str, str]]:
     rows += _kernel_rows(_last_json(out, "kernel.log"))
     for name in _FETCH_TRANSPORTS:
         rows += _fetch_rows(out, name, pinned)
+    for name in _TRAINER_TRANSPORTS:
+        rows += _trainer_rows(out, name)
     return rows
 
 

@@ -10,12 +10,14 @@ own result builders, so the table and the benchmarks cannot drift apart.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 import bench.anchors
 import bench.fetch
 import bench.kernel
+import bench.trainer
 from bench.gpu_summary import GOALS, main, summary_rows
 from bench.kernel import kernel_result
 
@@ -36,6 +38,11 @@ def _step_outputs(out, capsys) -> None:
     for transport in ("shm", "tcp"):  # rdma left nothing: a step killed by its timeout
         (out / f"fetch_{transport}.log").write_text(_run(capsys, bench.fetch, [
             "--device", "cuda", "--transport", transport, "--sizes", "1", "--repeats", "1", "--json"]))
+    # The trainer over shm as the script runs it, small; over tcp nothing: killed by its timeout too.
+    (out / "trainer_shm.log").write_text(_run(capsys, bench.trainer, [
+        "--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "8192", "--samples", "2",
+        "--scales", "2", "--repeats", "1", "--step-samples", "4", "--overlap-steps", "1", "--transport", "shm",
+        "--figures", "", "--json"]))
 
 
 def test_every_step_is_a_line_of_the_table_even_without_a_gpu(tmp_path, capsys, host_cuda):
@@ -52,6 +59,11 @@ def test_every_step_is_a_line_of_the_table_even_without_a_gpu(tmp_path, capsys, 
         "fetch+restore->GPU tcp copy", "fetch+restore->GPU tcp stream"]
     assert "fetch alone" in table[fetches[0]] and "fetch alone" not in table[fetches[1]]  # in place: no transfer
     assert table["fetch rdma"].startswith("fetch_rdma.log: FileNotFoundError")
+    (stream_row,) = [check for check in table if check.startswith("trainer stream shm ")]
+    assert re.fullmatch(r"\d\.\d\dx its ceiling \(widen x2 threads, [\d.]+ GB/s\), later half \d\.\d\dx, "
+                        r"one widening thread \d\.\d\dx", table[stream_row]), table[stream_row]
+    assert re.fullmatch(r"\d\.\d{3}, after the first micro-batch \d\.\d{3}", table["trainer overlap shm"])
+    assert table["trainer tcp"].startswith("trainer_tcp.log: FileNotFoundError")
     main([str(tmp_path)])
     printed = capsys.readouterr().out.splitlines()
     assert printed[:2] == ["gputq GPU check 2026-12-01T10:00:00Z on GPU 0: stand-in", GOALS]
@@ -70,7 +82,14 @@ def test_gpu_rows_carry_their_ratios_to_the_copies_of_the_same_run(tmp_path):
         "fragments": 1077, "table_us": 38.0, "launch_us": 44.0}}) + "\n")
     (tmp_path / "fetch_shm.log").write_text(json.dumps({"rows": [
         {"shard_MiB": 256.0, "path": "in place", "fetch+restore_GBps": 45.0, "fetch_GBps": None}]}) + "\n")
+    (tmp_path / "trainer_tcp.log").write_text("...\n" + json.dumps({
+        "overlap_ratio": 1.0412, "overlap_ratio_after_first": 1.0101, "throughput_rows": [
+            {"slice_MiB": 48.0, "stream_vs_ceiling": 0.8123, "ceiling": "socket, widened as it lands",
+             "ceiling_GBps": 3.3, "second_half_vs_ceiling": 0.9}]}) + "\n")
     table = dict(summary_rows(tmp_path))
+    assert table["trainer stream tcp 48 MiB"] == ("0.81x its ceiling (socket, widened as it lands, 3.3 GB/s), "
+                                                  "later half 0.90x")
+    assert table["trainer overlap tcp"] == "1.041, after the first micro-batch 1.010"
     assert table["anchor pinned_h2d"] == "50.0 GB/s" and table["anchor device_copy"] == "4300.0 GB/s"
     assert table["kernel uint8"] == "3200 GB/s, 0.80x copy (4000), 4.0x naive (800)"
     assert table["kernel uint8, 2 groups/thread"] == "4000 GB/s, 1.00x copy"
