@@ -1,12 +1,13 @@
-"""The table that ends ``bench/gpu_check.sh``: one line per check, every fetch against the pinned copy.
+"""The table that ends ``bench/gpu_check.sh``: one line per check, every fetch against the pinned copy,
+the host-restored trainer stream against its ceiling.
 
 ``python -m bench.gpu_summary OUT``
 
 Reads what the script's steps left in ``OUT``: ``date`` and ``gpu``, the
 GPU tests' log, and the last JSON line of ``anchors.log``, ``kernel.log``,
-``fetch_{shm,rdma,tcp}.log`` and ``trainer_{shm,tcp}.log``. A step that failed, timed out or was
-skipped (no GPU) is a line saying so, never a missing table: the GPU lease
-that ran the script may not come back.
+``fetch_{shm,rdma,tcp}.log`` and ``trainer_{shm,tcp}.log``. A step that
+failed, timed out or was skipped (no GPU) is a line saying so, never a
+missing table: the GPU lease that ran the script may not come back.
 """
 
 from __future__ import annotations
