@@ -87,8 +87,9 @@ def _trainer_rows(out: Path, name: str) -> list[tuple[str, str]]:
         return [(f"trainer {name}", trainer["error"])]
     rows = []
     for r in trainer.get("throughput_rows", []):
-        one = r.get("one_thread_widen_vs_ceiling")
+        one, alone = r.get("one_thread_widen_vs_ceiling"), r.get("restores_vs_ceiling")
         widen = "" if one is None else f", one widening thread {one:.2f}x"
+        widen += "" if alone is None else f", its restores alone {alone:.2f}x"
         rows.append((f"trainer stream {name} {r['slice_MiB']:g} MiB",
                      f"{r['stream_vs_ceiling']:.2f}x its ceiling ({r['ceiling']}, {r['ceiling_GBps']} GB/s), "
                      f"later half {r['second_half_vs_ceiling']:.2f}x{widen}"))

@@ -5,9 +5,9 @@ honest baseline of its transport and a ceiling with no gputq in it, over
 the same bytes (the module docstring of :mod:`bench.trainer` defines each
 figure): a plain socket from a child process and the socket widened as it
 lands (tcp, rdma), a memcpy and a widen on two threads (shm, and the widen
-on one thread as the stream's restore widens); over tcp also the stream's
-reads alone. The cores each side keeps busy, and its CPU per MiB, say
-what a miss is spent on.
+on one thread as the stream's restore widens, and the stream's restores
+alone); over tcp also the stream's reads alone. The cores each side keeps
+busy, and its CPU per MiB, say what a miss is spent on.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import functools
 import multiprocessing
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,27 +25,41 @@ import numpy as np
 from bench.common import SocketBaseline, SocketWidened, gbps, threaded_memcpy, wall_time
 from bench.cores import kept_busy, us_per_mib
 from bench.trainer_rank import MIB, bytes_read, micro_batches, rank_fields, rank_slice, stream_pass, unit_count
+from gputq.client.fetch import lease_in_place
 from gputq.client.landing import land_replies
 from gputq.client.plan import plan_stream
+from gputq.client.read_context import ReadContext
+from gputq.client.shape import SlimeShaper
 
 __all__ = ["throughput", "throughput_summary", "second_half"]
+
+
+def _rank_plans(shard, args, config) -> list:
+    """Rank dp0/pp0/cp0's micro-batches, planned and placed as its stream's are."""
+    return [plan.finish() for plan in plan_stream(shard, micro_batches(len(shard), args.mb_samples),
+                                                  rank_slice(args, 0, 0), fields=rank_fields(args, 0),
+                                                  max_bytes=config.max_frame_bytes)]
+
+
+def _reused_outputs(plans: list, count: int) -> list[dict]:
+    """``count`` output buffers per field, each as large as the plans' largest micro-batch restores (touched
+    once here, as a stream's reused buffers are before a pass)."""
+    largest = {}
+    for plan in plans:
+        for name, fp in plan.fields.items():
+            largest[name] = (max(largest.get(name, (0,))[0], fp.out_elements), fp.restored)
+    return [{name: np.ones(n, dtype) for name, (n, dtype) in largest.items()} for _ in range(count)]
 
 
 def _reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
     """A pass of rank dp0/pp0/cp0's span reads over tcp with nothing of the stream around them (see
     :mod:`bench.trainer`); its pipelines close with ``stack``."""
-    plans = [plan.finish() for plan in plan_stream(shard, micro_batches(len(shard), args.mb_samples),
-                                                   rank_slice(args, 0, 0), fields=rank_fields(args, 0),
-                                                   max_bytes=config.max_frame_bytes)]
+    plans = _rank_plans(shard, args, config)
     pipes = {}
     for unit in sorted({unit for plan in plans for unit in plan.units}):
         pipes[unit] = clients.channel(unit).pipeline()
         stack.callback(pipes[unit].close)
-    largest = {}
-    for plan in plans:
-        for name, fp in plan.fields.items():
-            largest[name] = (max(largest.get(name, (0,))[0], fp.out_elements), fp.restored)
-    outputs = [{name: np.ones(n, dtype) for name, (n, dtype) in largest.items()} for _ in range(args.prefetch + 1)]
+    outputs = _reused_outputs(plans, args.prefetch + 1)
     timeout = config.read_timeout_s
 
     def send(plan) -> None:
@@ -60,10 +75,49 @@ def _reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
     return one_pass
 
 
+class _RestoresAlone:
+    """Timed passes of rank dp0/pp0/cp0's in-place restores over shm with nothing of the stream around them
+    (see :mod:`bench.trainer`); each call returns the seconds of its restores alone.
+
+    Every micro-batch is planned, and its regions leased in the mapped
+    arenas, before the clock starts; the clock then times the stream's own
+    widen and shaping of each, one after another on this thread, into
+    ``prefetch + 1`` reused outputs. The leases end after the clock stops,
+    each confirmed as a stream's are (an expired one raises): the restores
+    read what the leases vouch for. ``last`` is the last micro-batch of the
+    last pass as shaped: ``(layers, per-layer arrays, fields)``.
+    """
+
+    def __init__(self, clients, config, shard, args, nbytes: int, stack: contextlib.ExitStack):
+        self._context = ReadContext(clients, config)
+        stack.callback(self._context.close)
+        self._plans = _rank_plans(shard, args, config)
+        named = sum(plan.slice_bytes for plan in self._plans)
+        if named != nbytes:  # the stream's bytes, or the figure means nothing
+            raise RuntimeError(f"the restores alone name {named} bytes, the stream {nbytes}")
+        self._outputs = _reused_outputs(self._plans, args.prefetch + 1)
+        self._shaper = SlimeShaper(self._context, rank_slice(args, 0, 0))
+        self.last: tuple | None = None
+
+    def __call__(self) -> float:
+        with contextlib.ExitStack() as leases:
+            sources = []
+            for plan in self._plans:
+                source, held = lease_in_place(self._context, plan)
+                leases.enter_context(held)
+                sources.append(source)
+            started = time.perf_counter()
+            for i, (plan, source) in enumerate(zip(self._plans, sources)):
+                outputs = self._shaper.widen(plan, source, self._outputs[i % len(self._outputs)])
+                self.last = self._shaper.shape(plan, outputs)
+            return time.perf_counter() - started
+
+
 @dataclass
 class _References:
     """What a throughput pass is compared with: its baseline and ceiling passes (named), the processes that
-    serve the baseline, and the extra passes timed beside them (``reads``, ``one_thread_widen``)."""
+    serve the baseline, and the extra passes timed beside them (``reads``, ``restores``, ``one_thread_widen``:
+    each returns its seconds); ``reads_pass`` the reads alone untimed, for their CPU figures."""
 
     baseline: str
     baseline_pass: Callable
@@ -71,6 +125,7 @@ class _References:
     ceiling: str
     ceiling_pass: Callable
     extra: dict
+    reads_pass: Callable | None = None
 
 
 def _references(clients, config, shard, args, transport: str, nbytes: int, per_mb: int,
@@ -81,10 +136,13 @@ def _references(clients, config, shard, args, transport: str, nbytes: int, per_m
         src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
         compact = src[:nbytes // ids.itemsize * ids.itemsize].view(ids)
         widened = np.ones(nbytes // ids.itemsize, np.int32)
+        # on one thread, as the stream's restore widens
+        extra = {"one_thread_widen": functools.partial(wall_time, functools.partial(threaded_memcpy, widened,
+                                                                                    compact, 1))}
+        if args.dtype != "packed":  # packed IDs are staged, not restored in place
+            extra["restores"] = _RestoresAlone(clients, config, shard, args, nbytes, stack)
         return _References("memcpy x2 threads", functools.partial(threaded_memcpy, dst, src, 2), (),
-                            "widen x2 threads", functools.partial(threaded_memcpy, widened, compact, 2),
-                            # on one thread, as the stream's restore widens
-                            {"one_thread_widen": functools.partial(threaded_memcpy, widened, compact, 1)})
+                           "widen x2 threads", functools.partial(threaded_memcpy, widened, compact, 2), extra)
     # As large as the slice, each micro-batch's read from its own offset: distinct bytes, as the stream's.
     socket = stack.enter_context(SocketBaseline(nbytes))
     widening = SocketWidened(socket, per_mb, ids)
@@ -95,15 +153,16 @@ def _references(clients, config, shard, args, transport: str, nbytes: int, per_m
         for off in range(0, nbytes, per_mb):
             socket.read(min(per_mb, nbytes - off), offset=off)
 
-    extra = {}
+    refs = _References("plain socket", baseline_pass, (socket.server_pid,), "socket, widened as it lands",
+                       functools.partial(widening.read, nbytes), {})
     if transport == "tcp":
-        extra["reads"] = _reads_alone(clients, config, shard, args, stack)
+        refs.reads_pass = _reads_alone(clients, config, shard, args, stack)
+        refs.extra["reads"] = functools.partial(wall_time, refs.reads_pass)
         before = bytes_read(clients)
-        extra["reads"]()
+        refs.reads_pass()
         if bytes_read(clients) - before != nbytes:  # the stream's reads, or the figure means nothing
             raise RuntimeError(f"the reads alone moved {bytes_read(clients) - before} bytes, the stream {nbytes}")
-    return _References("plain socket", baseline_pass, (socket.server_pid,), "socket, widened as it lands",
-                        functools.partial(widening.read, nbytes), extra)
+    return refs
 
 
 def _cpu_figures(refs: _References, loop_pass, units: list, nbytes: int) -> tuple[dict, float, float]:
@@ -116,7 +175,7 @@ def _cpu_figures(refs: _References, loop_pass, units: list, nbytes: int) -> tupl
                "baseline_receiver_us_per_MiB": us_per_mib(base_use.own, base_use.pass_s, nbytes)}
     if refs.baseline_pids:
         figures["baseline_sender_us_per_MiB"] = us_per_mib(base_use.others, base_use.pass_s, nbytes)
-    for side, work in (("ceiling", refs.ceiling_pass), ("reads", refs.extra.get("reads"))):
+    for side, work in (("ceiling", refs.ceiling_pass), ("reads", refs.reads_pass)):
         if work is not None:
             top_side = kept_busy(work, ())
             figures[f"{side}_receiver_us_per_MiB"] = us_per_mib(top_side.own, top_side.pass_s, nbytes)
@@ -129,8 +188,9 @@ def _cpu_figures(refs: _References, loop_pass, units: list, nbytes: int) -> tupl
 
 
 def _extra_figures(nbytes: int, base: list, top: list, loops: list, extra: dict) -> dict:
-    """The extra passes' figures: the reads alone against the baseline and the stream, the one-thread widen
-    against the ceiling (medians of the pairs timed side by side)."""
+    """The extra passes' figures: the reads alone against the baseline and the stream, the one-thread widen and
+    the restores alone against the ceiling, and the stream against its restores alone (medians of the pairs
+    timed side by side)."""
     figures = {}
     if "one_thread_widen" in extra:
         one = extra["one_thread_widen"]
@@ -141,6 +201,11 @@ def _extra_figures(nbytes: int, base: list, top: list, loops: list, extra: dict)
         figures["reads_GBps"] = round(gbps(nbytes, statistics.median(alone)), 2)
         figures["reads_vs_baseline"] = round(statistics.median(b / a for b, a in zip(base, alone)), 3)
         figures["stream_vs_reads"] = round(statistics.median(a / t for a, t in zip(alone, loops)), 3)
+    if "restores" in extra:
+        alone = extra["restores"]
+        figures["restores_GBps"] = round(gbps(nbytes, statistics.median(alone)), 2)
+        figures["restores_vs_ceiling"] = round(statistics.median(c / a for c, a in zip(top, alone)), 3)
+        figures["stream_vs_restores"] = round(statistics.median(a / t for a, t in zip(alone, loops)), 3)
     return figures
 
 
@@ -164,8 +229,8 @@ def throughput(reader, clients, config, shard, args, transport: str, repeats: in
         for _ in range(repeats):
             base.append(wall_time(refs.baseline_pass))
             top.append(wall_time(refs.ceiling_pass))
-            for name, work in refs.extra.items():
-                extra[name].append(wall_time(work))
+            for name, timed in refs.extra.items():
+                extra[name].append(timed())
             seconds, _, steps = one_pass()
             loops.append(seconds)
             halves.append(second_half(steps, top[-1]))
@@ -202,5 +267,6 @@ def throughput_summary(speed: list) -> dict:
     summary = {"throughput_ratio": least("ratio"), "ceiling_vs_baseline": least("ceiling_vs_baseline"),
                "stream_vs_ceiling": least("stream_vs_ceiling")}
     summary.update({name: least(name) for name in ("second_half_vs_ceiling", "one_thread_widen_vs_ceiling",
+                                                    "restores_vs_ceiling", "stream_vs_restores",
                                                     "reads_vs_baseline", "stream_vs_reads") if big and name in big[0]})
     return summary

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import gc
 import json
 import os
 
+import numpy as np
 import pytest
 
 from bench import e2e, fetch, trainer, trainer_throughput
-from bench.common import same_host_copy_threads
+from bench.common import remote_units, same_host_copy_threads
+from bench.trainer_rank import EXPERTS, MIB, micro_batches, rank_fields, rank_slice, rollout
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.config import GputqConfig
 
 
 @pytest.mark.timeout(120)
@@ -113,6 +120,8 @@ def test_trainer_overlap_at_a_fixed_compute_over_shm(capsys, tmp_path):
         assert row["baseline"] == "memcpy x2 threads" and row["ceiling"] == "widen x2 threads"
         assert row["one_thread_widen_GBps"] > 0 and row["one_thread_widen_vs_ceiling"] > 0
         assert row["second_half_vs_ceiling"] > 0
+        # the stream's restores alone, timed beside it: the same plans' widen over the leased mappings
+        assert row["restores_GBps"] > 0 and row["restores_vs_ceiling"] > 0 and row["stream_vs_restores"] > 0
     assert "one_thread_widen_vs_ceiling" not in out  # no slice of 16 MiB or more here: no summary figure
     assert out["overlap"]["compute"] == "fixed" and out["overlap"]["compute_ms"] == 3.5
     # Four micro-batches of 3.5 ms each: the compute alone, however long the fetches took.
@@ -122,6 +131,27 @@ def test_trainer_overlap_at_a_fixed_compute_over_shm(capsys, tmp_path):
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
+def test_trainer_restores_alone_restore_the_streams_bytes():
+    # The figure stands for the stream's own restores: the same plans, widened and shaped into the same bytes.
+    args = argparse.Namespace(layers=4, pp=2, cp=2, mb_samples=1, prefetch=2, topk=2, dtype="uint16")
+    config = GputqConfig(transport="shm", num_units=2, routed_experts_dtype="uint16", num_experts=EXPERTS,
+                         unit_capacity_bytes=64 * MIB, host="127.0.0.1")
+    with remote_units(config) as (config, clients), Writer(clients, config) as writer, \
+            Reader(clients, config) as reader, contextlib.ExitStack() as stack:
+        shard = rollout(writer, 3, 1024, args.layers, args.topk)
+        with reader.stream(shard, micro_batches(3, 1), rank_slice(args, 0, 0), fields=rank_fields(args, 0)) as stream:
+            streamed = [[np.array(layer) for layer in batch.routed_experts] for batch in stream]
+            nbytes = stream.slice_bytes
+        restores = trainer_throughput._RestoresAlone(clients, config, shard, args, nbytes, stack)
+        assert restores.last is None and restores() > 0
+        layers, experts, _ = restores.last
+        assert list(layers) == [0, 1] and len(experts) == len(streamed[-1]) == 2
+        assert all(np.array_equal(got, want) for got, want in zip(experts, streamed[-1]))
+        with pytest.raises(RuntimeError, match="name .* bytes, the stream"):
+            trainer_throughput._RestoresAlone(clients, config, shard, args, nbytes + 1, stack)
+
+
 def test_trainer_second_half_paces_the_later_micro_batches_against_the_ceiling():
     # Four equal micro-batches, the first wait holding the stream's opening: the later two took 2 s, and the
     # ceiling moved the whole slice in 2 s, so their half in 1 s: half the ceiling's pace, the opening aside.
