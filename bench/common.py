@@ -31,6 +31,7 @@ from gputq.transport.base import ServerLimits
 from gputq.transport.tcp import SOCKET_BUFFER_BYTES
 
 __all__ = [
+    "SelfTimed",
     "wall_time",
     "median_time",
     "gbps",
@@ -55,11 +56,16 @@ __all__ = [
 ]
 
 
+class SelfTimed(float):
+    """Seconds a timed callable measured itself (its call also did what is not timed)."""
+
+
 def wall_time(fn: Callable[[], object]) -> float:
-    """Wall seconds of one call of ``fn()``."""
+    """Wall seconds of one call of ``fn()``, or the :class:`SelfTimed` seconds it returns."""
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    timed = fn()
+    elapsed = time.perf_counter() - start
+    return timed if isinstance(timed, SelfTimed) else elapsed
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from bench.common import SocketBaseline, SocketWidened, gbps, threaded_memcpy, wall_time
+from bench.common import SelfTimed, SocketBaseline, SocketWidened, gbps, threaded_memcpy, wall_time
 from bench.cores import kept_busy, us_per_mib
 from bench.trainer_rank import MIB, bytes_read, micro_batches, rank_fields, rank_slice, stream_pass, unit_count
 from gputq.client.fetch import lease_in_place
@@ -77,7 +77,8 @@ def _reads_alone(clients, config, shard, args, stack: contextlib.ExitStack):
 
 class _RestoresAlone:
     """Timed passes of rank dp0/pp0/cp0's in-place restores over shm with nothing of the stream around them
-    (see :mod:`bench.trainer`); each call returns the seconds of its restores alone.
+    (see :mod:`bench.trainer`); each call returns the :class:`~bench.common.SelfTimed` seconds of its
+    restores alone.
 
     Every micro-batch is planned, and its regions leased in the mapped
     arenas, before the clock starts; the clock then times the stream's own
@@ -99,7 +100,7 @@ class _RestoresAlone:
         self._shaper = SlimeShaper(self._context, rank_slice(args, 0, 0))
         self.last: tuple | None = None
 
-    def __call__(self) -> float:
+    def __call__(self) -> SelfTimed:
         with contextlib.ExitStack() as leases:
             sources = []
             for plan in self._plans:
@@ -110,14 +111,13 @@ class _RestoresAlone:
             for i, (plan, source) in enumerate(zip(self._plans, sources)):
                 outputs = self._shaper.widen(plan, source, self._outputs[i % len(self._outputs)])
                 self.last = self._shaper.shape(plan, outputs)
-            return time.perf_counter() - started
+            return SelfTimed(time.perf_counter() - started)
 
 
 @dataclass
 class _References:
     """What a throughput pass is compared with: its baseline and ceiling passes (named), the processes that
-    serve the baseline, and the extra passes timed beside them (``reads``, ``restores``, ``one_thread_widen``:
-    each returns its seconds); ``reads_pass`` the reads alone untimed, for their CPU figures."""
+    serve the baseline, and the extra passes timed beside them (``reads``, ``restores``, ``one_thread_widen``)."""
 
     baseline: str
     baseline_pass: Callable
@@ -125,7 +125,6 @@ class _References:
     ceiling: str
     ceiling_pass: Callable
     extra: dict
-    reads_pass: Callable | None = None
 
 
 def _references(clients, config, shard, args, transport: str, nbytes: int, per_mb: int,
@@ -137,8 +136,7 @@ def _references(clients, config, shard, args, transport: str, nbytes: int, per_m
         compact = src[:nbytes // ids.itemsize * ids.itemsize].view(ids)
         widened = np.ones(nbytes // ids.itemsize, np.int32)
         # on one thread, as the stream's restore widens
-        extra = {"one_thread_widen": functools.partial(wall_time, functools.partial(threaded_memcpy, widened,
-                                                                                    compact, 1))}
+        extra = {"one_thread_widen": functools.partial(threaded_memcpy, widened, compact, 1)}
         if args.dtype != "packed":  # packed IDs are staged, not restored in place
             extra["restores"] = _RestoresAlone(clients, config, shard, args, nbytes, stack)
         return _References("memcpy x2 threads", functools.partial(threaded_memcpy, dst, src, 2), (),
@@ -153,16 +151,15 @@ def _references(clients, config, shard, args, transport: str, nbytes: int, per_m
         for off in range(0, nbytes, per_mb):
             socket.read(min(per_mb, nbytes - off), offset=off)
 
-    refs = _References("plain socket", baseline_pass, (socket.server_pid,), "socket, widened as it lands",
-                       functools.partial(widening.read, nbytes), {})
+    extra = {}
     if transport == "tcp":
-        refs.reads_pass = _reads_alone(clients, config, shard, args, stack)
-        refs.extra["reads"] = functools.partial(wall_time, refs.reads_pass)
+        extra["reads"] = _reads_alone(clients, config, shard, args, stack)
         before = bytes_read(clients)
-        refs.reads_pass()
+        extra["reads"]()
         if bytes_read(clients) - before != nbytes:  # the stream's reads, or the figure means nothing
             raise RuntimeError(f"the reads alone moved {bytes_read(clients) - before} bytes, the stream {nbytes}")
-    return refs
+    return _References("plain socket", baseline_pass, (socket.server_pid,), "socket, widened as it lands",
+                       functools.partial(widening.read, nbytes), extra)
 
 
 def _cpu_figures(refs: _References, loop_pass, units: list, nbytes: int) -> tuple[dict, float, float]:
@@ -175,7 +172,7 @@ def _cpu_figures(refs: _References, loop_pass, units: list, nbytes: int) -> tupl
                "baseline_receiver_us_per_MiB": us_per_mib(base_use.own, base_use.pass_s, nbytes)}
     if refs.baseline_pids:
         figures["baseline_sender_us_per_MiB"] = us_per_mib(base_use.others, base_use.pass_s, nbytes)
-    for side, work in (("ceiling", refs.ceiling_pass), ("reads", refs.reads_pass)):
+    for side, work in (("ceiling", refs.ceiling_pass), ("reads", refs.extra.get("reads"))):
         if work is not None:
             top_side = kept_busy(work, ())
             figures[f"{side}_receiver_us_per_MiB"] = us_per_mib(top_side.own, top_side.pass_s, nbytes)
@@ -229,8 +226,8 @@ def throughput(reader, clients, config, shard, args, transport: str, repeats: in
         for _ in range(repeats):
             base.append(wall_time(refs.baseline_pass))
             top.append(wall_time(refs.ceiling_pass))
-            for name, timed in refs.extra.items():
-                extra[name].append(timed())
+            for name, work in refs.extra.items():
+                extra[name].append(wall_time(work))
             seconds, _, steps = one_pass()
             loops.append(seconds)
             halves.append(second_half(steps, top[-1]))

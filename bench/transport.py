@@ -64,6 +64,7 @@ import time
 import numpy as np
 
 from bench.common import (
+    SelfTimed,
     SocketBaseline,
     add_json_flag,
     emit_json,
@@ -72,6 +73,7 @@ from bench.common import (
     print_header,
     print_table,
     progress_range,
+    wall_time,
 )
 from gputq.transport.base import ServerLimits
 from gputq.transport.nixl import NixlTransport, import_nixl
@@ -192,10 +194,6 @@ class RawNixl:
         self.agent.deregister_memory(self._reg)
 
 
-class SelfTimed(float):
-    """Seconds a path of :func:`interleaved_medians` timed itself (its call also did what is not timed)."""
-
-
 class LeasedAhead:
     """Reads of one shard back to back as a stream issues them: each next read's lease requested on one
     helper thread while this read's bytes move, so a read after the first pays no round trip before its READ.
@@ -259,9 +257,7 @@ def interleaved_medians(paths: dict, repeats: int) -> dict[str, float]:
         # Rotate the order so no path always runs after the one that warmed
         # (or flushed) the caches for it.
         for name in names[i % len(names):] + names[:i % len(names)]:
-            start = time.perf_counter()
-            timed = paths[name]()
-            times[name].append(timed if isinstance(timed, SelfTimed) else time.perf_counter() - start)
+            times[name].append(wall_time(paths[name]))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
