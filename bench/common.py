@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.tcp import SOCKET_BUFFER_BYTES
 
 __all__ = [

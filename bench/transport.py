@@ -47,7 +47,7 @@ buffer placement, 16 bytes past a page start; a socket with numpy's
 buffers; a socket whose server sends with a blocking ``sendall``), so what
 each choice is worth is measured, not argued. A third table times writes
 through the rdma channel's two write paths (tcp WRITE frame, NIXL push),
-the measurement behind ``gputq.transport.nixl.PUSH_MIN_BYTES``.
+the measurement behind ``gputq.transport.nixl_push.PUSH_MIN_BYTES``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from bench.common import (
     progress_range,
     wall_time,
 )
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.nixl import NixlTransport, import_nixl
 from gputq.transport.tcp import TcpTransport
 from gputq.unit.storage_unit import StorageUnit

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 from gputq.data.fields import LOGPROBS, ROUTED_EXPERTS, ROUTED_EXPERTS_FORMATS, FieldRegistry
 from gputq.data.packing import MAX_BITS
 from gputq.errors import ConfigError, InvalidInputError
-from gputq.transport.base import MAX_TIMEOUT_S, ServerLimits
+from gputq.transport.handler import MAX_TIMEOUT_S, ServerLimits
 from gputq.transport.policy import TRANSPORT_NAMES
 
 __all__ = [

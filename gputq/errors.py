@@ -33,6 +33,7 @@ __all__ = [
     "RequestTooLargeError",
     "StaleReadError",
     "TransferError",
+    "TransferSetupError",
     "UnitBusyError",
     "UnitLostError",
     "UnitTimeoutError",
@@ -83,6 +84,14 @@ class RequestTooLargeError(InvalidInputError):
 
 class StaleReadError(GputqError):
     """A read raced a release and could not be served with the right bytes."""
+
+
+class TransferSetupError(TransferError):
+    """The transfer library refused to set a transfer up (NIXL ``initialize_xfer``): nothing moved.
+
+    Another lane may work: an rdma read into device memory that gets it
+    goes through host memory instead.
+    """
 
 
 class HintMissedError(StaleReadError):

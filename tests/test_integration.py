@@ -13,7 +13,7 @@ from gputq.data.refs import FieldRef, Layout
 from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
 from gputq.errors import CapacityError, UnknownKeyError
 from gputq.tools.synthetic import SyntheticConfig, build_sessions
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from tests.waiting import wait_until
 
 from .conftest import local_units

@@ -11,16 +11,8 @@ from __future__ import annotations
 import importlib
 
 from gputq.errors import InvalidInputError, MissingDependencyError
-from gputq.transport.base import (
-    ArenaHandler,
-    Channel,
-    Lease,
-    Region,
-    Server,
-    ServerLimits,
-    TransportType,
-    is_device_buffer,
-)
+from gputq.transport.base import Channel, Server, TransportType, is_device_buffer
+from gputq.transport.handler import ArenaHandler, Lease, Region, ServerLimits
 
 __all__ = [
     "Region",

@@ -32,27 +32,15 @@ device buffer; elsewhere it lands in host memory and one copy moves it to
 the device (faster than letting UCX stage device destinations itself in
 software; docs/gpu/ has the figures).
 
-Writes take the tcp path below :data:`PUSH_MIN_BYTES` and are pushed
-above it: the push copies the payload into a registered staging buffer and
-NIXL-WRITEs it into the region reserved by a control call, then commits. It
-costs two more control round trips than tcp's single WRITE frame
-(``recv_into`` straight into the arena), which loses for small payloads,
-but moves large payloads faster on loopback; in the gVisor sandbox of the
-GPU host the push lost at every size, so
-``GPUTQ_RDMA_WRITE_PATH=tcp`` (or ``write_path``) forces the tcp path
-(docs/operations.md has both tables). The unit cannot stop a remote WRITE
-into a region it granted, so the client ends its push within
-:func:`~gputq.transport.base.write_window` of the unit's reservation timeout
-(from ``nixl_connect``): a push is abandoned, and the write aborted, while
-the reservation still holds, and a commit after it expired is refused by
-the unit (``UnknownKeyError``).
+Writes go over tcp, or large ones are pushed with NIXL WRITEs into their
+reserved regions (:mod:`gputq.transport.nixl_push`); both directions' transfers
+are :class:`~gputq.transport.nixl_transfer.Transfers`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from typing import Sequence
@@ -61,45 +49,25 @@ import numpy as np
 
 from gputq.errors import (
     GputqError,
-    GputqTimeoutError,
     InvalidInputError,
     RequestTooLargeError,
     TransferError,
+    TransferSetupError,
 )
-from gputq.transport.base import (
-    ArenaHandler,
-    ServerLimits,
-    TransportType,
-    byte_view,
-    describe_keys,
-    is_device_buffer,
-)
-from gputq.transport.one_sided import HeldLease, LeaseProtocol, LeasingChannel
+from gputq.transport.base import TransportType, byte_view, is_device_buffer
+from gputq.transport.handler import ArenaHandler, ServerLimits
 from gputq.transport.nixl_pool import DRAM, LocalAgent, cuda_device_of, host_ptr, import_nixl, local_pool
+from gputq.transport.nixl_push import Pushes, chosen_write_path
 from gputq.transport.nixl_server import CONNECT, NixlServer
+from gputq.transport.nixl_transfer import Transfers
+from gputq.transport.one_sided import HeldLease, LeaseProtocol, LeasingChannel
 from gputq.transport.policy import gpudirect_support
-from gputq.transport.reserved_writes import ReservedWrites
 from gputq.transport.staging import device_nbytes
 from gputq.transport.tcp import TcpTransport
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["NixlTransport", "NixlServer", "NixlChannel", "import_nixl", "local_pool",
-           "PUSH_MIN_BYTES", "PUSH_CHUNK_BYTES", "WRITE_PATH_ENV"]
-
-WRITE_PATHS = ("auto", "tcp", "push")
-#: ``write_path="auto"`` pushes payloads of at least this size with NIXL WRITE: below it tcp's
-#: one round trip beats the push's two control round trips, above it the push's one-sided copy wins
-#: where the fabric does RDMA (docs/operations.md has the measurements).
-PUSH_MIN_BYTES = 1 << 20
-#: Environment variable choosing the write path of channels built by default.
-WRITE_PATH_ENV = "GPUTQ_RDMA_WRITE_PATH"
-#: Staging chunk of a push: bounds the registered memory a writer holds.
-PUSH_CHUNK_BYTES = 16 << 20
-
-# A READ still in flight after this long is polled with the GIL released
-# between polls (time.sleep(0)), so threads reading other units can run.
-_SPIN_S = 0.0002
+__all__ = ["NixlTransport", "NixlServer", "NixlChannel", "import_nixl", "local_pool"]
 
 
 # -- client side -----------------------------------------------------------------------
@@ -115,39 +83,6 @@ def _destination(dest) -> tuple[int, int, int, bool]:
         return ptr, device_nbytes(dest), cuda_device_of(dest, ptr), True
     ptr, capacity = host_ptr(dest)
     return ptr, capacity, 0, False
-
-
-def _descriptors(regions: np.ndarray, local_base: int, remote_base: int, device: int):
-    """Nx3 (address, length, device) local and remote descriptor arrays for ``regions``.
-
-    Regions are packed back to back from ``local_base``. Runs of regions that
-    also follow each other in the arena (keys written in sequence usually do)
-    become one descriptor: UCX moves one large block faster than many
-    adjacent small ones (each descriptor has its own cost in UCX). Empty runs
-    are dropped.
-    """
-    offsets, lengths = regions[:, 0], regions[:, 1]
-    ends = np.cumsum(lengths)  # packed end of each region in the destination
-    breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
-    if not len(breaks):  # the common case: one run, no fancy indexing
-        total = int(ends[-1]) if len(ends) else 0
-        if not total:
-            empty = np.empty((0, 3), dtype=np.uint64)
-            return empty, empty
-        return (np.array([[local_base, total, device]], dtype=np.uint64),
-                np.array([[remote_base + int(offsets[0]), total, 0]], dtype=np.uint64))
-    first = np.concatenate(([0], breaks))
-    run_ends = np.concatenate((ends[breaks - 1], ends[-1:]))
-    run_starts = ends[first] - lengths[first]
-    keep = run_ends > run_starts
-    local = np.empty((int(keep.sum()), 3), dtype=np.uint64)
-    local[:, 0] = local_base + run_starts[keep]
-    local[:, 1] = (run_ends - run_starts)[keep]
-    local[:, 2] = device
-    remote = local.copy()
-    remote[:, 0] = remote_base + offsets[first][keep]
-    remote[:, 2] = 0
-    return local, remote
 
 
 # Cleanup calls (end_lease, abort_write) must reach the unit even after the
@@ -181,7 +116,6 @@ class NixlChannel(LeasingChannel):
             raise InvalidInputError(f"not an rdma address (no control lane): {sorted(address)}")
         self._closed = False
         self._local = LocalAgent.get()
-        self._write_path = write_path
         # READ straight into GPU memory only where a NIC can DMA there; else
         # UCX stages in software, slower than a READ into host memory plus a
         # host-to-device copy (docs/gpu/). None: try
@@ -193,8 +127,7 @@ class NixlChannel(LeasingChannel):
         self._leases = LeaseProtocol(self._tcp, self.unit)
         try:
             info = self._tcp.call(CONNECT, timeout=timeout)
-            self._base, self._arena_nbytes = int(info["arena_base"]), int(info["arena_nbytes"])
-            self._pushed = ReservedWrites(self._tcp, self.unit, self._arena_nbytes, "push")
+            base, self._arena_nbytes = int(info["arena_base"]), int(info["arena_nbytes"])
             self._remote = self._local.add_remote(info["agent_metadata"])
         except BaseException as exc:
             self._tcp.close()
@@ -202,6 +135,8 @@ class NixlChannel(LeasingChannel):
                 raise
             raise TransferError(f"cannot add the NIXL agent of unit {self.unit}: {exc}", self.unit) from exc
         self.pool = self._local.pool
+        self._transfers = Transfers(self._local.agent, self._remote, base, self.unit)
+        self._writes = Pushes(self._tcp, self._transfers, self.pool, self._arena_nbytes, write_path)
         self.copies = 0
         self._copies_lock = threading.Lock()
 
@@ -297,8 +232,8 @@ class NixlChannel(LeasingChannel):
         direct = self.pool.find(ptr, total)
         if direct is not None and (direct[0] == "DRAM" or self._vram_direct is not False):
             try:
-                self._transfer("READ", keys, regions, ptr, direct, deadline)
-            except _SetupError:
+                self._transfers.run("READ", keys, regions, ptr, direct, deadline)
+            except TransferSetupError:
                 if direct[0] == "DRAM":
                     raise
                 self._vram_direct = False  # device staging view: go through host memory below
@@ -330,7 +265,7 @@ class NixlChannel(LeasingChannel):
             return None
         try:
             self._read_into(buf, keys, regions, kind, deadline)
-        except _SetupError as exc:
+        except TransferSetupError as exc:
             _log.info("unit %s: NIXL cannot READ into device memory (%s); staging through host memory",
                       self.unit, exc)
             self._vram_direct = False
@@ -340,52 +275,13 @@ class NixlChannel(LeasingChannel):
 
     def _read_into(self, buf, keys, regions, kind, deadline) -> None:
         try:
-            self._transfer("READ", keys, regions, buf.ptr, kind, deadline)
-        except _SetupError:
+            self._transfers.run("READ", keys, regions, buf.ptr, kind, deadline)
+        except TransferSetupError:
             self.pool.release(buf)  # nothing moved: the buffer is clean
             raise
         except BaseException:
             self.pool.discard(buf)  # an aborted READ may still land in it
             raise
-
-    def _transfer(self, op: str, keys, regions, local_base: int, kind, deadline) -> None:
-        """One NIXL ``op`` of ``regions`` (arena offset, length) packed from ``local_base``."""
-        local, remote = _descriptors(regions, local_base, self._base, kind[1])
-        if not len(local):
-            return
-        agent = self._local.agent
-        try:
-            handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, kind[0]),
-                                           agent.get_xfer_descs(remote, "DRAM"), self._remote)
-        except Exception as exc:
-            raise _SetupError(f"unit {self.unit}: NIXL cannot {op} keys {describe_keys(keys)} "
-                              f"({kind[0]} destination): {exc}", self.unit, keys) from exc
-        done = False
-        try:
-            state = agent.transfer(handle)  # over cma the whole copy happens in here
-            spin_until = time.perf_counter() + _SPIN_S
-            while state == "PROC":
-                if deadline is not None and time.monotonic() > deadline:
-                    raise GputqTimeoutError(
-                        f"NIXL {op} of keys {describe_keys(keys)} from unit {self.unit} timed out")
-                state = agent.check_xfer_state(handle)
-                if state == "PROC" and time.perf_counter() > spin_until:
-                    time.sleep(0)  # let other threads (reads of other units) take the GIL
-            if state != "DONE":
-                raise TransferError(f"unit {self.unit}: NIXL {op} of keys {describe_keys(keys)} failed "
-                                    f"(transfer state {state})", self.unit, keys)
-            done = True
-        except (GputqTimeoutError, TransferError):
-            raise
-        except Exception as exc:  # NIXL's binding errors (nixlBackendError, ...)
-            raise TransferError(f"unit {self.unit}: NIXL {op} of keys {describe_keys(keys)} failed: {exc}",
-                                self.unit, keys) from exc
-        finally:
-            try:
-                handle.release()  # aborts a transfer still in flight
-            except Exception:
-                if done:
-                    raise
 
     def _copy_out(self, buf, kind, ptr: int, dest, total: int, device: int, on_device: bool) -> None:
         with self._copies_lock:
@@ -418,62 +314,19 @@ class NixlChannel(LeasingChannel):
         with self.pool.lend(nbytes, kind) as view:
             yield view
 
-    # -- writes and control ------------------------------------------------------------
+    # -- writes ---------------------------------------------------------------------------
 
     def write(self, key: str, payload, meta: dict | None = None, timeout: float | None = None) -> dict:
         """Store ``payload`` under ``key``: over tcp, or pushed with NIXL WRITEs (see ``write_path``)."""
         self._check_open()
-        if not self._pushes(byte_view(payload).nbytes):
-            return self._tcp.write(key, payload, meta, timeout=timeout)
-        (result,) = self._pushed.write_many([(key, payload, meta)], timeout, self._push_reserved)
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return self._writes.write(key, payload, meta, timeout)
 
     def write_many(self, items, timeout: float | None = None) -> list:
         """:meth:`write` of every ``(key, payload, meta)``: those that go over tcp in batched requests (see
         :meth:`TcpChannel.write_many <gputq.transport.tcp.TcpChannel.write_many>`), the pushed ones reserved
         and committed together (:mod:`gputq.transport.reserved_writes`)."""
         self._check_open()
-        pushes = [self._pushes(byte_view(payload).nbytes) for _, payload, _ in items]
-        results: list = [None] * len(items)
-        for push in (False, True):
-            chosen = [i for i, p in enumerate(pushes) if p is push]
-            if not chosen:
-                continue
-            batch = [items[i] for i in chosen]
-            done = self._pushed.write_many(batch, timeout, self._push_reserved) if push \
-                else self._tcp.write_many(batch, timeout)
-            for i, result in zip(chosen, done):
-                results[i] = result
-        return results
-
-    def _push_reserved(self, key: str, offset: int, data: np.ndarray, deadline: float | None) -> None:
-        """A reserved write's move: NIXL WRITEs of ``data`` to ``offset``, none started past ``deadline``."""
-        if data.size:
-            self._push(key, data, offset, deadline)
-
-    def _pushes(self, nbytes: int) -> bool:
-        """Whether a write of ``nbytes`` is pushed with NIXL WRITEs (else it goes over tcp)."""
-        return self._write_path == "push" or (self._write_path == "auto" and nbytes >= PUSH_MIN_BYTES)
-
-    def _push(self, key: str, data: np.ndarray, offset: int, deadline: float | None) -> None:
-        """Copy ``data`` through a bounded registered staging buffer into the arena at ``offset``."""
-        chunk = min(data.size, PUSH_CHUNK_BYTES)
-        buf = self.pool.acquire(chunk, DRAM)
-        try:
-            for start in range(0, data.size, chunk):
-                if deadline is not None and time.monotonic() > deadline:  # no chunk starts past it
-                    raise GputqTimeoutError(f"NIXL WRITE of key {key!r} to unit {self.unit} timed out "
-                                            f"after {start} of {data.size} bytes")
-                part = data[start:start + chunk]
-                np.copyto(buf.obj[:part.size], part)
-                self._transfer("WRITE", [key], np.array([[offset + start, part.size]], dtype=np.int64),
-                               buf.ptr, DRAM, deadline)
-        except BaseException:
-            self.pool.discard(buf)
-            raise
-        self.pool.release(buf)
+        return self._writes.write_many(items, timeout)
 
     def close(self) -> None:
         if self._closed:
@@ -485,10 +338,6 @@ class NixlChannel(LeasingChannel):
 
 
 
-class _SetupError(TransferError):
-    """NIXL refused to create the transfer: nothing moved, another lane may work."""
-
-
 class NixlTransport(TransportType):
     """The rdma backend: ``serve`` an arena over NIXL, ``connect`` a :class:`NixlChannel`.
 
@@ -496,7 +345,7 @@ class NixlTransport(TransportType):
     ----------
     write_path : str or None
         ``None`` (default): ``GPUTQ_RDMA_WRITE_PATH``, else ``"auto"``.
-        ``"auto"``: tcp below :data:`PUSH_MIN_BYTES`, push above;
+        ``"auto"``: tcp below :data:`~gputq.transport.nixl_push.PUSH_MIN_BYTES`, push above;
         ``"tcp"``: always the tcp write (``recv_into`` the arena);
         ``"push"``: always NIXL WRITE from a registered staging buffer.
     """
@@ -504,11 +353,7 @@ class NixlTransport(TransportType):
     name = "rdma"
 
     def __init__(self, write_path: str | None = None):
-        if write_path is None:
-            write_path = os.environ.get(WRITE_PATH_ENV, "").strip().lower() or "auto"
-        if write_path not in WRITE_PATHS:
-            raise InvalidInputError(f"write_path must be one of {WRITE_PATHS}, got {write_path!r}")
-        self.write_path = write_path
+        self.write_path = chosen_write_path(write_path)
 
     def serve(self, handler: ArenaHandler, *, host: str = "127.0.0.1", port: int = 0, token: str,
               limits: ServerLimits = ServerLimits()) -> NixlServer:

@@ -25,7 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gputq.transport.base import ArenaHandler, Lease, LogLimiter, Server, ServerLimits, check_handler
+from gputq.transport.base import LogLimiter, Server
+from gputq.transport.handler import ArenaHandler, Lease, ServerLimits, check_handler
 from gputq.transport.nixl_pool import agent_name, host_ptr, import_nixl
 from gputq.transport.policy import infiniband_devices, local_hostname
 from gputq.transport.tcp import TcpTransport

@@ -16,7 +16,7 @@ whole batch at a time:
 
 The unit cannot stop a copy or a WRITE into its arena, and once a
 reservation expires its region may hold another key. So no move starts or
-goes on past :func:`~gputq.transport.base.write_window` of the unit's
+goes on past :func:`~gputq.transport.handler.write_window` of the unit's
 reservation lifetime (half of it), counted from when the
 reservation was *requested* (the unit granted it later); a batch that would
 is given back (:data:`~gputq.transport.write_batches.ABORT_WRITES`) while
@@ -38,7 +38,8 @@ import numpy as np
 
 from gputq.errors import GputqTimeoutError, ProtocolError
 from gputq.transport.arena_mapping import ArenaMapping
-from gputq.transport.base import byte_view, describe_keys, write_window
+from gputq.transport.base import byte_view, describe_keys
+from gputq.transport.handler import write_window
 from gputq.transport.lease_ends import stated_seconds
 from gputq.transport.wire import error_from_wire
 from gputq.transport.write_batches import ABORT_WRITES, COMMIT_WRITES, RESERVE_WRITES, generation_of

@@ -64,20 +64,13 @@ from gputq.errors import (
 )
 from gputq.transport import arena_copies
 from gputq.transport.arena_mapping import ArenaMapping
-from gputq.transport.base import (
-    ArenaHandler,
-    Channel,
-    ServerLimits,
-    TransportType,
-    byte_view,
-    describe_keys,
-    is_device_buffer,
-)
+from gputq.transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer
 from gputq.transport.cuda import mapped_device_pointer
 from gputq.transport.directory import DirectoryView, directory_nbytes
+from gputq.transport.handler import ArenaHandler, ServerLimits
 from gputq.transport.hinted_leases import HintedLeases, read_checks
-from gputq.transport.one_sided import ARENA_FILE, HeldLease, LeaseProtocol, LeasingChannel
 from gputq.transport.nixl import NixlTransport
+from gputq.transport.one_sided import ARENA_FILE, HeldLease, LeaseProtocol, LeasingChannel
 from gputq.transport.policy import local_hostname, nixl_import_error
 from gputq.transport.reserved_writes import ArenaFileWrites
 from gputq.transport.spans import spans_to_wire

@@ -36,15 +36,8 @@ from gputq.errors import (
     RequestTooLargeError,
     UnitBusyError,
 )
-from gputq.transport.base import (
-    ArenaHandler,
-    Channel,
-    ServerLimits,
-    TransportType,
-    byte_view,
-    describe_keys,
-    is_device_buffer,
-)
+from gputq.transport.base import Channel, TransportType, byte_view, describe_keys, is_device_buffer
+from gputq.transport.handler import ArenaHandler, ServerLimits
 from gputq.transport.staging import StagingPool, device_nbytes
 from gputq.transport.tcp_connection import SOCKET_BUFFER_BYTES, serve_connection
 from gputq.transport.tcp_pipeline import ReadPipeline, read_body, reply_lengths

@@ -5,7 +5,7 @@ never expires while the server sends) and under ``send_timeout_s``: a client
 that stops reading loses its connection, and only then does the lease end,
 so every byte it was sent is the key's. A write is received straight into
 its reserved region under a deadline strictly shorter than the handler's
-reservation timeout (:func:`~gputq.transport.base.write_window`): a client that
+reservation timeout (:func:`~gputq.transport.handler.write_window`): a client that
 stalls mid-payload loses its connection and its reservation is aborted
 while it still holds, so no byte of it lands in a region that expired and
 went to another key. Every connection also answers the one-sided readers'
@@ -31,13 +31,8 @@ from gputq.errors import (
     ProtocolError,
     RequestTooLargeError,
 )
-from gputq.transport.base import (
-    ArenaHandler,
-    ServerLimits,
-    byte_view,
-    check_handler,
-    write_window,
-)
+from gputq.transport.base import byte_view
+from gputq.transport.handler import ArenaHandler, ServerLimits, check_handler, write_window
 from gputq.transport.one_sided import ARENA_FILE, END_LEASE, LEASE
 from gputq.transport.spans import spans_from_wire
 from gputq.transport.wire import (
@@ -322,7 +317,7 @@ def serve_connection(sock, handler: ArenaHandler, limits: ServerLimits) -> None:
     truncated frame, malformed msgpack) is answered with a best-effort ERROR
     frame and ends this connection only; so does a reply not sent within
     ``limits.send_timeout_s``, and a write payload not received within
-    :func:`~gputq.transport.base.write_window` of the handler's
+    :func:`~gputq.transport.handler.write_window` of the handler's
     ``reservation_timeout_s`` (and ``send_timeout_s``): its reservation is
     then aborted, before it could expire. A request with malformed fields,
     and any error raised by ``handler``, gets a typed ERROR reply and the
@@ -331,7 +326,7 @@ def serve_connection(sock, handler: ArenaHandler, limits: ServerLimits) -> None:
     Raises
     ------
     InvalidInputError
-        ``handler`` is not an :class:`~gputq.transport.base.ArenaHandler`
+        ``handler`` is not an :class:`~gputq.transport.handler.ArenaHandler`
         (``sock`` is left open).
     """
     check_handler(handler)

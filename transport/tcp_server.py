@@ -3,7 +3,7 @@
 One thread accepts connections and runs every handshake in a selector loop:
 an unauthenticated peer holds a socket and at most a few KiB
 (:data:`~gputq.transport.wire.PRE_AUTH_BODY_BYTES`), never a thread, and must
-complete its HELLO within the :class:`~gputq.transport.base.ServerLimits`'
+complete its HELLO within the :class:`~gputq.transport.handler.ServerLimits`'
 ``handshake_timeout_s``. Each authenticated connection then gets a thread,
 which :func:`~gputq.transport.tcp_connection.serve_connection` serves.
 ``max_connections`` caps the connections of both kinds. At the cap a new
@@ -32,13 +32,8 @@ from gputq.errors import (
     ProtocolError,
     UnitBusyError,
 )
-from gputq.transport.base import (
-    ArenaHandler,
-    LogLimiter,
-    Server,
-    ServerLimits,
-    check_handler,
-)
+from gputq.transport.base import LogLimiter, Server
+from gputq.transport.handler import ArenaHandler, ServerLimits, check_handler
 from gputq.transport.policy import local_hostname
 from gputq.transport.tcp_connection import LINGER_BYTES, LINGER_S, serve_connection, tune_socket
 from gputq.transport.wire import (

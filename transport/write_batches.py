@@ -8,7 +8,7 @@ reservation calls (the writer copies into the arena file itself):
    meta]`` item and answers each one's ``offset`` (or ``error``), and the
    unit's ``reservation_s``: a region is the writer's that long;
 2. the writer copies each payload to its offset, within
-   :func:`~gputq.transport.base.write_window` of ``reservation_s``
+   :func:`~gputq.transport.handler.write_window` of ``reservation_s``
    counted from the reply (the unit cannot stop a copy into its arena
    once the reservation is gone, and the region may be another key's);
 3. :data:`COMMIT_WRITES` makes each ``[key, generation]`` readable and
@@ -28,7 +28,8 @@ import logging
 import time
 
 from gputq.errors import CapacityError, GputqError, InvalidInputError, TransferError
-from gputq.transport.base import ArenaHandler, byte_view
+from gputq.transport.base import byte_view
+from gputq.transport.handler import ArenaHandler
 from gputq.transport.wire import MAX_WRITE_ITEMS, error_to_wire
 
 __all__ = ["RESERVE_WRITES", "COMMIT_WRITES", "ABORT_WRITES", "write_item", "write_items", "typed_error",

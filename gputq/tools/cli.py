@@ -19,13 +19,13 @@ from gputq.cluster.names import import_ray
 from gputq.config import EXPERT_DTYPES, TRANSPORTS, GputqConfig
 from gputq.data.fields import ROUTED_EXPERTS_DTYPES, routed_experts_spec, row_nbytes
 from gputq.errors import InvalidInputError, MissingDependencyError
-from gputq.transport.base import MAX_TIMEOUT_S
 from gputq.kernels import cuda_available
 from gputq.tools.capacity import build_parser as capacity_parser
 from gputq.tools.capacity import run
 from gputq.tools.demo import DemoOptions, demo_bytes, run_demo
 from gputq.tools.info import collect_info, format_info
 from gputq.tools.stats import run_stats
+from gputq.transport.handler import MAX_TIMEOUT_S
 
 __all__ = ["main", "build_parser"]
 

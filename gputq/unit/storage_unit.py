@@ -1,7 +1,7 @@
 """The StorageUnit: one arena, its allocator, its key table, and the remote-call surface.
 
 A unit stores write-once blobs (keys) in a pinned host arena and serves them
-to transports as an :class:`~gputq.transport.base.ArenaHandler`.
+to transports as an :class:`~gputq.transport.handler.ArenaHandler`.
 It is plain Python and thread-safe: the tcp and NIXL servers call it from
 many threads, and a Ray actor wraps it elsewhere. The key table and its
 ownership rules live in :mod:`gputq.unit.keytable`; leases, reservations and the
@@ -33,8 +33,9 @@ from gputq.errors import (
     StaleReadError,
     UnknownKeyError,
 )
-from gputq.transport.base import ArenaHandler, Closeable, Lease, Region
+from gputq.transport.base import Closeable
 from gputq.transport.directory import KeyDirectory, directory_nbytes, directory_slots
+from gputq.transport.handler import ArenaHandler, Lease, Region
 from gputq.transport.spans import span_regions
 from gputq.unit.admission import WriteQueue
 from gputq.unit.allocator import FreeListAllocator
@@ -90,7 +91,7 @@ class StorageUnit(ArenaHandler, Closeable):
     comes back with no other activity on the unit. A commit after the
     reservation deadline is refused even before the timer ran. A transport
     must finish receiving a write into its region before the reservation
-    deadline (they bound it by :func:`gputq.transport.base.write_window`).
+    deadline (they bound it by :func:`gputq.transport.handler.write_window`).
 
     Parameters
     ----------

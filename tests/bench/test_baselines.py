@@ -155,7 +155,7 @@ def test_reads_leased_ahead_use_the_lease_taken_while_the_read_before_moved():
     if nixl_import_error() is not None:
         pytest.skip(f"bench.transport needs NIXL: {nixl_import_error()}")
     from bench.transport import AHEAD_WAYS, LeasedAhead, SelfTimed
-    from gputq.transport.base import ServerLimits
+    from gputq.transport.handler import ServerLimits
     from gputq.transport.nixl import NixlTransport
     from gputq.unit.storage_unit import StorageUnit
 

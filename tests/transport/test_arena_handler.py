@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gputq.errors import InvalidInputError, UnknownKeyError
-from gputq.transport.base import ArenaHandler, Lease, Region, ServerLimits
+from gputq.transport.handler import ArenaHandler, Lease, Region, ServerLimits
 from gputq.transport.nixl import NixlTransport
 from gputq.transport.nixl_server import CONNECT, _NixlControl
 from gputq.transport.shm import ShmTransport
@@ -107,7 +107,7 @@ def test_a_handler_missing_a_member_cannot_be_made(missing):
 @pytest.mark.parametrize("transport", [TcpTransport(), ShmTransport(), NixlTransport()], ids=["tcp", "shm", "rdma"])
 def test_an_object_that_is_not_an_arena_handler_cannot_be_served(transport):
     # rdma checks before it loads NIXL, so this runs where NIXL is missing too
-    with pytest.raises(InvalidInputError, match="Duck does not subclass gputq.transport.base.ArenaHandler"):
+    with pytest.raises(InvalidInputError, match="Duck does not subclass gputq.transport.handler.ArenaHandler"):
         transport.serve(Duck(), token=TOKEN, limits=LIMITS)
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputq.errors import AuthenticationError, GputqError, ProtocolError
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.one_sided import leased_regions
 from gputq.transport.tcp import TcpTransport
 from gputq.transport.tcp_server import Handshake

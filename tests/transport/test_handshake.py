@@ -14,7 +14,7 @@ import pytest
 from bench.faults import UnitProcess
 from gputq.config import GputqConfig
 from gputq.errors import AuthenticationError, UnitBusyError
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.tcp import TcpTransport
 from gputq.transport.wire import HEADER, MAGIC, VERSION, Op, decode_header, encode_header, pack_body
 from tests.transport.units import make_unit

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gputq.errors import MissingDependencyError, PeerLostError, StaleReadError, UnknownKeyError
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.shm import ShmTransport
 from gputq.transport.staging import StagingPool
 from gputq.transport.tcp import TcpChannel, TcpTransport

@@ -9,7 +9,7 @@ import pytest
 
 from gputq.errors import StaleReadError
 from gputq.transport import get_transport, lease_ends
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.lease_ends import (
     CLOCK_RATE_SLACK,
     DEADLINE_MARGIN_S,

@@ -25,7 +25,9 @@ from gputq.errors import (
     TransferError,
     UnknownKeyError,
 )
-from gputq.transport.base import ArenaHandler, ServerLimits
+from gputq.transport import nixl_push
+from gputq.transport.handler import ArenaHandler, ServerLimits
+from gputq.transport.nixl_transfer import Transfers, descriptors
 from tests.transport.units import ContractUnit, make_unit
 from tests.waiting import pause, wait_until
 
@@ -213,7 +215,7 @@ def test_read_racing_release_never_returns_another_keys_bytes(server, handler):
 def test_transfer_failure_names_unit_and_keys(server, handler):
     with _connect(server) as ch:
         ch.write("x", np.ones(4096, np.uint8), {})
-        ch._base += 1 << 44  # a remote address nothing is registered at
+        ch._transfers.remote_base += 1 << 44  # a remote address nothing is registered at
         with pytest.raises(TransferError) as info:
             ch.read(["x"], np.zeros(4096, np.uint8), timeout=10)
     assert info.value.unit == "unit-nixl" and info.value.keys == ("x",)
@@ -222,8 +224,8 @@ def test_transfer_failure_names_unit_and_keys(server, handler):
 
 
 def test_push_write_path_round_trips(server, handler, monkeypatch):
-    nixl = _nixl_or_skip()
-    monkeypatch.setattr(nixl, "PUSH_CHUNK_BYTES", 4096)  # several chunks per blob
+    _nixl_or_skip()
+    monkeypatch.setattr(nixl_push, "PUSH_CHUNK_BYTES", 4096)  # several chunks per blob
     items = _payloads(5, seed=3)
     with _connect(server, write_path="push") as ch:
         before = ch.pool.registrations
@@ -238,20 +240,20 @@ def test_push_write_path_round_trips(server, handler, monkeypatch):
 def test_push_slower_than_half_the_reservation_is_abandoned_while_it_holds(monkeypatch):
     """The unit cannot stop a granted WRITE: the client must, before the region can go to another key."""
     nixl = _nixl_or_skip()
-    monkeypatch.setattr(nixl, "PUSH_CHUNK_BYTES", 64 << 10)  # four chunks
+    monkeypatch.setattr(nixl_push, "PUSH_CHUNK_BYTES", 64 << 10)  # four chunks
     payload = np.random.default_rng(5).integers(0, 256, 256 << 10, dtype=np.uint8)
     with make_unit(1 << 20, name="unit-push", reservation_timeout_s=1.0) as unit, \
             nixl.NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, \
             _connect(srv, write_path="push") as ch:
-        transfer, chunks = ch._transfer, []
+        transfer, chunks = Transfers.run, []
 
-        def slow_first_chunk(*args, **kwargs):
+        def slow_first_chunk(self, *args, **kwargs):
             chunks.append(args[2][0].tolist())
             if len(chunks) == 1:
                 pause(0.6)  # the writer is descheduled past half the reservation
-            return transfer(*args, **kwargs)
+            return transfer(self, *args, **kwargs)
 
-        ch._transfer = slow_first_chunk
+        monkeypatch.setattr(Transfers, "run", slow_first_chunk)
         with pytest.raises(GputqTimeoutError, match=r"unit unit-push: push of key 'slow' .* within 0.5 s of its "
                                                     r"reservation's request \(half the unit's reservation\): "
                                                     r".*timed out.*; write aborted"):
@@ -259,34 +261,34 @@ def test_push_slower_than_half_the_reservation_is_abandoned_while_it_holds(monke
         assert len(chunks) == 1  # no chunk started past the window
         stats = unit.stats()  # aborted by the writer while the reservation held, not expired
         assert (stats["reserved"], stats["used"], stats["reservations_expired"]) == (0, 0, 0)
-        ch._transfer = transfer
+        monkeypatch.setattr(Transfers, "run", transfer)
         assert ch.write("slow", payload, {}, timeout=30)["nbytes"] == payload.nbytes  # a retry lands
 
 
-def test_push_committed_after_the_reservation_expired_is_refused_with_a_typed_error():
+def test_push_committed_after_the_reservation_expired_is_refused_with_a_typed_error(monkeypatch):
     nixl = _nixl_or_skip()
     payload = np.full(2 << 20, 0x5A, np.uint8)
     with make_unit(4 << 20, name="unit-late", reservation_timeout_s=0.3) as unit, \
             nixl.NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, \
             _connect(srv, write_path="push") as ch:
-        push = ch._push
+        push = nixl_push.Pushes._push_reserved
 
         def descheduled_before_commit(*args, **kwargs):
             push(*args, **kwargs)
             wait_until(lambda: unit.stats()["reservations_expired"] == 1, 10, "the reservation expires")
 
-        ch._push = descheduled_before_commit
+        monkeypatch.setattr(nixl_push.Pushes, "_push_reserved", descheduled_before_commit)
         with pytest.raises(UnknownKeyError, match="unit-late: no write in progress for key 'late'.*expired"):
             ch.write("late", payload, {}, timeout=30)
         assert (unit.stats()["used"], unit.stats()["keys"]) == (0, 0)
-        ch._push = push
+        monkeypatch.setattr(nixl_push.Pushes, "_push_reserved", push)
         assert ch.write("late", payload, {}, timeout=30)["nbytes"] == payload.nbytes
 
 
 def test_auto_write_path_pushes_only_large_payloads(server):
-    nixl = _nixl_or_skip()
+    _nixl_or_skip()
     small = np.full(1000, 7, np.uint8)
-    large = np.arange(nixl.PUSH_MIN_BYTES + 3, dtype=np.uint64).astype(np.uint8)
+    large = np.arange(nixl_push.PUSH_MIN_BYTES + 3, dtype=np.uint64).astype(np.uint8)
     with _connect(server, write_path="auto") as ch:
         before = ch.pool.registrations
         ch.write("small", small, {})
@@ -391,9 +393,9 @@ def test_rejects_a_tcp_address(server):
 
 def test_write_path_from_environment(monkeypatch):
     nixl = _nixl_or_skip()
-    monkeypatch.setenv(nixl.WRITE_PATH_ENV, "TCP")
+    monkeypatch.setenv(nixl_push.WRITE_PATH_ENV, "TCP")
     assert nixl.NixlTransport().write_path == "tcp"
-    monkeypatch.delenv(nixl.WRITE_PATH_ENV)
+    monkeypatch.delenv(nixl_push.WRITE_PATH_ENV)
     assert nixl.NixlTransport().write_path == "auto"
     assert nixl.NixlTransport("push").write_path == "push"
 
@@ -561,14 +563,13 @@ def test_server_serves_a_handler_on_the_default_lease_regions():
 
 
 def test_descriptors_merge_adjacent_regions_and_drop_empty_ones():
-    nixl = _nixl_or_skip()
     regions = np.array([[0, 0], [100, 10], [110, 0], [110, 6], [500, 5], [0, 0]], dtype=np.int64)
-    local, remote = nixl._descriptors(regions, 1000, 1 << 20, 3)
+    local, remote = descriptors(regions, 1000, 1 << 20, 3)
     assert local.tolist() == [[1000, 16, 3], [1016, 5, 3]]
     assert remote.tolist() == [[(1 << 20) + 100, 16, 0], [(1 << 20) + 500, 5, 0]]
-    local, remote = nixl._descriptors(np.array([[64, 8], [72, 8]], dtype=np.int64), 0, 0, 0)
+    local, remote = descriptors(np.array([[64, 8], [72, 8]], dtype=np.int64), 0, 0, 0)
     assert local.tolist() == [[0, 16, 0]] and remote.tolist() == [[64, 16, 0]]
-    local, _ = nixl._descriptors(np.array([[5, 0]], dtype=np.int64), 0, 0, 0)
+    local, _ = descriptors(np.array([[5, 0]], dtype=np.int64), 0, 0, 0)
     assert local.shape == (0, 3)
 
 
@@ -637,7 +638,7 @@ def test_lease_expired_before_the_confirm_raises_stale_read():
         assert unit.stats()["leases"] == 0
 
 
-def test_leased_regions_outside_the_arena_are_refused_before_any_read(handler):
+def test_leased_regions_outside_the_arena_are_refused_before_any_read(handler, monkeypatch):
     nixl = _nixl_or_skip()
 
     class Lying(ContractUnit):
@@ -651,7 +652,7 @@ def test_leased_regions_outside_the_arena_are_refused_before_any_read(handler):
             nixl.NixlTransport().serve(unit, token=TOKEN, limits=LIMITS) as srv, _connect(srv) as ch:
         ch.write("k", np.ones(4096, np.uint8), {})
         transfers = []
-        ch._transfer = lambda *a, **k: transfers.append(a)
+        monkeypatch.setattr(Transfers, "run", lambda *a, **k: transfers.append(a))
         with pytest.raises(ProtocolError, match="unit-lying.*outside"):
             ch.read(["k"], np.zeros(4096, np.uint8), timeout=10)
         assert transfers == [] and unit.stats()["leases"] == 0

@@ -11,7 +11,7 @@ from gputq.client.clients import UnitClients
 from gputq.config import GputqConfig, add_transfer_queue_arguments
 from gputq.errors import InvalidInputError
 from gputq.transport import get_transport, policy
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.tcp import TcpChannel
 from tests.transport.units import make_unit
 

@@ -20,7 +20,7 @@ from gputq.errors import (
     UnitBusyError,
 )
 from gputq.transport import get_transport
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.shm import ShmTransport
 from gputq.transport.tcp import TcpTransport
 from gputq.transport.wire import FrameReader, Op, error_from_wire

@@ -20,8 +20,8 @@ from gputq.errors import (
     UnknownKeyError,
 )
 from gputq.transport import arena_copies, get_transport, shm
-from gputq.transport.base import ServerLimits
 from gputq.transport.cuda import cuda_available, usable_cupy
+from gputq.transport.handler import ServerLimits
 from gputq.transport.policy import nixl_import_error
 from gputq.transport.shm import ShmChannel
 from gputq.unit.storage_unit import StorageUnit

@@ -24,7 +24,7 @@ from gputq.errors import (
     StaleReadError,
     UnknownKeyError,
 )
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.staging import StagingPool, cuda_available
 from gputq.transport.tcp import TcpChannel, TcpTransport
 from gputq.transport.wire import FrameReader, FrameWriter, Op, encode_header, pack_body

@@ -24,7 +24,7 @@ from gputq.errors import (
     ProtocolError,
     UnknownKeyError,
 )
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.tcp import TcpChannel, TcpTransport, serve_connection
 from gputq.transport.tcp_server import Handshake
 from gputq.transport.wire import (
@@ -242,7 +242,7 @@ def test_server_replies_match_the_golden_layout():
 # ------------------------------------------------------------------ pure functions
 
 def test_write_window_ends_strictly_inside_the_reservation():
-    from gputq.transport.base import WRITE_WINDOW_SHARE, write_window
+    from gputq.transport.handler import WRITE_WINDOW_SHARE, write_window
 
     assert WRITE_WINDOW_SHARE < 1
     assert write_window(60.0, 60.0) == 30.0 and write_window(1.0) == 0.5

@@ -15,7 +15,7 @@ from gputq.errors import (
     UnknownKeyError,
 )
 from gputq.transport import get_transport, reserved_writes
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.policy import nixl_import_error
 from gputq.transport.wire import Op
 from gputq.unit.storage_unit import StorageUnit
@@ -164,7 +164,8 @@ def test_bad_reservation_calls_are_typed(tmp_path):
 @pytest.mark.rdma
 @pytest.mark.skipif(nixl_import_error() is not None, reason=f"NIXL not importable: {nixl_import_error()}")
 def test_rdma_sends_small_items_in_one_request_and_pushes_large_ones(tmp_path):
-    from gputq.transport.nixl import PUSH_MIN_BYTES, NixlTransport
+    from gputq.transport.nixl import NixlTransport
+    from gputq.transport.nixl_push import PUSH_MIN_BYTES
 
     with StorageUnit("su-rdma", 8 << 20, shm_dir=str(tmp_path)) as unit, \
             NixlTransport().serve(unit, token=TOKEN, limits=ServerLimits(max_frame_bytes=MAX)) as server, \

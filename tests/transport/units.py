@@ -4,7 +4,7 @@ Transport tests are served by :class:`gputq.unit.storage_unit.StorageUnit` with 
 small arena, so their replies are the real unit's. The lease contract the
 transports are written to (``incarnation``, ``generations``, ``expires``,
 ``end_lease`` answering whether the lease was still held) is declared by
-:class:`gputq.transport.base.ArenaHandler`, which the unit implements.
+:class:`gputq.transport.handler.ArenaHandler`, which the unit implements.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from gputq.errors import (
     RequestTooLargeError,
     UnknownKeyError,
 )
-from gputq.transport.base import ArenaHandler, Lease
+from gputq.transport.handler import ArenaHandler, Lease
 from gputq.unit.arena import Arena, default_shm_dir
 from gputq.unit.storage_unit import DEFAULT_PARTITION, StorageUnit
 from tests.sockets import descriptor_targets

@@ -19,7 +19,7 @@ from gputq.errors import (
     StaleReadError,
     UnknownKeyError,
 )
-from gputq.transport.base import ServerLimits
+from gputq.transport.handler import ServerLimits
 from gputq.transport.wire import error_from_wire, error_to_wire
 from gputq.unit.storage_unit import CONTROL_METHODS, DEFAULT_PARTITION, StorageUnit
 from tests.waiting import wait_until
