@@ -60,10 +60,11 @@ def test_every_step_is_a_line_of_the_table_even_without_a_gpu(tmp_path, capsys, 
     assert "fetch alone" in table[fetches[0]] and "fetch alone" not in table[fetches[1]]  # in place: no transfer
     assert table["fetch rdma"].startswith("fetch_rdma.log: FileNotFoundError")
     (stream_row,) = [check for check in table if check.startswith("trainer stream shm ")]
-    assert re.fullmatch(r"\d\.\d\dx its ceiling \(widen x2 threads, [\d.]+ GB/s\), later half \d\.\d\dx, "
-                        r"one widening thread \d\.\d\dx, its restores alone \d\.\d\dx", table[stream_row]), \
+    # Any magnitude: on a busy machine the tiny run's ratios reach 10 and more.
+    assert re.fullmatch(r"\d+\.\d\dx its ceiling \(widen x2 threads, [\d.]+ GB/s\), later half \d+\.\d\dx, "
+                        r"one widening thread \d+\.\d\dx, its restores alone \d+\.\d\dx", table[stream_row]), \
         table[stream_row]
-    assert re.fullmatch(r"\d\.\d{3}, after the first micro-batch \d\.\d{3}", table["trainer overlap shm"])
+    assert re.fullmatch(r"\d+\.\d{3}, after the first micro-batch \d+\.\d{3}", table["trainer overlap shm"])
     assert table["trainer tcp"].startswith("trainer_tcp.log: FileNotFoundError")
     main([str(tmp_path)])
     printed = capsys.readouterr().out.splitlines()
