@@ -7,7 +7,8 @@ mapping). They all ask here, and the answer is computed once per process:
 probing imports CuPy or torch, which costs up to seconds.
 
 CuPy is preferred (the kernels and the zero-copy paths need it); torch is
-asked only where CuPy cannot run (not installed, or built for another CUDA).
+asked only where CuPy cannot run (not installed, or built for another CUDA)
+and a GPU driver's device file exists (:data:`DRIVER_FILES`).
 Nothing is imported until a probe runs; without either library every probe
 is a quiet ``False``/``None``.
 
@@ -22,6 +23,7 @@ page-lock through it (or :func:`page_lock`), so a refusal is always a
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 from gputq.errors import GputqError, MissingDependencyError
@@ -33,6 +35,7 @@ __all__ = [
     "HOST_REGISTER_READ_ONLY",
     "usable_cupy",
     "usable_torch",
+    "DRIVER_FILES",
     "cuda_available",
     "require_cupy",
     "host_register",
@@ -75,10 +78,24 @@ def usable_cupy():
     return None
 
 
+#: Device files one of which every CUDA-capable Linux host has: the NVIDIA driver's control device
+#: (bare metal, containers, gVisor), WSL2's GPU paravirtualisation, ROCm's (torch.cuda runs on HIP).
+DRIVER_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def _driver_present() -> bool:
+    return any(os.path.exists(path) for path in DRIVER_FILES)
+
+
 @functools.lru_cache(maxsize=1)
 def usable_torch():
-    """torch when CuPy cannot run and torch sees a CUDA device, else ``None``."""
-    if usable_cupy() is not None:
+    """torch when CuPy cannot run and torch sees a CUDA device, else ``None``.
+
+    torch is not even imported on a host with none of :data:`DRIVER_FILES`:
+    its import costs up to seconds of CPU, and memory, in every process that
+    asks (a unit's arena asks as it starts), for an answer known already.
+    """
+    if usable_cupy() is not None or not _driver_present():
         return None
     try:
         import torch

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -80,6 +82,49 @@ def _entries(log: list, kind: str) -> list:
 
 
 # -- gputq.transport.cuda ----------------------------------------------------------------------
+
+class CountingTorch:
+    """``torch`` as ``import torch`` finds it in ``sys.modules``: counts the CUDA probes it answers."""
+
+    def __init__(self):
+        self.probes = 0
+        self.cuda = types.SimpleNamespace(is_available=self._is_available)
+
+    def _is_available(self) -> bool:
+        self.probes += 1
+        return True
+
+
+@pytest.fixture
+def counting_torch(monkeypatch):
+    """torch's probe with no CuPy, the probes' caches cleared before and after."""
+    torch = CountingTorch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(cuda, "usable_cupy", lambda: None)
+    cuda.usable_torch.cache_clear()
+    yield torch
+    cuda.usable_torch.cache_clear()
+
+
+def test_torch_is_asked_only_on_a_host_with_a_cuda_driver(counting_torch, monkeypatch, tmp_path):
+    monkeypatch.setattr(cuda, "DRIVER_FILES", (str(tmp_path / "nvidiactl"), str(tmp_path / "dxg")))
+    assert cuda.usable_torch() is None and cuda.cuda_available() is False
+    assert counting_torch.probes == 0  # not imported, not asked
+    cuda.usable_torch.cache_clear()
+    (tmp_path / "dxg").touch()  # a driver's device file: now torch is asked, and answers
+    assert cuda.usable_torch() is counting_torch and counting_torch.probes == 1
+
+
+@pytest.mark.skipif(any(os.path.exists(p) for p in cuda.DRIVER_FILES), reason="a CUDA driver is present")
+def test_a_unit_on_a_host_without_a_cuda_driver_never_imports_torch(tmp_path):
+    """A unit's arena asks whether to page-lock itself: on a CPU host that costs no torch import."""
+    code = ("import sys; from gputq.unit.storage_unit import StorageUnit; "
+            f"StorageUnit('u', 1 << 20, shm_dir={str(tmp_path)!r}).close(); print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('torch', 'cupy')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
 
 def test_page_lock_without_cuda_does_nothing(no_cuda):
     memory = np.zeros(4 * KIB, np.uint8)
