@@ -57,10 +57,13 @@ from bench.faults import UnitProcess
 from gputq.config import GputqConfig
 
 __all__ = ["Hosts", "unavailable", "netns_names", "units_on_hosts", "start_ray", "ray_env", "wait_nodes", "ray_logs",
-           "driver", "processes_naming", "ray_pointer", "bench_on_hosts", "ROOT", "GCS_PORT"]
+           "driver", "processes_naming", "ray_pointer", "bench_on_hosts", "run_torn_down", "TEARDOWN_GRACE_S", "ROOT",
+           "GCS_PORT"]
 
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
 _KILL_S = 10.0
+#: Seconds a command that builds hosts has, after its SIGTERM, to tear them down before it is killed.
+TEARDOWN_GRACE_S = 60.0
 _PREFIX = "gqh"
 # A host's init: set its hostname, mount its /dev/shm, say so, and hold the namespaces.
 _INIT = ('hostname "$0" && mount -t tmpfs -o size="$1",mode=1777 gputq-shm /dev/shm && echo ready '
@@ -436,6 +439,34 @@ def bench_on_hosts(bench: str, n: int, argv: Sequence[str], *, json_line: bool, 
     except KeyboardInterrupt:
         print("interrupted: the hosts are torn down", file=sys.stderr)
         sys.exit(130)
+
+
+def run_torn_down(argv: Sequence[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)`` for a command that builds hosts.
+
+    Past ``timeout`` the command gets SIGTERM, which its :class:`Hosts` turn
+    into an orderly teardown, and only :data:`TEARDOWN_GRACE_S` later
+    SIGKILL: ``subprocess.run`` kills at once, and a command killed so
+    leaves its namespaces, Ray nodes and temp folder behind. Other keyword
+    arguments go to ``subprocess.Popen``.
+
+    Raises
+    ------
+    subprocess.TimeoutExpired
+        Once the command ended, its output attached.
+    """
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                out, err = proc.communicate(timeout=TEARDOWN_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def ray_pointer() -> tuple[str, int | None]:

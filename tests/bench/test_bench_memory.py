@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from bench.hosts import unavailable
+from bench.hosts import TEARDOWN_GRACE_S, run_torn_down, unavailable
 from bench.memory import MASTER, Rollout, host_shares, main, rollout_plan
 from bench.memsample import process_memory, summarise
 from gputq.tools.synthetic import SyntheticConfig
@@ -87,8 +86,7 @@ def test_hosts_without_cap_net_admin_say_why_and_exit_zero(monkeypatch, capsys):
 
 def _bench(module, *args, timeout=290):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = run_torn_down([sys.executable, "-m", module, *args], timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -122,7 +120,7 @@ def test_memory_bench_json_and_figures(tmp_path):
 
 @pytest.mark.slow  # a Ray cluster on two network namespaces: tens of seconds, minutes beside busy cores
 @pytest.mark.ray
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(580 + TEARDOWN_GRACE_S + 20)
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 def test_memory_bench_on_two_hosts_measures_the_master_on_host_0_and_leaves_nothing():
     pytest.importorskip("grpc", reason="bench.memory reads the object store through Ray's grpc client")

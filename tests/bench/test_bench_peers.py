@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from bench.hosts import TEARDOWN_GRACE_S, run_torn_down
 from bench.mooncake import MooncakeMaster, mooncake_import_error
 from bench.peers import compact_dtype, main, make_shard, run_worker, speedups
 
@@ -128,14 +129,13 @@ def _no_hosts() -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(220 + TEARDOWN_GRACE_S + 20)
 def test_peers_across_two_hosts_reads_the_other_hosts_bytes_and_leaves_nothing_behind():
     reason = _no_hosts()
     if reason is not None:
         pytest.skip(f"two hosts with Mooncake Store cannot run here: {reason}")
-    proc = subprocess.run([sys.executable, "-m", "bench.peers_hosts", "--sizes", "0.5", "--repeats", "1", "--layers",
-                           "4", "--topk", "2", "--rows", "256", "--json"], capture_output=True, text=True,
-                          timeout=220, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = run_torn_down([sys.executable, "-m", "bench.peers_hosts", "--sizes", "0.5", "--repeats", "1", "--layers",
+                          "4", "--topk", "2", "--rows", "256", "--json"], 220, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {r["system"]: r for r in out["rows"]}

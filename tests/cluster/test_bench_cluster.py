@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from bench import cluster
-from bench.hosts import ROOT, netns_names, processes_naming, ray_pointer, unavailable
+from bench.hosts import ROOT, TEARDOWN_GRACE_S, netns_names, processes_naming, ray_pointer, run_torn_down, unavailable
 from tests.waiting import wait_until
 
 _TINY = ["--sessions", "2", "--steps", "2", "--tokens", "128", "--layers", "4", "--topk", "2", "--capacity-mib", "16"]
@@ -31,8 +31,7 @@ def on_ray_hosts(test):
 
 
 def _bench(*args, timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "bench.cluster", *args, "--json"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = run_torn_down([sys.executable, "-m", "bench.cluster", *args, "--json"], timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -53,17 +52,17 @@ def _check(out: dict, hosts: int) -> None:
 
 
 @on_ray_hosts
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200 + TEARDOWN_GRACE_S + 20)
 def test_two_hosts_restore_bit_exact_over_shm_and_tcp_and_leave_nothing():
     pointer = ray_pointer()
-    out = _bench("--hosts", "2", *_TINY, timeout=110)
+    out = _bench("--hosts", "2", *_TINY, timeout=200)  # a busy machine starts Ray's workers slowly
     _check(out, 2)
     assert ray_pointer() == pointer
 
 
 @on_ray_hosts
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(390 + TEARDOWN_GRACE_S + 20)
 def test_three_hosts_at_the_default_size():
     _check(_bench("--hosts", "3", timeout=390), 3)
 
@@ -103,3 +102,44 @@ def test_without_cap_net_admin_it_says_why_and_exits_zero(monkeypatch, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert f"skipped: {reason}" in out
     assert json.loads(out[-1]) == {"bench": "cluster", "skipped": reason}
+
+
+# A child that tears down on SIGTERM as Hosts do. SIGTERM arrives blocked (the parent's preexec_fn blocks it
+# before exec) and is let through only once the handler is in place, so however late the child starts, a
+# SIGTERM sent meanwhile reaches the handler, never the default action.
+_TEARS_DOWN = ("import signal, sys, time\n"
+               "def down(*_):\n"
+               "    print('torn down', flush=True)\n"
+               "    sys.exit(130)\n"
+               "signal.signal(signal.SIGTERM, {handler})\n"
+               "print('up', flush=True)\n"
+               "signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM}})\n"
+               "time.sleep(600)\n")
+
+
+def _blocked_sigterm():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+@pytest.mark.timeout(60)
+def test_a_command_past_its_timeout_is_stopped_with_sigterm_and_tears_down():
+    argv = [sys.executable, "-c", _TEARS_DOWN.format(handler="down")]
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_torn_down(argv, 0.2, preexec_fn=_blocked_sigterm)
+    assert info.value.output.split() == ["up", "torn", "down"] and info.value.timeout == 0.2
+
+
+@pytest.mark.timeout(60)
+def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(monkeypatch):
+    monkeypatch.setattr("bench.hosts.TEARDOWN_GRACE_S", 0.2)
+    argv = [sys.executable, "-c", _TEARS_DOWN.format(handler="signal.SIG_IGN")]
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_torn_down(argv, 0.2, preexec_fn=_blocked_sigterm)
+    assert "torn down" not in (info.value.output or "")  # killed: it never got to tear down
+
+
+@pytest.mark.timeout(60)
+def test_a_command_within_its_timeout_runs_as_subprocess_run_would():
+    done = run_torn_down([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); "
+                          "sys.exit(3)"], 50)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")

@@ -12,12 +12,11 @@ is still caught.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from bench.hosts import ROOT, unavailable
+from bench.hosts import ROOT, TEARDOWN_GRACE_S, run_torn_down, unavailable
 from bench.soak import KINDS
 
 pytest.importorskip("ray", reason="Ray not installed (pip install 'gputq[ray]')")
@@ -28,8 +27,8 @@ SABOTAGE = ["bytes", "leak", "fds"]
 
 
 def _soak(*flags: str, limit_s: float) -> dict:
-    done = subprocess.run([sys.executable, "-m", "bench.soak", "--json", "--sabotage", ",".join(SABOTAGE), *flags],
-                          cwd=ROOT, capture_output=True, text=True, timeout=limit_s)
+    done = run_torn_down([sys.executable, "-m", "bench.soak", "--json", "--sabotage", ",".join(SABOTAGE), *flags],
+                         limit_s, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -47,7 +46,7 @@ def _check(report: dict, kinds) -> None:
     assert all(d["fds"] <= 8 and d["threads"] <= 4 for d in report["drift"].values()), report["drift"]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(560 + TEARDOWN_GRACE_S + 20)
 def test_a_tiny_soak_meets_each_fault_once_and_holds_every_invariant():
     kinds = list(KINDS)
     # One round of the deck: every kind once, and the fault-free turns; packed IDs (the 1-minute soak
@@ -58,7 +57,7 @@ def test_a_tiny_soak_meets_each_fault_once_and_holds_every_invariant():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(850 + TEARDOWN_GRACE_S + 20)
 def test_a_one_minute_soak_holds_every_invariant():
     report = _soak("--minutes", "1", "--seed", "11", limit_s=850)
     _check(report, KINDS)
