@@ -85,8 +85,8 @@ def _destination(dest) -> tuple[int, int, int, bool]:
     return ptr, capacity, 0, False
 
 
-# Cleanup calls (end_lease, abort_write) must reach the unit even after the
-# caller's deadline expired, but must not hang forever on a lost unit.
+# A failed read's end_lease must reach the unit even after the caller's
+# deadline expired, but must not hang forever on a lost unit.
 _CLEANUP_TIMEOUT_S = 5.0
 
 

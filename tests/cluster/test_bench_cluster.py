@@ -52,10 +52,10 @@ def _check(out: dict, hosts: int) -> None:
 
 
 @on_ray_hosts
-@pytest.mark.timeout(200 + TEARDOWN_GRACE_S + 20)
+@pytest.mark.timeout(110 + TEARDOWN_GRACE_S + 20)
 def test_two_hosts_restore_bit_exact_over_shm_and_tcp_and_leave_nothing():
     pointer = ray_pointer()
-    out = _bench("--hosts", "2", *_TINY, timeout=200)  # a busy machine starts Ray's workers slowly
+    out = _bench("--hosts", "2", *_TINY, timeout=110)
     _check(out, 2)
     assert ray_pointer() == pointer
 
