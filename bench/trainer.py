@@ -39,6 +39,12 @@ logprobs (it computes the loss). Three figures, each against its goal:
   ``--overlap-compute-ms`` fixes the compute instead (the goal's is twice
   the fetch+restore): two libraries compared at one compute, where a
   slower stream would otherwise be given a longer compute to hide behind.
+  ``--host-compute python`` runs Python for the compute instead of idling:
+  a training loop that holds the GIL while it dispatches kernels. The
+  stream's threads then wait for the interpreter to switch to them each
+  time they come back from a system call or a widen (up to its switch
+  interval, 5 ms by default; ``--switch-interval-ms`` sets it for the
+  overlap's steps, as ``sys.setswitchinterval`` would in a trainer).
 
 The streamed loop without compute also gives fetch+restore throughput of
 the rank's slice, paired with the strongest honest baseline of its
@@ -109,7 +115,9 @@ import contextlib
 import gc
 import multiprocessing
 import statistics
+import sys
 import threading
+import time
 
 from bench.common import (
     add_json_flag,
@@ -121,7 +129,7 @@ from bench.common import (
     trainer_runtime,
 )
 from bench.plots import trainer_memory_figure, write_figures
-from bench.trainer_rank import EXPERTS, MIB, bytes_read, micro_batches, rank_slice, rollout, stream_pass
+from bench.trainer_rank import EXPERTS, MIB, bytes_read, micro_batches, rank_slice, rollout, run_python, stream_pass
 from bench.trainer_throughput import throughput, throughput_summary
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
@@ -129,9 +137,13 @@ from gputq.config import GputqConfig
 from gputq.data.fields import routed_experts_spec, row_nbytes
 
 
+#: The overlap's compute stand-ins (``--host-compute``): the host idles, or runs Python.
+HOST_COMPUTE = {"idle": time.sleep, "python": run_python}
+
+
 def _overlap_step(reader: Reader, step, args, compute_s: float) -> dict:
     """One training step's streamed loop with ``compute_s`` of compute per micro-batch, against that compute."""
-    loop, _, steps = stream_pass(reader, step, args, 0, 0, compute_s)
+    loop, _, steps = stream_pass(reader, step, args, 0, 0, compute_s, HOST_COMPUTE[args.host_compute])
     computed = sum(c for _, c in steps)
     waits = [w for w, _ in steps]
     later = sum(c for _, c in steps[1:])  # past the first micro-batch: its planning and fetch nothing can hide
@@ -233,17 +245,32 @@ def _overlap_figures(reader: Reader, stored: list, loop_s: float, args) -> dict:
     step = [stored[i % len(stored)] for i in range(args.step_samples)] or stored
     per_mb_s = loop_s / len(micro_batches(len(stored), args.mb_samples))
     compute_s = args.overlap_compute_ms / 1e3 or 2 * per_mb_s
-    trained = [_overlap_step(reader, step, args, compute_s)
-               for _ in progress_range("overlap, training steps", args.overlap_steps)]
+    with _switch_interval(args.switch_interval_ms):
+        interval_ms = sys.getswitchinterval() * 1e3
+        trained = [_overlap_step(reader, step, args, compute_s)
+                   for _ in progress_range("overlap, training steps", args.overlap_steps)]
     typical = sorted(trained, key=lambda t: t["ratio"])[len(trained) // 2]
     overlap = {"step_samples": len(step), "micro_batches": len(micro_batches(len(step), args.mb_samples)),
                "compute_ms": round(compute_s * 1e3, 2),
                "compute": "fixed" if args.overlap_compute_ms else "twice the fetch+restore",
+               "host_compute": args.host_compute, "switch_interval_ms": round(interval_ms, 3),
                "fetch_restore_ms": round(per_mb_s * 1e3, 2), "steps": len(trained),
                **{k: v for k, v in typical.items() if k not in ("ratio", "after_first")},
                "step_ratios": [t["ratio"] for t in trained]}
     return {"overlap": overlap, "overlap_ratio": typical["ratio"],
             "overlap_ratio_after_first": statistics.median(t["after_first"] for t in trained)}
+
+
+@contextlib.contextmanager
+def _switch_interval(ms: float):
+    """The interpreter's switch interval set to ``ms`` (0: left as it is) for the block, then restored."""
+    before = sys.getswitchinterval()
+    if ms:
+        sys.setswitchinterval(ms / 1e3)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _memory_figures(clients, config, shards: dict, scales: list, args) -> dict:
@@ -326,6 +353,11 @@ def main(argv=None) -> None:
     parser.add_argument("--overlap-compute-ms", type=float, default=0.0,
                         help="the compute stand-in per micro-batch of the overlap (0: twice its fetch+restore, "
                              "the goal's)")
+    parser.add_argument("--host-compute", choices=tuple(HOST_COMPUTE), default="idle",
+                        help="what the host does for the overlap's compute: idles, as while a GPU computes "
+                             "(the goal's), or runs Python, holding the GIL")
+    parser.add_argument("--switch-interval-ms", type=float, default=0.0,
+                        help="the interpreter's switch interval over the overlap's steps (0: as it is)")
     parser.add_argument("--figures", default="docs/figures", help="where the memory plot goes ('' for none)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
@@ -337,6 +369,8 @@ def main(argv=None) -> None:
         parser.error(f"--overlap-steps must be >= 1, got {args.overlap_steps}")
     if not args.overlap_compute_ms >= 0:
         parser.error(f"--overlap-compute-ms must be >= 0, got {args.overlap_compute_ms}")
+    if not args.switch_interval_ms >= 0:
+        parser.error(f"--switch-interval-ms must be >= 0, got {args.switch_interval_ms}")
     runtime = trainer_runtime()
     print_header("gputq trainer side: streamed slices per rank", trainer=runtime,
                  layout=f"DP {args.dp} x PP {args.pp} x CP {args.cp}",
@@ -344,7 +378,9 @@ def main(argv=None) -> None:
                  samples_per_dp_rank=args.samples, mb_samples=args.mb_samples, prefetch=args.prefetch,
                  step_samples=args.step_samples or "the largest stored shard", overlap_steps=args.overlap_steps,
                  overlap_compute=(f"{args.overlap_compute_ms} ms" if args.overlap_compute_ms
-                                  else "twice the fetch+restore"),
+                                  else "twice the fetch+restore") + f", host {args.host_compute}",
+                 switch_interval=(f"{args.switch_interval_ms} ms over the overlap" if args.switch_interval_ms
+                                  else f"{sys.getswitchinterval() * 1e3:g} ms"),
                  transport=args.transport, units=args.units, scales=args.scales, device="cpu",
                  gc="objects alive after setup frozen (gc.freeze)")
     result = run(args)

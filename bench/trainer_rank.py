@@ -17,7 +17,7 @@ from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
 
 __all__ = ["EXPERTS", "MIB", "rollout", "rank_slice", "rank_fields", "micro_batches", "bytes_read", "unit_count",
-           "stream_pass"]
+           "stream_pass", "run_python"]
 
 MIB = 1 << 20
 #: Experts of the synthetic model: IDs below it.
@@ -64,10 +64,21 @@ def unit_count(clients, counter: str) -> int:
     return sum(clients.channel(u).call("stats")[counter] for u in clients.units)
 
 
-def stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0) -> tuple[float, int, list]:
+def run_python(seconds: float) -> None:
+    """Run Python bytecode for ``seconds``, holding the GIL but between bytecodes (a training loop dispatching
+    kernels, not one waiting for them)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0,
+                compute=time.sleep) -> tuple[float, int, list]:
     """One pass of a rank's stream; returns (seconds, bytes planned, per micro-batch (waited, computed) seconds).
 
-    ``waited`` is the time the loop spent getting the micro-batch (the first one's includes planning).
+    ``waited`` is the time the loop spent getting the micro-batch (the first one's includes planning);
+    ``compute(compute_s)`` stands for the micro-batch's compute, where ``compute_s`` is not 0: the host
+    idles (``time.sleep``, the default) or runs Python (:func:`run_python`).
     """
     steps = []
     started = time.perf_counter()
@@ -78,7 +89,7 @@ def stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float 
         for _ in stream:
             began = time.perf_counter()
             if compute_s:
-                time.sleep(compute_s)
+                compute(compute_s)
             steps.append((began - asked, time.perf_counter() - began))
             asked = time.perf_counter()
     return time.perf_counter() - started, planned, steps

@@ -7,13 +7,14 @@ import contextlib
 import gc
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
 
-from bench import e2e, fetch, trainer, trainer_throughput
+from bench import e2e, fetch, trainer, trainer_rank, trainer_throughput
 from bench.common import SelfTimed, remote_units, same_host_copy_threads
-from bench.trainer_rank import EXPERTS, MIB, micro_batches, rank_fields, rank_slice, rollout
+from bench.trainer_rank import EXPERTS, MIB, micro_batches, rank_fields, rank_slice, rollout, run_python
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
@@ -87,7 +88,8 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
     assert paths == {(2, "stream"), (2, "whole"), (4, "stream"), (4, "whole")}
     assert out["overlap_ratio"] > 0 and out["peak_growth_4x"] > 0
     assert out["overlap"]["step_samples"] == 10 and out["overlap"]["micro_batches"] == 5  # cycling the 8 stored
-    assert out["overlap"]["compute"] == "twice the fetch+restore"
+    assert out["overlap"]["compute"] == "twice the fetch+restore" and out["overlap"]["host_compute"] == "idle"
+    assert out["overlap"]["switch_interval_ms"] == round(sys.getswitchinterval() * 1e3, 3)  # the interpreter's
     assert abs(out["overlap"]["compute_ms"] - 2 * out["overlap"]["fetch_restore_ms"]) <= 0.011  # each rounded
     ratios = out["overlap"]["step_ratios"]  # the figure is the median step's, every step's shown beside it
     assert len(ratios) == out["overlap"]["steps"] == 3 and out["overlap_ratio"] == sorted(ratios)[1]
@@ -110,10 +112,12 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
 @pytest.mark.timeout(300)
 def test_trainer_overlap_at_a_fixed_compute_over_shm(capsys, tmp_path):
     # Two libraries compared at one compute: the goal's (twice the fetch+restore) grows with a slower stream.
+    # The compute runs Python here, under a switch interval of 1 ms for the overlap's steps only.
+    interval = sys.getswitchinterval()
     trainer.main(["--dp", "1", "--pp", "2", "--cp", "2", "--layers", "4", "--topk", "2", "--tokens", "8192",
                   "--samples", "2", "--scales", "2,4", "--repeats", "1", "--step-samples", "8",
                   "--overlap-steps", "1", "--overlap-compute-ms", "3.5", "--transport", "shm", "--figures", "",
-                  "--json"])
+                  "--host-compute", "python", "--switch-interval-ms", "1", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["transport"] == "shm" and out["every_rank_exactly_its_slice"]
     for row in out["throughput_rows"]:  # the ceiling's widen on two threads, and on one as the stream's restore
@@ -124,13 +128,32 @@ def test_trainer_overlap_at_a_fixed_compute_over_shm(capsys, tmp_path):
         assert row["restores_GBps"] > 0 and row["restores_vs_ceiling"] > 0 and row["stream_vs_restores"] > 0
     assert "one_thread_widen_vs_ceiling" not in out  # no slice of 16 MiB or more here: no summary figure
     assert out["overlap"]["compute"] == "fixed" and out["overlap"]["compute_ms"] == 3.5
+    assert out["overlap"]["host_compute"] == "python" and out["overlap"]["switch_interval_ms"] == 1
+    assert sys.getswitchinterval() == interval  # set for the overlap's steps, then restored
     # Four micro-batches of 3.5 ms each: the compute alone, however long the fetches took.
     assert 4 * 3.5e-3 <= out["overlap"]["compute_alone_s"] < 4 * 3.5e-3 + 0.5
-    with pytest.raises(SystemExit):
-        trainer.main(["--overlap-compute-ms", "-1"])
+    for bad in (["--overlap-compute-ms", "-1"], ["--switch-interval-ms", "-1"], ["--host-compute", "gpu"]):
+        with pytest.raises(SystemExit):
+            trainer.main(bad)
 
 
 @pytest.mark.timeout(10)
+def test_the_python_compute_stand_in_runs_bytecode_for_its_time_and_never_sleeps(monkeypatch):
+    # A clock that moves 1 s a reading: the stand-in reads it until its 10 s are up, never sleeping.
+    readings = []
+
+    def clock() -> float:
+        readings.append(float(len(readings)))
+        return readings[-1]
+
+    def sleep(seconds: float) -> None:
+        raise AssertionError("the Python stand-in slept")
+
+    monkeypatch.setattr(trainer_rank, "time", argparse.Namespace(perf_counter=clock, sleep=sleep))
+    run_python(10)
+    assert readings == [float(i) for i in range(11)]  # the start, then every reading until the 10 s are up
+
+
 @pytest.mark.timeout(120)
 def test_trainer_restores_alone_restore_the_streams_bytes():
     # The figure stands for the stream's own restores: the same plans, widened and shaped into the same bytes.
