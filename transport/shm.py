@@ -338,7 +338,7 @@ class ShmChannel(LeasingChannel):
                                                     spans=spans) as regions:
             yield regions
 
-    # -- writes and control    # -- writes and control ------------------------------------------------------------
+    # -- writes and control -------------------------------------------------------------------
 
     def write(self, key: str, payload, meta: dict | None = None, timeout: float | None = None) -> dict:
         """Store ``payload`` under ``key``: copied into the mapped arena (see :meth:`write_many`)."""
