@@ -65,8 +65,8 @@ def unit_count(clients, counter: str) -> int:
 
 
 def run_python(seconds: float) -> None:
-    """Run Python bytecode for ``seconds``, holding the GIL but between bytecodes (a training loop dispatching
-    kernels, not one waiting for them)."""
+    """Run Python bytecode for ``seconds``: the GIL is held except where the interpreter switches threads (a
+    training loop dispatching kernels, not one waiting for them)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
