@@ -385,14 +385,13 @@ def main(argv=None) -> int:
         return 0
     rows = [SCENARIOS[name](baseline=True) if name == "stop-writes" and args.baseline else SCENARIOS[name]()
             for name in (args.only or SCENARIOS)]
-    if not args.json:
-        print_header("gputq faults")
-        print_table(rows, ["scenario", "detect_s", "bytes_checked", "data_lost", "longest_wait_s"])
-        for row in rows:
-            extras = {k: v for k, v in row.items()
-                      if k not in ("scenario", "detect_s", "bytes_checked", "data_lost", "longest_wait_s")}
-            print(f"  {row['scenario']}: {json.dumps(extras, default=str)}")
-    else:
+    print_header("gputq faults")
+    print_table(rows, ["scenario", "detect_s", "bytes_checked", "data_lost", "longest_wait_s"])
+    for row in rows:
+        extras = {k: v for k, v in row.items()
+                  if k not in ("scenario", "detect_s", "bytes_checked", "data_lost", "longest_wait_s")}
+        print(f"  {row['scenario']}: {json.dumps(extras, default=str)}")
+    if args.json:
         emit_json({"faults": rows})
     return 0 if all(row["data_lost"] == 0 for row in rows) else 1
 

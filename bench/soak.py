@@ -213,8 +213,9 @@ def _settings(args) -> dict:
                                                   "threads": args.thread_bound}}
 
 
-def _serve(job: subprocess.Popen, injector: Injector, limit_s: float, quiet: bool) -> dict:
-    """Answer the job's requests until it says ``done``; its report."""
+def _serve(job: subprocess.Popen, injector: Injector, minutes: float) -> dict:
+    """Answer the job's requests until it says ``done``; its report. Each iteration done is shown on stderr
+    (with ``--json`` too: stdout carries the JSON), against the run's ``minutes``."""
     from bench.soak_job import MARK
 
     lines: queue.Queue = queue.Queue()
@@ -225,7 +226,8 @@ def _serve(job: subprocess.Popen, injector: Injector, limit_s: float, quiet: boo
         lines.put("")  # the job ended
 
     threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + limit_s
+    started = time.monotonic()
+    deadline = started + minutes * 60 + 600  # the last iteration, then the job's own checks and teardown
     while True:
         try:
             line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -240,9 +242,9 @@ def _serve(job: subprocess.Popen, injector: Injector, limit_s: float, quiet: boo
         if event == "done":
             return msg["report"]
         if event == "iteration":
-            if not quiet:
-                print(f"soak: iteration {msg['iteration']} done, {msg['verified']} samples verified, "
-                      f"faults {msg['faults']}", file=sys.stderr, flush=True)
+            print(f"soak: iteration {msg['iteration']} done at {(time.monotonic() - started) / 60:.1f} of "
+                  f"{minutes:g} min, {msg['verified']} samples verified, faults {msg['faults']}", file=sys.stderr,
+                  flush=True)
             continue
         answer = {"phase": injector.phase, "heal": lambda _: injector.heal(),
                   "usage": lambda _: injector.usage()}[event](msg)
@@ -268,7 +270,7 @@ def run(args) -> dict:
             job = hosts.popen(0, [sys.executable, "-m", "bench.soak_job", json.dumps(settings)], cwd=ROOT, env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             injector = Injector(hosts, units, unit_config, args, random.Random(args.seed))
-            report = _serve(job, injector, args.minutes * 60 + 600, args.json)
+            report = _serve(job, injector, args.minutes)
             job.wait(60)
         finally:
             for unit in units.values():
@@ -344,16 +346,14 @@ def main(argv=None) -> int:
         if args.json:
             emit_json({"bench": "soak", "skipped": reason})
         return 0
-    if not args.json:
-        print_header("soak: the loop under faults", hosts=args.hosts, minutes=args.minutes, seed=args.seed,
-                     kinds=",".join(args.kinds), cpus=os.cpu_count())
+    print_header("soak: the loop under faults", hosts=args.hosts, minutes=args.minutes, seed=args.seed,
+                 kinds=",".join(args.kinds), cpus=os.cpu_count())
     report = run(args)
     if report["violation"]:
         report["saved"] = _save_failure(report, argv)
+    _print(report)
     if args.json:
         emit_json({"bench": "soak", **report})
-    else:
-        _print(report)
     return 1 if report["violation"] else 0
 
 

@@ -58,6 +58,9 @@ class Harness:
         return json.loads(line)
 
     def tell(self, event: str, **data) -> None:
+        # Each message is progress: the watchdog (see main) starts over, so only a job silent past twice
+        # a phase's limit prints its threads' stacks.
+        faulthandler.dump_traceback_later(2 * PHASE_S, repeat=True)
         print(MARK + json.dumps({"event": event, **data}), flush=True)
         if os.environ.get("GPUTQ_SOAK_TRACE"):
             print(f"soak job {time.monotonic():.2f}: {event} {data}", file=sys.stderr, flush=True)
@@ -430,7 +433,8 @@ def main(args: dict) -> dict:
     from gputq.cluster.names import import_ray
     from gputq.config import GputqConfig
 
-    # A hang past every phase's limit prints where each thread waits, then again each period.
+    # A hang past every phase's limit prints where each thread waits, then again each period, until the
+    # job next tells the harness something (Harness.tell starts the watchdog over).
     faulthandler.dump_traceback_later(2 * PHASE_S, repeat=True)
     ray = import_ray()
     ray.init(address=args["ray_address"], log_to_driver=False)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import random
+import re
+import subprocess
+import sys
 
 import pytest
 
-from bench.soak import KINDS, Deck
+from bench import soak_job
+from bench.hosts import ROOT
+from bench.soak import KINDS, Deck, _serve
 from bench.soak_checks import Bounds, drift, key_violations, late_surface, untyped_errors, wrong_samples
 
 pytestmark = pytest.mark.timeout(30)
@@ -66,3 +71,45 @@ def test_the_deck_deals_every_kind_once_per_round_a_kind_first_and_the_same_for_
     again = Deck(kinds, random.Random(7))
     assert [again.draw() for _ in range(2 * round_size)] == first + second
     assert [Deck(kinds, random.Random(8)).draw() for _ in range(round_size)] != first
+
+
+_JOB = """
+from bench.soak_job import Harness
+harness = Harness()
+print("a line of Ray's own", flush=True)
+harness.tell("iteration", iteration=3, verified=12, faults={"unit-kill": 1})
+harness.tell("done", report={"iterations": 4})
+"""
+
+
+def test_the_harness_shows_each_iteration_on_stderr_and_returns_the_jobs_report(capsys):
+    # A real job process speaking the job's side of the line protocol; its Ray lines are skipped.
+    with subprocess.Popen([sys.executable, "-c", _JOB], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as job:
+        report = _serve(job, None, 0.5)
+        assert job.wait(20) == 0
+    assert report == {"iterations": 4}
+    captured = capsys.readouterr()
+    assert captured.out == ""  # stdout is left to the report (--json)
+    assert re.fullmatch(r"soak: iteration 3 done at \d+\.\d of 0\.5 min, 12 samples verified, "
+                        r"faults \{'unit-kill': 1\}\n", captured.err)
+
+
+def test_a_job_that_ends_without_its_report_is_an_error():
+    with subprocess.Popen([sys.executable, "-c", "print('@gputq-soak ' + '{\"event\": \"iteration\", "
+                           "\"iteration\": 0, \"verified\": 0, \"faults\": {}}')"], cwd=ROOT,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as job:
+        with pytest.raises(RuntimeError, match="ended or went silent"):
+            _serve(job, None, 0.5)
+
+
+def test_each_message_to_the_harness_starts_the_jobs_hang_watchdog_over(monkeypatch, capsys):
+    # Armed once for the whole run, it printed every thread's stack every period of a healthy soak.
+    armed = []
+    monkeypatch.setattr(soak_job.faulthandler, "dump_traceback_later",
+                        lambda timeout, repeat=False: armed.append((timeout, repeat)))
+    harness = soak_job.Harness()
+    harness.tell("iteration", iteration=0, verified=0, faults={})
+    harness.tell("iteration", iteration=1, verified=2, faults={})
+    assert armed == [(2 * soak_job.PHASE_S, True)] * 2
+    assert capsys.readouterr().out.count(soak_job.MARK) == 2
