@@ -26,10 +26,18 @@ _TRAINER_TRANSPORTS = ("shm", "tcp")
 
 
 def _last_json(out: Path, name: str) -> dict:
+    """The log's last line as JSON, or ``{"error": ...}`` saying why not: no log (the step never ran), an
+    empty one (killed by its timeout before a line), or the line it ended on (a step that raised: its error)."""
+    path = out / name
+    if not path.exists():
+        return {"error": f"{name}: missing (the step did not run)"}
+    lines = path.read_text(errors="replace").strip().splitlines()
+    if not lines:
+        return {"error": f"{name}: empty (killed by its timeout before it wrote a line?)"}
     try:
-        return json.loads((out / name).read_text().strip().splitlines()[-1])
-    except Exception as exc:  # a missing, empty or cut log: say so in the table
-        return {"error": f"{name}: {type(exc).__name__}: {exc}"}
+        return json.loads(lines[-1])
+    except ValueError:
+        return {"error": f"{name} ends without its JSON line: {lines[-1].strip()[:300]}"}
 
 
 def _read(out: Path, name: str) -> str:

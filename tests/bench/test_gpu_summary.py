@@ -58,18 +58,30 @@ def test_every_step_is_a_line_of_the_table_even_without_a_gpu(tmp_path, capsys, 
         "fetch+restore->GPU shm copy", "fetch+restore->GPU shm in place", "fetch+restore->GPU shm stream",
         "fetch+restore->GPU tcp copy", "fetch+restore->GPU tcp stream"]
     assert "fetch alone" in table[fetches[0]] and "fetch alone" not in table[fetches[1]]  # in place: no transfer
-    assert table["fetch rdma"].startswith("fetch_rdma.log: FileNotFoundError")
+    assert table["fetch rdma"] == "fetch_rdma.log: missing (the step did not run)"
     (stream_row,) = [check for check in table if check.startswith("trainer stream shm ")]
     # Any magnitude: on a busy machine the tiny run's ratios reach 10 and more.
     assert re.fullmatch(r"\d+\.\d\dx its ceiling \(widen x2 threads, [\d.]+ GB/s\), later half \d+\.\d\dx, "
                         r"one widening thread \d+\.\d\dx, its restores alone \d+\.\d\dx", table[stream_row]), \
         table[stream_row]
     assert re.fullmatch(r"\d+\.\d{3}, after the first micro-batch \d+\.\d{3}", table["trainer overlap shm"])
-    assert table["trainer tcp"].startswith("trainer_tcp.log: FileNotFoundError")
+    assert table["trainer tcp"] == "trainer_tcp.log: missing (the step did not run)"
     main([str(tmp_path)])
     printed = capsys.readouterr().out.splitlines()
     assert printed[:2] == ["gputq GPU check 2026-12-01T10:00:00Z on GPU 0: stand-in", GOALS]
     assert len(printed) == 2 + len(rows)
+
+
+def test_a_step_that_raised_or_wrote_nothing_shows_why_in_its_line(tmp_path):
+    (tmp_path / "fetch_shm.log").write_text("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                                            "gputq.errors.InvalidInputError: device='cuda', but no usable CUDA "
+                                            "device (CuPy sees none)\n")
+    (tmp_path / "trainer_tcp.log").write_text("")
+    table = dict(summary_rows(tmp_path))
+    assert table["fetch shm"] == ("fetch_shm.log ends without its JSON line: gputq.errors.InvalidInputError: "
+                                  "device='cuda', but no usable CUDA device (CuPy sees none)")
+    assert table["trainer tcp"] == "trainer_tcp.log: empty (killed by its timeout before it wrote a line?)"
+    assert table["fetch rdma"] == "fetch_rdma.log: missing (the step did not run)"
 
 
 def test_gpu_rows_carry_their_ratios_to_the_copies_of_the_same_run(tmp_path):
