@@ -12,7 +12,9 @@
 #      same bytes through memory or a bare socket plus numpy's widen), on this machine's cores: where the
 #      units, the fetch thread and the restore thread do not share two cores as on a small dev box;
 # then a short table last, every fetch with its ratio to the pinned copy of the same run.
-# Logs and JSON land in $OUT (default out/gpu_check).
+# Logs and JSON land in $OUT (default out/gpu_check). Without a GPU every step still runs (rehearse it
+# before a lease: PYTHON=.venv/bin/python bash bench/gpu_check.sh); one that needs CUDA shows its error
+# in the table.
 #
 # Needs: python3 >= 3.11 with numpy, torch (CUDA), cupy, msgpack, pyyaml, pytest, pytest-timeout;
 # no internet, and gputq need not be installed (it is laid out from the checkout, below). Wheels
