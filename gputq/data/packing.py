@@ -80,7 +80,7 @@ def pack_rows(ids, num_experts: int, *, where: str = "routed_experts", out: np.n
     packed shape) receives the result when given.
     """
     ids = np.asarray(ids)
-    if ids.dtype.kind not in "iu" or ids.ndim < 1:
+    if ids.dtype.kind not in "iu" or ids.ndim < 1 or ids.shape[-1] < 1:
         raise FieldValueError(f"{where}: expected an integer array of rows of IDs, got {ids.dtype}{ids.shape}")
     bits = bits_for(num_experts)
     check_ids(where, ids, num_experts)
@@ -117,6 +117,8 @@ def pack_rows_into(rows: np.ndarray, bits: int, out: np.ndarray) -> np.ndarray:
 def unpack_rows(packed, topk: int, num_experts: int, *, out: np.ndarray | None = None) -> np.ndarray:
     """Unpack uint8 ``[..., ceil(K * b / 8)]`` rows into int32 ``[..., K]`` (or into ``out``)."""
     packed = np.asarray(packed)
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 1:
+        raise FieldValueError(f"topk must be an int >= 1 (IDs in a row), got {topk!r}")
     bits = bits_for(num_experts)
     row_bytes = packed_row_bytes(topk, bits)
     if packed.dtype != np.uint8 or packed.ndim < 1 or packed.shape[-1] != row_bytes:

@@ -64,6 +64,14 @@ def _int(name: str, value, low: int) -> int:
     return int(value)
 
 
+def _layer_tuple(layers) -> tuple:
+    """``layers`` as a tuple, or ``()`` (refused by the caller) where it is not an iterable of them."""
+    try:
+        return tuple(layers)
+    except TypeError:
+        return ()
+
+
 @dataclass(frozen=True)
 class ParallelSlice:
     """One trainer rank's place in the parallel layout.
@@ -113,7 +121,7 @@ class ParallelSlice:
         if self.num_experts is not None:
             object.__setattr__(self, "num_experts", _int("num_experts", self.num_experts, 1))
         if self.layers is not None:
-            layers = tuple(self.layers)
+            layers = _layer_tuple(self.layers)
             if not layers or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))
                                  for v in layers) or any(b <= a for a, b in zip(layers, layers[1:])) \
                     or layers[0] < 0:

@@ -100,6 +100,12 @@ def test_bad_arguments_are_typed():
         pack_rows(np.zeros((2, 3), np.float32), 64)
     with pytest.raises(FieldValueError, match=r"uint8 \[..., 3\]"):
         unpack_rows(np.zeros((2, 4), np.uint8), 2, 384)
+    # rows of no IDs: numpy's reshape would raise a bare ValueError
+    with pytest.raises(FieldValueError, match="rows of IDs"):
+        pack_rows(np.zeros((3, 0), np.int8), 4)
+    for topk in (0, -1, True, 2.0):
+        with pytest.raises(FieldValueError, match="topk must be an int >= 1"):
+            unpack_rows(np.zeros((3, 0), np.uint8), topk, 4)
     ids = np.zeros((4, 8), np.int64)
     strided = np.zeros((4, 18), np.uint8)[:, ::2]  # a view a reshape would copy: the result would be lost
     with pytest.raises(InvalidInputError, match="C-contiguous uint8 array of 36"):
