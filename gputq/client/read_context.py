@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -23,7 +24,7 @@ import numpy as np
 from gputq.client.clients import UnitClients
 from gputq.client.unit_channel import UnitChannel
 from gputq.config import GputqConfig
-from gputq.errors import InvalidInputError
+from gputq.errors import ClosedError, InvalidInputError
 from gputq.kernels import cuda_available
 from gputq.transport import get_transport
 from gputq.transport.cuda import require_cupy
@@ -116,6 +117,9 @@ class ReadContext:
         self.pool = ThreadPoolExecutor(max(2, len(clients.units) * 2), thread_name_prefix="gputq-reader")
         self._stream_workers: tuple | None = None
         self._lock = threading.Lock()
+        self._streams: weakref.WeakSet = weakref.WeakSet()  # open or not: closing one again is a no-op
+        #: Set once :meth:`close` began: a stream closed by it tells its consumer so instead of ending.
+        self.closed = False
 
     @property
     def on_host(self) -> bool:
@@ -135,6 +139,14 @@ class ReadContext:
                 self._stream_workers = (ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch"),
                                         ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"))
             return self._stream_workers
+
+    def track(self, stream) -> None:
+        """Close ``stream`` (anything with ``close()``) before the threads it runs on stop; ``ClosedError``
+        once they are stopping."""
+        with self._lock:
+            if self.closed:
+                raise ClosedError("Reader is closed")
+            self._streams.add(stream)
 
     def registered(self, nbytes: int, units, lent: contextlib.ExitStack):
         """Memory the units' transport registered for its one-sided reads (they then land with no copy),
@@ -161,7 +173,16 @@ class ReadContext:
         return torch.from_dlpack(array)
 
     def close(self) -> None:
-        """Stop the read threads and drop the buffers. Idempotent; the clients stay open."""
+        """Close the streams, stop the read threads and drop the buffers. Idempotent; the clients stay open.
+
+        Streams go first: their work in flight still runs on these threads, and a lease they are taking
+        ends only once it is answered there.
+        """
+        with self._lock:
+            self.closed = True
+            streams = list(self._streams)
+        for stream in streams:
+            stream.close()
         self.pool.shutdown(wait=True)
         self.buffers.close()
         with self._lock:

@@ -83,10 +83,10 @@ class Reader(Closeable):
         a view, or a torch tensor of one); once all of a field's are gone, a
         later fetch restores into that memory again.
         """
-        if self._closed:
-            raise ClosedError("Reader is closed")
         shard = checked_shard(shard)
         with self._lock:  # one fetch at a time: they share the staging buffers
+            if self._closed:
+                raise ClosedError("Reader is closed")
             results, self.last_stats = self._shard(shard)
             return results
 
@@ -138,6 +138,9 @@ class Reader(Closeable):
             ``len(tokens) - 1``; each names the sample or micro-batch.
         UnitLostError
             Before anything is read: a unit of some samples is known lost.
+        ClosedError
+            The Reader is closed; or, from the stream, it was closed before
+            the micro-batch asked for was consumed.
         """
         if self._closed:
             raise ClosedError("Reader is closed")
@@ -200,11 +203,17 @@ class Reader(Closeable):
         return f"{self.reader_id}/{digest.hexdigest()}"
 
     def close(self) -> None:
-        """Stop the read threads. Idempotent; the clients stay open."""
-        if not self._closed:
-            self._closed = True
-            self._ctx.close()
-            self._outputs.close()
+        """Close its streams, wait for a fetch in flight, stop the read threads. Idempotent; the clients stay open.
+
+        A consumer that then asks one of its streams for a micro-batch not yet
+        consumed gets ``ClosedError`` (not the end of the stream): the pass
+        was cut short.
+        """
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._ctx.close()
+                self._outputs.close()
 
 
 def _check_stream_options(prefetch, release, fields, hold) -> None:

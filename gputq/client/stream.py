@@ -34,7 +34,7 @@ parallel share; pad rows hold ``arange % num_experts``. Other fields
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, wait
+from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -145,6 +145,9 @@ class MicroBatchStream:
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
         self._lock, self._closed = threading.RLock(), False
+        # Taken to queue work and to close: nothing is queued once close() has listed what to wait for.
+        self._queue_lock = threading.Lock()
+        self._cut_short = False  # closed by the Reader's close() before the last micro-batch was consumed
         self._next = self._submitted = 0  # the next micro-batch to consume, and to queue a fetch for
         self.released: list[int] = []
         self._buffers = StreamBuffers(context, plans, prefetch, units, landing=self._landing, in_place=self._in_place,
@@ -158,6 +161,7 @@ class MicroBatchStream:
             self._way = LeaseWindows(context, plans)
         else:
             self._way = StagedFetch(context, plans, self._buffers, units, closed)
+        context.track(self)
         self._submit_until(prefetch)
 
     @property
@@ -173,8 +177,9 @@ class MicroBatchStream:
     # -- background stages -------------------------------------------------------------
     def _submit_until(self, count: int) -> None:
         """Queue the fetches of the micro-batches before position ``count`` that are not queued yet."""
-        while self._submitted < min(count, len(self._plans)):
-            self._submit()
+        with self._queue_lock:
+            while not self._closed and self._submitted < min(count, len(self._plans)):
+                self._submit()
 
     def _submit(self) -> None:
         plan = self._plans[self._submitted]
@@ -242,6 +247,9 @@ class MicroBatchStream:
             raise InvalidInputError("a stream whose replay_handles were taken is not iterated")
         with self._lock:
             if self._closed:
+                if self._cut_short:
+                    raise ClosedError(f"the Reader was closed: micro-batches {self._next}.. of "
+                                      f"{len(self._plans)} were not read")
                 raise StopIteration
             if self._next > 0 and not self._hold:  # the consumer moved past the last one
                 last = self._live.get(self._next - 1)
@@ -268,8 +276,11 @@ class MicroBatchStream:
             else:
                 batch, outputs = self._restored(plan, self._fetches.pop(plan.index).result(),
                                                 self._buffers.spare_outputs())
-        except BaseException:
+        except BaseException as exc:
             self.close()
+            if self._cut_short or isinstance(exc, CancelledError):  # closed from another thread meanwhile
+                raise ClosedError(f"the {'Reader' if self._cut_short else 'stream'} was closed while micro-batch "
+                                  f"{plan.index} was awaited") from exc
             raise
         self._live[plan.index] = (batch, outputs)
         self._next += 1
@@ -306,7 +317,7 @@ class MicroBatchStream:
     def _advance_to(self, index: int) -> MicroBatch:
         """Restore micro-batch ``index`` for a replay handle: the next in order, else a typed error."""
         if self._closed:
-            raise ClosedError("the stream was closed")
+            raise ClosedError(f"the {'Reader' if self._cut_short else 'stream'} was closed")
         if index != self._next:
             state = "was released" if index < self._next else f"comes after micro-batch {self._next}"
             raise InvalidInputError(f"micro-batch {index} {state}: micro-batches are replayed in order")
@@ -317,13 +328,21 @@ class MicroBatchStream:
         return MicroBatch(plan.index, plan.samples, layers, experts, fields, self)
 
     def close(self) -> None:
-        """Stop prefetching and wait for the work in flight. Idempotent; the buffers go."""
+        """Stop prefetching and wait for the work in flight. Idempotent; the buffers go.
+
+        The Reader's close() closes its streams first: a consumer then asking
+        for a micro-batch not yet consumed gets ``ClosedError``, not the end.
+        """
         if self._closed:
             return
         if self._lazy is not None:
             self._lazy.close()  # the micro-batch replayed last was consumed: its references go
-        self._closed = True
-        pending = [*self._restores.values(), *self._fetches.values(), *filter(None, [self._placing])]
+        with self._queue_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._cut_short = self._ctx.closed and self._next < len(self._plans)
+            pending = [*self._restores.values(), *self._fetches.values(), *filter(None, [self._placing])]
         for future in pending:
             future.cancel()
         wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)

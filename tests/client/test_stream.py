@@ -16,8 +16,8 @@ from gputq.client.writer import Writer
 from gputq.data.packing import bits_for, packed_row_bytes
 from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
-from gputq.errors import InvalidInputError, LayoutError, StaleReadError, UnknownKeyError
-from tests.conftest import local_units
+from gputq.errors import ClosedError, InvalidInputError, LayoutError, StaleReadError, UnknownKeyError
+from tests.conftest import TRANSPORT_PARAMS, local_units
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -659,6 +659,79 @@ def test_held_micro_batches_stay_valid_until_released():
             with pytest.raises(StopIteration):
                 next(stream)
         assert clients.channel("su-0").call("stats")["keys"] == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_closing_the_reader_cuts_its_streams_short_with_a_typed_error_and_ends_their_leases(transport):
+    """A Reader closed under a live stream closes the stream first (its work still runs on the reader's threads):
+    the consumer asking for more gets ``ClosedError``, never the end of the pass nor a bare ``RuntimeError``,
+    and no lease or thread of it is left. A stream consumed to its end still ends."""
+    rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
+    with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(21), [40, 30, 50, 20, 60, 35])
+        reader = Reader(clients, config)
+        done, cut = reader.stream(shard, [[0, 1, 2, 3, 4, 5]], rank), reader.stream(shard, [[i] for i in range(6)], rank)
+        assert _check(next(done), [0, 1, 2, 3, 4, 5], data, range(0, 2), rank)
+        assert _check(next(cut), [0], data, range(0, 2), rank)
+        reader.close()
+        with pytest.raises(ClosedError, match=r"the Reader was closed: micro-batches 1\.\. of 6 were not read"):
+            next(cut)
+        with pytest.raises(ClosedError):  # and again: the pass stays cut short
+            next(cut)
+        with pytest.raises(StopIteration):
+            next(done)
+        cut.close()  # idempotent
+        with pytest.raises(ClosedError, match="Reader is closed"):
+            reader.stream(shard, [[i] for i in range(6)], rank)
+        wait_until(lambda: all(unit.stats()["leases"] == 0 for unit in units), 10, "the cut stream's leases to end")
+        assert not [t.name for t in threading.enumerate() if t.name.startswith(("gputq-prefetch", "gputq-restore",
+                                                                                   "gputq-reader"))]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_reader_closed_from_another_thread_wakes_a_consumer_waiting_for_its_micro_batch(monkeypatch, transport):
+    """The consumer is waiting for micro-batch 1, whose fetch is held on the fetch thread, when another thread
+    closes the Reader: the held fetch ends, the consumer gets ``ClosedError`` (at once, or at its next request
+    if that fetch had started), and nothing is queued on threads being stopped."""
+    from gputq.client import stream as stream_module
+
+    run_into, held, go = stream_module._run_into, threading.Event(), threading.Event()
+
+    def holding(future, work, *args):
+        if work is not None and args and getattr(args[0], "index", None) == 1 and not held.is_set():
+            held.set()
+            assert go.wait(10)
+        return run_into(future, work, *args)
+    monkeypatch.setattr(stream_module, "_run_into", holding)
+    rank = ParallelSlice(num_experts=EXPERTS)
+    with local_units(transport, units=1, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(22), [40, 30, 50, 20])
+        reader = Reader(clients, config)
+        stream = reader.stream(shard, [[i] for i in range(4)], rank)
+        assert _check(next(stream), [0], data, range(0, LAYERS), rank)
+        outcome = []
+
+        def consume():
+            try:
+                for mb in stream:
+                    outcome.append(mb.index)
+            except ClosedError as exc:
+                outcome.append(exc)
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        assert held.wait(10)
+        closing = threading.Thread(target=reader.close)
+        closing.start()
+        closing.join(0.2)
+        assert closing.is_alive()  # it waits for the fetch under way
+        go.set()
+        closing.join(10)
+        consumer.join(10)
+        assert not closing.is_alive() and not consumer.is_alive()
+        assert outcome[:-1] in ([], [1]) and isinstance(outcome[-1], ClosedError), outcome
+        wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the leases of the closed stream to end")
 
 
 def test_a_step_shared_in_a_micro_batch_is_read_once_and_once_per_micro_batch():
