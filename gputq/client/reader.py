@@ -139,20 +139,17 @@ class Reader(Closeable):
         UnitLostError
             Before anything is read: a unit of some samples is known lost.
         ClosedError
-            The Reader is closed; or, from the stream, it was closed before
-            the micro-batch asked for was consumed.
+            The Reader is closed (from the stream: closed since).
         """
         if self._closed:
             raise ClosedError("Reader is closed")
         _check_stream_options(prefetch, release, fields, hold)
-        rank = ParallelSlice() if rank is None else rank
-        shard = checked_shard(shard)
+        shard, rank = checked_shard(shard), ParallelSlice() if rank is None else rank
         plans = plan_stream(shard, micro_batches, rank, total_lengths=total_lengths, token_ranges=token_ranges,
                             fields=fields, max_bytes=self._ctx.config.max_frame_bytes)
         refuse_lost(shard, self._ctx.clients.lost)
-        return MicroBatchStream(self._ctx, plans, prefetch, rank, hold=hold,
-                                release=None if release is None else functools.partial(self._release_micro_batch,
-                                                                                      release))
+        dropping = None if release is None else functools.partial(self._release_micro_batch, release)
+        return MicroBatchStream(self._ctx, plans, prefetch, rank, hold=hold, release=dropping)
 
     def release(self, shard: Sequence[Mapping[str, Layout]], partition: str, *,
                 release_id: str | None = None) -> dict:
