@@ -24,7 +24,7 @@ import numpy as np
 from gputq.client.clients import UnitClients
 from gputq.client.unit_channel import UnitChannel
 from gputq.config import GputqConfig
-from gputq.errors import ClosedError, InvalidInputError
+from gputq.errors import ClosedError, InvalidInputError, MissingDependencyError
 from gputq.kernels import cuda_available
 from gputq.transport import get_transport
 from gputq.transport.cuda import require_cupy
@@ -34,6 +34,14 @@ __all__ = ["ReadContext", "Buffers", "device_index"]
 
 def _cupy():
     return require_cupy("device='cuda'")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise MissingDependencyError("device='cuda' returns CUDA torch tensors: pip install torch") from None
+    return torch
 
 
 def device_index(device: str) -> int:
@@ -111,6 +119,8 @@ class ReadContext:
             raise InvalidInputError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
         if device != "cpu" and not cuda_available():
             raise InvalidInputError(f"device={device!r}, but no usable CUDA device (CuPy sees none)")
+        if device != "cpu":
+            _torch()  # here, not at the first restore
         self.clients, self.config, self.device = clients, config, device
         self.buffers = Buffers(device)
         #: Reads of several units at once (a fetch's, a staged micro-batch's).
@@ -168,9 +178,7 @@ class ReadContext:
         """``array`` as the caller gets it: numpy on the host, a CUDA torch tensor on the device."""
         if self.on_host:
             return array
-        import torch
-
-        return torch.from_dlpack(array)
+        return _torch().from_dlpack(array)
 
     def close(self) -> None:
         """Close the streams, stop the read threads and drop the buffers. Idempotent; the clients stay open.

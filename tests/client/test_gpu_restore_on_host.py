@@ -104,3 +104,18 @@ def test_a_reader_on_the_second_device_restores_there(shm_leases_checked, transp
     assert restore_and_compare(transport, "uint16", device="cuda:1", zero_copy_max_bytes=zero_copy_max_bytes) > 0
     launches = _entries(host_cuda.log, "launch")
     assert launches and {launch[6] for launch in launches} == {1}
+
+
+def test_a_device_reader_without_torch_says_what_to_install_before_reading(host_cuda, monkeypatch):
+    """Device readers return CUDA torch tensors: without torch the Reader refuses at once, naming the package,
+    instead of a bare ModuleNotFoundError at its first restore."""
+    import sys
+
+    from gputq.client.reader import Reader
+    from gputq.errors import MissingDependencyError
+    from tests.conftest import local_units
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    with local_units("tcp", units=1) as (config, _, clients):
+        with pytest.raises(MissingDependencyError, match=r"device='cuda' returns CUDA torch tensors: pip install torch"):
+            Reader(clients, config, device="cuda")
