@@ -65,6 +65,14 @@ class EngineOutput:
 
 def _decode_experts(data: Any, num_layers: int, topk: int, where: str) -> np.ndarray:
     if isinstance(data, np.ndarray):  # an in-process engine may hand the array itself
+        # A cast would truncate float IDs and wrap wide ones: only IDs int32 holds are taken.
+        int32 = np.iinfo(np.int32)
+        if data.dtype.kind not in "iu":
+            raise InvalidInputError(f"{where}: meta_info['routed_experts'] must hold integer expert IDs, "
+                                    f"got {data.dtype}")
+        if data.size and (int(data.min()) < int32.min or int(data.max()) > int32.max):
+            raise FieldValueError(f"{where}: routed_experts holds IDs int32 cannot (range "
+                                  f"{int(data.min())}..{int(data.max())})")
         raw = np.ascontiguousarray(data, dtype=np.int32).reshape(-1)
     else:
         if not isinstance(data, (str, bytes)):

@@ -117,5 +117,5 @@ def test_a_device_reader_without_torch_says_what_to_install_before_reading(host_
 
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
     with local_units("tcp", units=1) as (config, _, clients):
-        with pytest.raises(MissingDependencyError, match=r"device='cuda' returns CUDA torch tensors: pip install torch"):
+        with pytest.raises(MissingDependencyError, match=r"returns CUDA torch tensors: pip install torch"):
             Reader(clients, config, device="cuda")

@@ -671,7 +671,8 @@ def test_closing_the_reader_cuts_its_streams_short_with_a_typed_error_and_ends_t
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(21), [40, 30, 50, 20, 60, 35])
         reader = Reader(clients, config)
-        done, cut = reader.stream(shard, [[0, 1, 2, 3, 4, 5]], rank), reader.stream(shard, [[i] for i in range(6)], rank)
+        done = reader.stream(shard, [[0, 1, 2, 3, 4, 5]], rank)
+        cut = reader.stream(shard, [[i] for i in range(6)], rank)
         assert _check(next(done), [0, 1, 2, 3, 4, 5], data, range(0, 2), rank)
         assert _check(next(cut), [0], data, range(0, 2), rank)
         reader.close()

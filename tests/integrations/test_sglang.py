@@ -46,6 +46,9 @@ def test_wire_round_trip_decodes_exactly():
     assert np.array_equal(decoded.routed_experts, routed)
     del wire["output_ids"]  # the triples carry the ids too
     assert np.array_equal(decode_response(wire, L, K).output_ids, out)
+    for array in (routed, routed.astype(">i4"), routed.astype(np.uint8), routed.astype(np.int64)):  # in process
+        wire["meta_info"]["routed_experts"] = array
+        assert np.array_equal(decode_response(wire, L, K).routed_experts, routed)
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -58,6 +61,13 @@ def test_wire_round_trip_decodes_exactly():
     (lambda w: w["meta_info"]["output_token_logprobs"].__setitem__(1, 0.5), r"\[1\] is not a .*triple"),
     (lambda w: w.pop("meta_info"), "no meta_info"),
     (lambda w: w.update(output_ids=["a", "b", "c", "d"]), "output_ids is not a sequence of token ids"),
+    # an in-process engine's own array: a cast would truncate floats and wrap wide IDs to valid-looking ones
+    (lambda w: w["meta_info"].update(routed_experts=np.full((4, L, K), 1.7)),
+     "must hold integer expert IDs, got float64"),
+    (lambda w: w["meta_info"].update(routed_experts=np.ones((4, L, K), bool)),
+     "must hold integer expert IDs, got bool"),
+    (lambda w: w["meta_info"].update(routed_experts=np.full((4, L, K), 2**32 + 1)),
+     r"IDs int32 cannot \(range 4294967297"),
 ])
 def test_malformed_responses_name_the_mismatch(mutate, message):
     rng = np.random.default_rng(1)
