@@ -18,7 +18,7 @@ from gputq.cluster.deploy import serving_transport
 from gputq.cluster.names import import_ray
 from gputq.config import EXPERT_DTYPES, TRANSPORTS, GputqConfig
 from gputq.data.fields import ROUTED_EXPERTS_DTYPES, routed_experts_spec, row_nbytes
-from gputq.errors import InvalidInputError, MissingDependencyError
+from gputq.errors import GputqTimeoutError, InvalidInputError, MissingDependencyError
 from gputq.kernels import cuda_available
 from gputq.tools.capacity import build_parser as capacity_parser
 from gputq.tools.capacity import run
@@ -180,6 +180,9 @@ def main(argv=None) -> int:
     except (InvalidInputError, MissingDependencyError) as exc:
         print(f"gputq {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except GputqTimeoutError as exc:  # a peer that did not answer: one line, not a traceback
+        print(f"gputq {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import sys
 import time
 
 from gputq.cluster.names import CONTROLLER_NAME, NAMESPACE, import_ray, unit_actor_name
-from gputq.errors import InvalidInputError
+from gputq.errors import GputqTimeoutError, InvalidInputError
 
 __all__ = ["format_table", "run_stats"]
 
@@ -52,6 +52,20 @@ def format_table(units: dict[str, dict], previous: dict[str, dict] | None = None
 
 #: How long ``gputq stats`` tries to reach an explicit ``--address`` before giving up.
 CONNECT_TIMEOUT_S = 10.0
+#: How long it waits for the controller's answer to one call (the invariant check: ``CHECK_TIMEOUT_S``) or a
+#: unit's stats: a hung actor is an error line, not a hang of the tool an operator debugs it with.
+ANSWER_TIMEOUT_S = 30.0
+CHECK_TIMEOUT_S = 120.0
+
+
+def _ask(ray, call, what: str, timeout: float | None = None):
+    """``ray.get(call)`` within ``timeout`` (default ``ANSWER_TIMEOUT_S``), else ``GputqTimeoutError``."""
+    timeout = ANSWER_TIMEOUT_S if timeout is None else timeout
+    try:
+        return ray.get(call, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise GputqTimeoutError(f"{what} did not answer within {timeout:g} s (a hung actor? `ray list actors "
+                                f"--filter namespace={NAMESPACE}` shows its state)") from None
 
 
 def _check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
@@ -82,10 +96,10 @@ def _attach(address: str):
 
 def _unit_stats(ray, controller) -> dict[str, dict]:
     out = {}
-    for name in sorted(ray.get(controller.membership.remote())):
+    for name in sorted(_ask(ray, controller.membership.remote(), "the controller's membership")):
         try:
-            out[name] = ray.get(ray.get_actor(unit_actor_name(name), namespace=NAMESPACE).stats.remote(),
-                                timeout=30)
+            out[name] = _ask(ray, ray.get_actor(unit_actor_name(name), namespace=NAMESPACE).stats.remote(),
+                             f"unit {name}'s stats")
         except Exception as exc:  # a lost unit is a row of the table, not the end of it
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:120]}
     return out
@@ -97,7 +111,8 @@ def run_stats(*, address: str = "auto", interval: float = 2.0, once: bool = Fals
     ray, controller = _attach(address)
     units = _unit_stats(ray, controller)
     if as_json or once:
-        result = {"units": units, "partitions": ray.get(controller.partitions.remote())}
+        partitions = _ask(ray, controller.partitions.remote(), "the controller's partitions")
+        result = {"units": units, "partitions": partitions}
         status = 0
         if check:
             result["check"], status = _check(ray, controller)
@@ -123,7 +138,7 @@ def run_stats(*, address: str = "auto", interval: float = 2.0, once: bool = Fals
 
 def _check(ray, controller) -> tuple[dict, int]:
     try:
-        report = ray.get(controller.check_invariants.remote(), timeout=120)
+        report = _ask(ray, controller.check_invariants.remote(), "the controller's invariant check", CHECK_TIMEOUT_S)
     except AttributeError:
         return {"available": False, "reason": "this deployment's controller has no check_invariants"}, 0
     return {"available": True, **report}, 0 if report.get("ok") else 1

@@ -116,6 +116,33 @@ def test_stats_without_a_deployment_is_one_line():
     assert "Traceback" not in proc.stderr
 
 
+def test_stats_names_a_controller_that_does_not_answer_instead_of_hanging(monkeypatch, capsys):
+    """A hung controller (an actor of that name whose calls never return) is one error line and exit 1 within
+    the answer timeout: an operator runs ``gputq stats`` on the very cluster that hangs."""
+    from gputq.cluster.names import CONTROLLER_NAME, NAMESPACE
+    from gputq.errors import GputqTimeoutError
+    from gputq.tools import cli, stats
+
+    @ray.remote(num_cpus=0)
+    class Hung:
+        def membership(self):
+            import time
+
+            time.sleep(600)  # a hung call: killed with the actor below
+    actor = Hung.options(name=CONTROLLER_NAME, namespace=NAMESPACE).remote()
+    try:
+        monkeypatch.setattr(stats, "ANSWER_TIMEOUT_S", 1.0)
+        with pytest.raises(GputqTimeoutError, match="the controller's membership did not answer within 1 s"):
+            stats.run_stats(once=True)
+        address = ray.get_runtime_context().gcs_address
+        assert cli.main(["stats", "--once", "--address", address]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("gputq stats: error: the controller's membership did not answer within 1 s")
+        assert "Traceback" not in err
+    finally:
+        ray.kill(actor)
+
+
 def test_readme_multi_turn_path_runs_and_passes_slimes_checks(tmp_path):
     import argparse
     import pathlib
