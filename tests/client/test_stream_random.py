@@ -1,0 +1,119 @@
+"""Random streams over real units, each micro-batch against the tests' own statements of slime's rules.
+
+The grid tests pin the configurations slime names; these draw the rest: a rollout of 1-11 samples of
+2-89 tokens (so some have one R3 row, logprobs over a random response), a split in a random order, a rank
+(CP 1-4, zigzag or allgather; TP 1, 2 or 4 with or without SP; pad multipliers 1, 2, 4; all layers or a
+subset), a prefetch depth and ``hold``. Every micro-batch's per-layer rows and CP-cut logprobs must equal
+:func:`~tests.client.test_stream.slime_replay_rows` / :func:`~tests.client.test_allgather_cp.allgather_rows`
+and :func:`~tests.client.test_stream.slime_log_probs`, and the units must serve exactly the bytes the
+stream names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gputq.client.reader import Reader
+from gputq.client.writer import Writer
+from gputq.data.refs import Layout
+from gputq.data.slices import ParallelSlice
+from tests.client.test_allgather_cp import allgather_rows
+from tests.client.test_stream import EXPERTS, slime_log_probs, slime_replay_rows
+from tests.conftest import TRANSPORT_PARAMS, local_units
+
+pytestmark = pytest.mark.timeout(300)
+
+DTYPES = ["uint8", "uint16", "int32", "packed"]
+
+
+def _rollout(writer, rng, tag: str):
+    """A random rollout: ``(shard, [(experts, log_probs, total)])`` with ``[L, K]`` drawn once."""
+    layers, topk = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    shard, data = [], []
+    for i in range(int(rng.integers(1, 12))):
+        total = int(rng.integers(2, 90))
+        experts = rng.integers(0, EXPERTS, (total - 1, layers, topk)).astype(np.int32)
+        log_probs = rng.standard_normal(int(rng.integers(1, total))).astype(np.float32)
+        refs = writer.put(f"{tag}-{i}/0", "p", {"routed_experts": experts, "logprobs": log_probs})
+        shard.append({name: Layout.from_ref(ref) for name, ref in refs.items()})
+        data.append((experts, log_probs, total))
+    writer.flush()
+    return shard, data
+
+
+def _split(rng, count: int) -> list[list[int]]:
+    """The samples in a random order, cut into 1..count micro-batches."""
+    order = [int(i) for i in rng.permutation(count)]
+    cuts = sorted(int(c) for c in rng.choice(range(1, count), size=int(rng.integers(0, count)), replace=False)) \
+        if count > 1 else []
+    return [order[a:b] for a, b in zip([0, *cuts], [*cuts, count])]
+
+
+def _rank(rng, layers: int) -> ParallelSlice:
+    cp, tp = int(rng.choice([1, 2, 3, 4])), int(rng.choice([1, 2, 4]))
+    subset = None if rng.integers(0, 2) else \
+        tuple(sorted(int(v) for v in rng.choice(layers, size=int(rng.integers(1, layers + 1)), replace=False)))
+    return ParallelSlice(layers=subset, cp_rank=int(rng.integers(0, cp)), cp_size=cp, tp_rank=int(rng.integers(0, tp)),
+                         tp_size=tp, sequence_parallel=bool(rng.integers(0, 2)), pad_multiple=int(rng.choice([1, 2, 4])),
+                         num_experts=EXPERTS, allgather_cp=cp > 1 and bool(rng.integers(0, 2)))
+
+
+def _want(samples: list[np.ndarray], rank: ParallelSlice) -> np.ndarray:
+    """The rank's ``[tokens, L, K]`` rows of a micro-batch, as slime prepares them."""
+    if rank.allgather_cp:
+        return allgather_rows(samples, rank.cp_size, rank.cp_rank, rank.tp_size, rank.tp_rank,
+                              rank.sequence_parallel, rank.pad_multiple)
+    return slime_replay_rows([torch.from_numpy(s) for s in samples], rank).numpy()
+
+
+def _check_stream(reader, units, shard, data, rng) -> int:
+    """Stream one random configuration and check it; returns the micro-batches checked."""
+    splits, rank = _split(rng, len(shard)), _rank(rng, data[0][0].shape[1])
+    layers = tuple(range(data[0][0].shape[1])) if rank.layers is None else rank.layers
+    prefetch, hold = int(rng.integers(1, 4)), bool(rng.integers(0, 2))
+    case = f"{rank}, split {splits}, prefetch {prefetch}, hold {hold}"
+    before = sum(unit.stats()["bytes_read"] for unit in units)
+    with reader.stream(shard, splits, rank, prefetch=prefetch, hold=hold) as stream:
+        for mb in stream:
+            batch = splits[mb.index]
+            want = _want([data[i][0] for i in batch], rank)
+            assert mb.samples == tuple(batch) and mb.layers == layers, case
+            for j, layer in enumerate(layers):
+                assert mb.routed_experts[j].dtype == np.int32, case
+                np.testing.assert_array_equal(mb.routed_experts[j], want[:, layer], err_msg=case)
+            for i, got in zip(batch, mb.log_probs):
+                expected = slime_log_probs(torch.from_numpy(data[i][1]), data[i][2], rank).numpy()
+                np.testing.assert_array_equal(got, expected, err_msg=case)
+            if hold:
+                mb.release()
+        slice_bytes = stream.slice_bytes
+    assert sum(unit.stats()["bytes_read"] for unit in units) - before == slice_bytes, case
+    return len(splits)
+
+
+def _run(transport: str, dtype: str, seeds, configs: int) -> int:
+    checked = 0
+    for seed in seeds:
+        rng = np.random.default_rng([seed, DTYPES.index(dtype)])
+        with local_units(transport, units=int(rng.integers(1, 4)), routed_experts_dtype=dtype, num_experts=EXPERTS,
+                         capacity=16 << 20) as (config, units, clients):
+            with Writer(clients, config) as writer:
+                shard, data = _rollout(writer, rng, f"r{seed}")
+            with Reader(clients, config) as reader:
+                checked += sum(_check_stream(reader, units, shard, data, rng) for _ in range(configs))
+    return checked
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_random_streams_give_slimes_rows_and_move_exactly_their_slice(transport, dtype):
+    assert _run(transport, dtype, range(2), 6) >= 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_random_streams_many(transport, dtype):
+    assert _run(transport, dtype, range(2, 42), 8) >= 320
