@@ -670,6 +670,7 @@ def test_closing_the_reader_cuts_its_streams_short_with_a_typed_error_and_ends_t
     with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, units, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(21), [40, 30, 50, 20, 60, 35])
+        before = set(threading.enumerate())  # another test's reader left open is not this one's
         reader = Reader(clients, config)
         done = reader.stream(shard, [[0, 1, 2, 3, 4, 5]], rank)
         cut = reader.stream(shard, [[i] for i in range(6)], rank)
@@ -686,8 +687,8 @@ def test_closing_the_reader_cuts_its_streams_short_with_a_typed_error_and_ends_t
         with pytest.raises(ClosedError, match="Reader is closed"):
             reader.stream(shard, [[i] for i in range(6)], rank)
         wait_until(lambda: all(unit.stats()["leases"] == 0 for unit in units), 10, "the cut stream's leases to end")
-        assert not [t.name for t in threading.enumerate() if t.name.startswith(("gputq-prefetch", "gputq-restore",
-                                                                                   "gputq-reader"))]
+        assert not [t.name for t in set(threading.enumerate()) - before
+                    if t.name.startswith(("gputq-prefetch", "gputq-restore", "gputq-reader"))]
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
