@@ -83,8 +83,8 @@ STREAM_THREADS = 2
 #: fetch+restore over the baseline of the row's transport, for shards of GOAL_MIN_MIB and more.
 GOALS = {"tcp": ("socket", 0.9), "rdma": ("socket", 0.9), "shm": ("memcpy", 0.8)}
 GOAL_MIN_MIB = 16
-#: Experts of the stream row's pad rows, and the default ``--experts``.
-_STREAM_EXPERTS = 128
+#: The default ``--experts``.
+_EXPERTS = 128
 _WHOLE = ("uint8", "uint16", "int32")
 #: Bytes per read of the tcp ceiling: a stream's micro-batch of a 64K-token segment's stage slice.
 CEILING_CHUNK_BYTES = 4 << 20
@@ -107,16 +107,17 @@ def _shard(writer: Writer, steps: int, rows_per_step: int, layers: int, topk: in
     return shard
 
 
-def _stream_pass(reader: Reader, shard, mb_samples: int) -> None:
-    """Every sample of ``shard``, whole, streamed in micro-batches of ``mb_samples``."""
+def _stream_pass(reader: Reader, shard, mb_samples: int, experts: int) -> None:
+    """Every sample of ``shard``, whole, streamed in micro-batches of ``mb_samples`` (pad rows below ``experts``,
+    the count the IDs were drawn, and packed, for)."""
     batches = [list(range(i, min(len(shard), i + mb_samples))) for i in range(0, len(shard), mb_samples)]
-    with reader.stream(shard, batches, ParallelSlice(num_experts=_STREAM_EXPERTS)) as stream:
+    with reader.stream(shard, batches, ParallelSlice(num_experts=experts)) as stream:
         for _ in stream:
             pass
 
 
 def _time_fetches(reader: Reader, shard, nbytes: int, baseline: SocketBaseline, repeats: int, label: str,
-                  threads: int, ceiling, mb_samples: int | None = None):
+                  threads: int, ceiling, mb_samples: int | None = None, experts: int = _EXPERTS):
     """``repeats`` fetches, each paired with a socket read, memcpys of ``nbytes`` and the ``ceiling``
     (a callable that times it) just before it.
 
@@ -126,7 +127,7 @@ def _time_fetches(reader: Reader, shard, nbytes: int, baseline: SocketBaseline, 
     copy_src, copy_dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)  # touched: no first-touch faults
     times: dict[str, list[float]] = {"fetch": [], "total": [], "socket": [], "memcpy": [], "memcpy1": [],
                                      "ceiling": []}
-    run = reader.fetch if mb_samples is None else (lambda s: _stream_pass(reader, s, mb_samples))
+    run = reader.fetch if mb_samples is None else (lambda s: _stream_pass(reader, s, mb_samples, experts))
     run(shard)  # warm-up: connections, buffers, this path's first touch
     for _ in progress_range(label, repeats):
         times["socket"].append(baseline.read(nbytes))
@@ -246,7 +247,7 @@ def _run_format(args, size: int, steps: int, dtype: str, rng) -> list[dict]:
                                  out_bytes))
             with Reader(clients, config, device=args.device) as reader:
                 times = _time_fetches(reader, shard, nbytes, baseline, args.repeats, f"stream {label}",
-                                      STREAM_THREADS, ceiling, mb_samples=args.mb_samples)
+                                      STREAM_THREADS, ceiling, mb_samples=args.mb_samples, experts=args.experts)
             # A stream's transfers overlap its restores: there is no fetch to time apart.
             rows.append(_row("stream", transports, len(shard), nbytes, times, STREAM_THREADS, True, dtype, out_bytes))
     return rows
@@ -266,7 +267,7 @@ def main(argv=None) -> None:
     parser.add_argument("--units", type=int, default=1)
     parser.add_argument("--dtype", type=_formats, default="uint16",
                         help=f"stored expert-ID formats, comma separated, of {ROUTED_EXPERTS_FORMATS}")
-    parser.add_argument("--experts", type=int, default=_STREAM_EXPERTS, help="IDs drawn below it (packed: E)")
+    parser.add_argument("--experts", type=int, default=_EXPERTS, help="IDs drawn below it (packed: E)")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--rows-per-step", type=int, default=4096)

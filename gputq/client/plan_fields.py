@@ -145,8 +145,8 @@ def expert_field(name: str, layouts: list, where: str, rank: ParallelSlice, rang
     else:
         pieces = [(i, a, b) for i, sample_ranges in enumerate(ranges) for a, b in sample_ranges]
     pads = [p for p in pieces if p[0] < 0]
-    if pads and rank.num_experts is None:
-        raise InvalidInputError(f"{where}: slime's pad rows need ParallelSlice.num_experts")
+    if pads:
+        _check_pad_experts(layouts, rank, where)
     tokens = sum(b - a for _, a, b in pieces)
     width = math.prod(row_shape[1:])
     fp = FieldPlan(name, form.dtype, form.restored, width, np.zeros((0, 3), np.int64), form.fill,
@@ -165,6 +165,17 @@ def expert_field(name: str, layouts: list, where: str, rank: ParallelSlice, rang
             fp.data.append((offset, b - a))
         offset += b - a
     return fp, frags, gaps
+
+
+def _check_pad_experts(layouts: list, rank: ParallelSlice, where: str) -> None:
+    """Pad rows hold ``arange % num_experts``: refuse a rank without it, or naming another count than the one
+    its packed IDs were stored for (slime's pads would differ from these)."""
+    if rank.num_experts is None:
+        raise InvalidInputError(f"{where}: slime's pad rows need ParallelSlice.num_experts")
+    stored = {f.ref.num_experts for layout in layouts for f in layout.fragments} - {0}
+    if stored and stored != {rank.num_experts}:
+        raise InvalidInputError(f"{where}: ParallelSlice.num_experts is {rank.num_experts}, but its IDs were "
+                                f"stored packed for {', '.join(map(str, sorted(stored)))} experts")
 
 
 def token_field(name: str, layouts: list, positions: list, where: str, rank: ParallelSlice, totals,

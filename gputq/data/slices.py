@@ -96,7 +96,8 @@ class ParallelSlice:
         multiple of ``tp_size * pad_multiple`` rows.
     num_experts:
         Experts per MoE layer; pad rows hold ``arange % num_experts``.
-        Required for R3.
+        Required for R3; where the IDs were stored packed, the count
+        they were packed for (another is refused).
     """
 
     layers: range | tuple[int, ...] | None = None

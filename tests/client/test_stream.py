@@ -567,6 +567,26 @@ def test_stream_validates_before_reading():
             assert _bytes_read(units) == before  # nothing was read
 
 
+def test_a_rank_naming_other_experts_than_its_packed_ids_were_stored_for_is_refused():
+    """Pad rows hold ``arange % num_experts``: a rank whose count differs from the one its IDs were packed for
+    (a wrong --num-experts) would get other pads than slime's. Refused before reading, where pads are needed;
+    without pads, or with whole-byte IDs that carry no count, the rank's own count stands."""
+    with _stored(3, [20, 30], routed_experts_dtype="packed", num_experts=EXPERTS) as (config, units, clients, shard,
+                                                                                        data):
+        with Reader(clients, config) as reader:
+            before = _bytes_read(units)
+            with pytest.raises(InvalidInputError, match=r"micro-batch 0, field 'routed_experts': ParallelSlice"
+                                                        r"\.num_experts is 64, but its IDs were stored packed for 16"):
+                reader.stream(shard, [[0], [1]], ParallelSlice(num_experts=64))
+            assert _bytes_read(units) == before
+            rank = ParallelSlice(num_experts=EXPERTS)
+            with reader.stream(shard, [[0], [1]], rank) as stream:
+                assert all(_check(mb, [mb.index], data, range(LAYERS), rank) for mb in stream)
+            # token ranges with no pad rows need no count at all
+            with reader.stream(shard, [[0, 1]], ParallelSlice(), token_ranges=[[(0, 5)], [(2, 9)]]) as stream:
+                np.testing.assert_array_equal(next(stream).routed_experts[0][:5], data[0][0][:5, 0])
+
+
 def test_a_lost_key_raises_at_its_micro_batch_not_before():
     with _stored(2, [20, 30, 40]) as (config, units, clients, shard, data):
         clients.channel(units[0].name).call("delete", keys=[shard[2]["routed_experts"].fragments[0].ref.key])
