@@ -126,9 +126,9 @@ def test_stats_names_a_controller_that_does_not_answer_instead_of_hanging(monkey
     @ray.remote(num_cpus=0)
     class Hung:
         def membership(self):
-            import time
+            import threading
 
-            time.sleep(600)  # a hung call: killed with the actor below
+            threading.Event().wait()  # never set: a call that never returns (the actor is killed below)
     actor = Hung.options(name=CONTROLLER_NAME, namespace=NAMESPACE).remote()
     try:
         monkeypatch.setattr(stats, "ANSWER_TIMEOUT_S", 1.0)
