@@ -12,7 +12,9 @@ the rows of fill plan rows. It dispatches on the array type:
 - CUDA torch tensors: the CUDA kernel through CuPy when CuPy has a working
   device, else the torch fallback; CPU torch tensors: the torch fallback;
 - a :class:`MappedSource` (compact bytes left in mapped host memory) with a
-  CUDA ``out``: the CUDA kernel reading them in place (zero-copy).
+  CUDA ``out``: the CUDA kernel reading them in place (zero-copy); with a
+  numpy ``out``, the host codec reading them in place (packed IDs too,
+  through :func:`unpack_scatter`).
 
 Nothing here knows about RL, and only numpy is needed to import it. A bad
 plan or buffer raises :class:`gputq.errors.PlanError` (an ``InvalidInputError``,
@@ -122,9 +124,10 @@ def unpack_scatter(staging, plan, topk, bits, out, fill=0, *, validate=True, str
     The packed counterpart of :func:`widen_scatter`: ``staging`` holds uint8
     rows of ``packed_row_bytes(topk, bits)`` bytes (see
     :mod:`gputq.data.packing`), ``out`` int32 rows of ``topk`` IDs, and
-    ``plan`` counts in rows. Dispatch: numpy arrays and CPU torch tensors
-    run the host codec (``host_codec.c``, built on first use; the numpy
-    reference where it cannot be), CuPy arrays and CUDA torch tensors the CUDA
+    ``plan`` counts in rows. Dispatch: numpy arrays, CPU torch tensors and
+    a :class:`MappedSource` of host addresses into a numpy ``out`` (each row
+    read where it lies) run the host codec (``host_codec.c``, built on first
+    use; the numpy reference where it cannot be), CuPy arrays and CUDA torch tensors the CUDA
     kernel (CUDA torch tensors through CuPy, on torch's current stream
     unless ``stream`` is given). ``stream`` as for :func:`widen_scatter`.
 
@@ -135,6 +138,8 @@ def unpack_scatter(staging, plan, topk, bits, out, fill=0, *, validate=True, str
         tensors where CuPy cannot run (the kernel needs it: install
         ``cupy-cuda12x``).
     """
+    if isinstance(staging, MappedSource):  # packed rows left in mapped host memory, unpacked where they lie
+        return staging.unpack_scatter(plan, topk, bits, out, fill, validate=validate)
     kind = _array_kind(staging)
     if kind != _array_kind(out):
         raise PlanError(f"staging ({type(staging).__name__}) and out ({type(out).__name__}) "

@@ -245,3 +245,24 @@ void gputq_unpack_scatter(const uint8_t* src, const int64_t* plan, int64_t nplan
         }
     }
 }
+
+/* gputq_unpack_scatter with the staging bytes where they lie: `nseg` segments (see mapped_bytes), `dst` of
+   `dst_rows` rows. A copied plan row must lie inside one segment. Returns -1, or the index of the first plan row
+   that breaks the rule or writes outside dst (nothing of it or after it is written). */
+int64_t gputq_unpack_scatter_mapped(const int64_t* starts, const int64_t* addresses, const int64_t* lengths,
+                                    int64_t nseg, const int64_t* plan, int64_t nplan, int topk, int bits,
+                                    int32_t* dst, int64_t dst_rows, int32_t fill) {
+    const int64_t row_bytes = (topk * bits + 7) >> 3;
+    for (int64_t i = 0; i < nplan; ++i) {
+        const int64_t s = plan[3 * i], d = plan[3 * i + 1], n = plan[3 * i + 2];
+        if (n < 0 || d < 0 || d > dst_rows - n) return i;
+        if (s < 0) {
+            for (int64_t k = 0; k < n * topk; ++k) dst[d * topk + k] = fill;
+            continue;
+        }
+        const uint8_t* from = mapped_bytes(starts, addresses, lengths, nseg, s * row_bytes, n * row_bytes);
+        if (from == NULL) return i;
+        gputq_unpack_rows(from, n, topk, bits, dst + d * topk, topk);
+    }
+    return -1;
+}

@@ -67,6 +67,20 @@ static inline uint64_t lane_mask(int bits, int lane) {
 }
 #endif
 
+/* Staging bytes [first, first + nbytes) where they lie in a mapped source's `nseg` segments (staging bytes
+   [starts[j], starts[j] + lengths[j]) at host address addresses[j], `starts` ascending: a restore reading
+   same-host arenas in place); NULL where no one segment holds them all. */
+static inline const uint8_t* mapped_bytes(const int64_t* starts, const int64_t* addresses, const int64_t* lengths,
+                                          int64_t nseg, int64_t first, int64_t nbytes) {
+    int64_t lo = 0, hi = nseg;  /* the last segment starting at or before `first` */
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (starts[mid] <= first) lo = mid; else hi = mid;
+    }
+    if (nseg == 0 || starts[lo] > first || first + nbytes > starts[lo] + lengths[lo]) return NULL;
+    return (const uint8_t*)(intptr_t)(addresses[lo] + (first - starts[lo]));
+}
+
 #if defined(__SIZEOF_INT128__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define ROW_WORD 1  /* a row of up to 16 bytes is one 128-bit little-endian word: a shift and a mask an ID */
 #endif

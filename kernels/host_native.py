@@ -41,7 +41,7 @@ from .reference import reference_unpack_scatter, reference_widen_scatter, unpack
 
 __all__ = ["HOST_CODEC_SOURCES", "PATH_AVX512", "PATH_BMI2", "PATH_VBMI", "host_codec", "host_codec_status",
            "unpack_rows_host", "unpack_scatter_host", "unpack_token_major_host", "pack_rows_host", "narrow_rows_host",
-           "widen_scatter_host", "widen_scatter_mapped_host"]
+           "widen_scatter_host", "widen_scatter_mapped_host", "unpack_scatter_mapped_host"]
 
 #: The codec's C sources, built into one library (the header is part of what the build depends on).
 HOST_CODEC_SOURCES = tuple(Path(__file__).with_name(name) for name in ("host_codec.c", "host_pack.c", "host_widen.c"))
@@ -155,6 +155,9 @@ def _typed(lib):
     lib.gputq_widen_scatter_mapped.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_int, c.c_void_p,
                                                c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_uint32]
     lib.gputq_widen_scatter_mapped.restype = c.c_int64
+    lib.gputq_unpack_scatter_mapped.argtypes = [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p,
+                                                c.c_int64, c.c_int, c.c_int, c.c_void_p, c.c_int64, c.c_int32]
+    lib.gputq_unpack_scatter_mapped.restype = c.c_int64
     lib.gputq_set_paths.argtypes = [c.c_int]
     lib.gputq_set_paths.restype = c.c_int
     return lib
@@ -250,6 +253,26 @@ def widen_scatter_mapped_host(segments: tuple, dtype, plan, width: int, out: np.
     if bad >= 0:
         raise PlanError(f"plan row {bad} {plan[bad].tolist()} reads staging bytes that no mapped segment holds "
                         f"whole and aligned, or writes outside the {out.size // width} out rows")
+    return out
+
+
+def unpack_scatter_mapped_host(segments: tuple, plan, topk: int, bits: int, out: np.ndarray,
+                               fill=0) -> np.ndarray | None:
+    """:func:`unpack_scatter_host` reading the packed rows where they lie: ``segments`` as for
+    :func:`widen_scatter_mapped_host`. None where the codec cannot take it (not loaded, or ``out`` not
+    writable, C-contiguous int32): the caller reads the rows itself. Raises ``PlanError`` for a plan row
+    outside one segment or outside ``out``; nothing of it or after it is written."""
+    lib = host_codec()
+    if lib is None or out.dtype != np.int32 or not out.flags.c_contiguous or not out.flags.writeable:
+        return None
+    plan = np.ascontiguousarray(as_plan_array(plan), dtype=np.int64)
+    starts, addresses, lengths = (np.ascontiguousarray(a, dtype=np.int64) for a in segments)
+    bad = lib.gputq_unpack_scatter_mapped(starts.ctypes.data, addresses.ctypes.data, lengths.ctypes.data,
+                                          len(starts), plan.ctypes.data, len(plan), int(topk), int(bits),
+                                          out.ctypes.data, out.size // int(topk), int(fill))
+    if bad >= 0:
+        raise PlanError(f"plan row {bad} {plan[bad].tolist()} reads staging bytes that no mapped segment holds "
+                        f"whole, or writes outside the {out.size // int(topk)} out rows")
     return out
 
 

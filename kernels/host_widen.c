@@ -41,11 +41,9 @@ int64_t gputq_widen_scatter(const void* src, int src_bytes, int64_t src_rows, co
     return -1;
 }
 
-/* gputq_widen_scatter with the staging bytes where they lie: `nseg` segments, staging bytes
-   [starts[j], starts[j] + lengths[j]) at host address addresses[j], `starts` ascending (a mapped source: a
-   restore reading same-host arenas in place). A copied plan row must lie inside one segment, its first
-   element aligned to `src_bytes`. Returns -1, or the index of the first plan row that breaks a rule or
-   writes outside dst (nothing of it or after it is written). */
+/* gputq_widen_scatter with the staging bytes where they lie: `nseg` segments (see mapped_bytes). A copied
+   plan row must lie inside one segment, its first element aligned to `src_bytes`. Returns -1, or the index
+   of the first plan row that breaks a rule or writes outside dst (nothing of it or after it is written). */
 int64_t gputq_widen_scatter_mapped(const int64_t* starts, const int64_t* addresses, const int64_t* lengths,
                                    int64_t nseg, int src_bytes, const int64_t* plan, int64_t nplan, int64_t width,
                                    uint32_t* dst, int64_t dst_rows, uint32_t fill) {
@@ -58,15 +56,8 @@ int64_t gputq_widen_scatter_mapped(const int64_t* starts, const int64_t* address
             for (int64_t k = 0; k < n * width; ++k) o[k] = fill;
             continue;
         }
-        const int64_t first = s * row_bytes;
-        int64_t lo = 0, hi = nseg;  /* the last segment starting at or before `first` */
-        while (hi - lo > 1) {
-            const int64_t mid = lo + (hi - lo) / 2;
-            if (starts[mid] <= first) lo = mid; else hi = mid;
-        }
-        if (nseg == 0 || starts[lo] > first || first + n * row_bytes > starts[lo] + lengths[lo]) return i;
-        const uint8_t* from = (const uint8_t*)(intptr_t)(addresses[lo] + (first - starts[lo]));
-        if ((uintptr_t)from % (uintptr_t)src_bytes) return i;
+        const uint8_t* from = mapped_bytes(starts, addresses, lengths, nseg, s * row_bytes, n * row_bytes);
+        if (from == NULL || (uintptr_t)from % (uintptr_t)src_bytes) return i;
         widen_run(from, src_bytes, o, n * width);
     }
     return -1;

@@ -9,7 +9,8 @@ restore, a host address for a host one) and behaves like the staging array
 as far as a restore uses it (``nbytes``, a leading slice, ``view(dtype)``).
 :func:`kernels.widen_scatter` given one translates the plan's staging rows
 into those addresses and runs the kernel (or, into host memory, the host
-codec) on them: the compact bytes are read once, where they lie.
+codec) on them: the compact bytes are read once, where they lie. Packed IDs
+(:func:`kernels.unpack_scatter`) are unpacked so into host memory only.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import numpy as np
 from gputq.errors import PlanError
 
 from .cupy_backend import widen_scatter_from_pointer
-from .plan import as_plan_array
-from .host_native import widen_scatter_host, widen_scatter_mapped_host
+from .plan import as_plan_array, check_unpack_call
+from .host_native import unpack_scatter_mapped_host, widen_scatter_host, widen_scatter_mapped_host
+from .reference import unpack_rows_into
 
 __all__ = ["MappedSource", "SPAN_GAP_BYTES"]
 
@@ -133,6 +135,39 @@ class MappedSource:
                                       validate=validate)
         return widen_scatter_from_pointer(base, self.dtype, src_elems, elements, out, fill,
                                           validate=validate, stream=stream)
+
+    def unpack_scatter(self, plan, topk: int, bits: int, out, fill=0, *, validate=True):
+        """:func:`kernels.unpack_scatter` with this (uint8 packed rows) as the staging buffer, into a numpy
+        ``out``: the host codec (or numpy, a plan row at a time) unpacks each row where it lies.
+
+        Raises
+        ------
+        PlanError
+            As :func:`kernels.unpack_scatter` does, for a plan row outside
+            one segment, or for a CUDA ``out``: the unpack kernel reads
+            staging in device memory (a GPU restore stages packed IDs).
+        """
+        if not isinstance(out, np.ndarray):
+            raise PlanError("packed IDs left in mapped memory unpack into host memory only; a GPU restore "
+                            "stages them first")
+        plan, fill, row_bytes = check_unpack_call(self.dtype.name, self.size, out.dtype.name, out.size, plan,
+                                                  topk, bits, fill, validate)
+        segments = (self.starts, self.addresses, self.lengths)
+        if unpack_scatter_mapped_host(segments, plan, topk, bits, out.reshape(-1), fill) is not None:
+            return out
+        rows_out = out.reshape(-1, topk)
+        for i, (first, dst, rows) in enumerate(plan.tolist()):
+            try:
+                if rows < 0 or dst < 0 or dst + rows > len(rows_out):
+                    raise PlanError(f"it writes outside the {len(rows_out)} out rows")
+                if first < 0:
+                    rows_out[dst:dst + rows] = fill
+                else:
+                    packed = self.host_array(first * row_bytes, rows * row_bytes).reshape(rows, row_bytes)
+                    unpack_rows_into(packed, topk, bits, rows_out[dst:dst + rows])
+            except PlanError as exc:
+                raise PlanError(f"plan row {i} {[first, dst, rows]}: {exc}") from None
+        return out
 
     def spans(self, max_gap: int = SPAN_GAP_BYTES) -> tuple[list, list, list]:
         """The segments grouped into spans of memory to copy at once, in address order.

@@ -5,8 +5,8 @@
   a window of micro-batches, and the restore reads them there: no staging
   copy.
 - :class:`StagedFetch`: each unit's span requests read into a compact
-  buffer (rdma into registered memory, GPU destinations, and packed IDs,
-  which unpack whole rows). Over rdma the next micro-batch's leases are
+  buffer (rdma into registered memory, GPU destinations, and packed IDs
+  over tcp, which unpack whole rows). Over rdma the next micro-batch's leases are
   taken while this one's bytes move.
 - :class:`LandingFetch`: over tcp on the host, the reads go out ahead of
   their replies on one pipeline per unit and each reply is widened as it
@@ -36,12 +36,13 @@ def choose_ways(context: ReadContext, units: list, prefetch: int, hold: bool, pa
                 ) -> tuple[bool, bool, bool]:
     """How a stream's bytes move: (read in place, landed as they arrive, restored ahead on a second thread).
 
-    Packed IDs are always staged: they unpack whole rows, which neither a
-    chunk as it lands nor the in-place widen hands over.
+    Packed IDs are never landed: they unpack whole rows, which a chunk as it
+    lands does not hand over (read in place, each row lies in one region).
     """
-    on_host = context.on_host and bool(units) and not packed
+    on_host = context.on_host and bool(units)
     in_place = on_host and all(mapped_here(context.channel(unit), False) for unit in units)
-    landing = on_host and not in_place and all(context.channel(unit).pipelines_reads for unit in units)
+    landing = on_host and not packed and not in_place and all(context.channel(unit).pipelines_reads
+                                                              for unit in units)
     return in_place, landing, context.on_host and prefetch >= 2 and not hold and not landing
 
 

@@ -391,7 +391,13 @@ def test_in_place_close_waits_for_the_placement_under_way_on_the_fetch_thread(mo
             wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the leases of a closed stream to end")
 
 
-def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_ends():
+#: Stored formats read in place over shm: whole-byte IDs widened, and packed IDs unpacked, where they lie.
+IN_PLACE_FORMATS = {"uint16": {"routed_experts_dtype": "uint16"},
+                    "packed": {"routed_experts_dtype": "packed", "num_experts": EXPERTS}}
+
+
+@pytest.mark.parametrize("dtype", sorted(IN_PLACE_FORMATS))
+def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_ends(dtype):
     """Over shm one lease per unit covers a window of micro-batches (after the first two, 2, 4, 8 ...): the
     unit grants one per window, not one per micro-batch, the bytes are exact, and once the stream is closed (here before
     its end, with windows leased ahead) the unit holds no lease."""
@@ -399,7 +405,7 @@ def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_end
     lengths = [37, 50, 64, 23, 41, 19, 33, 28, 45, 30]
     batches = [[i] for i in range(len(lengths))]
     rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
-    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
+    with local_units("shm", units=1, **IN_PLACE_FORMATS[dtype]) as (config, units, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, rng, lengths)
         before = _leases_taken(units[0])
@@ -503,10 +509,11 @@ def test_in_place_a_stale_key_fails_its_own_micro_batch_not_the_others_of_its_wi
         assert consumed == [0, 1, 2]
 
 
-def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consumer_holds_one(monkeypatch):
-    """Read where they lie (shm), micro-batches need no compact buffer: the restore thread widens the
-    prefetched ones into prefetch + 1 output buffers while the consumer holds one, never waiting for the
-    buffer it gives back, and it is the fetch, not the consumer, that queues each restore."""
+@pytest.mark.parametrize("dtype", sorted(IN_PLACE_FORMATS))
+def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consumer_holds_one(monkeypatch, dtype):
+    """Read where they lie (shm), micro-batches need no compact buffer, packed IDs neither: the restore thread
+    widens the prefetched ones into prefetch + 1 output buffers while the consumer holds one, never waiting for
+    the buffer it gives back, and it is the fetch, not the consumer, that queues each restore."""
     import gputq.client.stream as stream_module
     from gputq.client.stream_buffers import StreamBuffers
 
@@ -528,7 +535,7 @@ def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consume
 
     monkeypatch.setattr(stream_module.MicroBatchStream, "_restored", restored_then_told)
     monkeypatch.setattr(StreamBuffers, "new_outputs", new_outputs)
-    with local_units("shm", units=2, routed_experts_dtype="uint16") as (config, _, clients):
+    with local_units("shm", units=2, **IN_PLACE_FORMATS[dtype]) as (config, _, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(8), lengths)
         with Reader(clients, config) as reader:

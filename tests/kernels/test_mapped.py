@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gputq.data.packing import pack_rows, packed_row_bytes
 from gputq.errors import PlanError
-from gputq.kernels import MappedSource, reference_widen_scatter
+from gputq.kernels import MappedSource, mapped, reference_unpack_scatter, reference_widen_scatter, unpack_scatter
 from gputq.kernels.host_native import host_codec, host_codec_status, widen_scatter_mapped_host
 from gputq.transport.arena_copies import copy_runs
 from tests.kernels.test_reference import POISON_INT, DTYPES, bits, poisoned_out, random_plan, random_staging
@@ -201,3 +202,65 @@ def test_the_codec_refuses_a_row_across_segments_misaligned_or_outside_and_write
     with pytest.raises(PlanError, match="plan row 0 "):
         widen_scatter_mapped_host(odd, "uint16", [[0, 0, 1]], 5, poisoned_out("uint16", 50))
     assert widen_scatter_mapped_host(segments, "int8", [[0, 0, 1]], 5, np.zeros(50, np.int32)) is None
+
+
+def _packed_rows(rng, topk: int, bits: int, rows: int) -> np.ndarray:
+    """``rows`` random packed rows of ``topk`` IDs of ``bits`` bits, as uint8 staging."""
+    return pack_rows(rng.integers(0, 1 << bits, (rows, topk)).astype(np.int32), 1 << bits).reshape(-1)
+
+
+@pytest.mark.parametrize("path", ["codec", "numpy"])
+@pytest.mark.parametrize("topk,bits", [(1, 1), (8, 7), (8, 9), (10, 9), (4, 16), (13, 11)])
+def test_packed_rows_unpack_from_their_segments_where_they_lie(monkeypatch, path, topk, bits):
+    """Packed rows of any byte length, cut into segments scattered out of order (odd addresses: a row of
+    packed IDs may end on any byte), unpack through ``unpack_scatter`` into what the reference gives over
+    the contiguous staging; by the codec, and row by row in numpy where it cannot be loaded."""
+    if path == "codec" and host_codec() is None:
+        pytest.skip(f"no host codec: {host_codec_status()}")
+    if path == "numpy":
+        monkeypatch.setattr(mapped, "unpack_scatter_mapped_host", lambda *args: None)
+    rng = np.random.default_rng(topk * 17 + bits)
+    row_bytes, src_rows, dst_rows = packed_row_bytes(topk, bits), 300, 500
+    staging = _packed_rows(rng, topk, bits, src_rows)
+    memory, segments = _scattered(rng, staging, row_bytes, src_rows, misalign=3)
+    plan = random_plan(rng, src_rows, dst_rows, max_frag=1)
+    want = reference_unpack_scatter(staging, plan, topk, bits, poisoned_out("uint8", dst_rows * topk), 5)
+    source = MappedSource(*segments, staging.nbytes)
+    got = unpack_scatter(source, plan, topk, bits, poisoned_out("uint8", dst_rows * topk), 5, validate=False)
+    np.testing.assert_array_equal(got, want)
+    del memory
+
+
+@pytest.mark.parametrize("path", ["codec", "numpy"])
+def test_packed_rows_across_segments_or_outside_are_refused_and_nothing_from_them_on_is_written(monkeypatch,
+                                                                                              path):
+    if path == "codec" and host_codec() is None:
+        pytest.skip(f"no host codec: {host_codec_status()}")
+    if path == "numpy":
+        monkeypatch.setattr(mapped, "unpack_scatter_mapped_host", lambda *args: None)
+    topk, bits = 8, 9  # rows of 9 bytes
+    staging = _packed_rows(np.random.default_rng(1), topk, bits, 20)
+    memory = np.zeros(4096, np.uint8)
+    memory[101:191] = staging[:90]
+    memory[1001:1091] = staging[90:]
+    segments = (np.array([0, 90]), np.array([memory.ctypes.data + 101, memory.ctypes.data + 1001]),
+                np.array([90, 90]))
+    source = MappedSource(*segments, staging.nbytes)
+    want = reference_unpack_scatter(staging, [[0, 0, 2]], topk, bits, poisoned_out("uint8", 10 * topk))
+    for plan in ([[0, 0, 2], [8, 2, 4]],  # rows 8..11: bytes 72..108, two segments
+                 [[0, 0, 2], [12, 9, 2]],  # out has 10 rows
+                 [[0, 0, 2], [20, 2, 1]]):  # row 20: past the last segment
+        out = poisoned_out("uint8", 10 * topk)
+        with pytest.raises(PlanError, match="plan row 1 "):
+            unpack_scatter(source, plan, topk, bits, out, validate=False)
+        np.testing.assert_array_equal(out[:2 * topk], want[:2 * topk])
+        assert (out[2 * topk:] == POISON_INT).all()
+    with pytest.raises(PlanError, match="whole rows"):
+        unpack_scatter(source[:100], [[0, 0, 1]], topk, bits, poisoned_out("uint8", 10 * topk))
+    with pytest.raises(PlanError, match="host memory only"):
+        unpack_scatter(source, [[0, 0, 1]], topk, bits, _NotNumpy())
+    del memory
+
+
+class _NotNumpy:
+    """An ``out`` that is not a numpy array (a CUDA tensor's place)."""
