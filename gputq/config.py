@@ -261,6 +261,10 @@ class GputqConfig:
         if self.routed_experts_dtype in ("packed", "auto") and not self.num_experts:
             raise _error("routed_experts_dtype", f"routed_experts_dtype {self.routed_experts_dtype!r} needs "
                                                  f"num_experts (--num-experts, GPUTQ_NUM_EXPERTS)")
+        whole = {"uint8": 1 << 8, "uint16": 1 << 16}.get(self.routed_experts_dtype, 0)
+        if whole and self.num_experts > whole:
+            raise _error("num_experts", f"routed_experts_dtype {self.routed_experts_dtype!r} holds IDs below "
+                                        f"{whole}: {self.num_experts} experts need a wider one (or auto)")
         if self.routed_experts_dtype == "packed" and self.num_experts > 1 << MAX_BITS:
             raise _error("num_experts", f"packed IDs hold at most {MAX_BITS} bits: {self.num_experts} experts "
                                         f"need int32 (or auto)")

@@ -206,6 +206,18 @@ def test_packed_ids_name_num_experts_by_flag_env_or_megatrons_own_flag():
         GputqConfig(num_experts=-1)
 
 
+def test_num_experts_bounds_whole_byte_ids_too():
+    """The documented promise, "an ID at or above it is refused", holds for whole bytes: their spec carries it,
+    and a format too narrow for the model's experts is refused at once (GLM-4.5's 160 fit uint8; 300 do not)."""
+    config = GputqConfig.load(env={"GPUTQ_ROUTED_EXPERTS_DTYPE": "uint8", "GPUTQ_NUM_EXPERTS": "160"})
+    assert config.field_registry(4, 8).get("routed_experts").id_limit == 160
+    assert GputqConfig(routed_experts_dtype="uint16").field_registry(4, 8).get("routed_experts").id_limit == 0
+    with pytest.raises(ConfigError, match="'uint8' holds IDs below 256: 300 experts need a wider one"):
+        GputqConfig(routed_experts_dtype="uint8", num_experts=300)
+    with pytest.raises(ConfigError, match="'uint16' holds IDs below 65536"):
+        GputqConfig(routed_experts_dtype="uint16", num_experts=(1 << 16) + 1)
+
+
 def test_metrics_port_setting():
     assert GputqConfig().metrics_port == 0
     assert GputqConfig.load(env={"GPUTQ_METRICS_PORT": "9400"}).metrics_port == 9400

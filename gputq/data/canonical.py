@@ -41,8 +41,9 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
     packed spec's IDs are packed in that same pass. Raises
     :class:`~gputq.errors.FieldValueError` naming ``key`` and the field for
     a wrong shape, a float array for an integer field, a NaN (first index)
-    or an ID the stored dtype (or ``num_experts``) cannot hold (value and
-    first index). Values are never truncated.
+    or an ID the stored dtype cannot hold, or at or above the spec's
+    ``num_experts`` (packed) or ``id_limit`` (value and first index).
+    Values are never truncated.
 
     Checking and converting are one pass: the array goes through in chunks
     that stay in a core's cache, each converted and then checked while it is
@@ -71,7 +72,8 @@ def canonicalize(key: str, spec: FieldSpec, array: Any, *, out: np.ndarray | Non
     result = np.empty(shape, stored) if out is None else _into(where, out, arr.shape[0] * row_nbytes(spec), stored,
                                                                 shape)
     if arr.size and spec.integral and (_packed_natively(where, arr, result, spec.num_experts, layer_major)
-                                       if spec.num_experts else _narrowed_natively(where, arr, result, layer_major)):
+                                       if spec.num_experts else
+                                       _narrowed_natively(where, arr, result, layer_major, spec.id_limit)):
         return result.reshape(-1).reshape((shape[1], shape[0], *shape[2:])) if layer_major else result
     convert = _packer(where, spec.num_experts) if spec.num_experts else _converter(where, check)
     narrowing_floats = check is _check_nan and arr.dtype.itemsize > stored.itemsize
@@ -96,6 +98,8 @@ def _input_check(where: str, spec: FieldSpec, arr: np.ndarray):
     if spec.integral:
         if arr.dtype.kind not in "iu":
             raise FieldValueError(f"{where}: expected an integer array, got dtype {arr.dtype}")
+        if spec.id_limit:
+            return lambda where, src, dst, row0: check_ids(where, src, spec.id_limit, row0)
         return None if _widens(arr.dtype, np.dtype(spec.dtype)) else _check_range
     if arr.dtype.kind != "f":
         raise FieldValueError(f"{where}: expected a floating-point array, got dtype {arr.dtype}")
@@ -130,17 +134,20 @@ def _packed_natively(where: str, arr: np.ndarray, result: np.ndarray, num_expert
     return True
 
 
-def _narrowed_natively(where: str, arr: np.ndarray, result: np.ndarray, layer_major: bool) -> bool:
+def _narrowed_natively(where: str, arr: np.ndarray, result: np.ndarray, layer_major: bool, id_limit: int) -> bool:
     """Store (and check) ``arr`` as ``result``'s whole-byte dtype with the host codec, in one pass; False where
-    it cannot (see :func:`~gputq.kernels.host_native.narrow_rows_host`)."""
+    it cannot (see :func:`~gputq.kernels.host_native.narrow_rows_host`). Each ID is checked below ``id_limit``
+    where it is given, else within the stored dtype's range."""
     stored = result.dtype
-    limit = 0 if _widens(arr.dtype, stored) else int(np.iinfo(stored).max) + 1
+    limit = id_limit or (0 if _widens(arr.dtype, stored) else int(np.iinfo(stored).max) + 1)
     bad = narrow_rows_host(arr, limit, result, layer_major)
     if bad is None:
         return False
-    if bad >= 0:
+    if bad >= 0:  # raises, naming the first bad value
         row = bad // math.prod(arr.shape[1:])
-        _check_range(where, arr[row:row + 1], result[:1], row)  # raises, naming the first bad value
+        if id_limit:
+            check_ids(where, arr[row:row + 1], id_limit, row)
+        _check_range(where, arr[row:row + 1], result[:1], row)
     return True
 
 

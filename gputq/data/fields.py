@@ -78,6 +78,11 @@ class FieldSpec:
         the last axis of a row (K IDs) in ``ceil(K * b / 8)`` bytes at
         ``b = ceil(log2 num_experts)`` bits each, see
         :mod:`gputq.data.packing`; restored as int32.
+    id_limit:
+        ``0``: an integer field's values are bounded by its stored dtype.
+        Else they are IDs checked in ``[0, id_limit)`` at put, as packed
+        IDs are against ``num_experts`` (whole-byte expert IDs of a model
+        with fewer experts than the dtype holds); at most the dtype's range.
     """
 
     name: str
@@ -88,6 +93,7 @@ class FieldSpec:
     span: str = "output"
     sample_key: str = field(default="")
     num_experts: int = 0
+    id_limit: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -113,6 +119,8 @@ class FieldSpec:
             object.__setattr__(self, "sample_key", sample_key_of(self.name))
         if self.num_experts:
             self._check_packing()
+        if self.id_limit:
+            self._check_id_limit(stored)
 
     def _check_packing(self) -> None:
         where = f"field {self.name!r}"
@@ -122,6 +130,18 @@ class FieldSpec:
                               f"{self.dtype}/{self.restored_dtype}")
         if len(self.row_shape) not in (1, 2):
             raise ConfigError(f"{where}: packed IDs need rows [K] or [layers, K], got {self.row_shape}")
+
+    def _check_id_limit(self, stored: np.dtype) -> None:
+        where = f"field {self.name!r}"
+        limit = self.id_limit
+        if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1:
+            raise ConfigError(f"{where}: id_limit must be an int >= 1 (or 0: none), got {limit!r}")
+        if stored.kind not in "iu" or self.num_experts:
+            raise ConfigError(f"{where}: id_limit bounds whole-byte integer IDs, not {stored} "
+                              f"{'packed IDs' if self.num_experts else 'values'}")
+        if limit > int(np.iinfo(stored).max) + 1:
+            raise ConfigError(f"{where}: {stored} holds IDs below {int(np.iinfo(stored).max) + 1}, not {limit}")
+        object.__setattr__(self, "id_limit", int(limit))
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -140,6 +160,8 @@ class FieldSpec:
                   "span": self.span, "sample_key": self.sample_key}
         if self.num_experts:  # only packed specs carry it: readers of whole-dtype records see no change
             record["num_experts"] = self.num_experts
+        if self.id_limit:  # likewise: records of specs without it are as they were
+            record["id_limit"] = self.id_limit
         return record
 
     @classmethod
@@ -147,9 +169,9 @@ class FieldSpec:
         """Inverse of :meth:`to_dict`; raises ``InvalidInputError`` on a bad record."""
         rec = read_record(data, "FieldSpec", _SPEC_SCHEMA,
                           ("name", "row_shape", "dtype", "restored_dtype", "fill", "span", "sample_key"),
-                          optional=("num_experts",))
+                          optional=("num_experts", "id_limit"))
         return cls(rec["name"], tuple(rec["row_shape"]), rec["dtype"], rec["restored_dtype"],
-                   rec["fill"], rec["span"], rec["sample_key"], rec.get("num_experts", 0))
+                   rec["fill"], rec["span"], rec["sample_key"], rec.get("num_experts", 0), rec.get("id_limit", 0))
 
 
 def sample_key_of(field: str) -> str:
@@ -177,6 +199,8 @@ def routed_experts_spec(num_layers: int, topk: int, dtype: str = "int32", num_ex
         Routed experts E; ``packed`` and ``auto`` need it (nothing guesses
         it from the data). ``auto`` stores whole bytes where packing would
         save none (E = 256 in uint8, E = 65,536 in uint16), else packed.
+        Given, every ID at or above it is refused at put, whatever
+        the format (whole bytes: :attr:`FieldSpec.id_limit`).
     """
     if dtype not in ROUTED_EXPERTS_FORMATS:
         raise ConfigError(f"routed_experts dtype must be one of {ROUTED_EXPERTS_FORMATS}, got {dtype!r}")
@@ -185,7 +209,8 @@ def routed_experts_spec(num_layers: int, topk: int, dtype: str = "int32", num_ex
             raise ConfigError(f"routed_experts dtype {dtype!r} needs num_experts (the model's routed experts)")
         dtype = _narrowest(topk, num_experts) if dtype == "auto" else "packed"
     if dtype != "packed":
-        return FieldSpec(ROUTED_EXPERTS, (num_layers, topk), dtype, "int32", 0, span="context")
+        return FieldSpec(ROUTED_EXPERTS, (num_layers, topk), dtype, "int32", 0, span="context",
+                         id_limit=num_experts)
     return FieldSpec(ROUTED_EXPERTS, (num_layers, topk), "uint8", "int32", 0, span="context",
                      num_experts=num_experts)
 

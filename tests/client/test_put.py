@@ -65,6 +65,27 @@ def test_packed_ids_outside_num_experts_are_refused_at_put_naming_the_first(valu
         assert _stored(services) == [(0, 0, 0), (0, 0, 0)]
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32", "auto"])
+def test_whole_byte_ids_outside_a_configured_num_experts_are_refused_at_put(dtype):
+    # GLM-4.5's 160 experts: uint8 (auto's choice too) holds 160..255, which no expert has; nothing is stored.
+    with local_units("tcp", units=2, routed_experts_dtype=dtype, num_experts=160) as (config, services, clients):
+        experts = np.random.default_rng(1).integers(0, 160, (8192, L, K), dtype=np.int32)
+        experts[5000, 3, 1] = 160
+        experts[6000, 0, 0] = 200
+        with Writer(clients, config) as writer:
+            with pytest.raises(FieldValueError) as info:
+                writer.put("p/s1/3", "p", {"routed_experts": experts})
+            writer.flush()
+            assert _stored(services) == [(0, 0, 0), (0, 0, 0)]
+            experts[5000, 3, 1] = experts[6000, 0, 0] = 159
+            refs = writer.put("p/s1/3", "p", {"routed_experts": experts})
+        assert str(info.value) == ("key 'p/s1/3' field 'routed_experts': expert ID 160 at index [5000, 3, 1] "
+                                   "is outside [0, 160) (num_experts 160); nothing was stored")
+        with Reader(clients, config) as reader:
+            (got,) = reader.fetch([{f: Layout.from_ref(r) for f, r in refs.items()}])
+        np.testing.assert_array_equal(got["rollout_routed_experts"], experts)
+
+
 @pytest.mark.parametrize("experts,topk,row_bytes", [(128, 8, 7), (384, 8, 9), (512, 10, 12)])
 def test_a_unit_stores_packed_rows_at_exactly_their_bytes(experts, topk, row_bytes):
     # The unit's own counters: ceil(K * b / 8) bytes a row and layer (uint8 would be 8, uint16 16 and 20).

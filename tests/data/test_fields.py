@@ -166,3 +166,41 @@ def test_canonicalize_layer_major_names_the_token_major_index_of_a_bad_id(store_
         canonicalize("k", spec, src, layer_major=True)
     with pytest.raises(InvalidInputError, match="two or more dimensions"):
         canonicalize("k", logprobs_spec(), np.zeros(4, np.float32), layer_major=True)
+
+
+@pytest.mark.parametrize("layer_major", [False, True])
+@pytest.mark.parametrize("source", ["<i4", ">i4", "<i8", "<u2"])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32", "auto"])
+def test_whole_byte_ids_at_or_above_num_experts_are_refused(dtype, source, layer_major, store_by):
+    """A configured num_experts bounds every ID, whatever the format: an ID the dtype holds but the model has no
+    expert for (160 experts stored in uint8, say, by ``auto``) is refused with its token-major index, as a
+    packed one is, by the codec and by numpy, from native, big-endian, wider and unsigned input."""
+    spec = routed_experts_spec(4, 8, dtype, 160)
+    assert spec.id_limit == 160 and spec.dtype == ("uint8" if dtype == "auto" else dtype)
+    src = np.random.default_rng(3).integers(0, 160, (2500, 4, 8)).astype(source)
+    stored = canonicalize("k", spec, src, out=np.empty(src.size * 4, np.uint8), layer_major=layer_major)
+    np.testing.assert_array_equal(stored, src.transpose(1, 0, 2) if layer_major else src)
+    for bad in (160, 255):
+        src[2100, 3, 5] = bad
+        with pytest.raises(FieldValueError, match=rf"expert ID {bad} at index \[2100, 3, 5\] is outside \[0, 160\)"):
+            canonicalize("k", spec, src, out=np.empty(src.size * 4, np.uint8), layer_major=layer_major)
+        with pytest.raises(FieldValueError, match=rf"expert ID {bad} at index \[2100, 3, 5\]"):
+            canonicalize("k", spec, src)  # no out: also where the input is stored as it is
+    if source != "<u2":
+        src[2100, 3, 5] = -1
+        with pytest.raises(FieldValueError, match=r"expert ID -1 at index \[2100, 3, 5\]"):
+            canonicalize("k", spec, src, layer_major=layer_major)
+
+
+def test_id_limit_round_trips_and_is_checked():
+    spec = routed_experts_spec(4, 8, "uint16", 160)
+    record = spec.to_dict()
+    assert record["id_limit"] == 160 and FieldSpec.from_dict(json.loads(json.dumps(record))) == spec
+    assert "id_limit" not in routed_experts_spec(4, 8, "uint16").to_dict()  # records without it are as they were
+    assert routed_experts_spec(4, 8, "packed", 160).id_limit == 0  # packed IDs are checked against num_experts
+    with pytest.raises(ConfigError, match="uint8 holds IDs below 256, not 300"):
+        routed_experts_spec(4, 8, "uint8", 300)
+    with pytest.raises(ConfigError, match="whole-byte integer IDs"):
+        FieldSpec("x", (), "float32", "float32", 0.0, id_limit=10)
+    with pytest.raises(ConfigError, match="id_limit must be an int >= 1"):
+        FieldSpec("x", (2,), "int32", "int32", 0, id_limit=-3)
