@@ -107,10 +107,11 @@ def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_
     Chunk by chunk of ``chunk_bytes`` of the source (so a chunk is still in
     cache when it is checked): narrow it into its rows of an output buffer
     allocated once and reused, as a writer's pooled buffers are, then check
-    its range (``min``/``max``; int32 storage needs none) or, for logprobs,
-    its NaNs. Row order, the layout a user would store; what gputq's
-    layer-major layout costs is timed apart (``layout_row``). The callable
-    raises ``ValueError`` for a value the stored dtype cannot hold, as put does.
+    its IDs (``min``/``max``) below :data:`EXPERTS`, which put is configured
+    with, or, for logprobs, its NaNs. Row order, the layout a user would store;
+    what gputq's layer-major layout costs is timed apart (``layout_row``). The
+    callable raises ``ValueError`` for an ID outside the model's experts, as
+    put does.
     """
     name = "logprobs" if kind == "logprobs" else "routed_experts"
     source = fields[name]
@@ -118,15 +119,15 @@ def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_
     out = np.empty(source.shape, stored)
     out.fill(0)  # touched once: the writer's buffers are warm too
     step = max(1, chunk_bytes // max(1, source[:1].nbytes))
-    low, high = (0, np.iinfo(stored).max) if stored.kind in "iu" else (None, None)
-    check_range = stored.kind in "iu" and not np.can_cast(source.dtype, stored, "safe")
+    low, high = 0, EXPERTS - 1
+    check_range = stored.kind in "iu"
 
     def run() -> np.ndarray:
         for start in range(0, len(source), step):
             src, dst = source[start:start + step], out[start:start + step]
             np.copyto(dst, src, casting="unsafe")
             if check_range and (src.min() < low or src.max() > high):
-                raise ValueError(f"an ID in rows {start}..{start + len(src)} does not fit {stored}")
+                raise ValueError(f"an ID in rows {start}..{start + len(src)} is not below {EXPERTS}")
             if stored.kind == "f" and np.isnan(dst.sum()):
                 raise ValueError(f"a NaN in rows {start}..{start + len(src)}")
         return out

@@ -83,14 +83,12 @@ def test_put_baseline_narrows_every_chunk_into_one_reused_buffer(kind):
     assert run() is first  # the output is reused, not allocated per pass
 
 
-def test_put_baseline_refuses_what_the_stored_dtype_cannot_hold():
+def test_put_baseline_refuses_ids_outside_the_experts_put_is_configured_with():
     experts = np.zeros((1000, 4, 2), dtype=np.int32)
-    experts[900, 1, 1] = 256
-    with pytest.raises(ValueError, match="rows 896..1000 does not fit uint8"):
-        put.one_pass("uint8", {"routed_experts": experts}, chunk_bytes=4096)()
-    experts[900, 1, 1] = -1
-    with pytest.raises(ValueError, match="does not fit uint16"):
-        put.one_pass("uint16", {"routed_experts": experts}, chunk_bytes=4096)()
+    for kind, bad in (("uint8", put.EXPERTS), ("uint16", -1), ("int32", 1 << 20)):
+        experts[900, 1, 1] = bad
+        with pytest.raises(ValueError, match=f"rows 896..1000 is not below {put.EXPERTS}"):
+            put.one_pass(kind, {"routed_experts": experts}, chunk_bytes=4096)()
     logprobs = -np.ones(5000, np.float32)
     assert np.array_equal(put.one_pass("logprobs", {"logprobs": logprobs}, chunk_bytes=4096)(), logprobs)
     logprobs[4999] = np.nan
