@@ -282,10 +282,14 @@ class UnitClients(Closeable):
         return self._guarded(unit, keys, what, lambda: request(chan))
 
     def _guarded(self, unit: str, keys: Sequence[str], what: str, request: Callable[..., Any], *args) -> Any:
-        """``request(*args)``; a lost peer or a timeout in it marks ``unit`` lost and raises UnitLostError."""
+        """``request(*args)``; a lost peer or a timeout in it marks ``unit`` lost and raises UnitLostError.
+        Once these clients are closed, whatever the request raised is ``ClosedError``: it failed because
+        its channel was closed under it (a lost connection, NIXL's dropped agent), not the unit."""
         try:
             return request(*args)
         except GputqError as exc:
+            if self._closed and not isinstance(exc, ClosedError):
+                raise ClosedError(f"UnitClients was closed during a {what} on unit {unit}") from exc
             # A ClosedError here is the channel mark_lost closed under this request.
             lost_meanwhile = isinstance(exc, ClosedError) and not self._closed and unit in self.lost
             if not (_is_loss(exc) or lost_meanwhile):

@@ -139,7 +139,7 @@ class Reader(Closeable):
         UnitLostError
             Before anything is read: a unit of some samples is known lost.
         ClosedError
-            The Reader is closed (from the stream: closed since).
+            The Reader is closed (from the stream: closed since, or an earlier micro-batch failed).
         """
         if self._closed:
             raise ClosedError("Reader is closed")

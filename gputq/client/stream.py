@@ -148,6 +148,7 @@ class MicroBatchStream:
         # Taken to queue work and to close: nothing is queued once close() has listed what to wait for.
         self._queue_lock = threading.Lock()
         self._cut_short = False  # closed by the Reader's close() before the last micro-batch was consumed
+        self._failed: BaseException | None = None  # what a micro-batch raised: the stream ended there
         self._next = self._submitted = 0  # the next micro-batch to consume, and to queue a fetch for
         self.released: list[int] = []
         self._buffers = StreamBuffers(context, plans, prefetch, units, landing=self._landing, in_place=self._in_place,
@@ -247,9 +248,11 @@ class MicroBatchStream:
             raise InvalidInputError("a stream whose replay_handles were taken is not iterated")
         with self._lock:
             if self._closed:
-                if self._cut_short:
-                    raise ClosedError(f"the Reader was closed: micro-batches {self._next}.. of "
-                                      f"{len(self._plans)} were not read")
+                if self._cut_short or self._failed is not None:  # never the end: the rest was not read
+                    why = "the Reader was closed" if self._cut_short else \
+                        f"micro-batch {self._next} raised {type(self._failed).__name__}"
+                    raise ClosedError(f"{why}: micro-batches {self._next}.. of {len(self._plans)} were not "
+                                      f"read") from self._failed
                 raise StopIteration
             if self._next > 0 and not self._hold:  # the consumer moved past the last one
                 last = self._live.get(self._next - 1)
@@ -277,6 +280,7 @@ class MicroBatchStream:
                 batch, outputs = self._restored(plan, self._fetches.pop(plan.index).result(),
                                                 self._buffers.spare_outputs())
         except BaseException as exc:
+            self._failed = exc
             self.close()
             if self._cut_short or isinstance(exc, CancelledError):  # closed from another thread meanwhile
                 raise ClosedError(f"the {'Reader' if self._cut_short else 'stream'} was closed while micro-batch "

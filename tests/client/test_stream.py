@@ -594,16 +594,53 @@ def test_a_rank_naming_other_experts_than_its_packed_ids_were_stored_for_is_refu
                 np.testing.assert_array_equal(next(stream).routed_experts[0][:5], data[0][0][:5, 0])
 
 
-def test_a_lost_key_raises_at_its_micro_batch_not_before():
-    with _stored(2, [20, 30, 40]) as (config, units, clients, shard, data):
+def test_a_lost_key_raises_at_its_micro_batch_not_before_and_the_stream_never_ends_after_it():
+    """The micro-batches before the lost key's are yielded; its own raises the unit's error; asked again, the
+    stream raises ClosedError naming what was not read (from that error), never the end: a consumer that
+    caught the error would otherwise train on part of its shard without knowing."""
+    with _stored(2, [20, 30, 40, 25]) as (config, units, clients, shard, data):
         clients.channel(units[0].name).call("delete", keys=[shard[2]["routed_experts"].fragments[0].ref.key])
-        with Reader(clients, config) as reader, reader.stream(shard, [[0], [1], [2]],
+        with Reader(clients, config) as reader, reader.stream(shard, [[0], [1], [2], [3]],
                                                               ParallelSlice(num_experts=EXPERTS)) as stream:
             first = next(stream)
             np.testing.assert_array_equal(first.routed_experts[0][:19], data[0][0][:, 0])
             next(stream)
             with pytest.raises(UnknownKeyError):
                 next(stream)
+            for _ in range(2):
+                with pytest.raises(ClosedError, match=r"micro-batch 2 raised UnknownKeyError: micro-batches 2\.\. "
+                                                      r"of 4 were not read") as info:
+                    next(stream)
+                assert isinstance(info.value.__cause__, UnknownKeyError)
+
+
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_closing_the_clients_under_a_live_stream_raises_closed_error_and_keeps_raising_it(transport):
+    """Clients closed while micro-batches are prefetched: whatever was restored before is yielded whole, then
+    ``ClosedError``, however the read in flight failed (a dropped connection, NIXL's dropped agent), never a
+    lost unit or a transfer error, and never the end."""
+    rng = np.random.default_rng(21)
+    lengths = [37, 50, 64, 23, 41, 19, 33, 28]
+    batches = [[i] for i in range(len(lengths))]
+    rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
+    with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, rng, lengths)
+        with Reader(clients, config) as reader, reader.stream(shard, batches, rank, prefetch=3) as stream:
+            assert _check(next(stream), batches[0], data, range(0, LAYERS), rank)
+            clients.close()
+            errors = []
+            for index in range(1, len(batches) + 2):
+                try:
+                    mb = next(stream)
+                except ClosedError as exc:
+                    errors.append(str(exc))
+                    if len(errors) == 2:
+                        break
+                else:
+                    assert not errors and mb.index == index and _check(mb, batches[index], data, range(0, LAYERS),
+                                                                       rank)
+            assert len(errors) == 2 and errors[1].endswith(f"of {len(batches)} were not read")
 
 
 def test_release_per_micro_batch_frees_consumed_steps_only():
