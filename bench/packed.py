@@ -84,7 +84,7 @@ def measure(experts: int, topk: int, tokens: int, layers: int, repeats: int) -> 
     rows = packed.reshape(-1, row_bytes)
     narrow = ids.astype(np.uint16).reshape(-1, topk)
     restored = np.empty((tokens * layers, topk), np.int32)
-    the_pass = one_pass("uint16", {"routed_experts": ids})
+    the_pass = one_pass("uint16", {"routed_experts": ids}, experts=experts)
     spec = routed_experts_spec(layers, topk, "packed", experts)
     put_pack = lambda: canonicalize("bench", spec, ids, out=packed_out, layer_major=True)  # noqa: E731
     times: dict[str, list] = {"pack": [], "pass": [], "unpack": [], "widen": [], "numpy_pack": [], "numpy_unpack": [],

@@ -101,13 +101,14 @@ def step_fields(kind: str, tokens: int, rng: np.random.Generator) -> dict[str, n
     return {"routed_experts": rng.integers(0, EXPERTS, (tokens, LAYERS, TOPK), dtype=np.int32)}
 
 
-def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> Callable[[], object]:
+def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_BYTES,
+             experts: int = EXPERTS) -> Callable[[], object]:
     """The baseline: one chunked pass in plain numpy, as a careful user writes check-and-compact.
 
     Chunk by chunk of ``chunk_bytes`` of the source (so a chunk is still in
     cache when it is checked): narrow it into its rows of an output buffer
     allocated once and reused, as a writer's pooled buffers are, then check
-    its IDs (``min``/``max``) below :data:`EXPERTS`, which put is configured
+    its IDs (``min``/``max``) below ``experts``, which put is configured
     with, or, for logprobs, its NaNs. Row order, the layout a user would store;
     what gputq's layer-major layout costs is timed apart (``layout_row``). The
     callable raises ``ValueError`` for an ID outside the model's experts, as
@@ -119,7 +120,7 @@ def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_
     out = np.empty(source.shape, stored)
     out.fill(0)  # touched once: the writer's buffers are warm too
     step = max(1, chunk_bytes // max(1, source[:1].nbytes))
-    low, high = 0, EXPERTS - 1
+    low, high = 0, experts - 1
     check_range = stored.kind in "iu"
 
     def run() -> np.ndarray:
@@ -127,7 +128,7 @@ def one_pass(kind: str, fields: dict[str, np.ndarray], chunk_bytes: int = CHUNK_
             src, dst = source[start:start + step], out[start:start + step]
             np.copyto(dst, src, casting="unsafe")
             if check_range and (src.min() < low or src.max() > high):
-                raise ValueError(f"an ID in rows {start}..{start + len(src)} is not below {EXPERTS}")
+                raise ValueError(f"an ID in rows {start}..{start + len(src)} is not below {experts}")
             if stored.kind == "f" and np.isnan(dst.sum()):
                 raise ValueError(f"a NaN in rows {start}..{start + len(src)}")
         return out
