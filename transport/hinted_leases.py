@@ -94,7 +94,9 @@ class HintedLeases:
         With ``hinted``, the directory's regions of the keys, the block runs
         on them while a helper thread requests the lease, and the lease must
         name the same regions: else :class:`HintMissedError` is raised after
-        the block.
+        the block, also in place of an error the block raised (a hint may name
+        any bytes of the arena, misaligned ones too); the block's error stands
+        where the hint was right or no lease came.
         """
         args = {"keys": keys, **read_checks(generations, incarnation)}
         rows = None
@@ -112,23 +114,28 @@ class HintedLeases:
         # The exchange runs on a helper thread: its Python work (send, receive, decode) then
         # runs while the block copies or restores with the GIL released, not after it.
         exchange = self._exchanges.submit(lambda: self._leases.ask(args, timeout, keys))
+        named = hinted.astype("<i8", copy=False).tobytes()  # what the lease's regions must be
         try:
+            failed = None
             try:
                 yield hinted
-            except BaseException:
+            except BaseException as exc:
                 with contextlib.suppress(Exception):  # the block's error is the one to see
                     reply = exchange.result()
-                raise
-            reply = exchange.result()
+                if reply is None or reply.get("regions") == named or not isinstance(exc, Exception):
+                    raise
+                failed = exc  # read on a wrong hint: read again after the lease
+            reply = reply if failed else exchange.result()
             done = True  # from here the confirmation ends the lease, whatever happens
-            if reply.get("regions") == hinted.astype("<i8", copy=False).tobytes():  # checked when hinted
+            if reply.get("regions") == named:  # checked when hinted
                 self._leases.settle(reply, started, keys)
                 self.reads_ahead += 1
                 return
             with self._confirmed(reply, started, keys, rows):
                 self.hint_misses += 1
                 raise HintMissedError(f"unit {self.unit}: the key directory named other regions than the "
-                                      f"lease of keys {describe_keys(keys)}; read them again after the lease")
+                                      f"lease of keys {describe_keys(keys)}; read them again after the lease") \
+                    from failed
         except BaseException:
             if reply is None:
                 self._leases.ends.restore(ended)  # the request may never have reached the unit

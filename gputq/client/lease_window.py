@@ -276,8 +276,9 @@ class LeaseWindows:
     def _confirmed(self, kind, window: _Window, plan: MicroPlan, hints: list) -> bool:
         """After a restore on the directories' regions (``kind``: its error's type, or None): its window's
         leases must name the same regions and have covered it, else ``HintMissedError`` (lease it alone
-        and restore again); a unit the window's lease found lost raises its error."""
-        if kind is not None:
+        and restore again), also in place of the restore's error (a hint may name any bytes, misaligned
+        ones too); a unit the window's lease found lost raises its error."""
+        if kind is not None and not issubclass(kind, Exception):
             return False
         failed = _outcome(window)
         _raise_own(failed, plan)

@@ -107,6 +107,10 @@ def _bytes_read(units) -> int:
 #: Stored bytes of one layer's row of TOPK IDs below EXPERTS: uint16, and packed (4 bits an ID).
 ROW_BYTES = {"uint16": TOPK * 2, "packed": packed_row_bytes(TOPK, bits_for(EXPERTS))}
 
+#: Stored formats read in place over shm: whole-byte IDs widened, and packed IDs unpacked, where they lie.
+IN_PLACE_FORMATS = {"uint16": {"routed_experts_dtype": "uint16"},
+                    "packed": {"routed_experts_dtype": "packed", "num_experts": EXPERTS}}
+
 
 @pytest.mark.parametrize("dtype", sorted(ROW_BYTES))
 @pytest.mark.parametrize("transport", ["tcp", "shm", pytest.param("rdma", marks=pytest.mark.rdma)])
@@ -305,11 +309,11 @@ def _leases_taken(unit) -> int:
     return unit.stats()["reads"]  # a one-sided reader's lease is the unit's read
 
 
-def _streamed_over_shm(seed: int, batches: list, lengths=(37, 50, 64, 23)) -> tuple[list, int]:
+def _streamed_over_shm(seed: int, batches: list, lengths=(37, 50, 64, 23), dtype: str = "uint16") -> tuple[list, int]:
     """A stream of ``batches`` of samples of ``lengths`` on one shm unit, every micro-batch checked against
     slime's rows: (the micro-batches consumed, the leases the unit granted beyond one per window)."""
     rank = ParallelSlice(layers=range(0, LAYERS), num_experts=EXPERTS)
-    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
+    with local_units("shm", units=1, **IN_PLACE_FORMATS[dtype]) as (config, units, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(seed), list(lengths))
         before = _leases_taken(units[0])
@@ -391,11 +395,6 @@ def test_in_place_close_waits_for_the_placement_under_way_on_the_fetch_thread(mo
             wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the leases of a closed stream to end")
 
 
-#: Stored formats read in place over shm: whole-byte IDs widened, and packed IDs unpacked, where they lie.
-IN_PLACE_FORMATS = {"uint16": {"routed_experts_dtype": "uint16"},
-                    "packed": {"routed_experts_dtype": "packed", "num_experts": EXPERTS}}
-
-
 @pytest.mark.parametrize("dtype", sorted(IN_PLACE_FORMATS))
 def test_in_place_a_window_of_micro_batches_shares_one_lease_and_every_lease_ends(dtype):
     """Over shm one lease per unit covers a window of micro-batches (after the first two, 2, 4, 8 ...): the
@@ -466,12 +465,13 @@ def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restore
     assert consumed == [0, 1, 2] and missed and extra == 1  # the one leased alone
 
 
+@pytest.mark.parametrize("dtype", sorted(ROW_BYTES))
 @pytest.mark.parametrize("shifted", [1, 3])
-def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(monkeypatch, shifted):
+def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(monkeypatch, shifted, dtype):
     """A micro-batch is restored on the regions the key directory names while its lease (micro-batch 0's own: the
     first lookup, or micro-batch 2's window's: the third) is on its way; where those are other bytes (here: that
-    lookup is shifted by a row), the lease disagrees, and the micro-batch is leased alone and restored again: the
-    consumer sees the right bytes."""
+    lookup is shifted by a row, uint16 or packed), the lease disagrees, and the micro-batch is leased alone and
+    restored again: the consumer sees the right bytes."""
     from gputq.transport.directory import DirectoryView
 
     lookup, lookups = DirectoryView.lookup, []
@@ -481,12 +481,12 @@ def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(mon
         lookups.append(True)
         if regions is not None and len(lookups) == shifted:
             regions = regions.copy()
-            regions[:, 0] += 2 * TOPK  # a row of uint16 IDs further on: other bytes of the arena
+            regions[:, 0] += ROW_BYTES[dtype]  # a row of IDs further on: other bytes of the arena
         return regions
 
     monkeypatch.setattr(DirectoryView, "lookup", stale_once)
     _hinted_first(monkeypatch)
-    consumed, extra = _streamed_over_shm(16, [[0, 1], [2], [3]])
+    consumed, extra = _streamed_over_shm(16, [[0, 1], [2], [3]], dtype=dtype)
     assert consumed == [0, 1, 2] and len(lookups) >= shifted and extra == 1  # the one leased alone
 
 

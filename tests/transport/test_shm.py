@@ -397,6 +397,22 @@ def test_mapped_source_on_a_wrong_directory_entry_fails_on_exit_and_reads_right_
 
 
 @pytest.mark.timeout(30)
+def test_an_error_in_the_block_on_a_wrong_directory_entry_is_a_hint_miss(served):
+    """A wrong entry may name any bytes (misaligned ones too), and a restore on them may fail: the lease says
+    the hint was wrong, so the block's error becomes HintMissedError (read again after the lease), its cause
+    kept, and the lease ends."""
+    unit, blobs, channel, _ = served
+    generation = _generations(unit, ["a"])[0]
+    unit._directory.publish("a", generation, unit.lookup(["c"])[0]["offset"] + 1, 1000)
+    with pytest.raises(HintMissedError, match="read them again after the lease") as info:
+        with channel.mapped_source(["a"], 10, generations=[generation], device=False):
+            raise ValueError("misaligned")
+    assert isinstance(info.value.__cause__, ValueError)
+    assert channel.hint_misses == 1
+    wait_until(lambda: unit.stats()["leases"] == 0, 5, "the lease to end")
+
+
+@pytest.mark.timeout(30)
 def test_an_error_in_the_block_ends_the_lease_requested_ahead(served):
     unit, blobs, channel, _ = served
     with pytest.raises(KeyError, match="restore failed"):
