@@ -248,11 +248,9 @@ class MicroBatchStream:
             raise InvalidInputError("a stream whose replay_handles were taken is not iterated")
         with self._lock:
             if self._closed:
-                if self._cut_short or self._failed is not None:  # never the end: the rest was not read
-                    why = "the Reader was closed" if self._cut_short else \
-                        f"micro-batch {self._next} raised {type(self._failed).__name__}"
-                    raise ClosedError(f"{why}: micro-batches {self._next}.. of {len(self._plans)} were not "
-                                      f"read") from self._failed
+                unread = self._unread()
+                if unread is not None:  # never the end: the rest was not read
+                    raise unread
                 raise StopIteration
             if self._next > 0 and not self._hold:  # the consumer moved past the last one
                 last = self._live.get(self._next - 1)
@@ -321,11 +319,22 @@ class MicroBatchStream:
     def _advance_to(self, index: int) -> MicroBatch:
         """Restore micro-batch ``index`` for a replay handle: the next in order, else a typed error."""
         if self._closed:
-            raise ClosedError(f"the {'Reader' if self._cut_short else 'stream'} was closed")
+            raise self._unread() or ClosedError("the stream was closed")
         if index != self._next:
             state = "was released" if index < self._next else f"comes after micro-batch {self._next}"
             raise InvalidInputError(f"micro-batch {index} {state}: micro-batches are replayed in order")
         return self._advance()
+
+    def _unread(self) -> ClosedError | None:
+        """Why the micro-batches left will not be read, where the consumer did not end the stream: the Reader
+        was closed, or a micro-batch failed (its error the cause)."""
+        if not self._cut_short and self._failed is None:
+            return None
+        why = "the Reader was closed" if self._cut_short else \
+            f"micro-batch {self._next} raised {type(self._failed).__name__}"
+        unread = ClosedError(f"{why}: micro-batches {self._next}.. of {len(self._plans)} were not read")
+        unread.__cause__ = self._failed
+        return unread
 
     def _shaped(self, plan: MicroPlan, outputs: dict) -> MicroBatch:
         layers, experts, fields = self._shaper.shape(plan, outputs)

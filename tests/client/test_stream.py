@@ -614,6 +614,24 @@ def test_a_lost_key_raises_at_its_micro_batch_not_before_and_the_stream_never_en
                 assert isinstance(info.value.__cause__, UnknownKeyError)
 
 
+def test_a_lost_key_fails_its_lazy_handles_and_those_of_every_later_micro_batch_name_it():
+    """slime's lazy handles: the lost key's micro-batch raises the unit's error at its first layer's replay;
+    a later micro-batch's handle raises ClosedError naming the failed one (and its error as the cause)."""
+    with _stored(2, [20, 30, 40, 25]) as (config, units, clients, shard, data):
+        clients.channel(units[0].name).call("delete", keys=[shard[1]["routed_experts"].fragments[0].ref.key])
+        with Reader(clients, config) as reader, reader.stream(shard, [[0], [1], [2], [3]],
+                                                              ParallelSlice(num_experts=EXPERTS)) as stream:
+            handles = stream.replay_handles()
+            first = handles[0][0].materialize_for_routing_replay("forward")
+            np.testing.assert_array_equal(np.asarray(first)[:19], data[0][0][:, 0])
+            with pytest.raises(UnknownKeyError):
+                handles[1][0].materialize_for_routing_replay("forward")
+            with pytest.raises(ClosedError, match=r"micro-batch 1 raised UnknownKeyError: micro-batches 1\.\. of 4 "
+                                                  r"were not read") as info:
+                handles[2][0].materialize_for_routing_replay("forward")
+            assert isinstance(info.value.__cause__, UnknownKeyError)
+
+
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_closing_the_clients_under_a_live_stream_raises_closed_error_and_keeps_raising_it(transport):
     """Clients closed while micro-batches are prefetched: whatever was restored before is yielded whole, then
