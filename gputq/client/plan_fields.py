@@ -169,13 +169,13 @@ def expert_field(name: str, layouts: list, where: str, rank: ParallelSlice, rang
 
 def _check_pad_experts(layouts: list, rank: ParallelSlice, where: str) -> None:
     """Pad rows hold ``arange % num_experts``: refuse a rank without it, or naming another count than the one
-    its packed IDs were stored for (slime's pads would differ from these)."""
+    its IDs were stored for, packed or checked below it (slime's pads would differ from these)."""
     if rank.num_experts is None:
         raise InvalidInputError(f"{where}: slime's pad rows need ParallelSlice.num_experts")
-    stored = {f.ref.num_experts for layout in layouts for f in layout.fragments} - {0}
+    stored = {f.ref.num_experts or f.ref.id_limit for layout in layouts for f in layout.fragments} - {0}
     if stored and stored != {rank.num_experts}:
         raise InvalidInputError(f"{where}: ParallelSlice.num_experts is {rank.num_experts}, but its IDs were "
-                                f"stored packed for {', '.join(map(str, sorted(stored)))} experts")
+                                f"stored for {', '.join(map(str, sorted(stored)))} experts")
 
 
 def token_field(name: str, layouts: list, positions: list, where: str, rank: ParallelSlice, totals,

@@ -122,7 +122,8 @@ class Writer(Closeable):
                 # one contiguous run each, whatever tokens its rank reads.
                 compact = canonicalize(key, spec, arr, out=buffer, layer_major=layer_major(spec.row_shape))
                 ref = FieldRef(stored_key(key, field), field, unit, arr.shape[0], spec.dtype,
-                               spec.row_shape, partition, incarnation, secrets.randbits(63) or 1, spec.num_experts)
+                               spec.row_shape, partition, incarnation, secrets.randbits(63) or 1, spec.num_experts,
+                               spec.id_limit)
                 prepared.append((ref, compact, buffer))
             self._sends.submit(prepared)
         except BaseException:

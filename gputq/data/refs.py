@@ -150,6 +150,10 @@ class FieldRef:
         holds expert IDs packed for ``num_experts`` experts (``dtype``
         uint8): each row's last axis in ``packed_row_bytes`` bytes (see
         :mod:`gputq.data.packing`); :attr:`stored_shape` is its shape.
+    id_limit:
+        ``0``: unknown. Else whole-byte expert IDs, each checked below it
+        when put (the model's experts: :attr:`FieldSpec.id_limit
+        <gputq.data.fields.FieldSpec.id_limit>`).
     """
 
     key: str
@@ -162,6 +166,7 @@ class FieldRef:
     incarnation: str = ""
     generation: int = 0
     num_experts: int = 0
+    id_limit: int = 0
 
     def __post_init__(self) -> None:
         for name in ("key", "field", "unit", "partition", "incarnation"):
@@ -179,6 +184,10 @@ class FieldRef:
                 raise InvalidInputError(f"FieldRef {self.key!r}: packed IDs are uint8 rows of at least one axis, "
                                         f"for at most {1 << MAX_BITS} experts; got {self.dtype}{self.row_shape} "
                                         f"for {self.num_experts}")
+        object.__setattr__(self, "id_limit", _nonneg_int("FieldRef", "id_limit", self.id_limit, InvalidInputError))
+        if self.id_limit and (self.num_experts or np.dtype(self.dtype).kind not in "iu"):
+            raise InvalidInputError(f"FieldRef {self.key!r}: id_limit bounds whole-byte integer IDs, not "
+                                    f"{'packed ones' if self.num_experts else self.dtype}")
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -207,6 +216,8 @@ class FieldRef:
                   "partition": self.partition, "incarnation": self.incarnation, "generation": self.generation}
         if self.num_experts:  # only packed refs carry it: whole-dtype records are as they were
             record["num_experts"] = self.num_experts
+        if self.id_limit:  # likewise: records of refs without it are as they were
+            record["id_limit"] = self.id_limit
         return record
 
     @classmethod
@@ -217,9 +228,10 @@ class FieldRef:
         """
         rec = read_record(data, "FieldRef", SCHEMA_VERSION,
                           ("key", "field", "unit", "rows", "dtype", "row_shape", "partition",
-                           "incarnation", "generation"), _RETIRED, optional=("num_experts",))
+                           "incarnation", "generation"), _RETIRED, optional=("num_experts", "id_limit"))
         return cls(rec["key"], rec["field"], rec["unit"], rec["rows"], rec["dtype"], rec["row_shape"],
-                   rec["partition"], rec["incarnation"], rec["generation"], rec.get("num_experts", 0))
+                   rec["partition"], rec["incarnation"], rec["generation"], rec.get("num_experts", 0),
+                   rec.get("id_limit", 0))
 
 
 @dataclass(frozen=True)

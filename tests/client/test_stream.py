@@ -574,16 +574,18 @@ def test_stream_validates_before_reading():
             assert _bytes_read(units) == before  # nothing was read
 
 
-def test_a_rank_naming_other_experts_than_its_packed_ids_were_stored_for_is_refused():
-    """Pad rows hold ``arange % num_experts``: a rank whose count differs from the one its IDs were packed for
-    (a wrong --num-experts) would get other pads than slime's. Refused before reading, where pads are needed;
-    without pads, or with whole-byte IDs that carry no count, the rank's own count stands."""
-    with _stored(3, [20, 30], routed_experts_dtype="packed", num_experts=EXPERTS) as (config, units, clients, shard,
-                                                                                        data):
+@pytest.mark.parametrize("dtype", sorted(ROW_BYTES))
+def test_a_rank_naming_other_experts_than_its_ids_were_stored_for_is_refused(dtype):
+    """Pad rows hold ``arange % num_experts``: a rank whose count differs from the one its IDs were stored for
+    (packed for it, or whole bytes checked below it; a wrong --num-experts) would get other pads than slime's.
+    Refused before reading, where pads are needed; without pads the rank's own count stands."""
+    with _stored(3, [20, 30], routed_experts_dtype=dtype, num_experts=EXPERTS) as (config, units, clients, shard,
+                                                                                     data):
+        assert {f.ref.num_experts or f.ref.id_limit for f in shard[0]["routed_experts"].fragments} == {EXPERTS}
         with Reader(clients, config) as reader:
             before = _bytes_read(units)
             with pytest.raises(InvalidInputError, match=r"micro-batch 0, field 'routed_experts': ParallelSlice"
-                                                        r"\.num_experts is 64, but its IDs were stored packed for 16"):
+                                                        r"\.num_experts is 64, but its IDs were stored for 16"):
                 reader.stream(shard, [[0], [1]], ParallelSlice(num_experts=64))
             assert _bytes_read(units) == before
             rank = ParallelSlice(num_experts=EXPERTS)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import numpy as np
@@ -6,6 +7,7 @@ import pytest
 from gputq.data import canonical
 from gputq.data.canonical import canonicalize
 from gputq.data.fields import FieldRegistry, FieldSpec, logprobs_spec, routed_experts_spec, row_nbytes
+from gputq.data.refs import FieldRef
 from gputq.errors import ConfigError, FieldValueError, InvalidInputError
 from gputq.kernels import host_native
 
@@ -204,3 +206,10 @@ def test_id_limit_round_trips_and_is_checked():
         FieldSpec("x", (), "float32", "float32", 0.0, id_limit=10)
     with pytest.raises(ConfigError, match="id_limit must be an int >= 1"):
         FieldSpec("x", (2,), "int32", "int32", 0, id_limit=-3)
+    ref = FieldRef("k", "routed_experts", "u0", 10, "uint8", (3, 8), "p", "inc", 7, id_limit=160)
+    assert ref.to_dict()["id_limit"] == 160 and FieldRef.from_dict(json.loads(json.dumps(ref.to_dict()))) == ref
+    assert "id_limit" not in dataclasses.replace(ref, id_limit=0).to_dict()
+    with pytest.raises(InvalidInputError, match="not packed ones"):
+        FieldRef("k", "routed_experts", "u0", 10, "uint8", (3, 8), "p", "inc", 7, 160, 160)
+    with pytest.raises(InvalidInputError, match="not float32"):
+        FieldRef("k", "logprobs", "u0", 10, "float32", (), "p", "inc", 7, id_limit=3)
