@@ -53,6 +53,23 @@ from gputq.errors import ClosedError, InvalidInputError
 __all__ = ["MicroBatch", "MicroBatchStream"]
 
 
+def _drop_fetched(fetch: Future) -> None:
+    """Give back what a fetch that will not be restored holds (if it fetched anything)."""
+    if fetch.done() and not fetch.cancelled() and fetch.exception() is None:
+        fetch.result().drop()
+
+
+def _unread(cut_short: bool, failed: BaseException | None, first: int, count: int) -> ClosedError | None:
+    """Why micro-batches ``first``.. of ``count`` will not be read, where the consumer did not end the stream:
+    the Reader was closed (``cut_short``), or micro-batch ``first`` raised ``failed`` (then the cause)."""
+    if not cut_short and failed is None:
+        return None
+    why = "the Reader was closed" if cut_short else f"micro-batch {first} raised {type(failed).__name__}"
+    unread = ClosedError(f"{why}: micro-batches {first}.. of {count} were not read")
+    unread.__cause__ = failed
+    return unread
+
+
 def _run_into(future: Future, work: Callable, *args) -> None:
     """Run ``work(*args)`` into ``future``, unless it was cancelled first (the stream closed: close() ends
     the leases of fetches never restored)."""
@@ -208,7 +225,7 @@ class MicroBatchStream:
             self._restorer.submit(_run_into, restore, self._restore_ahead, plan, fetch)
         except BaseException as exc:  # the reader's threads are shut down: the consumer gets the error
             if restore.set_running_or_notify_cancel():
-                self._drop_fetched(fetch)
+                _drop_fetched(fetch)
                 restore.set_exception(exc)
 
     def _restored(self, plan: MicroPlan, fetched: Fetched, outputs: dict) -> tuple[MicroBatch, dict]:
@@ -229,15 +246,9 @@ class MicroBatchStream:
         try:
             outputs = self._buffers.take(self._buffers.outputs)
         except BaseException:
-            self._drop_fetched(fetch)
+            _drop_fetched(fetch)
             raise
         return self._restored(plan, fetched, outputs)
-
-    @staticmethod
-    def _drop_fetched(fetch: Future) -> None:
-        """Give back what a fetch that will not be restored holds (if it fetched anything)."""
-        if fetch.done() and not fetch.cancelled() and fetch.exception() is None:
-            fetch.result().drop()
 
     # -- consuming ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:
@@ -248,7 +259,7 @@ class MicroBatchStream:
             raise InvalidInputError("a stream whose replay_handles were taken is not iterated")
         with self._lock:
             if self._closed:
-                unread = self._unread()
+                unread = _unread(self._cut_short, self._failed, self._next, len(self._plans))
                 if unread is not None:  # never the end: the rest was not read
                     raise unread
                 raise StopIteration
@@ -319,22 +330,12 @@ class MicroBatchStream:
     def _advance_to(self, index: int) -> MicroBatch:
         """Restore micro-batch ``index`` for a replay handle: the next in order, else a typed error."""
         if self._closed:
-            raise self._unread() or ClosedError("the stream was closed")
+            raise _unread(self._cut_short, self._failed, self._next, len(self._plans)) or \
+                ClosedError("the stream was closed")
         if index != self._next:
             state = "was released" if index < self._next else f"comes after micro-batch {self._next}"
             raise InvalidInputError(f"micro-batch {index} {state}: micro-batches are replayed in order")
         return self._advance()
-
-    def _unread(self) -> ClosedError | None:
-        """Why the micro-batches left will not be read, where the consumer did not end the stream: the Reader
-        was closed, or a micro-batch failed (its error the cause)."""
-        if not self._cut_short and self._failed is None:
-            return None
-        why = "the Reader was closed" if self._cut_short else \
-            f"micro-batch {self._next} raised {type(self._failed).__name__}"
-        unread = ClosedError(f"{why}: micro-batches {self._next}.. of {len(self._plans)} were not read")
-        unread.__cause__ = self._failed
-        return unread
 
     def _shaped(self, plan: MicroPlan, outputs: dict) -> MicroBatch:
         layers, experts, fields = self._shaper.shape(plan, outputs)
@@ -360,7 +361,7 @@ class MicroBatchStream:
             future.cancel()
         wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)
         for future in self._fetches.values() if self._in_place else ():  # fetched, never restored: leases end
-            self._drop_fetched(future)
+            _drop_fetched(future)
         self._fetches.clear()
         self._restores.clear()
         self._way.close()  # its pipelines (replies still queued go with them), or leases taken ahead
