@@ -327,3 +327,37 @@ def test_a_stream_buffer_is_lent_from_the_smallest_that_fit_the_one_given_back_l
     with contextlib.ExitStack() as third:
         fresh = buffers.lend(100, third).base  # closed: none was kept
         assert all(fresh is not kept.base for kept in (one, other, large))
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "packed"])
+@pytest.mark.parametrize("shift", [1, 2])
+def test_a_whole_shard_read_on_a_misaligned_directory_hint_is_read_again_after_its_lease(monkeypatch, dtype, shift):
+    """A torn or foreign directory entry may name any bytes: the in-place restore on ones ``shift`` bytes off
+    (misaligned for the float32 logprobs) fails, the lease names other regions, and the shard is read again
+    after its lease, exactly, instead of the restore's PlanError reaching the caller."""
+    from gputq.transport.directory import DirectoryView
+
+    lookup, lookups = DirectoryView.lookup, []
+
+    def stale_once(self, keys, generations, *, within=None):
+        regions = lookup(self, keys, generations, within=within)
+        lookups.append(True)
+        if regions is not None and len(lookups) == 1:
+            regions = regions.copy()
+            regions[:, 0] += shift
+        return regions
+
+    monkeypatch.setattr(DirectoryView, "lookup", stale_once)
+    rng = np.random.default_rng(shift)
+    with local_units("shm", units=1, routed_experts_dtype=dtype, num_experts=16) as (config, _, clients):
+        with Writer(clients, config) as writer:
+            data = [(rng.integers(0, 16, (n - 1, 6, 4)).astype(np.int32), rng.standard_normal(n).astype(np.float32))
+                    for n in (37, 50, 64)]
+            refs = [writer.put(f"s{i}/0", "p", {"routed_experts": e, "logprobs": lp}) for i, (e, lp) in
+                    enumerate(data)]
+        with Reader(clients, config) as reader:
+            got = reader.fetch([{f: Layout.from_ref(r) for f, r in step.items()} for step in refs])
+        assert lookups and clients.channel(clients.units[0]).hint_misses == 1
+    for sample, (experts, log_probs) in zip(got, data):
+        np.testing.assert_array_equal(sample["rollout_routed_experts"], experts)
+        np.testing.assert_array_equal(sample["rollout_log_probs"], log_probs)
