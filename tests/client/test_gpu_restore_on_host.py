@@ -90,6 +90,7 @@ def test_without_read_only_registration_the_restore_copies_from_pageable_memory(
 
 
 def test_slime_samples_hydrate_through_the_device_path(host_cuda):
+    pytest.importorskip("torch", reason="a device Reader returns torch tensors")
     from tests.integrations.test_slime import hydrate_and_compare
 
     hydrate_and_compare()
