@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +24,11 @@ def _run(*args, timeout=150, env=None):
                           timeout=timeout, env=env)
 
 
+#: The demo and stats run on Ray: without the ray extra they say what to install (the test after these).
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray: pip install 'gputq[ray]'")
+
+
+@needs_ray
 def test_parser_defaults_match_documented_demo():
     args = build_parser().parse_args(["demo"])
     assert (args.sessions, args.units, args.dtype, args.transport) == (8, None, None, None)
@@ -30,6 +36,17 @@ def test_parser_defaults_match_documented_demo():
     assert (options.units, options.dtype, options.transport) == (2, "int32", "auto")
 
 
+@pytest.mark.parametrize("argv", [["demo"], ["stats", "--once"]])
+def test_without_ray_the_demo_and_stats_say_what_to_install_in_one_line(argv, capsys, monkeypatch):
+    from gputq.tools.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("this needs Ray: pip install 'gputq[ray]'") and len(err.splitlines()) == 1, err
+
+
+@needs_ray
 def test_demo_reads_the_libraries_file_and_environment(tmp_path):
     path = tmp_path / "tq.yaml"
     path.write_text("num_units: 3\nrouted_experts_dtype: uint8\n")
@@ -140,7 +157,8 @@ _BINARY = b"\xff\xfe\x00\x81binary"
     (["demo", "--seed", "-1"], "--seed: must be in [0, 2**63)"),
     (["demo", "--tokens", "1000000000"], "GiB of expert IDs twice, more than this machine's"),
     (["stats", "--interval", "inf"], "--interval: must be a finite number of seconds"),
-    (["stats", "--once", "--address", "127.0.0.1:1"], "no Ray cluster at --address '127.0.0.1:1'"),
+    pytest.param(["stats", "--once", "--address", "127.0.0.1:1"], "no Ray cluster at --address '127.0.0.1:1'",
+                 marks=needs_ray),
 ])
 def test_every_bad_cli_value_is_one_line_and_exit_2_before_anything_starts(argv, message, tmp_path, capsys,
                                                                            monkeypatch):
