@@ -289,11 +289,11 @@ class MicroBatchStream:
                 batch, outputs = self._restored(plan, self._fetches.pop(plan.index).result(),
                                                 self._buffers.spare_outputs())
         except BaseException as exc:
-            self._failed = exc
             self.close()
             if self._cut_short or isinstance(exc, CancelledError):  # closed from another thread meanwhile
                 raise ClosedError(f"the {'Reader' if self._cut_short else 'stream'} was closed while micro-batch "
                                   f"{plan.index} was awaited") from exc
+            self._failed = exc  # a failure of its own, not a close
             raise
         self._live[plan.index] = (batch, outputs)
         self._next += 1

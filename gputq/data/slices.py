@@ -96,8 +96,9 @@ class ParallelSlice:
         multiple of ``tp_size * pad_multiple`` rows.
     num_experts:
         Experts per MoE layer; pad rows hold ``arange % num_experts``.
-        Required for R3; where the IDs were stored packed, the count
-        they were packed for (another is refused).
+        Required for R3; where the IDs were stored with a count (packed,
+        or whole bytes under a configured ``num_experts``), that count
+        (another is refused).
     """
 
     layers: range | tuple[int, ...] | None = None

@@ -820,6 +820,50 @@ def test_a_reader_closed_from_another_thread_wakes_a_consumer_waiting_for_its_mi
         wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the leases of the closed stream to end")
 
 
+def test_a_stream_closed_from_another_thread_is_closed_not_failed(monkeypatch):
+    """Closed by another thread while its consumer waits for micro-batch 1's restore (queued behind a held
+    fetch, over shm): the consumer gets ``ClosedError`` naming the close, and asking again is the end, as after
+    any close of its own; not a failure of micro-batch 1 (its error, ``CancelledError``, is the close's)."""
+    from gputq.client import stream as stream_module
+
+    run_into, held, go = stream_module._run_into, threading.Event(), threading.Event()
+
+    def holding(future, work, *args):
+        if work is not None and args and getattr(args[0], "index", None) == 1 and not held.is_set():
+            held.set()
+            assert go.wait(10)
+        return run_into(future, work, *args)
+    monkeypatch.setattr(stream_module, "_run_into", holding)
+    rank = ParallelSlice(num_experts=EXPERTS)
+    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(23), [40, 30, 50, 20])
+        with Reader(clients, config) as reader:
+            stream = reader.stream(shard, [[i] for i in range(4)], rank, prefetch=2)
+            assert _check(next(stream), [0], data, range(0, LAYERS), rank)
+            outcome = []
+
+            def consume():
+                try:
+                    outcome.append(next(stream).index)
+                except ClosedError as exc:
+                    outcome.append(exc)
+            consumer = threading.Thread(target=consume)
+            consumer.start()
+            assert held.wait(10)
+            closing = threading.Thread(target=stream.close)
+            closing.start()
+            closing.join(0.2)
+            go.set()
+            closing.join(10)
+            consumer.join(10)
+            assert not closing.is_alive() and not consumer.is_alive()
+            if isinstance(outcome[0], ClosedError):  # else micro-batch 1 was restored before the close
+                assert "the stream was closed while micro-batch 1 was awaited" in str(outcome[0])
+            with pytest.raises(StopIteration):
+                next(stream)
+
+
 def test_a_step_shared_in_a_micro_batch_is_read_once_and_once_per_micro_batch():
     rng = np.random.default_rng(8)
     with local_units("tcp", units=1) as (config, units, clients):
