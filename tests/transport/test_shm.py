@@ -682,6 +682,9 @@ def test_a_restore_held_past_its_leases_is_a_stale_read_that_returns_nothing(mon
     real_widen, real_host_array = MappedSource.widen_scatter, MappedSource.host_array
 
     def expired():
+        # The leases first: a restore on the key directory's regions starts while they are requested.
+        wait_until(lambda: all(s.stats()["reads"] > granted[s.name] for s in services if s.name in read), 10,
+                   "the units to grant the leases")
         wait_until(lambda: all(s.stats()["leases"] == 0 for s in services), 10, "the units to expire the leases")
 
     def held(source, *args, **kwargs):
@@ -695,6 +698,8 @@ def test_a_restore_held_past_its_leases_is_a_stale_read_that_returns_nothing(mon
     with local_units("shm", routed_experts_dtype="uint8", zero_copy_max_bytes=float("inf"), read_timeout_s=1.0) as \
             (config, services, clients):
         segments = _written_segments(clients, config, "uint8", seed=6)
+        read = {f.ref.unit for seg in segments for layout in seg.layouts.values() for f in layout.fragments}
+        granted = {s.name: s.stats()["reads"] for s in services}  # a one-sided reader's lease is the unit's read
         with Reader(clients, config) as reader:
             monkeypatch.setattr(MappedSource, "widen_scatter", held)
             monkeypatch.setattr(MappedSource, "host_array", held_array)
