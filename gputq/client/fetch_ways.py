@@ -79,7 +79,7 @@ class StagedFetch:
 
 class LandingFetch:
     """Send a micro-batch's reads (and the next one's) and widen each reply as it lands:
-    ``(micro-batch, its output buffers)``, shaped by ``shaped(plan, outputs)``.
+    ``(its shaped parts, its output buffers)``, the parts ``shape(plan, outputs)``.
 
     The next micro-batch's reads go out too if its fetch is queued behind
     this one (``queued()`` counts the fetches queued) or its replies fit
@@ -87,9 +87,9 @@ class LandingFetch:
     (see :class:`~gputq.client.fetch.ReadsAhead`).
     """
 
-    def __init__(self, context: ReadContext, plans: list, buffers: StreamBuffers, shaped: Callable,
+    def __init__(self, context: ReadContext, plans: list, buffers: StreamBuffers, shape: Callable,
                  queued: Callable[[], int], closed: Callable[[], bool]):
-        self._ctx, self._plans, self._buffers, self._shaped = context, plans, buffers, shaped
+        self._ctx, self._plans, self._buffers, self._shape = context, plans, buffers, shape
         self._queued, self._closed = queued, closed
         self._reads = ReadsAhead(context)  # one read pipeline per unit
 
@@ -103,7 +103,7 @@ class LandingFetch:
         outputs = self._buffers.spare_outputs()
         try:
             land_replies(plan, outputs, self._reads.pipe, self._ctx.read_timeout_s)
-            return self._shaped(plan, outputs), outputs
+            return self._shape(plan, outputs), outputs
         except BaseException:
             self._buffers.outputs.put(outputs)
             raise

@@ -15,9 +15,12 @@ fresh pages fault in slowly, during the very receive they should serve.
 from __future__ import annotations
 
 import contextlib
+import logging
+import queue
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 
@@ -30,6 +33,8 @@ from gputq.transport import get_transport
 from gputq.transport.cuda import require_cupy
 
 __all__ = ["ReadContext", "Buffers", "device_index"]
+
+log = logging.getLogger(__name__)
 
 
 def _cupy():
@@ -125,9 +130,13 @@ class ReadContext:
         self.buffers = Buffers(device)
         #: Reads of several units at once (a fetch's, a staged micro-batch's).
         self.pool = ThreadPoolExecutor(max(2, len(clients.units) * 2), thread_name_prefix="gputq-reader")
-        self._stream_workers: tuple | None = None
         self._lock = threading.Lock()
         self._streams: weakref.WeakSet = weakref.WeakSet()  # open or not: closing one again is a no-op
+        # What streams dropped unclosed left, queued by their finalizers: a SimpleQueue's put is safe where a
+        # garbage collection runs them (any thread, inside any lock); the reaper thread does the work.
+        self._leftovers: queue.SimpleQueue = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None
+        self._idle: list[tuple] = []  # fetch and restore threads that closed streams gave back
         #: Set once :meth:`close` began: a stream closed by it tells its consumer so instead of ending.
         self.closed = False
 
@@ -143,20 +152,51 @@ class ReadContext:
         return self.clients.channel(unit)
 
     def stream_threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """The fetch and restore threads of the reader's streams, started once."""
-        with self._lock:
-            if self._stream_workers is None:
-                self._stream_workers = (ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch"),
-                                        ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"))
-            return self._stream_workers
+        """A fetch and a restore thread for one stream alone, until it gives them back (:meth:`threads_back`).
 
-    def track(self, stream) -> None:
+        Never two streams' at once: a stream whose consumer stopped without
+        closing it (a step raised out of its loop) may have work waiting for
+        buffers the consumer holds, and that must not hold up the reader's
+        next stream. A stream takes those that a closed one gave back, so
+        that a stream a step starts no threads.
+        """
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return (ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch"),
+                ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"))
+
+    def threads_back(self, threads: tuple) -> None:
+        """A closed stream's threads, with no work of it left, for the next stream; stopped once the reader
+        is closing."""
+        with self._lock:
+            if not self.closed:
+                self._idle.append(threads)
+                return
+        for thread in threads:
+            thread.shutdown(wait=True)
+
+    def track(self, stream, leftovers: Callable[[], None]) -> weakref.finalize:
         """Close ``stream`` (anything with ``close()``) before the threads it runs on stop; ``ClosedError``
-        once they are stopping."""
+        once they are stopping.
+
+        Should the stream be dropped unclosed (a training step raised out of
+        its loop), ``leftovers`` (which must not refer to it) runs on the
+        reaper thread once it is garbage: what it holds on the units then
+        goes at once, not a lease timeout later. Returns that finalizer, for
+        the stream's ``close`` to detach.
+        """
         with self._lock:
             if self.closed:
                 raise ClosedError("Reader is closed")
             self._streams.add(stream)
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=_reap, args=(self._leftovers,), name="gputq-reaper",
+                                                daemon=True)
+                self._reaper.start()
+        reaped = weakref.finalize(stream, self._leftovers.put, leftovers)
+        reaped.atexit = False  # at exit the units' lease timeout does it: the reaper may be gone
+        return reaped
 
     def registered(self, nbytes: int, units, lent: contextlib.ExitStack):
         """Memory the units' transport registered for its one-sided reads (they then land with no copy),
@@ -181,9 +221,10 @@ class ReadContext:
         return _torch().from_dlpack(array)
 
     def close(self) -> None:
-        """Close the streams, stop the read threads and drop the buffers. Idempotent; the clients stay open.
+        """Close the streams, stop the read threads (the streams' too) and drop the buffers. Idempotent; the
+        clients stay open.
 
-        Streams go first: their work in flight still runs on these threads, and a lease they are taking
+        Streams go first: their work in flight still runs on the read threads, and a lease they are taking
         ends only once it is answered there.
         """
         with self._lock:
@@ -191,9 +232,23 @@ class ReadContext:
             streams = list(self._streams)
         for stream in streams:
             stream.close()
+        with self._lock:
+            reaper, self._reaper = self._reaper, None
+        if reaper is not None:  # what dropped streams left runs first: it may wait for work on the pool
+            self._leftovers.put(None)
+            reaper.join()
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for thread in (t for threads in idle for t in threads):
+            thread.shutdown(wait=True)
         self.pool.shutdown(wait=True)
         self.buffers.close()
-        with self._lock:
-            workers, self._stream_workers = self._stream_workers, None
-        for worker in workers or ():
-            worker.shutdown(wait=True)
+
+
+def _reap(leftovers: queue.SimpleQueue) -> None:
+    """The reaper thread: run what streams dropped unclosed left (see :meth:`ReadContext.track`), until None."""
+    while (job := leftovers.get()) is not None:
+        try:
+            job()
+        except Exception:  # noqa: BLE001 - an unended lease costs the unit's lease timeout only
+            log.warning("ending the leases of a stream dropped unclosed failed", exc_info=True)

@@ -33,30 +33,24 @@ parallel share; pad rows hold ``arange % num_experts``. Other fields
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from gputq.client.fetch import Fetched
 from gputq.client.fetch_ways import LandingFetch, StagedFetch, choose_ways
 from gputq.client.lease_window import LeaseWindows
 from gputq.client.read_context import ReadContext
 from gputq.client.replay import LayerRef, LazyReplay
+from gputq.client.restores import Restores, drop_fetched, run_into
 from gputq.client.shape import SlimeShaper
 from gputq.client.stream_buffers import StreamBuffers
-from gputq.client.plan import MicroPlan
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice
 from gputq.errors import ClosedError, InvalidInputError
 
 __all__ = ["MicroBatch", "MicroBatchStream"]
-
-
-def _drop_fetched(fetch: Future) -> None:
-    """Give back what a fetch that will not be restored holds (if it fetched anything)."""
-    if fetch.done() and not fetch.cancelled() and fetch.exception() is None:
-        fetch.result().drop()
 
 
 def _unread(cut_short: bool, failed: BaseException | None, first: int, count: int) -> ClosedError | None:
@@ -70,15 +64,27 @@ def _unread(cut_short: bool, failed: BaseException | None, first: int, count: in
     return unread
 
 
-def _run_into(future: Future, work: Callable, *args) -> None:
-    """Run ``work(*args)`` into ``future``, unless it was cancelled first (the stream closed: close() ends
-    the leases of fetches never restored)."""
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        future.set_result(work(*args))
-    except BaseException as exc:
-        future.set_exception(exc)
+def _wind_down(closed: threading.Event, pending: list, dropped, leases, threads_back: Callable[[], None]) -> None:
+    """Stop a stream's work: what is queued is cancelled, what runs sees ``closed`` (or finishes its read,
+    bounded by its timeout); the fetches of ``dropped``, never restored, give back their leases, then
+    ``leases`` (its way: windows, leases taken ahead, pipelines) end, and its threads go back."""
+    closed.set()
+    for future in pending:
+        future.cancel()
+    wait(pending)
+    for future in dropped:
+        drop_fetched(future)
+    if leases is not None:
+        leases.close()
+    threads_back()
+
+
+def _leftovers(closed: threading.Event, restores: dict, fetches: dict, in_place: bool, leases,
+               threads_back: Callable[[], None]) -> None:
+    """What a stream dropped unclosed still holds, ended on its reader's reaper thread once it is garbage (see
+    :meth:`ReadContext.track <gputq.client.read_context.ReadContext.track>`): its leases, its threads."""
+    _wind_down(closed, [*restores.values(), *fetches.values()], list(fetches.values()) if in_place else (),
+               leases, threads_back)
 
 
 @dataclass
@@ -143,13 +149,18 @@ class MicroBatchStream:
     (:meth:`MicroBatch.release`, after its backward in a pipeline schedule
     that runs several forwards first). :meth:`replay_handles` gives slime's
     lazy handles instead of iteration.
+
+    Close it (or use it as a context manager). A stream dropped unclosed (a
+    step that raised out of the loop) holds up no other stream: its fetch
+    and restore threads are its own until it closes. Once it is garbage its
+    leases end and its threads go back; until then what it leased stays
+    pinned, at most the units' lease timeout.
     """
 
     def __init__(self, context: ReadContext, plans: list, prefetch: int, rank: ParallelSlice, *,
                  hold: bool = False, release: Callable[[list, int], None] | None = None):
         self._ctx, self._plans, self._depth, self._release = context, plans, prefetch, release
         self._rank, self._hold = rank, hold
-        self._shaper = SlimeShaper(context, rank)
         units = sorted({unit for plan in plans for unit in plan.units})
         packed = any(fp.packing for plan in plans for fp in plan.fields.values())
         self._in_place, self._landing, self._ahead = choose_ways(context, units, prefetch, hold, packed)
@@ -158,10 +169,14 @@ class MicroBatchStream:
         # In place: the last placement of windows ahead queued behind a fetch. Those before it ran before a
         # fetch queued after them, which close() waits for, so it is the only one close() must wait for itself.
         self._placing: Future | None = None
-        self._fetcher, self._restorer = context.stream_threads()
+        threads = context.stream_threads()
+        self._fetcher, restorer = threads
+        self._threads_back = functools.partial(context.threads_back, threads)
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
-        self._lock, self._closed = threading.RLock(), False
+        # Set once closed, and polled by the work under way, which must not refer to the stream (see
+        # gputq.client.restores).
+        self._lock, self._closed = threading.RLock(), threading.Event()
         # Taken to queue work and to close: nothing is queued once close() has listed what to wait for.
         self._queue_lock = threading.Lock()
         self._cut_short = False  # closed by the Reader's close() before the last micro-batch was consumed
@@ -169,17 +184,23 @@ class MicroBatchStream:
         self._next = self._submitted = 0  # the next micro-batch to consume, and to queue a fetch for
         self.released: list[int] = []
         self._buffers = StreamBuffers(context, plans, prefetch, units, landing=self._landing, in_place=self._in_place,
-                                      ahead=self._ahead, closed=lambda: self._closed)
+                                      ahead=self._ahead, closed=self._closed.is_set)
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
         self.buffer_bytes = self._buffers.nbytes
-        closed = lambda: self._closed  # noqa: E731
+        shaper = SlimeShaper(context, rank)
+        self._restorer = Restores(shaper, self._buffers, restorer)
+        closed = self._closed.is_set
         if self._landing:
-            self._way = LandingFetch(context, plans, self._buffers, self._shaped, lambda: self._submitted, closed)
+            self._way = LandingFetch(context, plans, self._buffers, shaper.shape, lambda: self._submitted, closed)
         elif self._in_place:
             self._way = LeaseWindows(context, plans)
         else:
             self._way = StagedFetch(context, plans, self._buffers, units, closed)
-        context.track(self)
+        # A landing way holds no lease (and refers to the stream: its fetches keep it alive, bounded by the
+        # read timeout).
+        self._reaped = context.track(self, functools.partial(_leftovers, self._closed, self._restores, self._fetches,
+                                                             self._in_place, None if self._landing else self._way,
+                                                             self._threads_back))
         self._submit_until(prefetch)
 
     @property
@@ -196,59 +217,24 @@ class MicroBatchStream:
     def _submit_until(self, count: int) -> None:
         """Queue the fetches of the micro-batches before position ``count`` that are not queued yet."""
         with self._queue_lock:
-            while not self._closed and self._submitted < min(count, len(self._plans)):
+            while not self._closed.is_set() and self._submitted < min(count, len(self._plans)):
                 self._submit()
 
     def _submit(self) -> None:
         plan = self._plans[self._submitted]
         fetch = self._fetches[plan.index] = Future()
         if self._ahead:
-            # Queued on the restore thread by the fetch once it is done, not here: a task queued now
-            # would only wait for the fetch, and waking the idle thread for it costs the consumer (who
-            # queues the next fetch as it takes a micro-batch). The callback goes on before the fetch
-            # can start, so it always runs on the fetch thread, never on a consumer that came late.
             restore = self._restores[plan.index] = Future()
-            fetch.add_done_callback(lambda done: self._queue_restore(plan, done, restore))
+            self._restorer.ahead(plan, fetch, restore)
         try:
-            self._fetcher.submit(_run_into, fetch, self._way, plan)
+            self._fetcher.submit(run_into, fetch, self._way, plan)
             if self._in_place:
                 self._placing = self._fetcher.submit(self._way.place_ahead, plan)
-        except BaseException as exc:  # the reader's threads are shut down
+        except BaseException as exc:  # its threads are shut down
             if fetch.set_running_or_notify_cancel():
                 fetch.set_exception(exc)
             raise
         self._submitted += 1
-
-    def _queue_restore(self, plan: MicroPlan, fetch: Future, restore: Future) -> None:
-        """Restore ``plan`` on the restore thread into ``restore`` once ``fetch`` is done (its done callback)."""
-        try:
-            self._restorer.submit(_run_into, restore, self._restore_ahead, plan, fetch)
-        except BaseException as exc:  # the reader's threads are shut down: the consumer gets the error
-            if restore.set_running_or_notify_cancel():
-                _drop_fetched(fetch)
-                restore.set_exception(exc)
-
-    def _restored(self, plan: MicroPlan, fetched: Fetched, outputs: dict) -> tuple[MicroBatch, dict]:
-        """Restore a fetched micro-batch into ``outputs`` (given back if it fails): ``(micro-batch, outputs)``.
-
-        Its compact buffer goes back, its leases end.
-        """
-        try:
-            # Shaped once the leases are confirmed: its checks must see the bytes the leases vouch for.
-            return self._shaped(plan, fetched.restore(lambda source: self._shaper.widen(plan, source, outputs),
-                                                      plan.nbytes)), outputs
-        except BaseException:
-            self._buffers.outputs.put(outputs)
-            raise
-
-    def _restore_ahead(self, plan: MicroPlan, fetch: Future):
-        fetched = fetch.result()
-        try:
-            outputs = self._buffers.take(self._buffers.outputs)
-        except BaseException:
-            _drop_fetched(fetch)
-            raise
-        return self._restored(plan, fetched, outputs)
 
     # -- consuming ---------------------------------------------------------------------
     def __iter__(self) -> Iterator[MicroBatch]:
@@ -258,7 +244,7 @@ class MicroBatchStream:
         if self._lazy is not None:
             raise InvalidInputError("a stream whose replay_handles were taken is not iterated")
         with self._lock:
-            if self._closed:
+            if self._closed.is_set():
                 unread = _unread(self._cut_short, self._failed, self._next, len(self._plans))
                 if unread is not None:  # never the end: the rest was not read
                     raise unread
@@ -281,13 +267,13 @@ class MicroBatchStream:
             self._submit_until(self._next + self._depth + 1)
         try:
             if self._ahead:
-                batch, outputs = self._restores.pop(plan.index).result()
+                shaped, outputs = self._restores.pop(plan.index).result()
                 self._fetches.pop(plan.index)
             elif self._landing:
-                batch, outputs = self._fetches.pop(plan.index).result()
+                shaped, outputs = self._fetches.pop(plan.index).result()
             else:
-                batch, outputs = self._restored(plan, self._fetches.pop(plan.index).result(),
-                                                self._buffers.spare_outputs())
+                shaped, outputs = self._restorer.restore(plan, self._fetches.pop(plan.index).result(),
+                                                         self._buffers.spare_outputs())
         except BaseException as exc:
             self.close()
             if self._cut_short or isinstance(exc, CancelledError):  # closed from another thread meanwhile
@@ -295,6 +281,7 @@ class MicroBatchStream:
                                   f"{plan.index} was awaited") from exc
             self._failed = exc  # a failure of its own, not a close
             raise
+        batch = MicroBatch(plan.index, plan.samples, *shaped, self)
         self._live[plan.index] = (batch, outputs)
         self._next += 1
         self._submit_until(self._next + self._depth)
@@ -329,7 +316,7 @@ class MicroBatchStream:
 
     def _advance_to(self, index: int) -> MicroBatch:
         """Restore micro-batch ``index`` for a replay handle: the next in order, else a typed error."""
-        if self._closed:
+        if self._closed.is_set():
             raise _unread(self._cut_short, self._failed, self._next, len(self._plans)) or \
                 ClosedError("the stream was closed")
         if index != self._next:
@@ -337,34 +324,27 @@ class MicroBatchStream:
             raise InvalidInputError(f"micro-batch {index} {state}: micro-batches are replayed in order")
         return self._advance()
 
-    def _shaped(self, plan: MicroPlan, outputs: dict) -> MicroBatch:
-        layers, experts, fields = self._shaper.shape(plan, outputs)
-        return MicroBatch(plan.index, plan.samples, layers, experts, fields, self)
-
     def close(self) -> None:
         """Stop prefetching and wait for the work in flight. Idempotent; the buffers go.
 
         The Reader's close() closes its streams first: a consumer then asking
         for a micro-batch not yet consumed gets ``ClosedError``, not the end.
         """
-        if self._closed:
+        if self._closed.is_set():
             return
         if self._lazy is not None:
             self._lazy.close()  # the micro-batch replayed last was consumed: its references go
         with self._queue_lock:
-            if self._closed:
+            if self._closed.is_set():
                 return
-            self._closed = True
+            self._closed.set()
+            self._reaped.detach()
             self._cut_short = self._ctx.closed and self._next < len(self._plans)
             pending = [*self._restores.values(), *self._fetches.values(), *filter(None, [self._placing])]
-        for future in pending:
-            future.cancel()
-        wait(pending)  # work under way sees the stream closed, or finishes its read (bounded by its timeout)
-        for future in self._fetches.values() if self._in_place else ():  # fetched, never restored: leases end
-            _drop_fetched(future)
+        _wind_down(self._closed, pending, list(self._fetches.values()) if self._in_place else (), self._way,
+                   self._threads_back)
         self._fetches.clear()
         self._restores.clear()
-        self._way.close()  # its pipelines (replies still queued go with them), or leases taken ahead
         self._buffers.close()
 
     def __enter__(self) -> "MicroBatchStream":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import threading
 
 import numpy as np
@@ -514,35 +515,39 @@ def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consume
     """Read where they lie (shm), micro-batches need no compact buffer, packed IDs neither: the restore thread
     widens the prefetched ones into prefetch + 1 output buffers while the consumer holds one, never waiting for
     the buffer it gives back, and it is the fetch, not the consumer, that queues each restore."""
-    import gputq.client.stream as stream_module
+    from gputq.client.read_context import ReadContext
+    from gputq.client.restores import Restores
     from gputq.client.stream_buffers import StreamBuffers
 
     lengths = [37, 50, 64, 23, 41, 58, 30, 45]
     batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
     rank = ParallelSlice(layers=range(0, 3), cp_rank=0, cp_size=2, num_experts=EXPERTS)
     restored = {i: threading.Event() for i in range(len(batches))}
-    real_restored, real_outputs = stream_module.MicroBatchStream._restored, StreamBuffers.new_outputs
+    real_restore, real_outputs, real_threads = Restores.restore, StreamBuffers.new_outputs, ReadContext.stream_threads
     made, queuing = [], []
 
-    def restored_then_told(stream, plan, *args):
-        batch = real_restored(stream, plan, *args)
+    def restored_then_told(restores, plan, *args):
+        shaped = real_restore(restores, plan, *args)
         restored[plan.index].set()
-        return batch
+        return shaped
 
     def new_outputs(buffers):
         made.append(1)
         return real_outputs(buffers)
 
-    monkeypatch.setattr(stream_module.MicroBatchStream, "_restored", restored_then_told)
+    def watched_threads(context):
+        fetcher, restorer = real_threads(context)
+        real_submit = restorer.submit
+        restorer.submit = lambda *a, **k: (queuing.append(threading.current_thread()), real_submit(*a, **k))[1]
+        return fetcher, restorer
+
+    monkeypatch.setattr(Restores, "restore", restored_then_told)
     monkeypatch.setattr(StreamBuffers, "new_outputs", new_outputs)
+    monkeypatch.setattr(ReadContext, "stream_threads", watched_threads)
     with local_units("shm", units=2, **IN_PLACE_FORMATS[dtype]) as (config, _, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(8), lengths)
         with Reader(clients, config) as reader:
-            restorer = reader._ctx.stream_threads()[1]
-            real_submit = restorer.submit
-            monkeypatch.setattr(restorer, "submit", lambda *a, **k: (queuing.append(threading.current_thread()),
-                                                                     real_submit(*a, **k))[1])
             with reader.stream(shard, batches, rank, prefetch=2) as stream:
                 assert stream.buffer_bytes == 3 * stream.output_bytes  # prefetch + 1 outputs, nothing compact
                 first = next(stream)
@@ -772,7 +777,85 @@ def test_closing_the_reader_cuts_its_streams_short_with_a_typed_error_and_ends_t
             reader.stream(shard, [[i] for i in range(6)], rank)
         wait_until(lambda: all(unit.stats()["leases"] == 0 for unit in units), 10, "the cut stream's leases to end")
         assert not [t.name for t in set(threading.enumerate()) - before
-                    if t.name.startswith(("gputq-prefetch", "gputq-restore", "gputq-reader"))]
+                    if t.name.startswith(("gputq-prefetch", "gputq-restore", "gputq-reader", "gputq-reaper"))]
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["restored-ahead", "hold"])
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_a_stream_dropped_unclosed_never_holds_up_the_next_and_ends_its_leases_once_it_is_garbage(transport, hold):
+    """A training step raised out of its loop, and the trainer kept the error: the unclosed stream stays alive
+    (the error's frames refer to its micro-batch), its work waiting for buffers its consumer holds. The
+    reader's next stream still reads every micro-batch, and once the error goes and the stream is garbage its
+    leases end (a released step's regions are free again), not after the units' lease timeout."""
+    rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
+    batches = [[i] for i in range(8)]
+    with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(22), [40, 30, 50, 20, 60, 35, 45, 25])
+        before = set(threading.enumerate())
+        with Reader(clients, config) as reader:
+            held = []
+
+            def train_until_a_step_raises():
+                for batch in reader.stream(shard, batches, rank, hold=hold):
+                    assert _check(batch, [batch.index], data, range(0, 2), rank)
+                    if batch.index == 2:
+                        held.append(sum(unit.stats()["leases"] for unit in units))
+                        raise RuntimeError("the step failed")
+                    batch.release()
+
+            try:
+                train_until_a_step_raises()
+            except RuntimeError as exc:
+                kept = exc
+            assert held == [0] if transport == "tcp" else held[0] > 0  # lease windows, leases taken ahead
+            consumed = []
+
+            def next_step():
+                with reader.stream(shard, batches, rank, hold=hold) as stream:
+                    for batch in stream:
+                        consumed.append(_check(batch, [batch.index], data, range(0, 2), rank))
+                        batch.release()
+            step = threading.Thread(target=next_step, daemon=True)
+            step.start()
+            step.join(30)
+            assert not step.is_alive() and consumed == [True] * 8, "the next stream was held up"
+            del kept
+            # Garbage once its work under way ran, then collected: in a cycle (its micro-batches refer to it),
+            # by the collector's next pass.
+            wait_until(lambda: gc.collect() >= 0 and all(unit.stats()["leases"] == 0 for unit in units), 10,
+                       "the dropped stream's leases to end", interval=0.05)
+        assert not [t.name for t in set(threading.enumerate()) - before
+                    if t.name.startswith(("gputq-prefetch", "gputq-restore", "gputq-reaper"))]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_closed_streams_threads_serve_the_reader_s_next_stream_and_stop_with_the_reader(transport):
+    """A stream a step opens starts no threads: it takes the fetch and restore threads a closed one gave back
+    (over tcp replies are widened as they land: no restore thread starts). Two streams open at once each have
+    their own; the reader's close stops them all."""
+    rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
+    with local_units(transport, units=1, routed_experts_dtype="uint16") as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(24), [40, 30, 50, 20])
+        before = set(threading.enumerate())
+
+        def started() -> list:
+            return sorted(t.name.rstrip("_0123456789") for t in set(threading.enumerate()) - before
+                          if t.name.startswith(("gputq-prefetch", "gputq-restore")))
+        pair = ["gputq-prefetch", "gputq-restore"] if transport == "shm" else ["gputq-prefetch"]
+        with Reader(clients, config) as reader:
+            for _ in range(3):
+                with reader.stream(shard, [[0, 1], [2, 3]], rank) as stream:
+                    assert [_check(mb, [2 * mb.index, 2 * mb.index + 1], data, range(0, 2), rank)
+                            for mb in stream] == [True, True]
+            assert started() == pair
+            both = [[0, 1], [2, 3]]
+            with reader.stream(shard, both, rank) as one, reader.stream(shard, both, rank) as two:
+                assert _check(next(one), [0, 1], data, range(0, 2), rank)
+                assert _check(next(two), [0, 1], data, range(0, 2), rank)
+                assert started() == sorted(pair * 2)
+        assert started() == []
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -782,14 +865,14 @@ def test_a_reader_closed_from_another_thread_wakes_a_consumer_waiting_for_its_mi
     if that fetch had started), and nothing is queued on threads being stopped."""
     from gputq.client import stream as stream_module
 
-    run_into, held, go = stream_module._run_into, threading.Event(), threading.Event()
+    run_into, held, go = stream_module.run_into, threading.Event(), threading.Event()
 
     def holding(future, work, *args):
         if work is not None and args and getattr(args[0], "index", None) == 1 and not held.is_set():
             held.set()
             assert go.wait(10)
         return run_into(future, work, *args)
-    monkeypatch.setattr(stream_module, "_run_into", holding)
+    monkeypatch.setattr(stream_module, "run_into", holding)
     rank = ParallelSlice(num_experts=EXPERTS)
     with local_units(transport, units=1, routed_experts_dtype="uint16") as (config, units, clients):
         with Writer(clients, config) as writer:
@@ -826,14 +909,14 @@ def test_a_stream_closed_from_another_thread_is_closed_not_failed(monkeypatch):
     any close of its own; not a failure of micro-batch 1 (its error, ``CancelledError``, is the close's)."""
     from gputq.client import stream as stream_module
 
-    run_into, held, go = stream_module._run_into, threading.Event(), threading.Event()
+    run_into, held, go = stream_module.run_into, threading.Event(), threading.Event()
 
     def holding(future, work, *args):
         if work is not None and args and getattr(args[0], "index", None) == 1 and not held.is_set():
             held.set()
             assert go.wait(10)
         return run_into(future, work, *args)
-    monkeypatch.setattr(stream_module, "_run_into", holding)
+    monkeypatch.setattr(stream_module, "run_into", holding)
     rank = ParallelSlice(num_experts=EXPERTS)
     with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, _, clients):
         with Writer(clients, config) as writer:
