@@ -42,6 +42,7 @@ from concurrent.futures import Future, wait
 
 import numpy as np
 
+from gputq.client.fanout import fan_out
 from gputq.client.fetch import Fetched, lease_in_place
 from gputq.client.in_place import add_leased
 from gputq.client.plan import READ_BATCH_KEY_BYTES, READ_BATCH_KEYS, MicroPlan, SpanRequest
@@ -236,21 +237,28 @@ class LeaseWindows:
         self._lease_next()
 
     def _take(self, window: _Window) -> None:
-        """Take the window's leases, units in parallel (each is a round trip to its own unit), the first on
-        this thread; every one taken is kept in ``window.leases`` (to be ended), and the first failure raised."""
+        """Take the window's leases in parallel (each is a round trip to its unit), the first on this thread;
+        every one taken is kept in ``window.leases`` (to be ended), and the first failure raised.
+
+        Spread by :func:`~gputq.client.fanout.fan_out`, whose caller runs
+        what no thread took, not on the reader's pool: this runs on that
+        pool, and streams leasing at once could fill it with windows each
+        waiting for its other leases queued behind them.
+        """
         leases = [lease for lease, _ in window.leases]
-        if not leases:
-            return
-        others = [self._ctx.pool.submit(lease.take, self._ctx) for lease in leases[1:]]
-        try:
-            window.leases[0] = (leases[0], leases[0].take(self._ctx))
-        finally:
-            wait(others)
-            for i, future in enumerate(others, start=1):
-                if future.exception() is None:
-                    window.leases[i] = (leases[i], future.result())
-        for future in others:
-            future.result()
+
+        def take(i: int):
+            try:
+                return leases[i].take(self._ctx)
+            except BaseException as exc:  # raised once every lease taken is kept
+                return exc
+        taken = fan_out(range(len(leases)), take)
+        for i, held in taken.items():
+            if not isinstance(held, BaseException):
+                window.leases[i] = (leases[i], held)
+        failed = [held for held in taken.values() if isinstance(held, BaseException)]
+        if failed:
+            raise failed[0]
 
     def _hinted(self, window: _Window, plan: MicroPlan) -> tuple[MappedSource, contextlib.ExitStack] | None:
         """``plan``'s regions as the units' key directories name them, while the window's leases are on their

@@ -491,6 +491,34 @@ def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(mon
     assert consumed == [0, 1, 2] and len(lookups) >= shifted and extra == 1  # the one leased alone
 
 
+def test_in_place_streams_leasing_their_windows_at_once_never_wait_on_each_other(monkeypatch):
+    """Each stream leases its windows on the reader's pool, a window's leases in parallel (here one per key: a
+    request limit of 1 splits each window). Four streams leasing at once on a one-unit reader (a pool of two
+    threads) each read every micro-batch. Before, two windows filled the pool, each waiting for its other
+    leases queued behind them, and every stream hung for ever."""
+    import gputq.client.lease_window as lease_window
+
+    monkeypatch.setattr(lease_window, "READ_BATCH_KEYS", 1)
+    rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
+    batches = [[i, i + 16] for i in range(16)]
+    with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(25), [40, 30, 50, 20, 60, 35, 45, 25] * 4)
+        reader, consumed = Reader(clients, config), []
+
+        def one_step():
+            with reader.stream(shard, batches, rank) as stream:
+                consumed.append([_check(mb, batches[mb.index], data, range(0, 2), rank) for mb in stream])
+        steps = [threading.Thread(target=one_step, daemon=True) for _ in range(4)]
+        for step in steps:
+            step.start()
+        wait_until(lambda: not any(step.is_alive() for step in steps), 60, "the streams leasing at once to end",
+                   interval=0.05)  # else the reader is left as it is: closing it would wait for them
+        reader.close()
+        assert consumed == [[True] * 16] * 4
+        wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the streams' leases to end")
+
+
 def test_in_place_a_stale_key_fails_its_own_micro_batch_not_the_others_of_its_window():
     """Micro-batch 3's reference is stale: the lease of its window ([2, 4)) is refused, micro-batch 2 is
     leased alone and yielded exactly, and micro-batch 3 raises the unit's StaleReadError at its own turn."""
