@@ -8,7 +8,7 @@ Nothing here refers to the stream: the work a stream queued on its threads
 must not keep alive a stream its consumer dropped unclosed (a training step
 that raised out of its loop), whose next restore would otherwise wait for
 its consumer's buffers for ever. Once such a stream is garbage, its reader
-stops its work, ends its leases and stops its threads (see
+stops its work, ends its leases and takes its threads back (see
 :meth:`~gputq.client.read_context.ReadContext.track`); the restore waiting
 for buffers then gives up.
 """

@@ -886,11 +886,9 @@ def test_a_closed_streams_threads_serve_the_reader_s_next_stream_and_stop_with_t
         assert started() == []
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_a_reader_closed_from_another_thread_wakes_a_consumer_waiting_for_its_micro_batch(monkeypatch, transport):
-    """The consumer is waiting for micro-batch 1, whose fetch is held on the fetch thread, when another thread
-    closes the Reader: the held fetch ends, the consumer gets ``ClosedError`` (at once, or at its next request
-    if that fetch had started), and nothing is queued on threads being stopped."""
+def _hold_the_fetch_of_micro_batch_1(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Hold micro-batch 1's fetch on the fetch thread until ``go`` is set: ``(held, go)``, ``held`` set once it
+    is held."""
     from gputq.client import stream as stream_module
 
     run_into, held, go = stream_module.run_into, threading.Event(), threading.Event()
@@ -901,6 +899,15 @@ def test_a_reader_closed_from_another_thread_wakes_a_consumer_waiting_for_its_mi
             assert go.wait(10)
         return run_into(future, work, *args)
     monkeypatch.setattr(stream_module, "run_into", holding)
+    return held, go
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_reader_closed_from_another_thread_wakes_a_consumer_waiting_for_its_micro_batch(monkeypatch, transport):
+    """The consumer is waiting for micro-batch 1, whose fetch is held on the fetch thread, when another thread
+    closes the Reader: the held fetch ends, the consumer gets ``ClosedError`` (at once, or at its next request
+    if that fetch had started), and nothing is queued on threads being stopped."""
+    held, go = _hold_the_fetch_of_micro_batch_1(monkeypatch)
     rank = ParallelSlice(num_experts=EXPERTS)
     with local_units(transport, units=1, routed_experts_dtype="uint16") as (config, units, clients):
         with Writer(clients, config) as writer:
@@ -935,16 +942,7 @@ def test_a_stream_closed_from_another_thread_is_closed_not_failed(monkeypatch):
     """Closed by another thread while its consumer waits for micro-batch 1's restore (queued behind a held
     fetch, over shm): the consumer gets ``ClosedError`` naming the close, and asking again is the end, as after
     any close of its own; not a failure of micro-batch 1 (its error, ``CancelledError``, is the close's)."""
-    from gputq.client import stream as stream_module
-
-    run_into, held, go = stream_module.run_into, threading.Event(), threading.Event()
-
-    def holding(future, work, *args):
-        if work is not None and args and getattr(args[0], "index", None) == 1 and not held.is_set():
-            held.set()
-            assert go.wait(10)
-        return run_into(future, work, *args)
-    monkeypatch.setattr(stream_module, "run_into", holding)
+    held, go = _hold_the_fetch_of_micro_batch_1(monkeypatch)
     rank = ParallelSlice(num_experts=EXPERTS)
     with local_units("shm", units=1, routed_experts_dtype="uint16") as (config, _, clients):
         with Writer(clients, config) as writer:
