@@ -60,15 +60,13 @@ class Restores:
         self._shaper, self._buffers, self._thread = shaper, buffers, thread
 
     def restore(self, plan: MicroPlan, fetched: Fetched, outputs: dict) -> tuple[tuple, dict]:
-        """Restore fetched ``plan`` into ``outputs`` (given back if it fails). Its compact buffer goes back, its
-        leases end."""
-        try:
-            # Shaped once the leases are confirmed: its checks must see the bytes the leases vouch for.
-            widened = fetched.restore(lambda source: self._shaper.widen(plan, source, outputs), plan.nbytes)
-            return self._shaper.shape(plan, widened), outputs
-        except BaseException:
-            self._buffers.outputs.put(outputs)
-            raise
+        """Restore fetched ``plan`` into ``outputs``. Its compact buffer goes back, its leases end.
+
+        A failure ends the stream (whose close takes every buffer back), so ``outputs`` is not given back here.
+        """
+        # Shaped once the leases are confirmed: its checks must see the bytes the leases vouch for.
+        widened = fetched.restore(lambda source: self._shaper.widen(plan, source, outputs), plan.nbytes)
+        return self._shaper.shape(plan, widened), outputs
 
     def ahead(self, plan: MicroPlan, fetch: Future, restore: Future) -> None:
         """Restore ``plan`` into ``restore`` on the restore thread once ``fetch`` is done.

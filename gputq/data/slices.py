@@ -135,9 +135,11 @@ class ParallelSlice:
         """The stored layers this rank reads of a field with ``stored_layers``; else ``InvalidInputError``."""
         if self.layers is None:
             return tuple(range(stored_layers))
-        if self.layers[-1] >= stored_layers:
-            raise InvalidInputError(f"{where}: layers {self.layers[0]}..{self.layers[-1]} are outside the "
-                                    f"{stored_layers} stored layers")
+        outside = [layer for layer in self.layers if layer >= stored_layers]
+        if outside:
+            named = f"layer {outside[0]} is" if len(outside) == 1 else f"layers {outside[0]}..{outside[-1]} are"
+            raise InvalidInputError(f"{where}: {named} past the {stored_layers} stored layers "
+                                    f"(0..{stored_layers - 1})")
         return self.layers
 
 

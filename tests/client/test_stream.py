@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="make test installs torch: these tests state slime's rows with it")
 
 from gputq.client.lease_window import LEASED_ALONE, window_bounds
 from gputq.client.reader import Reader
@@ -466,6 +466,46 @@ def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restore
     assert consumed == [0, 1, 2] and missed and extra == 1  # the one leased alone
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_in_place_a_micro_batch_leased_alone_restored_past_its_lease_is_a_stale_read_that_returns_nothing(
+        monkeypatch, prefetch):
+    """The unit expires the lease of micro-batch 0 (leased alone, as a stream's first are) while its restore reads
+    the mapping (a trainer stalled past it): the consumer gets ``StaleReadError`` and no bytes, then
+    ``ClosedError`` naming it; the leases end, and the Reader's next stream is whole. Restored by the consumer
+    (``prefetch=1``) or ahead on the restore thread (2)."""
+    from gputq.kernels import MappedSource
+
+    real, held = MappedSource.widen_scatter, []
+    rank, batches = ParallelSlice(num_experts=EXPERTS), [[i] for i in range(4)]
+    with local_units("shm", units=1, routed_experts_dtype="uint16", read_timeout_s=1.0) as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(23), [40, 30, 50, 20])
+        granted = _leases_taken(units[0])
+
+        def past_its_lease(source, *args, **kwargs):
+            if not held:  # micro-batch 0's: read while its lease is exchanged, until the unit expires it
+                held.append(True)
+                wait_until(lambda: _leases_taken(units[0]) > granted, 10, "the unit to grant the lease")
+                wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the unit to expire the lease")
+            return real(source, *args, **kwargs)
+
+        with Reader(clients, config) as reader:
+            monkeypatch.setattr(MappedSource, "widen_scatter", past_its_lease)
+            with reader.stream(shard, batches, rank, prefetch=prefetch) as stream:
+                got = None
+                with pytest.raises(StaleReadError, match="expired before the copy finished"):
+                    got = next(stream)
+                assert got is None and held
+                with pytest.raises(ClosedError, match=r"micro-batch 0 raised StaleReadError: micro-batches 0\.\. "
+                                                      r"of 4 were not read"):
+                    next(stream)
+            monkeypatch.setattr(MappedSource, "widen_scatter", real)
+            with reader.stream(shard, batches, rank) as stream:
+                assert [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(LAYERS), rank)] \
+                    == [0, 1, 2, 3]
+        wait_until(lambda: units[0].stats()["leases"] == 0, 10, "every lease to end")
+
+
 @pytest.mark.parametrize("dtype", sorted(ROW_BYTES))
 @pytest.mark.parametrize("shifted", [1, 3])
 def test_in_place_a_stale_directory_costs_a_lease_of_its_own_not_wrong_bytes(monkeypatch, shifted, dtype):
@@ -592,7 +632,8 @@ def test_stream_validates_before_reading():
     with _stored(1, [20, 30]) as (config, units, clients, shard, _):
         with Reader(clients, config) as reader:
             before = _bytes_read(units)
-            with pytest.raises(InvalidInputError, match="outside the 6 stored layers"):
+            with pytest.raises(InvalidInputError,
+                               match=r"field .routed_experts.: layers 6..7 are past the 6 stored layers \(0..5\)"):
                 reader.stream(shard, [[0], [1]], ParallelSlice(layers=range(4, 8), num_experts=EXPERTS))
             with pytest.raises(InvalidInputError, match="partition"):
                 reader.stream(shard, [[0], [0, 1]])

@@ -40,5 +40,7 @@ def test_good_arguments_are_normalised_to_plain_ints():
     assert (type(rank.cp_rank), type(rank.num_experts)) == (int, int)
     assert ParallelSlice(layers=range(2, 6, 2)).layer_indices(5, "r") == (2, 4)
     assert ParallelSlice().layer_indices(3, "r") == (0, 1, 2)
-    with pytest.raises(InvalidInputError, match=r"r: layers 2..4 are outside the 4 stored layers"):
+    with pytest.raises(InvalidInputError, match=r"^r: layer 4 is past the 4 stored layers \(0..3\)$"):
         ParallelSlice(layers=(2, 4)).layer_indices(4, "r")
+    with pytest.raises(InvalidInputError, match=r"^r: layers 3..7 are past the 3 stored layers \(0..2\)$"):
+        ParallelSlice(layers=range(1, 8, 2)).layer_indices(3, "r")
