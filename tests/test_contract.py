@@ -281,15 +281,27 @@ def test_a_bad_shard_is_a_typed_error_naming_the_sample(deployment, junk):
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"micro_batches": None}, "micro_batches must be a list of lists"),
-    ({"micro_batches": [0]}, "micro-batch 0 must be a list of shard positions"),
-    ({"total_lengths": ["x"]}, r"sample 0: total length must be an int >= 1, got 'x'"),
-    ({"total_lengths": [10.9]}, r"sample 0: total length must be an int >= 1, got 10.9"),
+    ({"micro_batches": [0]}, "micro-batch 0 must be a list of shard positions, got int$"),
+    ({"micro_batches": ["01"]}, "micro-batch 0 must be a list of shard positions, got str$"),
+    ({"micro_batches": [[0, 1], []]}, "^micro-batch 1 is empty$"),
+    ({"micro_batches": [[0], [2]]}, "^micro-batch 1 names sample 2; the shard has 2 samples$"),
+    ({"micro_batches": [[-1], [0, 1]]}, "^micro-batch 0 names sample -1; the shard has 2 samples$"),
+    ({"micro_batches": [[True], [0]]}, "^micro-batch 0 names sample True; the shard has 2 samples$"),
+    ({"micro_batches": [[0.0], [1]]}, r"^micro-batch 0 names sample 0\.0; the shard has 2 samples$"),
+    ({"micro_batches": [[0, 1], [1]]}, "^sample 1 is in micro-batches 0 and 1: micro-batches must partition"),
+    ({"total_lengths": ["x", 7]}, r"sample 0: total length must be an int >= 1, got 'x'"),
+    ({"total_lengths": [10.9, 7]}, r"sample 0: total length must be an int >= 1, got 10.9"),
+    ({"total_lengths": [7, 0]}, r"^sample 1: total length must be an int >= 1, got 0$"),
+    ({"total_lengths": [7]}, "^1 total lengths for 2 samples$"),
     ({"total_lengths": 7}, "total_lengths must be a list of ints"),
+    ({"fields": ["rewards"]}, "^field 'rewards' is missing from some samples of micro-batch 0$"),
+    ({"fields": "logprobs"}, "^fields must be a list of field names, got 'logprobs'$"),
+    ({"hold": 1}, "^hold must be a bool, got 1$"),
 ])
 def test_bad_stream_arguments_are_typed_errors(deployment, kwargs, message):
     config, units, writer, reader = deployment
-    shard = [_stored_layouts(writer)]
-    arguments = {"micro_batches": [[0]], "rank": ParallelSlice(num_experts=16)} | kwargs
+    shard = [_stored_layouts(writer), _stored_layouts(writer)]  # R3 of 6 rows: 7 tokens each
+    arguments = {"micro_batches": [[0], [1]], "rank": ParallelSlice(num_experts=16)} | kwargs
     with pytest.raises(InvalidInputError, match=message):
         reader.stream(shard, **arguments)
 

@@ -43,13 +43,21 @@ def stored_format(name: str, refs: Iterable[FieldRef], layouts: Sequence[Layout]
     """
     specs = {(ref.dtype, tuple(ref.row_shape), ref.packing) for ref in refs}
     if len(specs) > 1:
-        raise LayoutError(f"field {name!r} mixes stored dtypes/row shapes in one {where}: {sorted(map(str, specs))}")
+        raise LayoutError(f"field {name!r} mixes stored formats in {where}: "
+                          f"{', '.join(sorted(_described(*spec) for spec in specs))}; read them apart")
     fills = {layout.fill for layout in layouts}
     if len(fills) > 1:
-        raise LayoutError(f"field {name!r} has several fill values in one {where}: {fills}")
+        raise LayoutError(f"field {name!r} has several fill values in {where}: {sorted(fills)}")
     # A field whose samples are all fill rows still has a dtype and row shape: its layouts'.
     dtype, row_shape, packing = specs.pop() if specs else (layouts[0].dtype, tuple(layouts[0].row_shape), None)
     return StoredFormat(np.dtype(dtype), tuple(row_shape), packing, np.dtype(layouts[0].dtype), fills.pop())
+
+
+def _described(dtype, row_shape: tuple, packing: tuple | None) -> str:
+    """A stored format as a person reads it: ``uint8[6, 4]``, ``packed[6, 4] (7 bits an ID)``."""
+    if packing is not None:
+        return f"packed{list(row_shape)} ({packing[1]} bits an ID)"
+    return f"{np.dtype(dtype)}{list(row_shape)}"
 
 
 def versions_differ(a: FieldRef, b: FieldRef) -> bool:

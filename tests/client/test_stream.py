@@ -648,6 +648,40 @@ def test_stream_validates_before_reading():
             assert _bytes_read(units) == before  # nothing was read
 
 
+def test_a_shard_mixing_stored_formats_or_fills_is_refused_by_name_and_read_apart():
+    """Samples stored as uint8 and as uint16 IDs (two writers' configs), or logprobs with two fill values: one
+    micro-batch (or whole-shard fetch) of both is refused naming the field, the formats and where; micro-batches
+    that keep them apart read exactly."""
+    rank = ParallelSlice(num_experts=EXPERTS)
+    with _stored(4, [20, 30], routed_experts_dtype="uint16") as (config, units, clients, shard, data):
+        with Writer(clients, dataclasses.replace(config, routed_experts_dtype="uint8")) as writer:
+            narrow = np.random.default_rng(5).integers(0, EXPERTS, (24, LAYERS, TOPK)).astype(np.int32)
+            refs = writer.put("narrow/0", "p", {"routed_experts": narrow})
+        mixed = [{"routed_experts": shard[0]["routed_experts"]},
+                 {"routed_experts": Layout.from_ref(refs["routed_experts"])}]
+        filled = [shard[0], {**shard[1], "logprobs": dataclasses.replace(shard[1]["logprobs"], fill=-1.0)}]
+        formats = r"mixes stored formats in {}: uint16\[6, 4\], uint8\[6, 4\]; read them apart$"
+        with Reader(clients, config) as reader:
+            before = _bytes_read(units)
+            with pytest.raises(LayoutError, match="^field 'routed_experts' " + formats.format("the shard")):
+                reader.fetch(mixed)
+            with pytest.raises(LayoutError, match="^field 'routed_experts' " + formats.format("micro-batch 0")):
+                reader.stream(mixed, [[0, 1]], rank)
+            fills = r"^field 'logprobs' has several fill values in {}: \[-1\.0, 0\.0\]$"
+            with pytest.raises(LayoutError, match=fills.format("the shard")):
+                reader.fetch(filled)
+            with pytest.raises(LayoutError, match=fills.format("micro-batch 0")):
+                reader.stream(filled, [[0, 1]], rank)
+            assert _bytes_read(units) == before
+            with reader.stream(mixed, [[0], [1]], rank) as stream:
+                restored = [np.stack(mb.routed_experts, axis=1) for mb in stream]
+            # slime's one pad row after each sample (no CP, TP 1): the stored rows come first
+            np.testing.assert_array_equal(restored[0][:19], data[0][0])
+            np.testing.assert_array_equal(restored[1][:24], narrow)
+            with reader.stream(filled, [[0], [1]], rank) as stream:  # a micro-batch's tensors live until the next
+                assert [np.array_equal(mb.log_probs[0], data[mb.index][1]) for mb in stream] == [True, True]
+
+
 @pytest.mark.parametrize("dtype", sorted(ROW_BYTES))
 def test_a_rank_naming_other_experts_than_its_ids_were_stored_for_is_refused(dtype):
     """Pad rows hold ``arange % num_experts``: a rank whose count differs from the one its IDs were stored for
