@@ -25,6 +25,7 @@ __all__ = [
     "HintMissedError",
     "InvalidInputError",
     "LayoutError",
+    "LeaseExpiredError",
     "MissingDependencyError",
     "PartialFailureError",
     "PeerLostError",
@@ -91,6 +92,14 @@ class TransferSetupError(TransferError):
 
     Another lane may work: an rdma read into device memory that gets it
     goes through host memory instead.
+    """
+
+
+class LeaseExpiredError(StaleReadError):
+    """A one-sided read's lease expired before its copy finished (its reader stalled past the lease's lifetime).
+
+    What the copy read may belong to other keys and is not returned; a read
+    under a new lease gets the right bytes, or the keys' own error.
     """
 
 

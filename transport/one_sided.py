@@ -16,8 +16,9 @@ meanwhile. Over the unit's authenticated control lane:
    lifetime proves it held is ended in the background
    (:class:`~gputq.transport.lease_ends.LeaseEnds`); any other asks
    :data:`END_LEASE`, whose answer says whether it was still held. One that
-   had expired raises :class:`~gputq.errors.StaleReadError` and the read
-   returns nothing: its bytes may be another key's.
+   had expired raises :class:`~gputq.errors.LeaseExpiredError` (a
+   ``StaleReadError``) and the read returns nothing: its bytes may be
+   another key's.
 
 :class:`LeaseProtocol` is one channel's side of it; the channel keeps what
 is its own (where bytes go, how they are copied).
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gputq.errors import ClosedError, InvalidInputError, ProtocolError, StaleReadError
+from gputq.errors import ClosedError, InvalidInputError, LeaseExpiredError, ProtocolError
 from gputq.transport.base import Channel, describe_keys, read_args
 from gputq.transport.lease_ends import LeaseEnds, expires_in_of, lease_covered
 
@@ -123,14 +124,14 @@ class LeaseProtocol:
 
         A lease its stated lifetime proves held is ended in the background;
         otherwise :data:`END_LEASE` asks (within ``timeout``), and a lease
-        that had expired raises ``StaleReadError``. After a failed copy the
+        that had expired raises ``LeaseExpiredError``. After a failed copy the
         end is a courtesy and its own failure is not raised.
         """
         lease_id = int(reply["lease_id"])
         if ok and lease_covered(started, expires_in_of(reply)):
             self.ends.defer(lease_id)
         elif not self.end(lease_id, quiet=not ok, timeout=timeout):
-            raise StaleReadError(
+            raise LeaseExpiredError(
                 f"unit {self.unit}: the lease of keys {describe_keys(keys)} expired before the copy finished; "
                 f"the bytes read may belong to other keys, nothing is returned")
 

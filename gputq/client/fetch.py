@@ -24,7 +24,7 @@ from concurrent.futures import Future, wait
 from gputq.client.in_place import add_leased
 from gputq.client.read_context import ReadContext
 from gputq.client.plan import MicroPlan
-from gputq.errors import GputqError, HintMissedError
+from gputq.errors import GputqError, HintMissedError, LeaseExpiredError
 from gputq.kernels import MappedSource
 from gputq.transport.tcp_connection import SOCKET_BUFFER_BYTES
 
@@ -199,16 +199,19 @@ class Fetched:
         """``restore(source)`` over the micro-batch's ``nbytes``; then the buffer goes back, or the leases end
         (confirmed: the restore read the mappings under them).
 
-        In place with leases taken ahead (on the key directories' regions),
-        a lease that named other regions is taken again by ``again()`` and
-        the restore runs again, over the regions it names.
+        In place, where ``again`` is given (a stream's micro-batch), a lease
+        taken ahead that named other regions than the key directories', or
+        one that expired before the restore ended (its consumer came later
+        than the lease's lifetime), is taken again by ``again()`` and the
+        restore runs again, under the new lease: only what it read reaches
+        the consumer.
         """
         if self._in_place is not None:
             source, leases = self._in_place
             try:
                 with leases:
                     return restore(source)
-            except HintMissedError:
+            except (HintMissedError, LeaseExpiredError):
                 if self._again is None:
                     raise
             source, leases = self._again()

@@ -466,13 +466,54 @@ def test_in_place_a_restore_its_window_did_not_cover_is_leased_alone_and_restore
     assert consumed == [0, 1, 2] and missed and extra == 1  # the one leased alone
 
 
+def _expired(unit, granted: int) -> None:
+    """Wait until ``unit`` granted a lease past ``granted`` and then expired every lease it held."""
+    wait_until(lambda: _leases_taken(unit) > granted, 10, "the unit to grant the lease")
+    wait_until(lambda: unit.stats()["leases"] == 0, 10, "the unit to expire the lease")
+
+
+@pytest.mark.parametrize("consumer", ["iterated", "replayed"])
+def test_in_place_a_consumer_that_comes_after_its_first_leases_expired_gets_them_leased_again(consumer):
+    """``prefetch=1``: micro-batch 0 is leased (alone, as a stream's first are) when the stream opens and restored
+    when first asked for. A trainer that asks only after the unit expired that lease (it waited at a barrier,
+    say) gets it leased again and restored exactly, iterated or through slime's replay handles: one lease more
+    than an unstalled stream of the same shard, and no error."""
+    rank, batches = ParallelSlice(num_experts=EXPERTS), [[i] for i in range(4)]
+    with local_units("shm", units=1, routed_experts_dtype="uint16", read_timeout_s=1.0) as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(23), [40, 30, 50, 20])
+        stalled = []
+        for stall in (False, True):
+            granted = _leases_taken(units[0])
+            with Reader(clients, config) as reader, reader.stream(shard, batches, rank, prefetch=1) as stream:
+                handles = stream.replay_handles() if consumer == "replayed" else None
+                if stall:
+                    _expired(units[0], granted)
+                if handles is None:
+                    seen = [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(LAYERS), rank)]
+                else:
+                    seen = []
+                    for index, layers in enumerate(handles):
+                        want = slime_replay_rows([torch.from_numpy(data[index][0])], rank)
+                        for direction in ("forward", "backward"):
+                            for layer, handle in enumerate(layers):
+                                got = torch.as_tensor(handle.materialize_for_routing_replay(direction))
+                                assert torch.equal(got, want[:, layer])
+                        seen.append(index)
+            assert seen == [0, 1, 2, 3]
+            stalled.append(_leases_taken(units[0]) - granted)
+        assert stalled[1] == stalled[0] + 1, stalled
+        wait_until(lambda: units[0].stats()["leases"] == 0, 10, "every lease to end")
+
+
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_in_place_a_micro_batch_leased_alone_restored_past_its_lease_is_a_stale_read_that_returns_nothing(
+def test_in_place_a_restore_that_outlasts_its_lease_taken_again_too_is_a_stale_read_that_returns_nothing(
         monkeypatch, prefetch):
-    """The unit expires the lease of micro-batch 0 (leased alone, as a stream's first are) while its restore reads
-    the mapping (a trainer stalled past it): the consumer gets ``StaleReadError`` and no bytes, then
-    ``ClosedError`` naming it; the leases end, and the Reader's next stream is whole. Restored by the consumer
-    (``prefetch=1``) or ahead on the restore thread (2)."""
+    """Micro-batch 0's restore reads the mapping until the unit expired its lease, and again under the lease
+    taken again (a host stalled inside the restore itself): the consumer gets ``LeaseExpiredError`` (a
+    ``StaleReadError``) and no bytes, then ``ClosedError`` naming it; the leases end, and the Reader's next
+    stream is whole. Restored by the consumer (``prefetch=1``) or ahead on the restore thread (2)."""
+    from gputq.errors import LeaseExpiredError
     from gputq.kernels import MappedSource
 
     real, held = MappedSource.widen_scatter, []
@@ -480,23 +521,23 @@ def test_in_place_a_micro_batch_leased_alone_restored_past_its_lease_is_a_stale_
     with local_units("shm", units=1, routed_experts_dtype="uint16", read_timeout_s=1.0) as (config, units, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(23), [40, 30, 50, 20])
-        granted = _leases_taken(units[0])
 
-        def past_its_lease(source, *args, **kwargs):
-            if not held:  # micro-batch 0's: read while its lease is exchanged, until the unit expires it
+        def past_its_lease(source, plan, width, out, *args, **kwargs):
+            if out.dtype == np.int32 and len(held) < 2:  # micro-batch 0's R3, under its lease, then the next
                 held.append(True)
-                wait_until(lambda: _leases_taken(units[0]) > granted, 10, "the unit to grant the lease")
-                wait_until(lambda: units[0].stats()["leases"] == 0, 10, "the unit to expire the lease")
-            return real(source, *args, **kwargs)
+                # Its first lease and those fetched beside it (``prefetch``); then the one taken again.
+                _expired(units[0], granted + prefetch - 1 if len(held) == 1 else granted + prefetch)
+            return real(source, plan, width, out, *args, **kwargs)
 
+        granted = _leases_taken(units[0])
         with Reader(clients, config) as reader:
             monkeypatch.setattr(MappedSource, "widen_scatter", past_its_lease)
             with reader.stream(shard, batches, rank, prefetch=prefetch) as stream:
                 got = None
-                with pytest.raises(StaleReadError, match="expired before the copy finished"):
+                with pytest.raises(LeaseExpiredError, match="expired before the copy finished"):
                     got = next(stream)
-                assert got is None and held
-                with pytest.raises(ClosedError, match=r"micro-batch 0 raised StaleReadError: micro-batches 0\.\. "
+                assert got is None and len(held) == 2
+                with pytest.raises(ClosedError, match=r"micro-batch 0 raised LeaseExpiredError: micro-batches 0\.\. "
                                                       r"of 4 were not read"):
                     next(stream)
             monkeypatch.setattr(MappedSource, "widen_scatter", real)
@@ -911,7 +952,8 @@ def test_a_stream_dropped_unclosed_never_holds_up_the_next_and_ends_its_leases_o
                 train_until_a_step_raises()
             except RuntimeError as exc:
                 kept = exc
-            assert held == [0] if transport == "tcp" else held[0] > 0  # lease windows, leases taken ahead
+            # One-sided reads hold leases here (windows, leases taken ahead); a tcp unit's, only while it sends.
+            assert len(held) == 1 and (transport == "tcp" or held[0] > 0)
             consumed = []
 
             def next_step():
