@@ -136,6 +136,7 @@ class ReadContext:
         # garbage collection runs them (any thread, inside any lock); the reaper thread does the work.
         self._leftovers: queue.SimpleQueue = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
+        self._reaper_end: weakref.finalize | None = None
         self._idle: list[tuple] = []  # fetch and restore threads that closed streams gave back
         #: Set once :meth:`close` began: a stream closed by it tells its consumer so instead of ending.
         self.closed = False
@@ -194,6 +195,8 @@ class ReadContext:
                 self._reaper = threading.Thread(target=_reap, args=(self._leftovers,), name="gputq-reaper",
                                                 daemon=True)
                 self._reaper.start()
+                # A reader dropped unclosed: its reaper ends once it ran what is queued before.
+                self._reaper_end = weakref.finalize(self, self._leftovers.put, None)
         reaped = weakref.finalize(stream, self._leftovers.put, leftovers)
         reaped.atexit = False  # at exit the units' lease timeout does it: the reaper may be gone
         return reaped
@@ -235,7 +238,7 @@ class ReadContext:
         with self._lock:
             reaper, self._reaper = self._reaper, None
         if reaper is not None:  # what dropped streams left runs first: it may wait for work on the pool
-            self._leftovers.put(None)
+            self._reaper_end()
             reaper.join()
         with self._lock:
             idle, self._idle = self._idle, []

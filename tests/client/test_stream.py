@@ -1003,6 +1003,32 @@ def test_a_closed_streams_threads_serve_the_reader_s_next_stream_and_stop_with_t
         assert started() == []
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_readers_dropped_unclosed_leave_no_thread_once_garbage(transport):
+    """A trainer that opens a Reader per step and never closes it: once each is garbage, none of its threads
+    (its pool, its streams', its reaper) is left, whatever it streamed and fetched."""
+    rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
+    with local_units(transport, units=1, routed_experts_dtype="uint16") as (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(25), [40, 30, 50, 20])
+        before = set(threading.enumerate())
+
+        def left() -> list:
+            return sorted(t.name for t in set(threading.enumerate()) - before
+                          if t.name.startswith(("gputq-prefetch", "gputq-restore", "gputq-reader", "gputq-reaper")))
+
+        def step():
+            reader = Reader(clients, config)
+            with reader.stream(shard, [[0, 1], [2, 3]], rank) as stream:
+                assert [_check(mb, [2 * mb.index, 2 * mb.index + 1], data, range(0, 2), rank)
+                        for mb in stream] == [True, True]
+            np.testing.assert_array_equal(reader.fetch(shard)[3]["rollout_routed_experts"], data[3][0])
+        for _ in range(3):
+            step()
+        wait_until(lambda: gc.collect() >= 0 and not left(), 10, "the dropped readers' threads to end",
+                   interval=0.05)
+
+
 def _hold_the_fetch_of_micro_batch_1(monkeypatch) -> tuple[threading.Event, threading.Event]:
     """Hold micro-batch 1's fetch on the fetch thread until ``go`` is set: ``(held, go)``, ``held`` set once it
     is held."""
