@@ -91,14 +91,25 @@ def _rollout(writer, rng, lengths, dtype=np.uint16, *, layers=LAYERS, topk=TOPK)
 
 
 @contextlib.contextmanager
-def _stored(seed: int, lengths, *, finalize: bool = False, **overrides):
-    """One in-process unit over tcp holding a rollout of ``lengths``; yields (config, units, clients, shard, data)."""
-    with local_units("tcp", units=1, **overrides) as (config, units, clients):
+def _stored(seed: int, lengths, *, finalize: bool = False, transport: str = "tcp", **overrides):
+    """One in-process unit over ``transport`` holding a rollout of ``lengths``; yields (config, units, clients,
+    shard, data)."""
+    with local_units(transport, units=1, **overrides) as (config, units, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(seed), lengths)
             if finalize:
                 writer.finalize(shard, "p")
         yield config, units, clients, shard, data
+
+
+#: The names the threads of a Reader and its streams start with.
+READ_THREADS = ("gputq-prefetch", "gputq-restore", "gputq-reader", "gputq-reaper")
+
+
+def _threads_since(before: set, prefixes: tuple = READ_THREADS) -> list:
+    """The names (less their numbers) of the threads started since ``before`` that start with ``prefixes``."""
+    return sorted(t.name.rstrip("_0123456789") for t in set(threading.enumerate()) - before
+                  if t.name.startswith(prefixes))
 
 
 def _bytes_read(units) -> int:
@@ -920,8 +931,7 @@ def test_closing_the_reader_cuts_its_streams_short_with_a_typed_error_and_ends_t
         with pytest.raises(ClosedError, match="Reader is closed"):
             reader.stream(shard, [[i] for i in range(6)], rank)
         wait_until(lambda: all(unit.stats()["leases"] == 0 for unit in units), 10, "the cut stream's leases to end")
-        assert not [t.name for t in set(threading.enumerate()) - before
-                    if t.name.startswith(("gputq-prefetch", "gputq-restore", "gputq-reader", "gputq-reaper"))]
+        assert _threads_since(before) == []
 
 
 @pytest.mark.parametrize("hold", [False, True], ids=["restored-ahead", "hold"])
@@ -970,8 +980,7 @@ def test_a_stream_dropped_unclosed_never_holds_up_the_next_and_ends_its_leases_o
             # by the collector's next pass.
             wait_until(lambda: gc.collect() >= 0 and all(unit.stats()["leases"] == 0 for unit in units), 10,
                        "the dropped stream's leases to end", interval=0.05)
-        assert not [t.name for t in set(threading.enumerate()) - before
-                    if t.name.startswith(("gputq-prefetch", "gputq-restore", "gputq-reaper"))]
+        assert _threads_since(before) == []
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -980,14 +989,10 @@ def test_a_closed_streams_threads_serve_the_reader_s_next_stream_and_stop_with_t
     (over tcp replies are widened as they land: no restore thread starts). Two streams open at once each have
     their own; the reader's close stops them all."""
     rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
-    with local_units(transport, units=1, routed_experts_dtype="uint16") as (config, _, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, np.random.default_rng(24), [40, 30, 50, 20])
+    with _stored(24, [40, 30, 50, 20], transport=transport, routed_experts_dtype="uint16") as \
+            (config, _, clients, shard, data):
         before = set(threading.enumerate())
-
-        def started() -> list:
-            return sorted(t.name.rstrip("_0123456789") for t in set(threading.enumerate()) - before
-                          if t.name.startswith(("gputq-prefetch", "gputq-restore")))
+        started = lambda: _threads_since(before, ("gputq-prefetch", "gputq-restore"))  # noqa: E731
         pair = ["gputq-prefetch", "gputq-restore"] if transport == "shm" else ["gputq-prefetch"]
         with Reader(clients, config) as reader:
             for _ in range(3):
@@ -1008,14 +1013,9 @@ def test_readers_dropped_unclosed_leave_no_thread_once_garbage(transport):
     """A trainer that opens a Reader per step and never closes it: once each is garbage, none of its threads
     (its pool, its streams', its reaper) is left, whatever it streamed and fetched."""
     rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
-    with local_units(transport, units=1, routed_experts_dtype="uint16") as (config, _, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, np.random.default_rng(25), [40, 30, 50, 20])
+    with _stored(25, [40, 30, 50, 20], transport=transport, routed_experts_dtype="uint16") as \
+            (config, _, clients, shard, data):
         before = set(threading.enumerate())
-
-        def left() -> list:
-            return sorted(t.name for t in set(threading.enumerate()) - before
-                          if t.name.startswith(("gputq-prefetch", "gputq-restore", "gputq-reader", "gputq-reaper")))
 
         def step():
             reader = Reader(clients, config)
@@ -1025,8 +1025,8 @@ def test_readers_dropped_unclosed_leave_no_thread_once_garbage(transport):
             np.testing.assert_array_equal(reader.fetch(shard)[3]["rollout_routed_experts"], data[3][0])
         for _ in range(3):
             step()
-        wait_until(lambda: gc.collect() >= 0 and not left(), 10, "the dropped readers' threads to end",
-                   interval=0.05)
+        wait_until(lambda: gc.collect() >= 0 and not _threads_since(before), 10,
+                   "the dropped readers' threads to end", interval=0.05)
 
 
 def _hold_the_fetch_of_micro_batch_1(monkeypatch) -> tuple[threading.Event, threading.Event]:
