@@ -100,13 +100,9 @@ class LandingFetch:
             ahead = self._plans[plan.index + 1].finish()
             if plan.index + 1 < self._queued() or fits_socket_buffers(ahead):
                 self._reads.send_ahead(ahead)
-        outputs = self._buffers.spare_outputs()
-        try:
-            land_replies(plan, outputs, self._reads.pipe, self._ctx.read_timeout_s)
-            return self._shape(plan, outputs), outputs
-        except BaseException:
-            self._buffers.outputs.put(outputs)
-            raise
+        outputs = self._buffers.spare_outputs()  # a failure ends the stream, whose close takes them back
+        land_replies(plan, outputs, self._reads.pipe, self._ctx.read_timeout_s)
+        return self._shape(plan, outputs), outputs
 
     def close(self) -> None:
         """Close the pipelines: replies still queued go with their connections. Idempotent."""
