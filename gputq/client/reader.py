@@ -120,8 +120,9 @@ class Reader(Closeable):
             stage before the last, say, replays R3 but computes no loss.
         hold:
             Keep every yielded micro-batch until its ``release()`` (a
-            pipeline schedule's several forwards before their backwards);
-            by default each goes (its tensors invalid) at the next.
+            pipeline schedule's several forwards before their backwards),
+            also past the stream's end or close; by default each goes (its
+            tensors invalid) at the next.
 
         Returns
         -------

@@ -123,8 +123,9 @@ class MicroBatch:
         return self.fields.get(sample_key_of("logprobs"), [])
 
     def release(self) -> None:
-        """Hand the micro-batch's buffers back to the stream (its tensors are then invalid) and, with
-        the stream's ``release`` partition, drop its references. Idempotent.
+        """Hand the micro-batch's buffers back to the stream, or to its reader once the stream ended (its
+        tensors are then invalid), and, with the stream's ``release`` partition, drop its references.
+        Idempotent.
 
         A stream made with ``hold=True`` releases nothing itself: call this
         once the micro-batch's last use (its backward) is done.
@@ -292,7 +293,7 @@ class MicroBatchStream:
             live = self._live.pop(batch.index, None)
             if live is None:
                 return
-            self._buffers.outputs.put(live[1])
+            self._buffers.give_back(live[1])
             if self._release is not None and batch.index not in self.released:
                 self.released.append(batch.index)
                 self._release(self._plans[batch.index].layouts, batch.index)
@@ -325,7 +326,8 @@ class MicroBatchStream:
         return self._advance()
 
     def close(self) -> None:
-        """Stop prefetching and wait for the work in flight. Idempotent; the buffers go.
+        """Stop prefetching and wait for the work in flight. Idempotent; the buffers go back to the reader, but
+        those of micro-batches the consumer still holds (``hold``), each once released.
 
         The Reader's close() closes its streams first: a consumer then asking
         for a micro-batch not yet consumed gets ``ClosedError``, not the end.
@@ -345,7 +347,8 @@ class MicroBatchStream:
                    self._threads_back)
         self._fetches.clear()
         self._restores.clear()
-        self._buffers.close()
+        with self._lock:  # what the consumer still holds stays its own until released
+            self._buffers.close([outputs for _, outputs in self._live.values()])
 
     def __enter__(self) -> "MicroBatchStream":
         return self

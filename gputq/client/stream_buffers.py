@@ -2,7 +2,9 @@
 
 Sized once, for the largest micro-batch, and lent for the stream's life
 (host memory, GPU memory with ``device="cuda"``, or the transport's
-registered memory where every unit is read over rdma). How many of each a
+registered memory where every unit is read over rdma); output buffers a
+``hold`` consumer still holds when the stream ends stay lent until it
+releases them, so that no later stream restores into them. How many of each a
 stream holds depends on how its bytes move (:func:`buffer_counts`), and it
 never holds more than ``prefetch + 1`` widened micro-batch slices:
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 from typing import Callable
 
 import numpy as np
@@ -83,7 +86,11 @@ class StreamBuffers:
                  in_place: bool, ahead: bool, closed: Callable[[], bool]):
         self._ctx, self._closed = ctx, closed
         self._largest = _largest_outputs(plans)
-        self._lent = contextlib.ExitStack()
+        self._lent = contextlib.ExitStack()  # the compact buffers
+        # Each set of output buffers, by id, with the stack it was lent under: a set the consumer still holds
+        # when the stream ends goes back to the reader's pool only once released (see give_back).
+        self._sets: dict[int, tuple[dict, contextlib.ExitStack]] = {}
+        self._lock, self._ended = threading.Lock(), False
         self.compact: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
         staging = max((p.max_nbytes for p in plans), default=0)
@@ -104,8 +111,22 @@ class StreamBuffers:
 
     def new_outputs(self) -> dict:
         """One more set of output buffers, one per field, sized for the largest micro-batch."""
-        return {name: self._ctx.buffers.lend(n * dtype.itemsize, self._lent).view(dtype)
-                for name, (n, dtype) in self._largest.items()}
+        lent = contextlib.ExitStack()
+        outputs = {name: self._ctx.buffers.lend(n * dtype.itemsize, lent).view(dtype)
+                   for name, (n, dtype) in self._largest.items()}
+        with self._lock:
+            self._sets[id(outputs)] = (outputs, lent)
+        return outputs
+
+    def give_back(self, outputs: dict) -> None:
+        """A set of output buffers the consumer released: for the stream's next micro-batches, or back to the
+        reader's pool once the stream ended."""
+        with self._lock:
+            if not self._ended:
+                self.outputs.put(outputs)
+                return
+            _, lent = self._sets.pop(id(outputs))
+        lent.close()
 
     def spare_outputs(self) -> dict:
         """A free set of output buffers, or a new one when the consumer holds them all (``hold``, replay)."""
@@ -123,6 +144,17 @@ class StreamBuffers:
                 if self._closed():
                     raise ClosedError("the stream was closed") from None
 
-    def close(self) -> None:
-        """Give every buffer back to the pool. Idempotent."""
+    def close(self, held=()) -> None:
+        """Give every buffer back to the reader's pool but the output sets of ``held``: the consumer still reads
+        those (micro-batches of a ``hold`` stream whose backwards run after it ended), and :meth:`give_back`
+        returns each once released. Idempotent."""
+        kept = {id(outputs) for outputs in held}
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            ended = [lent for key, (_, lent) in self._sets.items() if key not in kept]
+            self._sets = {key: entry for key, entry in self._sets.items() if key in kept}
+        for lent in ended:
+            lent.close()
         self._lent.close()

@@ -905,6 +905,44 @@ def test_held_micro_batches_stay_valid_until_released():
         assert clients.channel("su-0").call("stats")["keys"] == 0
 
 
+@pytest.mark.parametrize("ending", ["exhausted", "closed"])
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_micro_batches_held_past_their_streams_end_are_not_overwritten_by_the_next_stream(monkeypatch, transport,
+                                                                                          ending):
+    """A pipeline schedule's last backwards run after its stream ended: ``hold=True`` micro-batches collected
+    with ``list(stream)`` (the stream ends itself), or still held when the step closes it. The Reader's next
+    stream (another shard) must not restore into their buffers before they are released; once they are, it
+    reuses them (no new memory)."""
+    from gputq.client.read_context import Buffers
+
+    rank, batches = ParallelSlice(num_experts=EXPERTS), [[i] for i in range(4)]
+    with local_units(transport, units=1, routed_experts_dtype="uint16", num_experts=EXPERTS) as \
+            (config, _, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(26), [40, 30, 50, 20])
+            other = [{name: Layout.from_ref(ref) for name, ref in writer.put(
+                f"other/{i}", "p", {"routed_experts": np.full((n - 1, LAYERS, TOPK), i + 1, np.int32)}).items()}
+                for i, n in enumerate([40, 30, 50, 20])]
+        with Reader(clients, config) as reader:
+            if ending == "exhausted":
+                held = list(reader.stream(shard, batches, rank, hold=True))
+            else:
+                with reader.stream(shard, batches, rank, hold=True) as stream:
+                    held = [next(stream) for _ in batches]
+            made = []
+
+            def next_step() -> list:
+                with reader.stream(other, batches, rank) as stream:
+                    return [bool((mb.routed_experts[0][:10] == mb.index + 1).all()) for mb in stream]
+            assert next_step() == [True] * 4
+            assert [_check(mb, [mb.index], data, range(LAYERS), rank) for mb in held] == [True] * 4
+            for mb in held:
+                mb.release()
+            empty = Buffers.empty
+            monkeypatch.setattr(Buffers, "empty", lambda buffers, nbytes: made.append(nbytes) or empty(buffers, nbytes))
+            assert next_step() == [True] * 4 and made == []  # the released buffers serve it
+
+
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_closing_the_reader_cuts_its_streams_short_with_a_typed_error_and_ends_their_leases(transport):
     """A Reader closed under a live stream closes the stream first (its work still runs on the reader's threads):
