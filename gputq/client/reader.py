@@ -119,10 +119,9 @@ class Reader(Closeable):
             The fields to read (default: all the samples have); a pipeline
             stage before the last, say, replays R3 but computes no loss.
         hold:
-            Keep every yielded micro-batch until its ``release()`` (a
-            pipeline schedule's several forwards before their backwards),
-            also past the stream's end or close; by default each goes (its
-            tensors invalid) at the next.
+            Keep every yielded micro-batch, even past the stream's end,
+            until its ``release()`` (a pipeline schedule's forwards before
+            their backwards); by default each goes (invalid) at the next.
 
         Returns
         -------
