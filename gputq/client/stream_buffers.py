@@ -4,9 +4,9 @@ Sized once, for the largest micro-batch, and lent for the stream's life
 (host memory, GPU memory with ``device="cuda"``, or the transport's
 registered memory where every unit is read over rdma); output buffers a
 ``hold`` consumer still holds when the stream ends stay lent until it
-releases them, so that no later stream restores into them. How many of each a
-stream holds depends on how its bytes move (:func:`buffer_counts`), and it
-never holds more than ``prefetch + 1`` widened micro-batch slices:
+releases them, so that no later stream restores into them. How many of
+each a stream holds depends on how its bytes move (:func:`buffer_counts`),
+and it never holds more than ``prefetch + 1`` widened micro-batch slices:
 
 - staged reads (rdma, GPU destinations) land in ``prefetch`` compact
   buffers; on the host (prefetch >= 2) a restore thread widens the next

@@ -490,9 +490,8 @@ def test_in_place_a_consumer_that_comes_after_its_first_leases_expired_gets_them
     say) gets it leased again and restored exactly, iterated or through slime's replay handles: one lease more
     than an unstalled stream of the same shard, and no error."""
     rank, batches = ParallelSlice(num_experts=EXPERTS), [[i] for i in range(4)]
-    with local_units("shm", units=1, routed_experts_dtype="uint16", read_timeout_s=1.0) as (config, units, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, np.random.default_rng(23), [40, 30, 50, 20])
+    with _stored(23, [40, 30, 50, 20], transport="shm", routed_experts_dtype="uint16", read_timeout_s=1.0) as \
+            (config, units, clients, shard, data):
         stalled = []
         for stall in (False, True):
             granted = _leases_taken(units[0])
@@ -529,9 +528,8 @@ def test_in_place_a_restore_that_outlasts_its_lease_taken_again_too_is_a_stale_r
 
     real, held = MappedSource.widen_scatter, []
     rank, batches = ParallelSlice(num_experts=EXPERTS), [[i] for i in range(4)]
-    with local_units("shm", units=1, routed_experts_dtype="uint16", read_timeout_s=1.0) as (config, units, clients):
-        with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, np.random.default_rng(23), [40, 30, 50, 20])
+    with _stored(23, [40, 30, 50, 20], transport="shm", routed_experts_dtype="uint16", read_timeout_s=1.0) as \
+            (config, units, clients, shard, data):
 
         def past_its_lease(source, plan, width, out, *args, **kwargs):
             if out.dtype == np.int32 and len(held) < 2:  # micro-batch 0's R3, under its lease, then the next
@@ -916,10 +914,9 @@ def test_micro_batches_held_past_their_streams_end_are_not_overwritten_by_the_ne
     from gputq.client.read_context import Buffers
 
     rank, batches = ParallelSlice(num_experts=EXPERTS), [[i] for i in range(4)]
-    with local_units(transport, units=1, routed_experts_dtype="uint16", num_experts=EXPERTS) as \
-            (config, _, clients):
+    with _stored(26, [40, 30, 50, 20], transport=transport, routed_experts_dtype="uint16") as \
+            (config, _, clients, shard, data):
         with Writer(clients, config) as writer:
-            shard, data = _rollout(writer, np.random.default_rng(26), [40, 30, 50, 20])
             other = [{name: Layout.from_ref(ref) for name, ref in writer.put(
                 f"other/{i}", "p", {"routed_experts": np.full((n - 1, LAYERS, TOPK), i + 1, np.int32)}).items()}
                 for i, n in enumerate([40, 30, 50, 20])]
@@ -929,7 +926,6 @@ def test_micro_batches_held_past_their_streams_end_are_not_overwritten_by_the_ne
             else:
                 with reader.stream(shard, batches, rank, hold=True) as stream:
                     held = [next(stream) for _ in batches]
-            made = []
 
             def next_step() -> list:
                 with reader.stream(other, batches, rank) as stream:
@@ -938,8 +934,8 @@ def test_micro_batches_held_past_their_streams_end_are_not_overwritten_by_the_ne
             assert [_check(mb, [mb.index], data, range(LAYERS), rank) for mb in held] == [True] * 4
             for mb in held:
                 mb.release()
-            empty = Buffers.empty
-            monkeypatch.setattr(Buffers, "empty", lambda buffers, nbytes: made.append(nbytes) or empty(buffers, nbytes))
+            empty, made = Buffers.empty, []
+            monkeypatch.setattr(Buffers, "empty", lambda buffers, n: made.append(n) or empty(buffers, n))
             assert next_step() == [True] * 4 and made == []  # the released buffers serve it
 
 
