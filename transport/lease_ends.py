@@ -19,9 +19,11 @@ Deferred ends go out on the channel's next ``lease`` request (its ``end``
 list) or from one daemon thread per process :data:`SEND_DELAY_S` after the
 first of them was deferred, whichever comes first: reads that follow each
 other end their leases with no message of their own, and a read wakes that
-thread only when nothing of its channel is waiting already. A closed
-channel sends what is left. An end that never arrives (the unit was
-lost) costs nothing but the unit's own lease timeout.
+thread only when nothing of its channel is waiting already. That thread
+sends each channel's ends on a short-lived thread of their own, so an end
+to a hung unit holds up no other unit's. A closed channel sends what is
+left. An end that never arrives (the unit was lost) costs nothing but the
+unit's own lease timeout.
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ class LeaseEnds:
 
 
 class _Ender:
-    """The process's daemon thread that sends deferred lease ends."""
+    """The process's daemon thread that schedules deferred lease ends: each due channel's go out on a thread of
+    their own."""
 
     _instance: "_Ender | None" = None
     _instance_lock = threading.Lock()
@@ -217,4 +220,6 @@ class _Ender:
                 due = list(self._due)
                 self._due.clear()
             for ends in due:
-                ends.send_scheduled()
+                # Each channel's send on a thread of its own: one to a hung unit waits out its control
+                # timeout, and the leases of every other unit this process reads must not wait behind it.
+                threading.Thread(target=ends.send_scheduled, name="gputq-lease-ends", daemon=True).start()

@@ -111,6 +111,38 @@ def test_a_dropped_unit_closes_at_once_though_the_ender_thread_is_sending_to_it(
         release.set()
 
 
+@pytest.mark.timeout(30)
+def test_a_hung_units_end_holds_up_no_other_units_ends():
+    """One process sends the deferred ends of every channel: while one to a hung unit (its control call
+    waiting out its timeout) is in flight, another unit's ends still go out within the send delay, and a
+    later end of the hung unit waits for its own channel's send, not beside it."""
+    hung, release, other = threading.Event(), threading.Event(), threading.Event()
+    sent: dict[str, list] = {"hung": [], "live": []}
+
+    def hung_send(ids):
+        sent["hung"].append(list(ids))
+        hung.set()
+        release.wait(20)
+
+    def live_send(ids):
+        sent["live"].append(list(ids))
+        other.set()
+
+    stuck, live = LeaseEnds(hung_send, "hung"), LeaseEnds(live_send, "live")
+    try:
+        stuck.defer(1)
+        assert hung.wait(5), "the hung unit's end never went out"
+        stuck.defer(2)
+        live.defer(3)
+        assert other.wait(5), "the live unit's end waited behind the hung unit's"
+        assert sent == {"hung": [[1]], "live": [[3]]}
+    finally:
+        release.set()
+    wait_until(lambda: sent["hung"] == [[1], [2]], 5, "the hung unit's later end to go out once it answered")
+    stuck.close()
+    live.close()
+
+
 def test_take_hands_pending_ids_to_a_request_and_restore_gives_them_back():
     ends = LeaseEnds(lambda ids: None, "u")
     with ends._lock:  # queue without waking the ender, to look at take/restore alone
