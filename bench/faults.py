@@ -135,16 +135,17 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
 
 
 class unit_processes:
-    """Context manager: ``n`` :class:`UnitProcess` es ``su-0..`` sharing a fresh token and shm folder.
+    """Context manager: ``n`` :class:`UnitProcess` es ``su-0..`` sharing a fresh token and shm folder, serving
+    ``transport`` (tcp's control lane under shm and rdma too).
 
     Yields ``(config, {name: UnitProcess})``.
     """
 
-    def __init__(self, n: int, capacity: int = 64 << 20, **overrides):
+    def __init__(self, n: int, capacity: int = 64 << 20, transport: str = "tcp", **overrides):
         from gputq.config import GputqConfig
 
         self._dir = tempfile.mkdtemp(prefix="gputq-faults-")
-        self.config = GputqConfig(enabled=True, use_rollout_routing_replay=True, transport="tcp", num_units=n,
+        self.config = GputqConfig(enabled=True, use_rollout_routing_replay=True, transport=transport, num_units=n,
                                   unit_capacity_bytes=capacity, host="127.0.0.1", shm_dir=self._dir,
                                   **overrides).with_token()
         self._n = n

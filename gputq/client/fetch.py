@@ -24,7 +24,7 @@ from concurrent.futures import Future, wait
 from gputq.client.in_place import add_leased
 from gputq.client.read_context import ReadContext
 from gputq.client.plan import MicroPlan
-from gputq.errors import GputqError, HintMissedError, LeaseExpiredError
+from gputq.errors import GputqError, HintMissedError, LeaseExpiredError, UnitLostError
 from gputq.kernels import MappedSource
 from gputq.transport.tcp_connection import SOCKET_BUFFER_BYTES
 
@@ -126,7 +126,9 @@ class LeasesAhead:
     :meth:`request` leases a micro-batch's reads on the reader's threads
     while the fetch thread READs the one before; :meth:`take` hands them to
     its fetch. A lease that failed is left to the read, which leases again
-    and raises there, in its own micro-batch; one never read is ended by
+    and raises there, in its own micro-batch, but for one that found its
+    unit lost: its error is the micro-batch's (``UnitTimeoutError`` for a
+    hung unit, not "is lost" again). One never read is ended by
     :meth:`close`.
     """
 
@@ -147,6 +149,10 @@ class LeasesAhead:
         if leases is None:
             return None
         wait([future for _, future in leases])
+        lost = next((f.exception() for _, f in leases if isinstance(f.exception(), UnitLostError)), None)
+        if lost is not None:
+            self._drop(leases)
+            raise lost
         return [None if future.exception() is not None else future.result() for _, future in leases]
 
     def close(self) -> None:
@@ -154,10 +160,13 @@ class LeasesAhead:
         held, self._held = self._held, {}
         for leases in held.values():
             wait([future for _, future in leases])
-            for unit, future in leases:
-                if future.exception() is None:
-                    with contextlib.suppress(GputqError):  # an unended lease costs the unit's timeout only
-                        self._ctx.channel(unit).drop_lease(future.result())
+            self._drop(leases)
+
+    def _drop(self, leases: list) -> None:
+        for unit, future in leases:
+            if future.exception() is None:
+                with contextlib.suppress(GputqError):  # an unended lease costs the unit's timeout only
+                    self._ctx.channel(unit).drop_lease(future.result())
 
 
 def lease_in_place(context: ReadContext, plan: MicroPlan, *, ahead: bool = False

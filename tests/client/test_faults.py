@@ -25,6 +25,7 @@ from gputq.errors import (
     UnitLostError,
     UnitTimeoutError,
 )
+from tests.conftest import TRANSPORT_PARAMS
 from tests.waiting import wait_until
 
 
@@ -92,18 +93,18 @@ def test_reader_of_keys_on_a_killed_unit_gets_a_typed_error_naming_unit_and_keys
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_a_stream_whose_unit_is_stopped_raises_within_the_read_timeout(transport):
     """SIGSTOP after micro-batch 2: what was yielded is exact and in order, and the first micro-batch
-    that needs the unit raises UnitTimeoutError within the read timeout and a small margin. Over shm
-    the lost channel's close once sent its deferred lease ends first, for another 10 s; and micro-batches
-    whose window was leased before the stop are still served (the leases keep their regions), so the
-    stream is long enough that later ones need the unit."""
+    that needs the unit raises UnitTimeoutError (a TimeoutError) within the read timeout and a small
+    margin. Over shm the lost channel's close once sent its deferred lease ends first, for another 10 s;
+    and micro-batches whose window was leased before the stop are still served (the leases keep their
+    regions), so the stream is long enough that later ones need the unit. Over rdma the next micro-batch's
+    lease, taken ahead, is what finds the unit hung: its read once leased again and raised "is lost"."""
     from gputq.data.slices import ParallelSlice
 
     timeout, margin = 1.0, 1.0
-    with unit_processes(1, read_timeout_s=timeout) as (config, units):
-        config = config.replace(transport=transport)
+    with unit_processes(1, transport=transport, read_timeout_s=timeout) as (config, units):
         with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
             assert clients.transport_of("su-0")[0] == transport
             with Writer(clients, config) as writer:
@@ -125,6 +126,36 @@ def test_a_stream_whose_unit_is_stopped_raises_within_the_read_timeout(transport
             units["su-0"].cont()
     assert seen[:3] == [0, 1, 2] and seen == list(range(len(seen))) and len(seen) < 24
     assert elapsed < timeout + margin, elapsed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_a_stream_whose_unit_is_stopped_ends_the_other_units_leases(transport):
+    """Micro-batches read both units; su-0 is stopped after micro-batch 1. The stream raises
+    UnitTimeoutError for su-0, and every lease it took on su-1 (over rdma the next micro-batch's, taken
+    ahead beside the one that found su-0 hung) is ended, none left to expire on the unit."""
+    from gputq.data.slices import ParallelSlice
+
+    with unit_processes(2, transport=transport, read_timeout_s=1.0) as (config, units):
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            with Writer(clients, config) as writer:
+                refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((200, 4, 2), i + 1, np.int32)})
+                        for i in range(32)]
+                writer.flush()
+            shard = [{"routed_experts": Layout.from_ref(r["routed_experts"])} for r in refs]
+            batches = [list(range(i, i + 4)) for i in range(0, 32, 4)]
+            assert all({refs[i]["routed_experts"].unit for i in mb} == {"su-0", "su-1"} for mb in batches)
+            with Reader(clients, config) as reader:
+                with pytest.raises(UnitTimeoutError, match="su-0"), \
+                        reader.stream(shard, batches, ParallelSlice(num_experts=16)) as stream:
+                    for mb in stream:
+                        if mb.index == 1:
+                            units["su-0"].stop()
+                survivor = clients.channel("su-1")
+                wait_until(lambda: survivor.call("stats", timeout=5)["leases"] == 0, 10, "su-1's leases to end")
+                assert survivor.call("stats", timeout=5)["leases_expired"] == 0
+            units["su-0"].cont()
 
 
 @pytest.mark.slow
