@@ -169,8 +169,10 @@ class NixlChannel(LeasingChannel):
             ``dest`` is smaller than the keys' bytes.
         GputqTimeoutError
             The lease, transfer or completion outlasted ``timeout``.
+        PeerLostError
+            The unit's process disconnected during the transfer.
         TransferError
-            NIXL failed the transfer; names the unit and the keys.
+            NIXL failed the transfer otherwise; names the unit and the keys.
         """
         self._check_open()
         keys = list(keys)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from gputq.errors import GputqTimeoutError, TransferError, TransferSetupError
+from gputq.errors import GputqTimeoutError, PeerLostError, TransferError, TransferSetupError
 from gputq.transport.base import describe_keys
 
 __all__ = ["Transfers", "descriptors"]
@@ -22,6 +22,9 @@ __all__ = ["Transfers", "descriptors"]
 # A transfer still in flight after this long is polled with the GIL released
 # between polls (time.sleep(0)), so threads reading other units can run.
 _SPIN_S = 0.0002
+# What NIXL's binding raises when the peer's process went away mid-transfer (matched by name: the
+# binding's module depends on the CUDA build installed).
+_REMOTE_GONE = "nixlRemoteDisconnectError"
 
 
 def descriptors(regions: np.ndarray, local_base: int, remote_base: int, device: int):
@@ -85,8 +88,10 @@ class Transfers:
             NIXL refused to create the transfer; nothing moved.
         GputqTimeoutError
             Still in flight at ``deadline`` (``time.monotonic``); the transfer is aborted.
+        PeerLostError
+            The unit's process disconnected (it died) during the transfer.
         TransferError
-            NIXL failed it; names the unit and ``keys``.
+            NIXL failed it otherwise; names the unit and ``keys``.
         """
         local, remote = descriptors(regions, local_base, self.remote_base, kind[1])
         if not len(local):
@@ -124,6 +129,9 @@ class Transfers:
         except (GputqTimeoutError, TransferError):
             raise
         except Exception as exc:  # NIXL's binding errors (nixlBackendError, ...)
+            if type(exc).__name__ == _REMOTE_GONE:  # the unit's process is gone: a lost peer, not a bad transfer
+                raise PeerLostError(f"unit {self.unit}: NIXL {op} of keys {describe_keys(keys)} failed: the "
+                                    f"unit's process disconnected ({exc})") from exc
             raise TransferError(f"unit {self.unit}: NIXL {op} of keys {describe_keys(keys)} failed: {exc}",
                                 self.unit, keys) from exc
         if state != "DONE":

@@ -91,6 +91,54 @@ def test_reader_of_keys_on_a_killed_unit_gets_a_typed_error_naming_unit_and_keys
             assert clients.live_units == ["su-0"] and set(clients.lost) == {"su-1"}
 
 
+def _on_both_units(refs: list) -> tuple[list, list, list]:
+    """``(shard, micro-batches, order)``: micro-batches of two samples from each of su-0 and su-1, where
+    shard position ``p`` is sample ``order[p]``. At least 20 of them: over shm the windows leased before a
+    fault (8 micro-batches each, the next one ahead) must not cover the whole stream."""
+    on = {unit: [i for i, r in enumerate(refs) if r["routed_experts"].unit == unit] for unit in ("su-0", "su-1")}
+    order = [i for k in range(0, min(map(len, on.values())) - 1, 2) for i in on["su-0"][k:k + 2] + on["su-1"][k:k + 2]]
+    shard = [{"routed_experts": Layout.from_ref(refs[i]["routed_experts"])} for i in order]
+    batches = [list(range(k, k + 4)) for k in range(0, len(order), 4)]
+    assert len(batches) >= 20, batches
+    return shard, batches, order
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_a_stream_whose_unit_is_killed_raises_unit_lost_naming_it(transport):
+    """SIGKILL after micro-batch 1 of a stream reading both units, one micro-batch fetched ahead: the
+    stream raises UnitLostError (a ConnectionError) naming su-0, which is marked lost, and the survivor's
+    samples still read exactly. Over rdma the next micro-batch's lease is taken before the kill and its
+    READ finds the process gone: NIXL's remote disconnect once surfaced as a bare TransferError, with the
+    unit not marked lost."""
+    from gputq.data.slices import ParallelSlice
+
+    with unit_processes(2, transport=transport, read_timeout_s=5.0) as (config, units):
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            with Writer(clients, config) as writer:
+                refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((200, 4, 2), i + 1, np.int32)})
+                        for i in range(96)]
+                writer.flush()
+            shard, batches, order = _on_both_units(refs)
+            with Reader(clients, config) as reader:
+                with pytest.raises(UnitLostError, match="su-0") as info, \
+                        reader.stream(shard, batches, ParallelSlice(num_experts=16), prefetch=1) as stream:
+                    for mb in stream:
+                        assert (mb.routed_experts[0][:200] == order[batches[mb.index][0]] + 1).all()
+                        if mb.index == 1:
+                            if transport == "rdma":  # micro-batch 3's lease granted: its READ comes after the kill
+                                wait_until(lambda: clients.channel("su-0").call("stats", timeout=5)["reads"] >= 4,
+                                           10, "micro-batch 3's lease, taken ahead")
+                            units["su-0"].kill()
+                assert isinstance(info.value, ConnectionError) and info.value.unit == "su-0"
+                assert clients.live_units == ["su-1"]
+                kept = on_units(shard, clients.live_units)
+                assert kept == [p for p, i in enumerate(order) if refs[i]["routed_experts"].unit == "su-1"]
+                got = reader.fetch([shard[p] for p in kept])
+                assert all((fields["rollout_routed_experts"] == order[p] + 1).all() for p, fields in zip(kept, got))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
@@ -141,11 +189,9 @@ def test_a_stream_whose_unit_is_stopped_ends_the_other_units_leases(transport):
         with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
             with Writer(clients, config) as writer:
                 refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((200, 4, 2), i + 1, np.int32)})
-                        for i in range(32)]
+                        for i in range(96)]
                 writer.flush()
-            shard = [{"routed_experts": Layout.from_ref(r["routed_experts"])} for r in refs]
-            batches = [list(range(i, i + 4)) for i in range(0, 32, 4)]
-            assert all({refs[i]["routed_experts"].unit for i in mb} == {"su-0", "su-1"} for mb in batches)
+            shard, batches, order = _on_both_units(refs)
             with Reader(clients, config) as reader:
                 with pytest.raises(UnitTimeoutError, match="su-0"), \
                         reader.stream(shard, batches, ParallelSlice(num_experts=16)) as stream:

@@ -19,6 +19,7 @@ from gputq.errors import (
     GputqTimeoutError,
     InvalidInputError,
     MissingDependencyError,
+    PeerLostError,
     ProtocolError,
     RequestTooLargeError,
     StaleReadError,
@@ -691,6 +692,25 @@ def test_a_lease_taken_ahead_is_read_with_no_second_lease_and_keeps_its_region(s
         wait_until(lambda: handler.stats()["leases"] == 0, 10, "the lease is ended off the read's path")
         with pytest.raises(StaleReadError):  # the unit checks the generation when the lease is taken
             ch.lease_ahead(["intruder"], timeout=10, generations=[generation + 1000])
+
+
+@pytest.mark.slow
+def test_a_read_whose_units_process_died_under_its_lease_is_a_lost_peer():
+    """The unit's process is killed between the lease (taken ahead) and its READ: NIXL reports the remote
+    disconnected, which is a lost peer (``PeerLostError``, a ``ConnectionError``: the Reader marks the
+    unit lost), not a failed transfer of a live unit; ``dest`` is not handed out as read."""
+    from bench.faults import unit_processes
+
+    nixl = _nixl_or_skip()
+    with unit_processes(1, transport="rdma") as (config, units), \
+            nixl.NixlTransport().connect(units["su-0"].address, token=config.token, max_frame_bytes=MAX_FRAME,
+                                         timeout=10) as ch:
+        ch.write("k", np.full(256 << 10, 7, np.uint8), {})
+        held = ch.lease_ahead(["k"], timeout=10)
+        units["su-0"].kill()
+        with pytest.raises(PeerLostError, match="su-0") as info:
+            ch.read_leased(held, np.zeros(256 << 10, np.uint8), timeout=10)
+        assert not isinstance(info.value, TransferError) and isinstance(info.value, ConnectionError)
 
 
 def test_a_lease_past_half_its_life_or_of_another_channel_is_taken_again(server, handler, monkeypatch):
