@@ -32,7 +32,15 @@ import numpy as np
 from gputq.client.clients import UnitClients
 from gputq.config import GputqConfig
 from gputq.data.refs import FieldRef
-from gputq.errors import CapacityError, ClosedError, DuplicateKeyError, GputqError, GputqTimeoutError, TransferError
+from gputq.errors import (
+    CapacityError,
+    ClosedError,
+    DuplicateKeyError,
+    GputqError,
+    GputqTimeoutError,
+    TransferError,
+    UnitLostError,
+)
 from gputq.transport.base import byte_view
 
 __all__ = ["SendQueue", "Buffers", "SENDER_NICE", "BATCH_STEPS", "BATCH_BYTES"]
@@ -258,19 +266,32 @@ def _background_priority() -> None:
 
 
 def _one_error(failures: dict, message: str) -> GputqError:
-    """Failed writes as one error, with ``keys`` naming them all: of the failures' own class where they
-    share one (a full arena's ``CapacityError`` stays a TimeoutError, a ``DuplicateKeyError`` a
-    ValueError), else a ``TransferError``."""
-    kinds = {type(exc) for exc in failures.values()}
-    kind = kinds.pop() if len(kinds) == 1 else TransferError
+    """Failed writes as one error, with ``keys`` naming them all: of the most derived class of the tree
+    they all are (a full arena's ``CapacityError`` stays a TimeoutError, a ``DuplicateKeyError`` a
+    ValueError, a hung unit's first timeout and the fast failures after it a ``UnitLostError``), else a
+    ``TransferError``; its ``unit`` is theirs where they all name one."""
+    kind = _shared_class([type(exc) for exc in failures.values()])
     error = None
-    if issubclass(kind, GputqError):
-        with contextlib.suppress(TypeError):  # a class whose constructor needs more than a message
-            error = kind(message)
+    with contextlib.suppress(TypeError):  # a class whose constructor needs more than a message
+        error = kind(message)
     if error is None:
         error = TransferError(message)
     error.keys = tuple(sorted(failures))
+    units = {getattr(exc, "unit", None) for exc in failures.values()}
+    if isinstance(error, (TransferError, UnitLostError)) and len(units) == 1:
+        error.unit = units.pop()
     return error
+
+
+def _shared_class(kinds: list) -> type:
+    """The first class of the first failure's MRO that every failure is, short of ``GputqError`` itself;
+    else ``TransferError``."""
+    for kind in kinds[0].__mro__:
+        if kind is GputqError or not issubclass(kind, GputqError):
+            break
+        if all(issubclass(other, kind) for other in kinds):
+            return kind
+    return TransferError
 
 
 def _check_receipt(ref: FieldRef, receipt) -> None:

@@ -153,9 +153,11 @@ class Writer(Closeable):
         """Wait until every queued write has landed.
 
         Raises for the writes that failed (and forgets them): an error of
-        their own class where they share one (``CapacityError``,
-        ``DuplicateKeyError``, ``UnitLostError``, ...), else a
-        ``TransferError``; its ``keys`` name every key of the failed steps.
+        the most derived class they share (``CapacityError``,
+        ``DuplicateKeyError``, ``UnitLostError`` for a hung unit's timeout
+        and the fast failures after it, ...), else a ``TransferError``; its
+        ``keys`` name every key of the failed steps, its ``unit`` theirs
+        where they all name one.
         Raises ``GputqTimeoutError`` if writes are still pending.
         """
         self._sends.flush(timeout)

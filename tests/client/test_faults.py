@@ -252,6 +252,33 @@ def test_four_writes_to_a_stopped_unit_finish_in_about_one_timeout():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_writers_puts_to_a_stopped_unit_fail_as_that_unit_lost():
+    """Puts spread over two units, su-0 stopped: its first write times out (UnitTimeoutError) and the
+    rest fail fast (UnitLostError). flush() raises them as one UnitLostError (a ConnectionError) naming
+    su-0 and every key it did not store; a mix of the two once gave a bare TransferError. The keys on
+    su-1 read back exactly."""
+    with unit_processes(2, put_timeout_s=0.5) as (config, units):
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            clients.channel("su-0").call("stats", timeout=5)
+            units["su-0"].stop()
+            with Writer(clients, config) as writer:
+                refs = [writer.put(f"s{i}", "p", {"logprobs": np.full(1 << 16, i, np.float32)})["logprobs"]
+                        for i in range(40)]
+                with pytest.raises(UnitLostError, match="su-0") as info:
+                    writer.flush()
+            units["su-0"].cont()
+            on_su0 = sorted(ref.key for ref in refs if ref.unit == "su-0")
+            assert on_su0 and isinstance(info.value, ConnectionError)
+            assert info.value.unit == "su-0" and list(info.value.keys) == on_su0
+            kept = [ref for ref in refs if ref.unit == "su-1"]
+            with Reader(clients, config) as reader:
+                got = reader.fetch([{"logprobs": Layout.from_ref(ref)} for ref in kept])
+            assert [int(fields["rollout_log_probs"][0]) for fields in got] == [int(ref.key[1:].split("/")[0])
+                                                                                for ref in kept]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_controller_marks_killed_and_hung_units_lost_within_the_heartbeat_bound():
     interval, probe = 0.2, 0.5
     with unit_processes(3, heartbeat_interval_s=interval, probe_timeout_s=probe) as (config, units):
