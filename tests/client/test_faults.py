@@ -91,16 +91,21 @@ def test_reader_of_keys_on_a_killed_unit_gets_a_typed_error_naming_unit_and_keys
             assert clients.live_units == ["su-0"] and set(clients.lost) == {"su-1"}
 
 
-def _on_both_units(refs: list) -> tuple[list, list, list]:
-    """``(shard, micro-batches, order)``: micro-batches of two samples from each of su-0 and su-1, where
-    shard position ``p`` is sample ``order[p]``. At least 20 of them: over shm the windows leased before a
-    fault (8 micro-batches each, the next one ahead) must not cover the whole stream."""
+def _on_both_units(clients, config) -> tuple[list, list, list, list]:
+    """96 samples written over su-0 and su-1 (sample i's expert IDs all i + 1), as ``(refs, shard,
+    micro-batches, order)``: micro-batches of two samples from each unit, shard position ``p`` being
+    sample ``order[p]``. At least 20 of them: over shm the windows leased before a fault (8 micro-batches
+    each, the next one ahead) must not cover the whole stream."""
+    with Writer(clients, config) as writer:
+        refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((200, 4, 2), i + 1, np.int32)})
+                for i in range(96)]
+        writer.flush()
     on = {unit: [i for i, r in enumerate(refs) if r["routed_experts"].unit == unit] for unit in ("su-0", "su-1")}
     order = [i for k in range(0, min(map(len, on.values())) - 1, 2) for i in on["su-0"][k:k + 2] + on["su-1"][k:k + 2]]
     shard = [{"routed_experts": Layout.from_ref(refs[i]["routed_experts"])} for i in order]
     batches = [list(range(k, k + 4)) for k in range(0, len(order), 4)]
     assert len(batches) >= 20, batches
-    return shard, batches, order
+    return refs, shard, batches, order
 
 
 @pytest.mark.slow
@@ -116,11 +121,7 @@ def test_a_stream_whose_unit_is_killed_raises_unit_lost_naming_it(transport):
 
     with unit_processes(2, transport=transport, read_timeout_s=5.0) as (config, units):
         with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
-            with Writer(clients, config) as writer:
-                refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((200, 4, 2), i + 1, np.int32)})
-                        for i in range(96)]
-                writer.flush()
-            shard, batches, order = _on_both_units(refs)
+            refs, shard, batches, order = _on_both_units(clients, config)
             with Reader(clients, config) as reader:
                 with pytest.raises(UnitLostError, match="su-0") as info, \
                         reader.stream(shard, batches, ParallelSlice(num_experts=16), prefetch=1) as stream:
@@ -187,11 +188,7 @@ def test_a_stream_whose_unit_is_stopped_ends_the_other_units_leases(transport):
 
     with unit_processes(2, transport=transport, read_timeout_s=1.0) as (config, units):
         with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
-            with Writer(clients, config) as writer:
-                refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((200, 4, 2), i + 1, np.int32)})
-                        for i in range(96)]
-                writer.flush()
-            shard, batches, order = _on_both_units(refs)
+            _, shard, batches, _ = _on_both_units(clients, config)
             with Reader(clients, config) as reader:
                 with pytest.raises(UnitTimeoutError, match="su-0"), \
                         reader.stream(shard, batches, ParallelSlice(num_experts=16)) as stream:
