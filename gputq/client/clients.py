@@ -17,8 +17,9 @@ stays live.
 
 A lost unit is re-admitted as soon as a probe reaches it: :meth:`UnitClients.ping`
 opens a fresh channel and makes one cheap control call. A background thread
-pings the lost units every ``heartbeat_interval_s``; the controller pings
-every unit on the same beat. Re-admitting is safe because references name
+pings the lost units every ``heartbeat_interval_s``, in parallel (a hung
+one's probe holds up no other's return); the controller pings every unit on
+the same beat. Re-admitting is safe because references name
 their unit: a unit that was only stalled still holds its keys, and one that
 restarted answers reads of its old keys with typed errors of its own.
 :attr:`UnitClients.live_units` (the membership minus lost units) is where
@@ -45,6 +46,7 @@ from gputq.errors import (
     UnitLostError,
     UnitTimeoutError,
 )
+from gputq.client.fanout import fan_out
 from gputq.client.unit_channel import UnitAccess, UnitChannel
 from gputq.transport import get_transport
 from gputq.transport.base import Closeable
@@ -304,8 +306,7 @@ class UnitClients(Closeable):
                 if not lost or self._closed:
                     self._prober = None
                     return
-            for unit in lost:
-                self.ping(unit)
+            fan_out(lost, self.ping)  # in parallel: a hung unit's probe holds up no other unit's return
         with self._lock:
             self._prober = None
 

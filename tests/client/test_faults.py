@@ -276,6 +276,25 @@ def test_a_writers_puts_to_a_stopped_unit_fail_as_that_unit_lost():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_hung_units_probe_holds_up_no_other_lost_units_return():
+    """Two lost units: su-0 hung (its probe waits out the 10 s probe timeout) and su-1 answering again.
+    su-1 is re-admitted at the next heartbeat, well before su-0's probe gives up; the probes once ran one
+    after another, su-1's behind su-0's."""
+    with unit_processes(2, heartbeat_interval_s=0.1, probe_timeout_s=10.0) as (config, units):
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            units["su-0"].stop()
+            try:
+                clients.mark_lost("su-0", "stopped by the test")
+                clients.mark_lost("su-1", "a blip the test made up")
+                wait_until(lambda: clients.live_units == ["su-1"], 5, "su-1 re-admitted while su-0's probe hangs")
+                assert set(clients.lost) == {"su-0"}
+            finally:
+                units["su-0"].cont()
+            wait_until(lambda: clients.live_units == ["su-0", "su-1"], 30, "su-0 re-admitted once it answers")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_controller_marks_killed_and_hung_units_lost_within_the_heartbeat_bound():
     interval, probe = 0.2, 0.5
     with unit_processes(3, heartbeat_interval_s=interval, probe_timeout_s=probe) as (config, units):
