@@ -8,6 +8,7 @@ benchmark's parsed command line.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
 
 __all__ = ["EXPERTS", "MIB", "rollout", "rank_slice", "rank_fields", "micro_batches", "bytes_read", "unit_count",
-           "stream_pass", "run_python"]
+           "Pass", "stream_pass", "run_python"]
 
 MIB = 1 << 20
 #: Experts of the synthetic model: IDs below it.
@@ -72,18 +73,30 @@ def run_python(seconds: float) -> None:
         pass
 
 
-def stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0,
-                compute=time.sleep) -> tuple[float, int, list]:
-    """One pass of a rank's stream; returns (seconds, bytes planned, per micro-batch (waited, computed) seconds).
+class Pass(NamedTuple):
+    """One pass of a rank's stream, timed by :func:`stream_pass`."""
 
-    ``waited`` is the time the loop spent getting the micro-batch (the first one's includes planning);
-    ``compute(compute_s)`` stands for the micro-batch's compute, where ``compute_s`` is not 0: the host
-    idles (``time.sleep``, the default) or runs Python (:func:`run_python`).
+    #: The whole pass, opening the stream included.
+    seconds: float
+    #: Bytes the stream's reads name (its slice).
+    planned: int
+    #: Per micro-batch, ``(waited, computed)`` seconds: the loop getting it (the first one's wait includes
+    #: opening the stream), and its compute stand-in.
+    steps: list
+    #: Seconds ``Reader.stream`` took to return: every micro-batch checked and sized, before the first read.
+    opened: float
+
+
+def stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0,
+                compute=time.sleep) -> Pass:
+    """One pass of a rank's stream, with ``compute(compute_s)`` standing for each micro-batch's compute where
+    ``compute_s`` is not 0: the host idles (``time.sleep``, the default) or runs Python (:func:`run_python`).
     """
     steps = []
     started = time.perf_counter()
     with reader.stream(shard, micro_batches(len(shard), args.mb_samples), rank_slice(args, pp, cp),
                        prefetch=args.prefetch, fields=rank_fields(args, pp)) as stream:
+        opened = time.perf_counter() - started
         planned = stream.slice_bytes
         asked = started
         for _ in stream:
@@ -92,4 +105,4 @@ def stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float 
                 compute(compute_s)
             steps.append((began - asked, time.perf_counter() - began))
             asked = time.perf_counter()
-    return time.perf_counter() - started, planned, steps
+    return Pass(time.perf_counter() - started, planned, steps, opened)

@@ -213,7 +213,7 @@ def throughput(reader, clients, config, shard, args, transport: str, repeats: in
     or the socket server's): where both sides use every core,
     a ratio below 1 is CPU the stream spends beyond the baseline's.
     """
-    _, nbytes, _ = stream_pass(reader, shard, args, 0, 0)  # warm: connections, buffers
+    nbytes = stream_pass(reader, shard, args, 0, 0).planned  # warm: connections, buffers
     count = len(micro_batches(len(shard), args.mb_samples))
     before = unit_count(clients, "reads")  # a read request, or a one-sided reader's lease
     stream_pass(reader, shard, args, 0, 0)
@@ -228,9 +228,9 @@ def throughput(reader, clients, config, shard, args, transport: str, repeats: in
             top.append(wall_time(refs.ceiling_pass))
             for name, work in refs.extra.items():
                 extra[name].append(wall_time(work))
-            seconds, _, steps = one_pass()
-            loops.append(seconds)
-            halves.append(second_half(steps, top[-1]))
+            timed = one_pass()
+            loops.append(timed.seconds)
+            halves.append(second_half(timed.steps, top[-1]))
         cpu, base_cores, loop_cores = _cpu_figures(refs, one_pass, units, nbytes)
     base_s, loop_s = statistics.median(base), statistics.median(loops)
     return {"slice_MiB": round(nbytes / MIB, 1), "baseline": refs.baseline,

@@ -93,6 +93,8 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
     assert abs(out["overlap"]["compute_ms"] - 2 * out["overlap"]["fetch_restore_ms"]) <= 0.011  # each rounded
     ratios = out["overlap"]["step_ratios"]  # the figure is the median step's, every step's shown beside it
     assert len(ratios) == out["overlap"]["steps"] == 3 and out["overlap_ratio"] == sorted(ratios)[1]
+    # Opening the stream (every micro-batch checked and sized) is part of the first micro-batch's wait.
+    assert 0 < out["overlap"]["open_ms"] <= out["overlap"]["first_wait_ms"]
     for row in out["throughput_rows"]:  # the cores each side kept busy: the miss reason on a CPU-bound box
         assert 0 < row["stream_cores"] <= os.cpu_count() + 0.5 and 0 < row["baseline_cores"] <= os.cpu_count() + 0.5
         assert row["cpu_per_byte_vs_baseline"] > 0
