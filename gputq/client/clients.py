@@ -46,7 +46,6 @@ from gputq.errors import (
     UnitLostError,
     UnitTimeoutError,
 )
-from gputq.client.fanout import fan_out
 from gputq.client.unit_channel import UnitAccess, UnitChannel
 from gputq.transport import get_transport
 from gputq.transport.base import Closeable
@@ -300,13 +299,21 @@ class UnitClients(Closeable):
             raise self._lost_error(unit, keys, what, exc) from exc
 
     def _probe_loop(self) -> None:
+        """Probe every lost unit each heartbeat, each on a thread of its own that the beat does not wait for:
+        a hung unit's probe (up to ``probe_timeout_s``) holds up neither another unit's probe nor the next
+        beat's probe of a unit lost meanwhile. A unit whose probe is still under way is not probed again."""
+        probing: dict[str, threading.Thread] = {}
         while not self._stop.wait(self._config.heartbeat_interval_s):
             with self._lock:
                 lost = sorted(self._lost)
                 if not lost or self._closed:
                     self._prober = None
                     return
-            fan_out(lost, self.ping)  # in parallel: a hung unit's probe holds up no other unit's return
+            for unit in lost:
+                if unit not in probing or not probing[unit].is_alive():
+                    probing[unit] = threading.Thread(target=self.ping, args=(unit,), name=f"gputq-probe-{unit}",
+                                                     daemon=True)
+                    probing[unit].start()
         with self._lock:
             self._prober = None
 

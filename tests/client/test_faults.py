@@ -6,6 +6,7 @@ The process tests are marked slow: starting three interpreters takes seconds.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -295,6 +296,35 @@ def test_a_hung_units_probe_holds_up_no_other_lost_units_return():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_unit_lost_while_a_hung_units_probe_hangs_is_probed_at_the_next_heartbeat():
+    """su-0 hung and lost, its probe under way (a 10 s probe timeout); su-1 is marked lost only then, while it
+    still answers. su-1 is re-admitted at the next heartbeat; a beat once waited for its slowest probe, so
+    su-1's first probe waited for su-0's to give up."""
+    with unit_processes(2, heartbeat_interval_s=0.1, probe_timeout_s=10.0) as (config, units):
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            probing = threading.Event()
+            ping = clients.ping
+
+            def spied(unit, timeout=None):
+                if unit == "su-0":
+                    probing.set()
+                return ping(unit, timeout)
+
+            clients.ping = spied
+            units["su-0"].stop()
+            try:
+                clients.mark_lost("su-0", "stopped by the test")
+                assert probing.wait(10), "su-0 was never probed"
+                clients.mark_lost("su-1", "a blip the test made up")
+                wait_until(lambda: "su-1" in clients.live_units, 5, "su-1 re-admitted while su-0's probe hangs")
+                assert set(clients.lost) == {"su-0"}
+            finally:
+                units["su-0"].cont()
+            wait_until(lambda: clients.live_units == ["su-0", "su-1"], 30, "su-0 re-admitted once it answers")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_controller_marks_killed_and_hung_units_lost_within_the_heartbeat_bound():
     interval, probe = 0.2, 0.5
     with unit_processes(3, heartbeat_interval_s=interval, probe_timeout_s=probe) as (config, units):
@@ -359,7 +389,6 @@ def test_a_full_unit_is_alive_and_its_capacity_error_passes_through():
 
 
 def test_a_unit_whose_handler_hangs_costs_one_timeout():
-    import threading
 
     from tests.conftest import local_units
 
@@ -413,7 +442,6 @@ def test_writer_places_new_keys_on_live_units_only():
 
 
 def test_the_first_timeout_ends_the_other_requests_in_flight_to_the_hung_unit():
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.conftest import local_units
@@ -494,7 +522,6 @@ def test_a_mapped_source_of_a_closed_unit_raises_unit_lost_and_marks_it():
 
 def test_a_unit_at_its_connection_cap_is_busy_not_lost():
     """Slots held by other clients make a new client wait and retry; the unit stays live throughout."""
-    import threading
 
     from gputq.errors import UnitBusyError
     from gputq.transport.tcp import TcpTransport
