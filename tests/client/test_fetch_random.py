@@ -24,28 +24,30 @@ FORMATS = ["uint8", "uint16", "int32", "packed"]
 
 
 def _piece(rng, layout: Layout, array: np.ndarray) -> tuple[Layout, np.ndarray]:
-    """A random slice of one stored step, shifted into a larger target one time in three."""
+    """A random slice of one stored step, shifted into a larger target (the rest its fill) one time in three."""
     start = int(rng.integers(0, layout.rows + 1))
     stop = int(rng.integers(start, layout.rows + 1))
     piece, rows = layout.slice(start, stop), array[start:stop]
     if stop > start and rng.integers(0, 3) == 0:
         offset = int(rng.integers(0, 4))
         total = offset + len(rows) + int(rng.integers(0, 4))
-        target = np.zeros((total, *array.shape[1:]), array.dtype)
+        target = np.full((total, *array.shape[1:]), layout.fill, array.dtype)
         target[offset:offset + len(rows)] = rows
         return piece.shift(offset, total), target
     return piece, rows
 
 
 def _compose(rng, stored: list[tuple[Layout, np.ndarray]]) -> tuple[Layout, np.ndarray]:
-    """A layout of 1-4 pieces (fill runs among them) and the array it must restore to."""
+    """A layout of 1-4 pieces of ``stored`` (fill runs among them; all share one fill) and the array it must
+    restore to."""
     pieces = []
     for _ in range(int(rng.integers(1, 5))):
         layout, array = stored[int(rng.integers(0, len(stored)))]
         if rng.integers(0, 5) == 0:
             rows = int(rng.integers(0, 6))
             pieces.append((Layout.empty(layout.field, rows, fill=layout.fill, dtype=layout.dtype,
-                                        row_shape=layout.row_shape), np.zeros((rows, *array.shape[1:]), array.dtype)))
+                                        row_shape=layout.row_shape),
+                           np.full((rows, *array.shape[1:]), layout.fill, array.dtype)))
         else:
             pieces.append(_piece(rng, layout, array))
     layout = Layout.concat(p for p, _ in pieces)

@@ -6,7 +6,9 @@ The grid tests pin the configurations slime names; these draw the rest: a rollou
 subset), a prefetch depth and ``hold``. Every micro-batch's per-layer rows and CP-cut logprobs must equal
 :func:`~tests.client.test_stream.slime_replay_rows` / :func:`~tests.client.test_allgather_cp.allgather_rows`
 and :func:`~tests.client.test_stream.slime_log_probs`, and the units must serve exactly the bytes the
-stream names.
+stream names. The composed draws build each sample the ways segments are built
+(:func:`~tests.client.test_fetch_random._compose`: slices of stored steps, shifted, fill runs, samples
+sharing steps), so a micro-batch reads some keys for two samples and some rows from no key at all.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ from gputq.client.writer import Writer
 from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
 from tests.client.test_allgather_cp import allgather_rows
+from tests.client.test_fetch_random import _compose
 from tests.client.test_stream import EXPERTS, slime_log_probs, slime_replay_rows
 from tests.conftest import TRANSPORT_PARAMS, local_units
 
 pytestmark = pytest.mark.timeout(300)
 
 DTYPES = ["uint8", "uint16", "int32", "packed"]
+#: The composed R3's fill: not 0, since a rank whose rows are all fill would be refused as an all-zero
+#: layer (slime's check of R3 captures). A real R3 layout covers its whole context: it has no fill run.
+R3_FILL = 3
 
 
 def _rollout(writer, rng, tag: str):
@@ -93,14 +99,40 @@ def _check_stream(reader, units, shard, data, rng) -> int:
     return len(splits)
 
 
-def _run(transport: str, dtype: str, seeds, configs: int) -> int:
+def _composed_rollout(writer, rng, tag: str):
+    """1-7 stored steps and 1-5 samples composed of them: ``(shard, [(experts, log_probs, total)])``."""
+    layers, topk = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    experts, log_probs = [], []
+    for i in range(int(rng.integers(1, 8))):
+        rows = int(rng.integers(1, 40))
+        fields = {"routed_experts": rng.integers(1, EXPERTS, (rows, layers, topk)).astype(np.int32),
+                  "logprobs": rng.standard_normal(rows).astype(np.float32)}
+        refs = writer.put(f"{tag}-{i}/0", "p", fields)
+        experts.append((Layout.from_ref(refs["routed_experts"], fill=R3_FILL), fields["routed_experts"]))
+        log_probs.append((Layout.from_ref(refs["logprobs"]), fields["logprobs"]))
+    writer.flush()
+    shard, data = [], []
+    for _ in range(int(rng.integers(1, 6))):
+        r3, rows = _compose(rng, experts)
+        if not r3.rows:  # R3 has a row per token but the last
+            r3, rows = experts[0]
+        response, values = _compose(rng, log_probs)
+        keep = min(response.rows, r3.rows) or 1  # a response of 1 to T - 1 tokens
+        if response.rows < keep:
+            response, values = log_probs[0]
+        shard.append({"routed_experts": r3, "logprobs": response.slice(0, keep)})
+        data.append((rows, values[:keep], r3.rows + 1))
+    return shard, data
+
+
+def _run(transport: str, dtype: str, seeds, configs: int, rollout=_rollout) -> int:
     checked = 0
     for seed in seeds:
         rng = np.random.default_rng([seed, DTYPES.index(dtype)])
         with local_units(transport, units=int(rng.integers(1, 4)), routed_experts_dtype=dtype, num_experts=EXPERTS,
                          capacity=16 << 20) as (config, units, clients):
             with Writer(clients, config) as writer:
-                shard, data = _rollout(writer, rng, f"r{seed}")
+                shard, data = rollout(writer, rng, f"r{seed}")
             with Reader(clients, config) as reader:
                 checked += sum(_check_stream(reader, units, shard, data, rng) for _ in range(configs))
     return checked
@@ -117,3 +149,16 @@ def test_random_streams_give_slimes_rows_and_move_exactly_their_slice(transport,
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_random_streams_many(transport, dtype):
     assert _run(transport, dtype, range(2, 42), 8) >= 320
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_random_streams_of_composed_samples_give_slimes_rows_and_move_exactly_their_slice(transport, dtype):
+    assert _run(transport, dtype, range(2), 6, _composed_rollout) >= 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_random_streams_of_composed_samples_many(transport, dtype):
+    assert _run(transport, dtype, range(2, 42), 8, _composed_rollout) >= 320
