@@ -2,8 +2,9 @@
 
 Two kinds of checks. The stand-in's own promises, one test each: queued work
 waits until forced, pinned host memory is read when a copy runs, device and
-host addresses differ, launches check their extents, freed memory faults,
-registrations are enforced, two devices exist. And :data:`MUTATIONS`: each
+host addresses differ, launches check their extents, freed memory faults, a
+copy of leased memory that runs once its lease ended faults, registrations
+are enforced, two devices exist. And :data:`MUTATIONS`: each
 entry breaks one synchronisation (or one address, or one length) of the real
 code; :func:`test_a_mutation_fails_a_stand_in_test` applies it to the module,
 through an import hook in a fresh interpreter, and runs the stand-in tests
@@ -298,6 +299,26 @@ def test_freed_device_memory_faults_when_queued_work_reaches_it(host_cuda):
     del dest
     gc.collect()
     with pytest.raises(CUDARuntimeError, match="freed device memory"):
+        stream.synchronize()
+
+
+def test_a_copy_that_runs_after_its_lease_ended_faults_unless_a_lease_held_then_covers_its_bytes(host_cuda):
+    from tests.host_cuda import CUDARuntimeError
+
+    dest, stream = host_cuda.empty(64, np.uint8), host_cuda.cuda.Stream()
+    pinned = _pinned(host_cuda, np.full(64, 7, np.uint8))
+    host_cuda.lease_started(pinned.ptr, 16)  # a span of a key, read and done with
+    host_cuda.lease_ended(pinned.ptr, 16)
+    host_cuda.lease_started(pinned.ptr + 8, 56)  # other spans of it, leased again
+    _copy(host_cuda, dest, pinned.ptr + 8, 56, stream)
+    stream.synchronize()
+    assert (host_cuda.to_host(dest)[:56] == 7).all()
+    _copy(host_cuda, dest, pinned.ptr, 64, stream)  # bytes 0..7: only under the lease that ended
+    with pytest.raises(CUDARuntimeError, match="after its lease ended"):
+        stream.synchronize()
+    _copy(host_cuda, dest, pinned.ptr + 8, 56, stream)
+    host_cuda.lease_ended(pinned.ptr + 8, 56)  # before the copy ran
+    with pytest.raises(CUDARuntimeError, match="after its lease ended"):
         stream.synchronize()
 
 
