@@ -108,33 +108,45 @@ class _RawCuda:
 
 
 class CudaOps:
-    """Allocate device buffers and copy between raw pointers (CuPy, else torch)."""
+    """Allocate device buffers and copy between raw pointers (CuPy, else torch).
+
+    Each call takes the modules the probes of :mod:`gputq.transport.cuda`
+    return then (they are cached), never ones kept from before: the process's
+    pool keeps its helper for good, and the probes may be run again (a test's
+    CuPy stand-in, installed anew per test, forgets them).
+    """
 
     def __init__(self):
-        self._cp, self._torch = usable_cupy(), usable_torch()
-        if self._cp is None and self._torch is None:
+        self._modules()  # refuse at once where neither can run
+
+    @staticmethod
+    def _modules() -> tuple[Any, Any]:
+        cp, torch = usable_cupy(), usable_torch()
+        if cp is None and torch is None:
             raise MissingDependencyError(
                 "a CUDA destination needs CuPy or torch with a device: pip install cupy-cuda12x")
+        return cp, torch
 
     def alloc(self, nbytes: int, device: int) -> tuple[Any, int]:
         """A device uint8 array of ``nbytes`` on ``device`` and its address."""
-        if self._cp is not None:
-            with self._cp.cuda.Device(device):
-                arr = self._cp.empty(nbytes, dtype=self._cp.uint8)
+        cp, torch = self._modules()
+        if cp is not None:
+            with cp.cuda.Device(device):
+                arr = cp.empty(nbytes, dtype=cp.uint8)
             return arr, int(arr.data.ptr)
-        arr = self._torch.empty(nbytes, dtype=self._torch.uint8, device=f"cuda:{device}")
+        arr = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
         return arr, int(arr.data_ptr())
 
     def copy(self, dst: int, src: int, nbytes: int, device: int, src_host: bool) -> None:
         """Blocking copy of ``nbytes`` into device memory ``dst``."""
-        if self._cp is not None:
-            rt = self._cp.cuda.runtime
+        cp, torch = self._modules()
+        if cp is not None:
+            rt = cp.cuda.runtime
             kind = rt.memcpyHostToDevice if src_host else rt.memcpyDeviceToDevice
-            with self._cp.cuda.Device(device):
+            with cp.cuda.Device(device):
                 rt.memcpy(dst, src, nbytes, kind)
                 rt.deviceSynchronize()  # cudaMemcpy D2D does not wait for the copy
             return
-        torch = self._torch
         out = torch.as_tensor(_RawCuda(dst, nbytes), device=f"cuda:{device}")
         if src_host:
             import ctypes

@@ -8,7 +8,8 @@ subset), a prefetch depth and ``hold``. Every micro-batch's per-layer rows and C
 and :func:`~tests.client.test_stream.slime_log_probs`, and the units must serve exactly the bytes the
 stream names. The composed draws build each sample the ways segments are built
 (:func:`~tests.client.test_fetch_random._compose`: slices of stored steps, shifted, fill runs, samples
-sharing steps), so a micro-batch reads some keys for two samples and some rows from no key at all.
+sharing steps), so a micro-batch reads some keys for two samples and some rows from no key at all. Both
+kinds also stream into device memory under the CuPy stand-in (:mod:`tests.host_cuda`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def _want(samples: list[np.ndarray], rank: ParallelSlice) -> np.ndarray:
     return slime_replay_rows([torch.from_numpy(s) for s in samples], rank).numpy()
 
 
+def _on_host(restored) -> np.ndarray:
+    """A restored array as numpy: a device reader's tensors copied to the host."""
+    return restored.cpu().numpy() if isinstance(restored, torch.Tensor) else restored
+
+
 def _check_stream(reader, units, shard, data, rng) -> int:
     """Stream one random configuration and check it; returns the micro-batches checked."""
     splits, rank = _split(rng, len(shard)), _rank(rng, data[0][0].shape[1])
@@ -87,11 +93,12 @@ def _check_stream(reader, units, shard, data, rng) -> int:
             want = _want([data[i][0] for i in batch], rank)
             assert mb.samples == tuple(batch) and mb.layers == layers, case
             for j, layer in enumerate(layers):
-                assert mb.routed_experts[j].dtype == np.int32, case
-                np.testing.assert_array_equal(mb.routed_experts[j], want[:, layer], err_msg=case)
+                got = _on_host(mb.routed_experts[j])
+                assert got.dtype == np.int32, case
+                np.testing.assert_array_equal(got, want[:, layer], err_msg=case)
             for i, got in zip(batch, mb.log_probs):
                 expected = slime_log_probs(torch.from_numpy(data[i][1]), data[i][2], rank).numpy()
-                np.testing.assert_array_equal(got, expected, err_msg=case)
+                np.testing.assert_array_equal(_on_host(got), expected, err_msg=case)
             if hold:
                 mb.release()
         slice_bytes = stream.slice_bytes
@@ -125,7 +132,7 @@ def _composed_rollout(writer, rng, tag: str):
     return shard, data
 
 
-def _run(transport: str, dtype: str, seeds, configs: int, rollout=_rollout) -> int:
+def _run(transport: str, dtype: str, seeds, configs: int, rollout=_rollout, device: str = "cpu") -> int:
     checked = 0
     for seed in seeds:
         rng = np.random.default_rng([seed, DTYPES.index(dtype)])
@@ -133,7 +140,7 @@ def _run(transport: str, dtype: str, seeds, configs: int, rollout=_rollout) -> i
                          capacity=16 << 20) as (config, units, clients):
             with Writer(clients, config) as writer:
                 shard, data = rollout(writer, rng, f"r{seed}")
-            with Reader(clients, config) as reader:
+            with Reader(clients, config, device=device) as reader:
                 checked += sum(_check_stream(reader, units, shard, data, rng) for _ in range(configs))
     return checked
 
@@ -162,3 +169,13 @@ def test_random_streams_of_composed_samples_give_slimes_rows_and_move_exactly_th
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_random_streams_of_composed_samples_many(transport, dtype):
     assert _run(transport, dtype, range(2, 42), 8, _composed_rollout) >= 320
+
+
+@pytest.mark.parametrize("rollout", [_rollout, _composed_rollout], ids=["plain", "composed"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_random_streams_into_device_memory_under_the_cuda_stand_in(shm_leases_checked, transport, dtype, rollout):
+    """device="cuda": staged or mapped compact bytes widened by the kernel (packed IDs: the unpack kernel),
+    pads and views on the device, each micro-batch copied back to be checked."""
+    assert _run(transport, dtype, range(2), 6, rollout, device="cuda") >= 12
+    assert any(entry[0] == "launch" for entry in shm_leases_checked.log)
