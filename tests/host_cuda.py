@@ -42,8 +42,9 @@ It keeps the promises a GPU makes and no more:
   ordered with no CuPy stream.
 - **Leases** a test declares (:meth:`HostCupy.lease_started`,
   :meth:`HostCupy.lease_ended`) are checked: queued work that reads host
-  memory after its lease ended fails when it runs, unless a lease held
-  then covers those bytes again (a stream leases other spans of one key).
+  memory after its lease ended fails when it runs, unless leases held
+  then cover those bytes again (a stream leases other spans of one key) or
+  lie on both sides of them (a copy in spans bridges its segments' gaps).
 
 What it still cannot show (a GPU run of ``bench/gpu_check.sh`` does):
 timing, real concurrency inside a kernel (threads of a launch run one after
@@ -456,14 +457,14 @@ class HostCupy:
             self._leases[(ptr, ptr + nbytes)] -= 1
 
     def _check_leases(self, ptr: int, nbytes: int, what: str) -> None:
-        """Fault where ``[ptr, ptr + nbytes)`` reads bytes of an ended lease that no lease held now covers (a
-        later lease of other spans of the same keys may cover them again)."""
+        """Fault where ``[ptr, ptr + nbytes)`` reads bytes of an ended lease outside the leases held now and the
+        gaps between them: a later lease of other spans of the same keys may cover those bytes again, and a
+        copy in spans bridges the gaps between its leased segments (bytes it reads and never uses)."""
         end = ptr + nbytes
-        held = sorted((start, stop) for (start, stop), count in self._leases.items()
-                      if count and start < end and ptr < stop)
+        held = [(start, stop) for (start, stop), count in self._leases.items() if count and start < end and ptr < stop]
+        first, last = (max(ptr, min(a for a, _ in held)), min(end, max(b for _, b in held))) if held else (end, end)
         for (start, stop), count in self._leases.items():
-            if not count and start < end and ptr < stop \
-                    and not _covered(max(start, ptr), min(stop, end), held):
+            if not count and start < end and ptr < stop and (max(start, ptr) < first or min(stop, end) > last):
                 raise CUDARuntimeError(f"{what} reads host memory [{start:#x}, {stop:#x}) after its lease ended")
 
     # -- work ---------------------------------------------------------------------------
@@ -675,17 +676,6 @@ def _tensor_class():
 
 
 _installed: list[HostCupy] = []  # the stand-in in use, for DeviceTensor.device
-
-
-def _covered(start: int, stop: int, ranges: list) -> bool:
-    """True when sorted ``ranges`` of ``(start, stop)`` together cover ``[start, stop)``."""
-    for lo, hi in ranges:
-        if lo > start:
-            return False
-        start = max(start, hi)
-        if start >= stop:
-            return True
-    return start >= stop
 
 
 def _device_of_host(address: int) -> int:

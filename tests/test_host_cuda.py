@@ -3,7 +3,8 @@
 Two kinds of checks. The stand-in's own promises, one test each: queued work
 waits until forced, pinned host memory is read when a copy runs, device and
 host addresses differ, launches check their extents, freed memory faults, a
-copy of leased memory that runs once its lease ended faults, registrations
+copy of leased memory that runs once its lease ended faults (unless leases
+held then cover its bytes, or bytes on both sides of them), registrations
 are enforced, two devices exist. And :data:`MUTATIONS`: each
 entry breaks one synchronisation (or one address, or one length) of the real
 code; :func:`test_a_mutation_fails_a_stand_in_test` applies it to the module,
@@ -302,7 +303,7 @@ def test_freed_device_memory_faults_when_queued_work_reaches_it(host_cuda):
         stream.synchronize()
 
 
-def test_a_copy_that_runs_after_its_lease_ended_faults_unless_a_lease_held_then_covers_its_bytes(host_cuda):
+def test_a_copy_that_runs_after_its_lease_ended_faults_unless_leases_held_then_cover_or_bridge_its_bytes(host_cuda):
     from tests.host_cuda import CUDARuntimeError
 
     dest, stream = host_cuda.empty(64, np.uint8), host_cuda.cuda.Stream()
@@ -316,8 +317,13 @@ def test_a_copy_that_runs_after_its_lease_ended_faults_unless_a_lease_held_then_
     _copy(host_cuda, dest, pinned.ptr, 64, stream)  # bytes 0..7: only under the lease that ended
     with pytest.raises(CUDARuntimeError, match="after its lease ended"):
         stream.synchronize()
-    _copy(host_cuda, dest, pinned.ptr + 8, 56, stream)
-    host_cuda.lease_ended(pinned.ptr + 8, 56)  # before the copy ran
+    host_cuda.lease_started(pinned.ptr + 48, 16)
+    host_cuda.lease_ended(pinned.ptr + 8, 56)  # bytes 16..47 lie between two leases held
+    host_cuda.lease_started(pinned.ptr, 16)
+    _copy(host_cuda, dest, pinned.ptr, 64, stream)  # one span over both, bridging the gap
+    stream.synchronize()
+    _copy(host_cuda, dest, pinned.ptr, 64, stream)
+    host_cuda.lease_ended(pinned.ptr + 48, 16)  # before the copy ran: bytes 48..63 under no lease
     with pytest.raises(CUDARuntimeError, match="after its lease ended"):
         stream.synchronize()
 

@@ -9,6 +9,8 @@ stored format.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,11 @@ pytestmark = pytest.mark.timeout(300)
 
 EXPERTS = 16
 FORMATS = ["uint8", "uint16", "int32", "packed"]
+_RDMA = TRANSPORT_PARAMS[-1]
+#: The device restore's reads: shm's read in place, and copied to the device in spans first.
+_DEVICE_READS = [pytest.param("tcp", math.inf, id="tcp"), pytest.param("shm", math.inf, id="shm-in-place"),
+                 pytest.param("shm", 0, id="shm-copied"),
+                 pytest.param(*_RDMA.values, math.inf, id="rdma", marks=_RDMA.marks)]
 
 
 def _piece(rng, layout: Layout, array: np.ndarray) -> tuple[Layout, np.ndarray]:
@@ -56,11 +63,17 @@ def _compose(rng, stored: list[tuple[Layout, np.ndarray]]) -> tuple[Layout, np.n
     return layout, np.concatenate([a for _, a in pieces])
 
 
-def _fetch_and_check(transport: str, stored_as: str, seed: int, shards: int) -> int:
+def _on_host(restored) -> np.ndarray:
+    """A restored array as numpy: a device reader's tensors copied to the host."""
+    return restored.cpu().numpy() if hasattr(restored, "cpu") else restored
+
+
+def _fetch_and_check(transport: str, stored_as: str, seed: int, shards: int, device: str = "cpu",
+                     **overrides) -> int:
     rng = np.random.default_rng([seed, FORMATS.index(stored_as)])
     layers, topk = int(rng.integers(1, 5)), int(rng.integers(1, 9))
     with local_units(transport, units=int(rng.integers(1, 4)), routed_experts_dtype=stored_as, num_experts=EXPERTS,
-                     capacity=16 << 20) as (config, _, clients):
+                     capacity=16 << 20, **overrides) as (config, _, clients):
         experts, log_probs = [], []
         with Writer(clients, config) as writer:
             for i in range(int(rng.integers(1, 8))):
@@ -71,14 +84,15 @@ def _fetch_and_check(transport: str, stored_as: str, seed: int, shards: int) -> 
                 experts.append((Layout.from_ref(refs["routed_experts"]), fields["routed_experts"]))
                 log_probs.append((Layout.from_ref(refs["logprobs"]), fields["logprobs"]))
         checked = 0
-        with Reader(clients, config) as reader:
+        with Reader(clients, config, device=device) as reader:
             for _ in range(shards):
                 samples = [(_compose(rng, experts), _compose(rng, log_probs)) for _ in range(int(rng.integers(1, 6)))]
                 restored = reader.fetch([{"routed_experts": e[0], "logprobs": lp[0]} for e, lp in samples])
                 for got, (e, lp) in zip(restored, samples):
-                    assert got["rollout_routed_experts"].dtype == np.int32
-                    np.testing.assert_array_equal(got["rollout_routed_experts"], e[1], err_msg=e[0].describe())
-                    np.testing.assert_array_equal(got["rollout_log_probs"], lp[1], err_msg=lp[0].describe())
+                    experts_got = _on_host(got["rollout_routed_experts"])
+                    assert experts_got.dtype == np.int32
+                    np.testing.assert_array_equal(experts_got, e[1], err_msg=e[0].describe())
+                    np.testing.assert_array_equal(_on_host(got["rollout_log_probs"]), lp[1], err_msg=lp[0].describe())
                     checked += 1
         return checked
 
@@ -94,3 +108,14 @@ def test_random_composed_layouts_restore_exactly(transport, stored_as):
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_random_composed_layouts_many(transport, stored_as):
     assert sum(_fetch_and_check(transport, stored_as, seed, 6) for seed in range(2, 32)) >= 180
+
+
+@pytest.mark.parametrize("stored_as", FORMATS)
+@pytest.mark.parametrize("transport, zero_copy_max_bytes", _DEVICE_READS)
+def test_random_composed_layouts_restore_exactly_into_device_memory_under_the_cuda_stand_in(
+        shm_leases_checked, transport, zero_copy_max_bytes, stored_as):
+    """device="cuda": over shm the restore reads the mappings in place, or copies them to the device in spans
+    first (``zero_copy_max_bytes=0``), each read under its lease."""
+    assert sum(_fetch_and_check(transport, stored_as, seed, 4, "cuda", zero_copy_max_bytes=zero_copy_max_bytes)
+               for seed in range(2)) >= 8
+    assert any(entry[0] == "launch" for entry in shm_leases_checked.log)
