@@ -23,7 +23,7 @@ from gputq.client.writer import Writer
 from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
 from tests.client.test_allgather_cp import allgather_rows
-from tests.client.test_fetch_random import _compose
+from tests.client.test_fetch_random import _compose, _on_host
 from tests.client.test_stream import EXPERTS, slime_log_probs, slime_replay_rows
 from tests.conftest import TRANSPORT_PARAMS, local_units
 
@@ -73,11 +73,6 @@ def _want(samples: list[np.ndarray], rank: ParallelSlice) -> np.ndarray:
         return allgather_rows(samples, rank.cp_size, rank.cp_rank, rank.tp_size, rank.tp_rank,
                               rank.sequence_parallel, rank.pad_multiple)
     return slime_replay_rows([torch.from_numpy(s) for s in samples], rank).numpy()
-
-
-def _on_host(restored) -> np.ndarray:
-    """A restored array as numpy: a device reader's tensors copied to the host."""
-    return restored.cpu().numpy() if isinstance(restored, torch.Tensor) else restored
 
 
 def _check_stream(reader, units, shard, data, rng) -> int:
