@@ -186,13 +186,17 @@ class BufferPool:
 
     One free list per memory kind (``("DRAM", 0)`` or ``("VRAM", device)``).
     :meth:`acquire` hands out the smallest free buffer that fits; when none
-    does, smaller free buffers are dropped and a new one of at least twice
-    the largest size seen is registered. Thread-safe.
+    does, smaller free buffers are dropped and a new one is registered, a
+    power of two: twice the largest size seen for a read larger than it (a
+    process whose reads grow registers O(log(max read)) times), else the
+    read's own size (the buffers that fit are all lent out). Thread-safe.
 
     Attributes
     ----------
     registrations : int
         Calls to NIXL's ``register_memory`` so far (for tests and stats).
+    registered_bytes : int
+        Bytes of the buffers registered now, lent out or free.
     pinned : int
         Host buffers page-locked with CUDA so far.
     """
@@ -205,6 +209,7 @@ class BufferPool:
         self._largest: dict[tuple[str, int], int] = {}
         self._cuda: CudaOps | None = None
         self.registrations = 0
+        self.registered_bytes = 0
         self.pinned = 0
 
     def acquire(self, nbytes: int, kind: tuple[str, int]) -> _PoolBuffer:
@@ -219,10 +224,14 @@ class BufferPool:
             for small in free:
                 self._drop(small)
             free.clear()
-            size = max(MIN_POOL_BYTES, 2 * self._largest.get(kind, 0), nbytes)
+            largest = self._largest.get(kind, 0)
+            # Only a read that outgrew every buffer doubles the largest; one that finds the buffers of its
+            # size all lent out (concurrent streams and fetches) takes its own size, or each such lender
+            # would double it again.
+            size = max(MIN_POOL_BYTES, nbytes, 2 * largest if nbytes > largest else 0)
             size = 1 << (size - 1).bit_length()
             buf = self._register(size, kind)
-            self._largest[kind] = max(size, self._largest.get(kind, 0))
+            self._largest[kind] = max(size, largest)
             return buf
 
     def release(self, buf: _PoolBuffer) -> None:
@@ -296,6 +305,7 @@ class BufferPool:
                 self._unpin(ptr)
             raise
         self.registrations += 1
+        self.registered_bytes += size
         buf = _PoolBuffer(ptr, size, kind, obj, descs, pinned)
         self._all.append(buf)
         return buf
@@ -318,6 +328,7 @@ class BufferPool:
 
     def _drop(self, buf: _PoolBuffer) -> None:
         self._all.remove(buf)
+        self.registered_bytes -= buf.nbytes
         try:
             self._agent.deregister_memory(buf.descs)
         except Exception:  # deregistering at interpreter exit is best effort

@@ -7,6 +7,7 @@ as an InfiniBand cluster, minus the NIC.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -167,6 +168,25 @@ def test_pool_is_reused_and_grows_geometrically(server):
         assert np.array_equal(out, big)
         assert ch.pool.registrations == before + 2  # grew once, to a power of two >= 3 MiB
         assert ch.copies == 6  # plain numpy destinations: one copy per read
+
+
+def test_lenders_finding_their_size_all_lent_out_take_that_size_and_only_a_larger_read_doubles(server):
+    """Concurrent streams and fetches of one process lend from one pool: each such lender got twice the
+    largest buffer before, so eight concurrent 1 MiB lends registered 255 MiB (eight ranks' streams in one
+    process reached 32 GiB and a MemoryError)."""
+    with _connect(server) as ch:
+        pool = ch.pool
+        pool.trim()  # the pool is process-wide: no free buffer left by earlier tests
+        with contextlib.ExitStack() as lent:
+            before, registrations = pool.registered_bytes, pool.registrations
+            for _ in range(8):
+                lent.enter_context(pool.lend(1 << 20))
+            assert pool.registered_bytes - before == 8 << 20
+            lent.enter_context(pool.lend(3 << 20))  # larger than every buffer: twice the largest, or more
+            assert pool.registered_bytes - before == 12 << 20
+            assert pool.registrations == registrations + 9
+        with pool.lend(1 << 20), pool.lend(2 << 20):  # reused: the smallest free ones that fit
+            assert pool.registrations == registrations + 9
 
 
 def test_read_into_staging_view_is_direct(server):
