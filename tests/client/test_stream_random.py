@@ -14,6 +14,8 @@ kinds also stream into device memory under the CuPy stand-in (:mod:`tests.host_c
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 torch = pytest.importorskip("torch", reason="make test installs torch: these tests state slime's rows with it")
@@ -22,10 +24,13 @@ from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.data.refs import Layout
 from gputq.data.slices import ParallelSlice
+from gputq.data.trajectory import inline_fields, lineage_segments, timeline_segments
+from gputq.tools.synthetic import SyntheticConfig, build_sessions
 from tests.client.test_allgather_cp import allgather_rows
 from tests.client.test_fetch_random import _compose, _on_host
 from tests.client.test_stream import EXPERTS, slime_log_probs, slime_replay_rows
 from tests.conftest import TRANSPORT_PARAMS, local_units
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -164,6 +169,59 @@ def test_random_streams_of_composed_samples_give_slimes_rows_and_move_exactly_th
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_random_streams_of_composed_samples_many(transport, dtype):
     assert _run(transport, dtype, range(2, 42), 8, _composed_rollout) >= 320
+
+
+def _rank_streams(clients, config, group: list, rank: ParallelSlice, batches: list, errors: list) -> None:
+    """One rank's pass over its DP group's segments, releasing each micro-batch; what goes wrong in ``errors``."""
+    try:
+        with Reader(clients, config) as reader, \
+                reader.stream([seg.layouts for seg in group], batches, rank, release="r0",
+                              total_lengths=[len(seg.tokens) for seg in group]) as stream:
+            for mb in stream:
+                inline = [inline_fields(group[i]) for i in batches[mb.index]]
+                want = _want([fields["rollout_routed_experts"] for fields in inline], rank)
+                for j, layer in enumerate(rank.layers):
+                    np.testing.assert_array_equal(mb.routed_experts[j], want[:, layer])
+                for i, fields, got in zip(batches[mb.index], inline, mb.log_probs):
+                    expected = slime_log_probs(torch.from_numpy(fields["rollout_log_probs"]), len(group[i].tokens), rank)
+                    np.testing.assert_array_equal(got, expected.numpy())
+    except BaseException as exc:  # noqa: BLE001 - the test asserts there was none
+        errors.append((rank, exc))
+
+
+@pytest.mark.parametrize("view", [timeline_segments, lineage_segments], ids=["timeline", "lineage"])
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_every_rank_of_two_dp_groups_streams_and_releases_at_once_and_nothing_is_freed_early_or_left(transport,
+                                                                                                      view):
+    """Two DP groups of PP 2 x CP 2 ranks, each rank a Reader of its own on a thread, stream their group's
+    segments in random splits and release each micro-batch; the groups share steps (prefixes of one session).
+    Every micro-batch is exact, and once all are done no key and no byte is left."""
+    rng = np.random.default_rng(7)
+    synth = SyntheticConfig(sessions=4, steps_per_session=4, layers=4, topk=4, num_experts=EXPERTS, prompt_tokens=30,
+                            tokens_per_step=20, tool_tokens=5, branch_prob=0.4, rewrite_prob=0.2, seed=3)
+    with local_units(transport, units=3, num_experts=EXPERTS, routed_experts_dtype="packed") as (config, units,
+                                                                                                clients):
+        with Writer(clients, config) as writer:
+            sessions = build_sessions(synth, fields=config.field_registry(synth.layers, synth.topk), writer=writer,
+                                      partition="r0")
+            segments = [seg for session in sessions for seg in view(session)]
+            segments = [segments[i] for i in rng.permutation(len(segments))]
+            writer.finalize([seg.layouts for seg in segments], "r0", readers=4)  # PP x CP ranks per group
+        errors: list = []
+        threads = [threading.Thread(target=_rank_streams, args=(
+                       clients, config, segments[dp::2],
+                       ParallelSlice(layers=(2 * pp, 2 * pp + 1), cp_rank=cp, cp_size=2, num_experts=EXPERTS),
+                       _split(rng, len(segments[dp::2])), errors))
+                   for dp in range(2) for pp in range(2) for cp in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads) and not errors, errors
+        assert sum(unit.stats()["keys"] for unit in units) == 0
+        # A released key's bytes come back once its last lease ends, and a closed reader's ends may still be
+        # on their way (sent on a thread of their own).
+        wait_until(lambda: sum(unit.stats()["used"] for unit in units) == 0, 10, "every byte freed")
 
 
 @pytest.mark.parametrize("rollout", [_rollout, _composed_rollout], ids=["plain", "composed"])
