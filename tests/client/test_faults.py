@@ -373,7 +373,6 @@ def test_a_full_unit_is_alive_and_its_capacity_error_passes_through():
 
 
 def test_a_unit_whose_handler_hangs_costs_one_timeout():
-
     from tests.conftest import local_units
 
     with local_units("tcp", units=2) as (config, services, clients):
@@ -506,7 +505,6 @@ def test_a_mapped_source_of_a_closed_unit_raises_unit_lost_and_marks_it():
 
 def test_a_unit_at_its_connection_cap_is_busy_not_lost():
     """Slots held by other clients make a new client wait and retry; the unit stays live throughout."""
-
     from gputq.errors import UnitBusyError
     from gputq.transport.tcp import TcpTransport
     from tests.conftest import local_units

@@ -80,6 +80,19 @@ def _want(samples: list[np.ndarray], rank: ParallelSlice) -> np.ndarray:
     return slime_replay_rows([torch.from_numpy(s) for s in samples], rank).numpy()
 
 
+def _check_micro_batch(mb, samples: list, rank: ParallelSlice, layers, case: str) -> None:
+    """``mb`` against slime's rows of its ``samples``, each ``(experts, log_probs, total)``: the R3 of every
+    layer of ``layers`` (int32), and each sample's CP-cut logprobs."""
+    want = _want([experts for experts, _, _ in samples], rank)
+    for j, layer in enumerate(layers):
+        got = _on_host(mb.routed_experts[j])
+        assert got.dtype == np.int32, case
+        np.testing.assert_array_equal(got, want[:, layer], err_msg=case)
+    for (_, log_probs, total), got in zip(samples, mb.log_probs):
+        expected = slime_log_probs(torch.from_numpy(log_probs), total, rank).numpy()
+        np.testing.assert_array_equal(_on_host(got), expected, err_msg=case)
+
+
 def _check_stream(reader, units, shard, data, rng) -> int:
     """Stream one random configuration and check it; returns the micro-batches checked."""
     splits, rank = _split(rng, len(shard)), _rank(rng, data[0][0].shape[1])
@@ -90,15 +103,8 @@ def _check_stream(reader, units, shard, data, rng) -> int:
     with reader.stream(shard, splits, rank, prefetch=prefetch, hold=hold) as stream:
         for mb in stream:
             batch = splits[mb.index]
-            want = _want([data[i][0] for i in batch], rank)
             assert mb.samples == tuple(batch) and mb.layers == layers, case
-            for j, layer in enumerate(layers):
-                got = _on_host(mb.routed_experts[j])
-                assert got.dtype == np.int32, case
-                np.testing.assert_array_equal(got, want[:, layer], err_msg=case)
-            for i, got in zip(batch, mb.log_probs):
-                expected = slime_log_probs(torch.from_numpy(data[i][1]), data[i][2], rank).numpy()
-                np.testing.assert_array_equal(_on_host(got), expected, err_msg=case)
+            _check_micro_batch(mb, [data[i] for i in batch], rank, layers, case)
             if hold:
                 mb.release()
         slice_bytes = stream.slice_bytes
@@ -124,9 +130,9 @@ def _composed_rollout(writer, rng, tag: str):
         if not r3.rows:  # R3 has a row per token but the last
             r3, rows = experts[0]
         response, values = _compose(rng, log_probs)
-        keep = min(response.rows, r3.rows) or 1  # a response of 1 to T - 1 tokens
-        if response.rows < keep:
+        if not response.rows:
             response, values = log_probs[0]
+        keep = min(response.rows, r3.rows)  # a response of 1 to T - 1 tokens
         shard.append({"routed_experts": r3, "logprobs": response.slice(0, keep)})
         data.append((rows, values[:keep], r3.rows + 1))
     return shard, data
@@ -171,6 +177,12 @@ def test_random_streams_of_composed_samples_many(transport, dtype):
     assert _run(transport, dtype, range(2, 42), 8, _composed_rollout) >= 320
 
 
+def _inline(segment) -> tuple:
+    """A segment's ``(experts, log_probs, total)`` as the non-offloaded path gives them."""
+    fields = inline_fields(segment)
+    return fields["rollout_routed_experts"], fields["rollout_log_probs"], len(segment.tokens)
+
+
 def _rank_streams(clients, config, group: list, rank: ParallelSlice, batches: list, errors: list) -> None:
     """One rank's pass over its DP group's segments, releasing each micro-batch; what goes wrong in ``errors``."""
     try:
@@ -178,13 +190,8 @@ def _rank_streams(clients, config, group: list, rank: ParallelSlice, batches: li
                 reader.stream([seg.layouts for seg in group], batches, rank, release="r0",
                               total_lengths=[len(seg.tokens) for seg in group]) as stream:
             for mb in stream:
-                inline = [inline_fields(group[i]) for i in batches[mb.index]]
-                want = _want([fields["rollout_routed_experts"] for fields in inline], rank)
-                for j, layer in enumerate(rank.layers):
-                    np.testing.assert_array_equal(mb.routed_experts[j], want[:, layer])
-                for i, fields, got in zip(batches[mb.index], inline, mb.log_probs):
-                    expected = slime_log_probs(torch.from_numpy(fields["rollout_log_probs"]), len(group[i].tokens), rank)
-                    np.testing.assert_array_equal(got, expected.numpy())
+                _check_micro_batch(mb, [_inline(group[i]) for i in batches[mb.index]], rank, rank.layers,
+                                   f"{rank}, micro-batch {mb.index}")
     except BaseException as exc:  # noqa: BLE001 - the test asserts there was none
         errors.append((rank, exc))
 
