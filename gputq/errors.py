@@ -135,10 +135,13 @@ class CapacityError(GputqTimeoutError):
 
 
 class UnitBusyError(GputqTimeoutError):
-    """A unit refused connections for the whole timeout: it held ``max_connections``, all authenticated.
+    """A request found no connection for its whole timeout, and was not sent.
 
-    The unit is alive and answering; a client retries a refused connection
-    with backoff within its timeout, and this error does not mark the unit lost.
+    Either the unit refused connections (it held ``max_connections``, all
+    authenticated; a client retries a refused connection with backoff within
+    its timeout), or every connection of the client's own capped pool stayed
+    in use by other requests. The unit is not implicated: this error does not
+    mark it lost.
     """
 
 

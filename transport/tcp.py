@@ -13,13 +13,17 @@ and their pools are :mod:`gputq.transport.tcp_pool`; the serving side is
 :mod:`gputq.transport.tcp_connection` (each connection's requests); the
 framing is :mod:`gputq.transport.wire`.
 
-A :class:`TcpChannel` keeps two pools of connections: one for writes, which
-may wait on the unit for arena space, and one for reads and control calls,
-which must never queue behind them. Every transport failure it raises (lost
-peer, timeout, broken frame) names the unit, and for reads the keys. A unit
-at its connection cap refuses new connections at the door; the channel
-retries them with backoff within the caller's timeout and then raises
-:class:`~gputq.errors.UnitBusyError`, a timeout that says the unit is alive.
+A :class:`TcpChannel` keeps two capped pools of connections: one for
+writes, which may wait on the unit for arena space, and one for reads and
+control calls, which must never queue behind them. Read pipelines, each
+holding its connection until it closes (a stream's, for the stream's
+life), take theirs from a third pool without a cap, so streams paused
+between micro-batches never starve a call. Every transport failure the
+channel raises (lost peer, timeout, broken frame) names the unit, and for
+reads the keys. A unit at its connection cap refuses new connections at
+the door; the channel retries them with backoff within the caller's
+timeout and then raises :class:`~gputq.errors.UnitBusyError`, a timeout
+that says the unit is alive.
 """
 
 from __future__ import annotations
@@ -68,14 +72,16 @@ _BUSY_LAST_TRY_S = 0.01
 
 
 class TcpChannel(Channel):
-    """A thread-safe client of one unit over two small pools of connections.
+    """A thread-safe client of one unit over small pools of connections.
 
     Build it with :meth:`TcpTransport.connect`. Writes, which may wait on the
     unit for arena space, use their own pool; reads and control calls use
     the other, so a reader is never starved by writers blocked on a full
-    unit. A connection whose request failed mid-frame (timeout, lost peer,
-    protocol error) is discarded; one whose request ended with a typed
-    error from the unit is reused.
+    unit. Both are capped at ``max_connections``; :meth:`pipeline`\ s take
+    their connections from a pool of their own without a cap (the unit's
+    ``max_connections`` still bounds them). A connection whose request
+    failed mid-frame (timeout, lost peer, protocol error) is discarded; one
+    whose request ended with a typed error from the unit is reused.
 
     Attributes
     ----------
@@ -99,11 +105,15 @@ class TcpChannel(Channel):
         self.unit, self.incarnation = first.unit, first.incarnation
         self._requests = ConnectionPool(self._open, max_connections, self.unit)
         self._writes = ConnectionPool(self._open, max_connections, self.unit)
+        self._pipelines = ConnectionPool(self._open, None, self.unit)
         self._requests.add(first)
         self._staging = staging or StagingPool()
 
-    def _open(self, timeout: float | None) -> Connection:
+    def _open(self, timeout: float | None, watch=None) -> Connection:
         """A new authenticated connection; refusals of a busy unit are retried with backoff.
+
+        ``watch(sock)``, if given, is told each attempt's socket before its handshake (a pool's, which shuts
+        it down if closed meanwhile, and refuses to let another attempt start).
 
         Raises
         ------
@@ -115,7 +125,7 @@ class TcpChannel(Channel):
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             try:
-                return Connection(self._address, self.unit, self._token, self._max_frame_bytes, left)
+                return Connection(self._address, self.unit, self._token, self._max_frame_bytes, left, watch)
             except UnitBusyError as exc:
                 refusals += 1
                 left = None if deadline is None else deadline - time.monotonic()
@@ -228,8 +238,17 @@ class TcpChannel(Channel):
         """Reads sent ahead of their replies on one connection of this channel (see :class:`ReadPipeline`)."""
         if self._closed:
             raise ClosedError(f"tcp channel to {self.unit} is closed")
-        return ReadPipeline(self.unit, lambda timeout: self._requests.checkout(timeout, self._connect_timeout),
+        return ReadPipeline(self.unit, lambda timeout: self._pipelines.checkout(timeout, self._connect_timeout),
                             self._naming)
+
+    @property
+    def connections(self) -> dict:
+        """Connections open, and of those in use now, per pool: ``requests_open``, ``requests_busy``,
+        ``pipelines_open``, ``pipelines_busy``, ``writes_open``, ``writes_busy``."""
+        counts = {"requests": self._requests.counts, "pipelines": self._pipelines.counts,
+                  "writes": self._writes.counts}
+        return {f"{pool}_{what}": n for pool, (nopen, busy) in counts.items()
+                for what, n in (("open", nopen), ("busy", busy))}
 
     def call(self, method: str, timeout: float | None = None, **args) -> Any:
         return self.request(method, args, timeout)
@@ -253,6 +272,7 @@ class TcpChannel(Channel):
             return
         self._closed = True
         self._requests.close()
+        self._pipelines.close()
         self._writes.close()
         self._staging.close()
 

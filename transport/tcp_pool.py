@@ -3,7 +3,10 @@
 A :class:`ConnectionPool` opens connections on demand up to its cap, hands
 out an idle one to each request and takes it back once the request left it
 in sync; one a request left mid-frame (a timeout, a lost peer, a broken
-frame) is closed instead. Closing the pool fails the requests in flight.
+frame) is closed instead. A request that waits its whole timeout for a
+connection raises :class:`~gputq.errors.UnitBusyError`: it sent nothing,
+so the unit is not taken for lost. Closing the pool fails the requests in
+flight.
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ import contextlib
 import socket
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
-from gputq.errors import ClosedError, GputqTimeoutError, PeerLostError, ProtocolError, UnitBusyError
+from gputq.errors import ClosedError, GputqError, GputqTimeoutError, PeerLostError, ProtocolError, UnitBusyError
 from gputq.transport.tcp_connection import tune_socket
 from gputq.transport.wire import Deadline, FrameReader, FrameWriter, Op, error_from_wire
 
@@ -29,7 +33,7 @@ class Connection:
     """One authenticated client socket; used by one request at a time."""
 
     def __init__(self, address: tuple[str, int], unit: str, token: str, max_frame_bytes: int,
-                 timeout: float | None):
+                 timeout: float | None, watch: Callable[[socket.socket], None] | None = None):
         where = f"unit {unit} at {address[0]}:{address[1]}"
         self._bounce: np.ndarray | None = None
         try:
@@ -39,6 +43,8 @@ class Connection:
         except OSError as exc:
             raise PeerLostError(f"cannot connect to {where}: {exc}") from None
         try:
+            if watch is not None:  # a pool closed during the handshake shuts the socket down
+                watch(self.sock)
             tune_socket(self.sock)
             self.reader = FrameReader(self.sock, max_frame_bytes, truncated_error=PeerLostError)
             self.writer = FrameWriter(self.sock)
@@ -99,15 +105,21 @@ class Connection:
 
 
 class ConnectionPool:
-    """Connections of one lane: a request finding all busy opens another, up to a cap, then waits."""
+    """Connections of one lane: a request finding all busy opens another, up to a cap, then waits.
 
-    def __init__(self, connect, max_connections: int, unit: str):
-        self._connect = connect
+    ``max_connections`` ``None`` sets no cap, for holders that keep a
+    connection as long as their caller pleases (read pipelines): waiting
+    for one of those could wait on a consumer, not on the unit.
+    """
+
+    def __init__(self, connect, max_connections: int | None, unit: str):
+        self._connect = connect  # connect(timeout, watch): a new Connection
         self._max = max_connections
         self._unit = unit
         self._cond = threading.Condition()
         self._idle: list[Connection] = []
         self._busy: set[Connection] = set()
+        self._connecting: set[socket.socket] = set()  # sockets of connections still handshaking
         self.nopen = 0
         self._closed = False
 
@@ -118,32 +130,17 @@ class ConnectionPool:
 
     @contextlib.contextmanager
     def checkout(self, timeout: float | None, connect_timeout: float | None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        conn = None
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise ClosedError(f"tcp channel to {self._unit} is closed")
-                if self._idle:
-                    conn = self._idle.pop()
-                    break
-                if self.nopen < self._max:
-                    self.nopen += 1  # reserve the slot before connecting outside the lock
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise GputqTimeoutError(f"no free connection within {timeout} s")
-                self._cond.wait(left)
-        if conn is None:
-            try:
-                conn = self._connect(connect_timeout if timeout is None else timeout)
-            except BaseException:
-                with self._cond:
-                    self.nopen -= 1
-                    self._cond.notify()
-                raise
-        with self._cond:
-            self._busy.add(conn)
+        """Lend a connection, idle or new, for one request of ``timeout`` seconds (the block).
+
+        Raises
+        ------
+        UnitBusyError
+            Every connection stayed in use for the whole ``timeout``.
+        ClosedError
+            The pool is closed, or was closed before the new connection was lent: a request
+            must never go out on a channel closed under it (the unit was marked lost).
+        """
+        conn = self._lend(timeout, connect_timeout)
         try:
             conn.begin(timeout)
             yield conn
@@ -157,15 +154,79 @@ class ConnectionPool:
                     conn.close()
                 self._cond.notify()
 
+    def _lend(self, timeout: float | None, connect_timeout: float | None) -> Connection:
+        with self._cond:
+            conn = self._idle_or_slot(timeout)
+            if conn is not None:
+                self._busy.add(conn)
+                return conn
+        return self._new(connect_timeout if timeout is None else timeout)
+
+    def _idle_or_slot(self, timeout: float | None) -> Connection | None:
+        """An idle connection, or None with a slot reserved for a new one; waits (under the lock) for either."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed:
+                raise ClosedError(f"tcp channel to {self._unit} is closed")
+            if self._idle:
+                return self._idle.pop()
+            if self._max is None or self.nopen < self._max:
+                self.nopen += 1  # reserve the slot before connecting outside the lock
+                return None
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise UnitBusyError(f"unit {self._unit}: all {self._max} connections of this channel's lane "
+                                    f"stayed in use for {timeout:g} s; the request was not sent")
+            self._cond.wait(left)
+
+    def _new(self, timeout: float | None) -> Connection:
+        """A new connection in the slot reserved for it, lent unless the pool closed meanwhile."""
+        handshaking: list[socket.socket] = []
+        try:
+            conn = self._connect(timeout, lambda sock: self._watch(sock, handshaking))
+        except BaseException as exc:
+            with self._cond:
+                self._connecting.difference_update(handshaking)
+                self.nopen -= 1
+                self._cond.notify()
+                closed = self._closed
+            if closed and isinstance(exc, GputqError) and not isinstance(exc, ClosedError):
+                # Shut down by close(), not refused by the unit: no busy unit to retry, no loss of its own.
+                raise ClosedError(f"tcp channel to {self._unit} was closed while connecting") from exc
+            raise
+        with self._cond:
+            self._connecting.difference_update(handshaking)
+            if not self._closed:
+                self._busy.add(conn)
+                return conn
+            self.nopen -= 1
+        conn.close()
+        raise ClosedError(f"tcp channel to {self._unit} was closed while connecting")
+
+    def _watch(self, sock: socket.socket, handshaking: list) -> None:
+        """Track a handshaking socket so that :meth:`close` can shut it down; refuse once closed."""
+        with self._cond:
+            if self._closed:
+                raise ClosedError(f"tcp channel to {self._unit} is closed")
+            self._connecting.add(sock)
+            handshaking.append(sock)
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """Connections open, and of those lent to a request now."""
+        with self._cond:
+            return self.nopen, len(self._busy)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            idle, busy = self._idle, list(self._busy)
+            idle, busy, connecting = self._idle, list(self._busy), list(self._connecting)
             self._idle = []
             self.nopen -= len(idle)
             self._cond.notify_all()
         for conn in idle:
             conn.close()
-        for conn in busy:  # the request in flight fails; its thread closes the socket
+        # The request in flight fails, and so does a handshake; their threads close the sockets.
+        for sock in [conn.sock for conn in busy] + connecting:
             with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)

@@ -397,6 +397,45 @@ def test_a_unit_whose_handler_hangs_costs_one_timeout():
         assert clients.ping("su-0") and clients.live_units == ["su-0", "su-1"]
 
 
+def test_more_calls_than_a_channel_pools_connections_to_a_hung_unit_cost_one_timeout():
+    """Twelve calls at once to a unit whose handler hangs: eight take the channel's connections and four wait
+    for one. The first to time out marks the unit lost, and every call ends then, the waiting ones too: one
+    timeout in all, not two. A waiter that took the connection slot the first freed connected as the channel
+    closed, began its request on that closed channel and waited a second timeout."""
+    from gputq.transport.tcp import CHANNEL_CONNECTIONS
+    from tests.conftest import local_units
+
+    timeout = 1.0
+    with local_units("tcp", units=1) as (config, services, clients):
+        clients.channel("su-0").call("stats", timeout=5)
+        gate = threading.Event()
+        unit = services[0].unit
+        original = unit.control
+        unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
+        took, errors = [], []
+
+        def call():
+            started = time.monotonic()
+            try:
+                clients.channel("su-0").call("stats", timeout=timeout)
+            except UnitLostError as exc:
+                errors.append(exc)
+            took.append(time.monotonic() - started)
+
+        callers = [threading.Thread(target=call) for _ in range(CHANNEL_CONNECTIONS + 4)]
+        try:
+            for caller in callers:
+                caller.start()
+            for caller in callers:
+                caller.join(10)
+        finally:
+            gate.set()
+            unit.control = original
+        assert len(errors) == len(callers) and all(exc.unit == "su-0" for exc in errors)
+        assert max(took) < 1.75 * timeout, sorted(took)
+        assert clients.ping("su-0") and clients.live_units == ["su-0"]
+
+
 def test_reader_of_keys_on_a_closed_unit_gets_a_typed_error_naming_unit_and_keys():
     from tests.conftest import local_units
 

@@ -1042,6 +1042,28 @@ def test_a_closed_streams_threads_serve_the_reader_s_next_stream_and_stop_with_t
         assert started() == []
 
 
+def test_more_tcp_streams_than_a_channel_pools_connections_starve_no_call_and_lose_no_unit():
+    """A tcp stream holds a connection to each unit it reads for its life (its read pipeline). Nine streams of
+    one reader, each paused after its first micro-batch as a trainer computing, leave the channel's pooled
+    connections to calls: a control call is answered, every stream reads on, and the unit stays live. Streams
+    once took the channel's eight read connections, so the ninth stream's reads and the call each waited their
+    whole timeout and marked the healthy unit lost."""
+    from gputq.transport.tcp import CHANNEL_CONNECTIONS
+
+    rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
+    with _stored(26, [40, 30, 50, 20], transport="tcp", routed_experts_dtype="uint16", control_timeout_s=2.0,
+                 read_timeout_s=2.0) as (config, _, clients, shard, data):
+        with Reader(clients, config) as reader, contextlib.ExitStack() as streams:
+            opened = [streams.enter_context(reader.stream(shard, [[0, 1], [2, 3]], rank))
+                      for _ in range(CHANNEL_CONNECTIONS + 1)]
+            for stream in opened:
+                assert _check(next(stream), [0, 1], data, range(0, 2), rank)
+            assert clients.channel("su-0").call("stats", timeout=2)["keys"] == 8
+            for stream in opened:
+                assert _check(next(stream), [2, 3], data, range(0, 2), rank)
+        assert clients.lost == {} and clients.live_units == ["su-0"]
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_readers_dropped_unclosed_leave_no_thread_once_garbage(transport):
     """A trainer that opens a Reader per step and never closes it: once each is garbage, none of its threads

@@ -16,17 +16,20 @@ from gputq.errors import (
     CapacityError,
     ClosedError,
     DuplicateKeyError,
+    GputqError,
     GputqTimeoutError,
     InvalidInputError,
     MissingDependencyError,
     PeerLostError,
     RequestTooLargeError,
     StaleReadError,
+    UnitBusyError,
     UnknownKeyError,
 )
 from gputq.transport.handler import ServerLimits
 from gputq.transport.staging import StagingPool, cuda_available
 from gputq.transport.tcp import TcpChannel, TcpTransport
+from gputq.transport.tcp_pool import Connection, ConnectionPool
 from gputq.transport.wire import FrameReader, FrameWriter, Op, encode_header, pack_body
 from tests.transport.test_wire import frame
 from tests.transport.units import ContractUnit, make_unit
@@ -132,8 +135,8 @@ def test_typed_errors_cross_the_wire_and_connection_survives(channel, handler):
     with pytest.raises(InvalidInputError, match="unserialisable"):
         channel.call("object")
     assert channel.call("stats")["keys"] == 1
-    assert channel._requests.nopen == 1  # every error left the single connection in sync
-    assert channel._writes.nopen == 1
+    assert channel.connections["requests_open"] == 1  # every error left the single connection in sync
+    assert channel.connections["writes_open"] == 1
     assert wait_until(lambda: handler.stats()["leases"] == 0)
 
 
@@ -173,7 +176,7 @@ def test_pipelined_reads_hand_over_their_replies_in_order_in_chunks_of_one_buffe
     assert pipe.pending == 0 and len(buffers) == 3  # the connection's one buffer, resized per chunk size
     pipe.close()
     pipe.close()
-    assert channel._requests.nopen == 1  # handed back in sync: the channel reuses it
+    assert channel.connections["pipelines_open"] == 1  # handed back in sync: the next pipeline reuses it
     assert channel.read(["b"], bytearray(17)) == [17]
     assert wait_until(lambda: handler.stats()["leases"] == 0)
 
@@ -219,14 +222,117 @@ def test_a_typed_error_stays_with_its_read_and_a_failure_mid_reply_drops_every_r
 
     with pytest.raises(RuntimeError, match="consumer failed"):
         pipe.receive(failing, 10, chunk_bytes=64 << 10)
-    assert pipe.pending == 0 and channel._requests.nopen == 0  # mid-reply: dropped, with the read behind it
+    # Mid-reply: dropped, with the read behind it.
+    assert pipe.pending == 0 and channel.connections["pipelines_open"] == 0
     with pytest.raises(ClosedError, match="no read"):
         pipe.receive(lambda offset, view: None, 10, chunk_bytes=64 << 10)
     pipe.send(["k"], 10)  # a new connection
     assert pipe.receive(lambda offset, view: None, 10, chunk_bytes=64 << 10) == [1 << 20]
     pipe.send(["k"], 10)
     pipe.close()  # a reply pending: the connection goes too
-    assert channel._requests.nopen == 0
+    assert channel.connections["pipelines_open"] == 0
+
+
+def test_pipelines_hold_connections_of_their_own_and_a_request_kept_waiting_is_busy_not_lost(server, handler):
+    """A pipeline holds its connection until it closes (a stream's, for the stream's life), so pipelines take
+    connections outside the lane's cap: three of them with replies pending leave a channel of one pooled
+    connection free for calls. A request that then waits its whole timeout behind another caller's gets
+    UnitBusyError (nothing was sent: the unit is not implicated). Pipelines once took the lane's connections,
+    and the next request waited for one and raised a bare timeout, which takes the unit for lost."""
+    channel = TcpChannel(server.address, token=TOKEN, max_frame_bytes=MAX, timeout=5, max_connections=1)
+    with channel:
+        channel.write("k", random_bytes(4096, 5))
+        pipes = [channel.pipeline() for _ in range(3)]
+        for pipe in pipes:
+            pipe.send(["k"], 5)
+        assert channel.call("stats", timeout=5)["keys"] == 1
+        gate, answered = threading.Event(), threading.Event()
+        original = handler.control
+        handler.control = lambda method, args=None: gate.wait(10) and original(method, args)
+        caller = threading.Thread(target=lambda: channel.call("stats", timeout=10) and answered.set())
+        caller.start()
+        try:
+            assert wait_until(lambda: channel.connections["requests_busy"] == 1, what="the caller's request in flight")
+            started = time.monotonic()
+            with pytest.raises(UnitBusyError, match=r"unit su-tcp: all 1 connections .* in use for 0.3 s") as info:
+                channel.call("stats", timeout=0.3)
+            assert 0.25 <= time.monotonic() - started < 2.0
+            assert isinstance(info.value, TimeoutError) and not isinstance(info.value, ConnectionError)
+        finally:
+            gate.set()
+            caller.join(10)
+            handler.control = original
+        assert answered.is_set()
+        for pipe in pipes:
+            got = []
+            assert pipe.receive(lambda offset, view: got.append(view.copy()), 5, chunk_bytes=64 << 10) == [4096]
+            np.testing.assert_array_equal(np.concatenate(got), random_bytes(4096, 5))
+            pipe.close()
+        assert channel.connections == {"requests_open": 1, "requests_busy": 0, "pipelines_open": 3, "pipelines_busy": 0,
+                                 "writes_open": 1, "writes_busy": 0}
+        again = channel.pipeline()  # an idle pipeline connection is reused
+        again.send(["k"], 5)
+        assert again.receive(lambda offset, view: None, 5, chunk_bytes=64 << 10) == [4096]
+        again.close()
+        assert channel.connections["pipelines_open"] == 3
+
+
+def test_closing_a_pool_ends_a_handshake_under_way_as_closed_not_busy_and_not_at_its_timeout():
+    """A unit whose process is stopped still has its connections accepted (by its kernel) and never answers
+    HELLO. A request connecting to it when its channel closes (the unit was marked lost by another request's
+    timeout) fails then with ClosedError: not at its own timeout, which made a hung unit cost a caller two
+    timeouts, and not as the UnitBusyError a connection cut before its HELLO reply reads as (a unit at its cap)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = listener.getsockname()
+        pool = ConnectionPool(lambda timeout, watch: Connection(address, "su-mute", TOKEN, MAX, timeout, watch), 1,
+                              "su-mute")
+        outcome: dict = {}
+
+        def request():
+            started = time.monotonic()
+            try:
+                with pool.checkout(10, 10):
+                    pass
+            except GputqError as exc:
+                outcome["error"] = exc
+            outcome["seconds"] = time.monotonic() - started
+
+        caller = threading.Thread(target=request)
+        caller.start()
+        listener.settimeout(10)
+        accepted, _ = listener.accept()
+        with accepted:
+            assert FrameReader(accepted, MAX).read_frame()[0].opcode == Op.HELLO  # the caller awaits the reply
+            assert pool.counts == (1, 0)
+            pool.close()
+            caller.join(10)
+        assert isinstance(outcome["error"], ClosedError), repr(outcome["error"])
+        assert "closed while connecting" in str(outcome["error"]) and outcome["seconds"] < 5
+        with pytest.raises(ClosedError):
+            with pool.checkout(1, 1):
+                pass
+
+
+@pytest.mark.parametrize("closed", ["before its handshake", "after its handshake"])
+def test_a_connection_made_as_its_pool_closes_is_closed_not_lent(server, closed):
+    """The channel closed just before a new connection's handshake (to a unit that would never answer it),
+    or just as it completed: the request fails at once with ClosedError, and nothing goes out on a channel
+    whose unit was marked lost."""
+    def connect(timeout, watch):
+        if closed == "before its handshake":
+            pool.close()
+            return Connection(mute.getsockname(), "su-tcp", TOKEN, MAX, timeout, watch)
+        conn = Connection((server.address["host"], server.address["port"]), "su-tcp", TOKEN, MAX, timeout, watch)
+        pool.close()
+        return conn
+
+    pool = ConnectionPool(connect, 1, "su-tcp")
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        started = time.monotonic()
+        with pytest.raises(ClosedError, match="closed"):
+            with pool.checkout(5, 5):
+                pytest.fail("a connection was lent from a closed pool")
+    assert time.monotonic() - started < 4 and pool.counts == (0, 0)
 
 
 def test_a_lost_unit_fails_every_pipelined_read_in_flight_as_lost(handler):
@@ -252,14 +358,14 @@ def test_a_lost_unit_fails_every_pipelined_read_in_flight_as_lost(handler):
 
 @contextlib.contextmanager
 def _unit_that_stalls_mid_reply(sent: int, promised: int):
-    """A peer that answers HELLO, then a READ with a header promising ``promised`` bytes, sends ``sent`` and
-    stops (alive, connection open) until the block ends."""
+    """A peer that answers HELLO on each of its first two connections (a channel's, then its pipeline's), then
+    a READ on either with a header promising ``promised`` bytes, sends ``sent`` and stops (alive, connection
+    open) until the block ends."""
     listener = socket.create_server(("127.0.0.1", 0))
     done = threading.Event()
 
-    def serve():
-        conn, _ = listener.accept()
-        with conn:
+    def answer(conn):
+        with conn, contextlib.suppress(GputqTimeoutError, PeerLostError, OSError):
             reader = FrameReader(conn, MAX)
             reader.read_frame()
             conn.sendall(frame(Op.OK, {"unit": "su-stalls", "incarnation": ""}))
@@ -267,14 +373,19 @@ def _unit_that_stalls_mid_reply(sent: int, promised: int):
             conn.sendall(frame(Op.OK, {"lengths": [promised]}, bytes(sent), payload_len=promised))
             done.wait(30)
 
+    def serve():
+        with contextlib.suppress(OSError):  # the listener closed before a second connection came
+            for _ in range(2):
+                threading.Thread(target=answer, args=(listener.accept()[0],), daemon=True).start()
+
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
         yield {"transport": "tcp", "host": "127.0.0.1", "port": listener.getsockname()[1]}
     finally:
         done.set()
-        thread.join(10)
         listener.close()
+        thread.join(10)
 
 
 def test_a_pipelined_reply_that_stalls_mid_payload_times_out_at_its_deadline():
@@ -289,7 +400,7 @@ def test_a_pipelined_reply_that_stalls_mid_payload_times_out_at_its_deadline():
         waited = time.monotonic() - started
         assert 0.35 <= waited < 0.4 * 1.1 + 0.2, waited  # the deadline, give or take a tenth (and scheduling)
         assert sum(landed) == 100_000 // (16 << 10) * (16 << 10)  # whole chunks of what came, then the wait
-        assert pipe.pending == 0 and channel._requests.nopen == 0  # dropped mid-reply
+        assert pipe.pending == 0 and channel.connections["pipelines_open"] == 0  # dropped mid-reply
 
 
 def test_dest_too_small_keeps_connection_in_sync(channel):
@@ -299,7 +410,7 @@ def test_dest_too_small_keeps_connection_in_sync(channel):
     dest = bytearray(1000)
     assert channel.read(["k"], dest) == [1000]
     assert bytes(dest) == random_bytes(1000).tobytes()
-    assert channel._requests.nopen == 1
+    assert channel.connections["requests_open"] == 1
 
 
 def test_size_limits(server, channel):
@@ -327,7 +438,7 @@ def test_timeout_discards_connection_and_recovers(channel):
     with pytest.raises(GputqTimeoutError):
         channel.call("sleep", timeout=0.15, seconds=0.6)
     assert time.monotonic() - start < 0.5
-    assert channel._requests.nopen == 0  # the connection mid-reply was dropped
+    assert channel.connections["requests_open"] == 0  # the connection mid-reply was dropped
     assert channel.call("sleep", timeout=5, seconds=0.0) == "slept"
 
 
@@ -370,7 +481,7 @@ def test_concurrent_reads_run_in_parallel(channel, handler):
     for key, blob in blobs.items():
         np.testing.assert_array_equal(results[key], blob)
     assert elapsed < 1.0, f"4 reads with a 0.3 s lease each took {elapsed:.2f} s: not parallel"
-    assert channel._requests.nopen == 4
+    assert channel.connections["requests_open"] == 4
 
 
 def test_close_is_idempotent_and_use_after_close_fails(server):
@@ -549,7 +660,7 @@ def test_read_checks_generations_and_incarnation(channel, handler):
         channel.read(["k"], dest, generations=[gen])
     with pytest.raises(InvalidInputError, match="generations for"):
         channel.read(["k"], dest, generations=[1, 2])
-    assert wait_until(lambda: handler.stats()["leases"] == 0) and channel._requests.nopen == 1
+    assert wait_until(lambda: handler.stats()["leases"] == 0) and channel.connections["requests_open"] == 1
 
 
 def test_generic_one_sided_calls(channel, handler):
