@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import threading
 import uuid
 from collections import Counter
@@ -28,10 +29,13 @@ from gputq.client.plan import plan_stream
 from gputq.config import GputqConfig
 from gputq.data.refs import Layout, checked_shard, uses_by_unit
 from gputq.data.slices import ParallelSlice
-from gputq.errors import ClosedError, InvalidInputError
+from gputq.errors import ClosedError, InvalidInputError, PartialFailureError
 from gputq.transport.base import Closeable
 
 __all__ = ["Reader"]
+
+log = logging.getLogger(__name__)
+
 
 class Reader(Closeable):
     """Fetches shards for one trainer rank.
@@ -108,8 +112,9 @@ class Reader(Closeable):
         prefetch:
             Micro-batches fetched ahead of the one being consumed (>= 1).
         release:
-            A partition: drop each micro-batch's references once the
-            consumer moves past it (as :meth:`release`); ``None``: keep them.
+            A partition: drop each micro-batch's references once the consumer moves
+            past it (as :meth:`release`; a lost unit's go with the rollout's
+            ``release_partition``, named in the stream's ``unreleased``); ``None``: keep them.
         total_lengths:
             Each sample's ``len(tokens)``; checked against R3's rows
             (``T - 1``), and needed to cut logprobs for CP without R3.
@@ -126,8 +131,7 @@ class Reader(Closeable):
         Returns
         -------
         MicroBatchStream
-            An iterator of :class:`~gputq.client.stream.MicroBatch`; close
-            it (or use it as a context manager) to stop prefetching early.
+            An iterator of :class:`~gputq.client.stream.MicroBatch`; close it (or ``with``) to stop prefetching early.
 
         Raises
         ------
@@ -184,11 +188,22 @@ class Reader(Closeable):
                        timeout=self._ctx.config.control_timeout_s,
                        what=f"release of a shard of partition {partition!r}")
 
-    def _release_micro_batch(self, partition: str, layouts: list, index: int) -> None:
+    def _release_micro_batch(self, partition: str, layouts: list, index: int) -> dict:
         """Drop a streamed micro-batch's references (its index in the id: two micro-batches with the
-        same uses are two releases)."""
+        same uses are two releases); returns the units it could not reach, with the reason.
+
+        The micro-batch's bytes are read, so a lost unit's references are no reason to end the
+        step: the rollout's ``release_partition`` drops them, on the unit's return too.
+        """
         release_id = self._default_release_id(uses_by_unit(layouts), partition) + f"/mb{index}"
-        self.release(layouts, partition, release_id=release_id)
+        try:
+            self.release(layouts, partition, release_id=release_id)
+        except PartialFailureError as exc:
+            missed = exc.result["unreachable"]
+            log.warning("micro-batch %d's release did not reach %s; the rollout's release_partition drops "
+                        "those references", index, ", ".join(sorted(missed)))
+            return missed
+        return {}
 
     def _default_release_id(self, uses: Mapping[str, list[str]], partition: str) -> str:
         """The default release id of a shard: ``reader_id`` and a digest of its ``uses`` per unit."""

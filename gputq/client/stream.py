@@ -19,7 +19,8 @@ data-parallel shard, the trainer's own micro-batch split and the rank's
   (or, with ``hold``, until it is released);
 - with ``release``, a micro-batch's references are dropped once the
   consumer moves past it, so a step whose last use has trained is freed
-  while the rest of the shard trains;
+  while the rest of the shard trains (a lost unit's are left to the
+  rollout's ``release_partition``, named in :attr:`MicroBatchStream.unreleased`);
 - a failed background fetch raises its typed error when the consumer
   reaches the micro-batch that needed it, never earlier and never as a hang
   (every read is bounded by the read timeout).
@@ -159,7 +160,7 @@ class MicroBatchStream:
     """
 
     def __init__(self, context: ReadContext, plans: list, prefetch: int, rank: ParallelSlice, *,
-                 hold: bool = False, release: Callable[[list, int], None] | None = None):
+                 hold: bool = False, release: Callable[[list, int], dict] | None = None):
         self._ctx, self._plans, self._depth, self._release = context, plans, prefetch, release
         self._rank, self._hold = rank, hold
         units = sorted({unit for plan in plans for unit in plan.units})
@@ -184,6 +185,8 @@ class MicroBatchStream:
         self._failed: BaseException | None = None  # what a micro-batch raised: the stream ended there
         self._next = self._submitted = 0  # the next micro-batch to consume, and to queue a fetch for
         self.released: list[int] = []
+        #: Micro-batch index -> {unit: reason} for the units its release did not reach (lost).
+        self.unreleased: dict[int, dict] = {}
         self._buffers = StreamBuffers(context, plans, prefetch, units, landing=self._landing, in_place=self._in_place,
                                       ahead=self._ahead, closed=self._closed.is_set)
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
@@ -296,7 +299,9 @@ class MicroBatchStream:
             self._buffers.give_back(live[1])
             if self._release is not None and batch.index not in self.released:
                 self.released.append(batch.index)
-                self._release(self._plans[batch.index].layouts, batch.index)
+                missed = self._release(self._plans[batch.index].layouts, batch.index)
+                if missed:
+                    self.unreleased[batch.index] = missed
 
     def replay_handles(self, release_after: str = "backward") -> list[list[LayerRef]]:
         """Per micro-batch, one lazy handle per layer, for slime's ``RoutingReplay.record``.

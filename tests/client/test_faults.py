@@ -202,6 +202,87 @@ def test_a_stream_whose_unit_is_stopped_ends_the_other_units_leases(transport):
             units["su-0"].cont()
 
 
+def _paused_rank(clients, config, group: list, rank, batches: list, ended: list, started, fault) -> None:
+    """One rank's stream of its group's segments with ``release``, paused after its first micro-batch until
+    ``fault`` is set; ``(rank, error or None, when)`` in ``ended``."""
+    from tests.client.test_stream_random import _check_micro_batch, _inline
+
+    error = None
+    try:
+        with Reader(clients, config) as reader, \
+                reader.stream([seg.layouts for seg in group], batches, rank, release="r0",
+                              total_lengths=[len(seg.tokens) for seg in group]) as stream:
+            for mb in stream:
+                _check_micro_batch(mb, [_inline(group[i]) for i in batches[mb.index]], rank, rank.layers,
+                                   f"{rank}, micro-batch {mb.index}")
+                if mb.index == 0:
+                    started.release()
+                    fault.wait(30)
+    except BaseException as exc:  # noqa: BLE001 - the test asserts what it was
+        error = exc
+    ended.append((rank, error, time.monotonic()))
+    started.release()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_eight_ranks_streaming_with_release_when_one_of_three_units_fails(transport, fault):
+    """Two DP groups of PP 2 x CP 2 ranks, each a Reader of its own on a thread of one process, stream timeline
+    segments with ``release``; each pauses after its first micro-batch, and su-0 is then killed or stopped.
+    Every rank ends within one timeout of the fault, exact or with UnitLostError naming su-0; the survivors
+    are left no lease, none expired, and the rollout's release_partition frees all they hold. This is where
+    three faults showed: eight paused tcp streams took a channel's eight read connections and the next
+    call marked a healthy unit lost; a micro-batch's release raised PartialFailureError out of ``next()``; and
+    with more requests than connections a waiter took a second timeout, long enough for the survivors' leases
+    to expire."""
+    from gputq.data.slices import ParallelSlice
+    from gputq.data.trajectory import timeline_segments
+    from gputq.tools.synthetic import SyntheticConfig, build_sessions
+    from tests.client.test_stream_random import _split
+
+    timeout, experts = 1.0, 16
+    rng = np.random.default_rng(11)
+    synth = SyntheticConfig(sessions=6, steps_per_session=4, layers=4, topk=4, num_experts=experts,
+                            prompt_tokens=30, tokens_per_step=20, tool_tokens=5, branch_prob=0.4, seed=11)
+    with unit_processes(3, transport=transport, read_timeout_s=timeout, control_timeout_s=timeout,
+                        num_experts=experts) as (config, units):
+        with UnitClients({n: u.address for n, u in units.items()}, config) as clients:
+            with Writer(clients, config) as writer:
+                sessions = build_sessions(synth, fields=config.field_registry(4, 4), writer=writer, partition="r0")
+                segments = [seg for session in sessions for seg in timeline_segments(session)]
+                writer.finalize([seg.layouts for seg in segments], "r0", readers=4)
+            ended, started, fault_set = [], threading.Semaphore(0), threading.Event()
+            ranks = [threading.Thread(target=_paused_rank, args=(
+                         clients, config, segments[dp::2],
+                         ParallelSlice(layers=(2 * pp, 2 * pp + 1), cp_rank=cp, cp_size=2, num_experts=experts),
+                         _split(rng, len(segments[dp::2])), ended, started, fault_set))
+                     for dp in range(2) for pp in range(2) for cp in range(2)]
+            for thread in ranks:
+                thread.start()
+            assert all(started.acquire(timeout=30) for _ in ranks)
+            (units["su-0"].kill if fault == "kill" else units["su-0"].stop)()
+            struck = time.monotonic()
+            fault_set.set()
+            for thread in ranks:
+                thread.join(30)
+            assert not any(thread.is_alive() for thread in ranks) and len(ended) == len(ranks)
+            for rank, error, when in ended:
+                assert error is None or (isinstance(error, UnitLostError) and error.unit == "su-0"), (rank, error)
+                assert when - struck < 1.75 * timeout, (rank, error, when - struck)
+            assert any(error is not None for _, error, _ in ended)
+            for name in ("su-1", "su-2"):
+                survivor = clients.channel(name)
+                wait_until(lambda: survivor.call("stats", timeout=5)["leases"] == 0, 10, f"{name}'s leases to end")
+                assert survivor.call("stats", timeout=5)["leases_expired"] == 0
+                survivor.call("release_partition", timeout=5, partition="r0")
+                wait_until(lambda: survivor.call("stats", timeout=5)["used"] == 0, 10, f"{name}'s bytes freed")
+                assert survivor.call("stats", timeout=5)["keys"] == 0
+            if fault == "stop":
+                units["su-0"].cont()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_hung_unit_costs_one_timeout_not_one_per_request():
@@ -517,6 +598,40 @@ def test_a_reader_over_shm_of_a_closed_unit_marks_it_lost_like_tcp():
             kept = on_units(shard, clients.live_units)
             got = reader.fetch([shard[i] for i in kept])
         assert [float(g["rollout_log_probs"][0]) for g in got] == [float(i) for i in kept]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_a_streams_release_that_misses_a_lost_unit_ends_no_step_the_survivors_can_serve(transport):
+    """A stream with ``release`` whose earlier micro-batches read su-0: su-0 is lost once they are consumed.
+    Their release reaches su-1 and frees its keys there; su-0's references are left to the rollout's
+    release_partition, and the stream reads its later micro-batches (all on su-1) exactly, naming what it could
+    not release in ``unreleased``. The release once raised PartialFailureError out of ``next()``, which ended a
+    step that nothing kept from finishing, with an error that is not a ConnectionError as a lost unit's is."""
+    from gputq.data.slices import ParallelSlice
+    from tests.conftest import local_units
+
+    with local_units(transport, units=2, capacity=4 << 20) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            refs = [writer.put(f"s{i}", "p", {"routed_experts": np.full((20, 2, 2), i + 1, np.int32)})["routed_experts"]
+                    for i in range(24)]
+            writer.flush()
+            order = sorted(range(24), key=lambda i: refs[i].unit)  # su-0's samples first
+            shard = [{"routed_experts": Layout.from_ref(refs[i])} for i in order]
+            writer.finalize(shard, "p")
+        on_lost = sum(refs[i].unit == "su-0" for i in order)
+        batches = [[p] for p in range(24)]
+        assert 2 <= on_lost <= 20, on_lost
+        with Reader(clients, config) as reader, \
+                reader.stream(shard, batches, ParallelSlice(num_experts=16), prefetch=2, release="p") as stream:
+            for mb in stream:
+                assert (mb.routed_experts[0][:20] == order[mb.index] + 1).all()
+                if mb.index == on_lost - 1:  # su-0's last micro-batch: released when the next is asked for
+                    services[0].close()
+            assert stream.released == list(range(24))
+            assert list(stream.unreleased) == [on_lost - 1] and "su-0" in stream.unreleased[on_lost - 1]
+        assert set(clients.lost) == {"su-0"}
+        assert services[1].stats()["keys"] == 0  # every survivor's key released by its micro-batch
 
 
 @pytest.mark.timeout(60)
