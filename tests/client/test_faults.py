@@ -27,6 +27,7 @@ from gputq.errors import (
     UnitTimeoutError,
 )
 from tests.conftest import TRANSPORT_PARAMS
+from tests.transport.units import hung_control
 from tests.waiting import wait_until
 
 
@@ -205,22 +206,11 @@ def test_a_stream_whose_unit_is_stopped_ends_the_other_units_leases(transport):
 def _paused_rank(clients, config, group: list, rank, batches: list, ended: list, started, fault) -> None:
     """One rank's stream of its group's segments with ``release``, paused after its first micro-batch until
     ``fault`` is set; ``(rank, error or None, when)`` in ``ended``."""
-    from tests.client.test_stream_random import _check_micro_batch, _inline
+    from tests.client.test_stream_random import _rank_streams
 
-    error = None
-    try:
-        with Reader(clients, config) as reader, \
-                reader.stream([seg.layouts for seg in group], batches, rank, release="r0",
-                              total_lengths=[len(seg.tokens) for seg in group]) as stream:
-            for mb in stream:
-                _check_micro_batch(mb, [_inline(group[i]) for i in batches[mb.index]], rank, rank.layers,
-                                   f"{rank}, micro-batch {mb.index}")
-                if mb.index == 0:
-                    started.release()
-                    fault.wait(30)
-    except BaseException as exc:  # noqa: BLE001 - the test asserts what it was
-        error = exc
-    ended.append((rank, error, time.monotonic()))
+    errors: list = []
+    _rank_streams(clients, config, group, rank, batches, errors, first=lambda: (started.release(), fault.wait(30)))
+    ended.append((rank, errors[0][1] if errors else None, time.monotonic()))
     started.release()
 
 
@@ -458,11 +448,7 @@ def test_a_unit_whose_handler_hangs_costs_one_timeout():
 
     with local_units("tcp", units=2) as (config, services, clients):
         clients.channel("su-0").call("stats", timeout=5)
-        gate = threading.Event()
-        unit = services[0].unit
-        original = unit.control
-        unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
-        try:
+        with hung_control(services[0].unit):
             timeout = 0.3
             started = time.monotonic()
             with pytest.raises(UnitTimeoutError, match="su-0"):
@@ -472,9 +458,6 @@ def test_a_unit_whose_handler_hangs_costs_one_timeout():
                     clients.channel("su-0").call("stats", timeout=timeout)
             assert time.monotonic() - started < 2 * timeout  # before: 4 x 0.3 s
             assert clients.live_units == ["su-1"]
-        finally:
-            gate.set()
-            unit.control = original
         assert clients.ping("su-0") and clients.live_units == ["su-0", "su-1"]
 
 
@@ -489,10 +472,6 @@ def test_more_calls_than_a_channel_pools_connections_to_a_hung_unit_cost_one_tim
     timeout = 1.0
     with local_units("tcp", units=1) as (config, services, clients):
         clients.channel("su-0").call("stats", timeout=5)
-        gate = threading.Event()
-        unit = services[0].unit
-        original = unit.control
-        unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
         took, errors = [], []
 
         def call():
@@ -504,14 +483,11 @@ def test_more_calls_than_a_channel_pools_connections_to_a_hung_unit_cost_one_tim
             took.append(time.monotonic() - started)
 
         callers = [threading.Thread(target=call) for _ in range(CHANNEL_CONNECTIONS + 4)]
-        try:
+        with hung_control(services[0].unit):
             for caller in callers:
                 caller.start()
             for caller in callers:
                 caller.join(10)
-        finally:
-            gate.set()
-            unit.control = original
         assert len(errors) == len(callers) and all(exc.unit == "su-0" for exc in errors)
         assert max(took) < 1.75 * timeout, sorted(took)
         assert clients.ping("su-0") and clients.live_units == ["su-0"]
@@ -551,10 +527,6 @@ def test_the_first_timeout_ends_the_other_requests_in_flight_to_the_hung_unit():
 
     with local_units("tcp", units=1) as (config, services, clients):
         clients.channel("su-0").call("stats", timeout=5)
-        gate = threading.Event()
-        unit = services[0].unit
-        original = unit.control
-        unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
 
         def call(timeout):
             started = time.monotonic()
@@ -562,15 +534,11 @@ def test_the_first_timeout_ends_the_other_requests_in_flight_to_the_hung_unit():
                 clients.channel("su-0").call("stats", timeout=timeout)
             return time.monotonic() - started
 
-        try:
-            with ThreadPoolExecutor(4) as pool:
-                patient = [pool.submit(call, 20.0) for _ in range(3)]
-                assert call(0.3) >= 0.3
-                waits = [f.result(timeout=10) for f in patient]
-            assert max(waits) < 5.0  # ended with the first timeout, not at their own 20 s
-        finally:
-            gate.set()
-            unit.control = original
+        with hung_control(services[0].unit), ThreadPoolExecutor(4) as pool:
+            patient = [pool.submit(call, 20.0) for _ in range(3)]
+            assert call(0.3) >= 0.3
+            waits = [f.result(timeout=10) for f in patient]
+        assert max(waits) < 5.0  # ended with the first timeout, not at their own 20 s
 
 
 @pytest.mark.timeout(60)

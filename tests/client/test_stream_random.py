@@ -183,8 +183,10 @@ def _inline(segment) -> tuple:
     return fields["rollout_routed_experts"], fields["rollout_log_probs"], len(segment.tokens)
 
 
-def _rank_streams(clients, config, group: list, rank: ParallelSlice, batches: list, errors: list) -> None:
-    """One rank's pass over its DP group's segments, releasing each micro-batch; what goes wrong in ``errors``."""
+def _rank_streams(clients, config, group: list, rank: ParallelSlice, batches: list, errors: list,
+                  first=None) -> None:
+    """One rank's pass over its DP group's segments, releasing each micro-batch; what goes wrong in ``errors``.
+    ``first()``, if given, runs once the first micro-batch is checked (a rank pausing there)."""
     try:
         with Reader(clients, config) as reader, \
                 reader.stream([seg.layouts for seg in group], batches, rank, release="r0",
@@ -192,6 +194,8 @@ def _rank_streams(clients, config, group: list, rank: ParallelSlice, batches: li
             for mb in stream:
                 _check_micro_batch(mb, [_inline(group[i]) for i in batches[mb.index]], rank, rank.layers,
                                    f"{rank}, micro-batch {mb.index}")
+                if mb.index == 0 and first is not None:
+                    first()
     except BaseException as exc:  # noqa: BLE001 - the test asserts there was none
         errors.append((rank, exc))
 

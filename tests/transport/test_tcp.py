@@ -32,7 +32,7 @@ from gputq.transport.tcp import TcpChannel, TcpTransport
 from gputq.transport.tcp_pool import Connection, ConnectionPool
 from gputq.transport.wire import FrameReader, FrameWriter, Op, encode_header, pack_body
 from tests.transport.test_wire import frame
-from tests.transport.units import ContractUnit, make_unit
+from tests.transport.units import ContractUnit, hung_control, make_unit
 from tests.waiting import wait_until
 
 TOKEN = "t0ken-for-the-tcp-tests"
@@ -246,22 +246,17 @@ def test_pipelines_hold_connections_of_their_own_and_a_request_kept_waiting_is_b
         for pipe in pipes:
             pipe.send(["k"], 5)
         assert channel.call("stats", timeout=5)["keys"] == 1
-        gate, answered = threading.Event(), threading.Event()
-        original = handler.control
-        handler.control = lambda method, args=None: gate.wait(10) and original(method, args)
+        answered = threading.Event()
         caller = threading.Thread(target=lambda: channel.call("stats", timeout=10) and answered.set())
-        caller.start()
-        try:
+        with hung_control(handler):
+            caller.start()
             assert wait_until(lambda: channel.connections["requests_busy"] == 1, what="the caller's request in flight")
             started = time.monotonic()
             with pytest.raises(UnitBusyError, match=r"unit su-tcp: all 1 connections .* in use for 0.3 s") as info:
                 channel.call("stats", timeout=0.3)
             assert 0.25 <= time.monotonic() - started < 2.0
             assert isinstance(info.value, TimeoutError) and not isinstance(info.value, ConnectionError)
-        finally:
-            gate.set()
-            caller.join(10)
-            handler.control = original
+        caller.join(10)
         assert answered.is_set()
         for pipe in pipes:
             got = []

@@ -9,9 +9,12 @@ transports are written to (``incarnation``, ``generations``, ``expires``,
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from gputq.unit.storage_unit import StorageUnit
 
-__all__ = ["ContractUnit", "make_unit"]
+__all__ = ["ContractUnit", "hung_control", "make_unit"]
 
 #: The unit the transport tests serve (subclass it for a test double: it is an ArenaHandler).
 ContractUnit = StorageUnit
@@ -20,3 +23,17 @@ ContractUnit = StorageUnit
 def make_unit(capacity: int = 8 << 20, name: str = "su-test", **kwargs) -> StorageUnit:
     """A :data:`ContractUnit` (close it, or use it in ``with``)."""
     return ContractUnit(name, capacity, **kwargs)
+
+
+@contextlib.contextmanager
+def hung_control(unit: StorageUnit):
+    """``unit``'s control calls (stats, release, leases) hang until the block ends: a hung unit whose
+    server still accepts connections and answers their handshakes."""
+    gate = threading.Event()
+    original = unit.control
+    unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
+    try:
+        yield
+    finally:
+        gate.set()
+        unit.control = original
