@@ -569,13 +569,15 @@ def test_a_reader_over_shm_of_a_closed_unit_marks_it_lost_like_tcp():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("hold", [False, True], ids=["released-by-next", "held"])
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
-def test_a_streams_release_that_misses_a_lost_unit_ends_no_step_the_survivors_can_serve(transport):
+def test_a_streams_release_that_misses_a_lost_unit_ends_no_step_the_survivors_can_serve(transport, hold):
     """A stream with ``release`` whose earlier micro-batches read su-0: su-0 is lost once they are consumed.
     Their release reaches su-1 and frees its keys there; su-0's references are left to the rollout's
     release_partition, and the stream reads its later micro-batches (all on su-1) exactly, naming what it could
-    not release in ``unreleased``. The release once raised PartialFailureError out of ``next()``, which ended a
-    step that nothing kept from finishing, with an error that is not a ConnectionError as a lost unit's is."""
+    not release in ``unreleased``. The release (by ``next()``, or by a held micro-batch's ``release()`` after
+    its backward) once raised PartialFailureError, which ended a step that nothing kept from finishing, with
+    an error that is not a ConnectionError as a lost unit's is."""
     from gputq.data.slices import ParallelSlice
     from tests.conftest import local_units
 
@@ -591,11 +593,14 @@ def test_a_streams_release_that_misses_a_lost_unit_ends_no_step_the_survivors_ca
         batches = [[p] for p in range(24)]
         assert 2 <= on_lost <= 20, on_lost
         with Reader(clients, config) as reader, \
-                reader.stream(shard, batches, ParallelSlice(num_experts=16), prefetch=2, release="p") as stream:
+                reader.stream(shard, batches, ParallelSlice(num_experts=16), prefetch=2, release="p",
+                              hold=hold) as stream:
             for mb in stream:
                 assert (mb.routed_experts[0][:20] == order[mb.index] + 1).all()
                 if mb.index == on_lost - 1:  # su-0's last micro-batch: released when the next is asked for
                     services[0].close()
+                if hold:
+                    mb.release()
             assert stream.released == list(range(24))
             assert list(stream.unreleased) == [on_lost - 1] and "su-0" in stream.unreleased[on_lost - 1]
         assert set(clients.lost) == {"su-0"}
