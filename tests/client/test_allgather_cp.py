@@ -28,13 +28,13 @@ BATCHES = [[0, 1, 2], [3], [4, 5]]
 GRID = list(itertools.product((2, 4), (1, 2), (False, True), (1, 4)))
 
 
-def _pad_block(rows: int, layers: int = LAYERS, topk: int = TOPK) -> np.ndarray:
+def _pad_block(rows: int, layers: int = LAYERS, topk: int = TOPK, experts: int = EXPERTS) -> np.ndarray:
     """slime's pad rows: ``arange(rows * L * K) % num_experts``, shaped ``[rows, L, K]``."""
-    return (np.arange(rows * layers * topk) % EXPERTS).reshape(rows, layers, topk).astype(np.int32)
+    return (np.arange(rows * layers * topk) % experts).reshape(rows, layers, topk).astype(np.int32)
 
 
 def allgather_rows(samples: list[np.ndarray], cp_size: int, cp_rank: int, tp_size: int, tp_rank: int,
-                   sequence_parallel: bool, pad_multiple: int) -> np.ndarray:
+                   sequence_parallel: bool, pad_multiple: int, experts: int = EXPERTS) -> np.ndarray:
     """slime's rule for ``--allgather-cp``, stated on whole numpy arrays: ``[tokens, L, K]`` of one rank.
 
     Each sample gets one pad row; the samples are concatenated; the whole is
@@ -42,9 +42,9 @@ def allgather_rows(samples: list[np.ndarray], cp_size: int, cp_rank: int, tp_siz
     keeps its ``1 / cp_size`` chunk, then its sequence-parallel share.
     """
     shape = samples[0].shape[1:]  # [L, K]
-    rows = np.concatenate([np.concatenate([s, _pad_block(1, *shape)]) for s in samples])
+    rows = np.concatenate([np.concatenate([s, _pad_block(1, *shape, experts)]) for s in samples])
     size = cp_size * tp_size * pad_multiple
-    rows = np.concatenate([rows, _pad_block((size - len(rows) % size) % size, *shape)])
+    rows = np.concatenate([rows, _pad_block((size - len(rows) % size) % size, *shape, experts)])
     rows = np.split(rows, cp_size)[cp_rank]
     if sequence_parallel:
         rows = np.split(rows, tp_size)[tp_rank]

@@ -38,19 +38,21 @@ DTYPES = ["uint8", "uint16", "int32", "packed"]
 #: The composed R3's fill: not 0, since a rank whose rows are all fill would be refused as an all-zero
 #: layer (slime's check of R3 captures). A real R3 layout covers its whole context: it has no fill run.
 R3_FILL = 3
+#: Expert counts a rollout draws from (packed: 2 to 13 bits an ID); uint8 takes those up to 256.
+WIDTHS = (4, 5, 16, 17, 255, 256, 257, 1000, 4097)
 
 
-def _rollout(writer, rng, tag: str):
+def _rollout(writer, rng, tag: str, num_experts: int = EXPERTS):
     """A random rollout: ``(shard, [(experts, log_probs, total)])`` with ``[L, K]`` drawn once."""
     layers, topk = int(rng.integers(1, 6)), int(rng.integers(1, 9))
     shard, data = [], []
     for i in range(int(rng.integers(1, 12))):
         total = int(rng.integers(2, 90))
-        experts = rng.integers(0, EXPERTS, (total - 1, layers, topk)).astype(np.int32)
+        ids = rng.integers(0, num_experts, (total - 1, layers, topk)).astype(np.int32)
         log_probs = rng.standard_normal(int(rng.integers(1, total))).astype(np.float32)
-        refs = writer.put(f"{tag}-{i}/0", "p", {"routed_experts": experts, "logprobs": log_probs})
+        refs = writer.put(f"{tag}-{i}/0", "p", {"routed_experts": ids, "logprobs": log_probs})
         shard.append({name: Layout.from_ref(ref) for name, ref in refs.items()})
-        data.append((experts, log_probs, total))
+        data.append((ids, log_probs, total))
     writer.flush()
     return shard, data
 
@@ -63,21 +65,21 @@ def _split(rng, count: int) -> list[list[int]]:
     return [order[a:b] for a, b in zip([0, *cuts], [*cuts, count])]
 
 
-def _rank(rng, layers: int) -> ParallelSlice:
+def _rank(rng, layers: int, num_experts: int = EXPERTS) -> ParallelSlice:
     cp, tp = int(rng.choice([1, 2, 3, 4])), int(rng.choice([1, 2, 4]))
     subset = None if rng.integers(0, 2) else \
         tuple(sorted(int(v) for v in rng.choice(layers, size=int(rng.integers(1, layers + 1)), replace=False)))
     return ParallelSlice(layers=subset, cp_rank=int(rng.integers(0, cp)), cp_size=cp, tp_rank=int(rng.integers(0, tp)),
                          tp_size=tp, sequence_parallel=bool(rng.integers(0, 2)), pad_multiple=int(rng.choice([1, 2, 4])),
-                         num_experts=EXPERTS, allgather_cp=cp > 1 and bool(rng.integers(0, 2)))
+                         num_experts=num_experts, allgather_cp=cp > 1 and bool(rng.integers(0, 2)))
 
 
 def _want(samples: list[np.ndarray], rank: ParallelSlice) -> np.ndarray:
     """The rank's ``[tokens, L, K]`` rows of a micro-batch, as slime prepares them."""
     if rank.allgather_cp:
         return allgather_rows(samples, rank.cp_size, rank.cp_rank, rank.tp_size, rank.tp_rank,
-                              rank.sequence_parallel, rank.pad_multiple)
-    return slime_replay_rows([torch.from_numpy(s) for s in samples], rank).numpy()
+                              rank.sequence_parallel, rank.pad_multiple, rank.num_experts)
+    return slime_replay_rows([torch.from_numpy(s) for s in samples], rank, experts=rank.num_experts).numpy()
 
 
 def _check_micro_batch(mb, samples: list, rank: ParallelSlice, layers, case: str) -> None:
@@ -93,9 +95,9 @@ def _check_micro_batch(mb, samples: list, rank: ParallelSlice, layers, case: str
         np.testing.assert_array_equal(_on_host(got), expected, err_msg=case)
 
 
-def _check_stream(reader, units, shard, data, rng) -> int:
+def _check_stream(reader, units, shard, data, rng, num_experts: int) -> int:
     """Stream one random configuration and check it; returns the micro-batches checked."""
-    splits, rank = _split(rng, len(shard)), _rank(rng, data[0][0].shape[1])
+    splits, rank = _split(rng, len(shard)), _rank(rng, data[0][0].shape[1], num_experts)
     layers = tuple(range(data[0][0].shape[1])) if rank.layers is None else rank.layers
     prefetch, hold = int(rng.integers(1, 4)), bool(rng.integers(0, 2))
     case = f"{rank}, split {splits}, prefetch {prefetch}, hold {hold}"
@@ -112,13 +114,13 @@ def _check_stream(reader, units, shard, data, rng) -> int:
     return len(splits)
 
 
-def _composed_rollout(writer, rng, tag: str):
+def _composed_rollout(writer, rng, tag: str, num_experts: int = EXPERTS):
     """1-7 stored steps and 1-5 samples composed of them: ``(shard, [(experts, log_probs, total)])``."""
     layers, topk = int(rng.integers(1, 6)), int(rng.integers(1, 9))
     experts, log_probs = [], []
     for i in range(int(rng.integers(1, 8))):
         rows = int(rng.integers(1, 40))
-        fields = {"routed_experts": rng.integers(1, EXPERTS, (rows, layers, topk)).astype(np.int32),
+        fields = {"routed_experts": rng.integers(1, num_experts, (rows, layers, topk)).astype(np.int32),
                   "logprobs": rng.standard_normal(rows).astype(np.float32)}
         refs = writer.put(f"{tag}-{i}/0", "p", fields)
         experts.append((Layout.from_ref(refs["routed_experts"], fill=R3_FILL), fields["routed_experts"]))
@@ -142,12 +144,14 @@ def _run(transport: str, dtype: str, seeds, configs: int, rollout=_rollout, devi
     checked = 0
     for seed in seeds:
         rng = np.random.default_rng([seed, DTYPES.index(dtype)])
-        with local_units(transport, units=int(rng.integers(1, 4)), routed_experts_dtype=dtype, num_experts=EXPERTS,
+        widths = [w for w in WIDTHS if dtype != "uint8" or w <= 256]
+        experts = widths[(3 * seed + DTYPES.index(dtype)) % len(widths)]  # the fast seeds draw two apart
+        with local_units(transport, units=int(rng.integers(1, 4)), routed_experts_dtype=dtype, num_experts=experts,
                          capacity=16 << 20) as (config, units, clients):
             with Writer(clients, config) as writer:
-                shard, data = rollout(writer, rng, f"r{seed}")
+                shard, data = rollout(writer, rng, f"r{seed}", experts)
             with Reader(clients, config, device=device) as reader:
-                checked += sum(_check_stream(reader, units, shard, data, rng) for _ in range(configs))
+                checked += sum(_check_stream(reader, units, shard, data, rng, experts) for _ in range(configs))
     return checked
 
 
