@@ -182,26 +182,26 @@ class ConnectionPool:
     def _new(self, timeout: float | None) -> Connection:
         """A new connection in the slot reserved for it, lent unless the pool closed meanwhile."""
         handshaking: list[socket.socket] = []
+        conn = failure = None
         try:
             conn = self._connect(timeout, lambda sock: self._watch(sock, handshaking))
-        except BaseException as exc:
-            with self._cond:
-                self._connecting.difference_update(handshaking)
-                self.nopen -= 1
-                self._cond.notify()
-                closed = self._closed
-            if closed and isinstance(exc, GputqError) and not isinstance(exc, ClosedError):
-                # Shut down by close(), not refused by the unit: no busy unit to retry, no loss of its own.
-                raise ClosedError(f"tcp channel to {self._unit} was closed while connecting") from exc
-            raise
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            failure = exc
         with self._cond:
             self._connecting.difference_update(handshaking)
-            if not self._closed:
+            closed = self._closed
+            if conn is not None and not closed:
                 self._busy.add(conn)
                 return conn
             self.nopen -= 1
-        conn.close()
-        raise ClosedError(f"tcp channel to {self._unit} was closed while connecting")
+            self._cond.notify()
+        if conn is not None:
+            conn.close()
+        elif not closed or not isinstance(failure, GputqError) or isinstance(failure, ClosedError):
+            raise failure
+        # Made, or cut mid-handshake, by close(): not refused by the unit, so no busy unit to retry, and
+        # no loss of its own.
+        raise ClosedError(f"tcp channel to {self._unit} was closed while connecting") from failure
 
     def _watch(self, sock: socket.socket, handshaking: list) -> None:
         """Track a handshaking socket so that :meth:`close` can shut it down; refuse once closed."""

@@ -462,19 +462,18 @@ def test_a_unit_whose_handler_hangs_costs_one_timeout():
 
 
 def test_more_calls_than_a_channel_pools_connections_to_a_hung_unit_cost_one_timeout():
-    """Twelve calls at once to a unit whose handler hangs: eight take the channel's connections and four wait
-    for one. The first to time out marks the unit lost, and every call ends then, the waiting ones too: one
-    timeout in all, not two. A waiter that took the connection slot the first freed connected as the channel
-    closed, began its request on that closed channel and waited a second timeout."""
+    """Eight calls of 0.5 s hold a channel's connections to a unit whose handler hangs; four of 20 s wait for
+    one. The first to time out marks the unit lost, and every call ends then, the waiting ones too: one
+    timeout in all. A waiter that took the connection slot the first freed connected as the channel closed,
+    began its request on that closed channel and waited its own 20 s."""
     from gputq.transport.tcp import CHANNEL_CONNECTIONS
     from tests.conftest import local_units
 
-    timeout = 1.0
     with local_units("tcp", units=1) as (config, services, clients):
         clients.channel("su-0").call("stats", timeout=5)
         took, errors = [], []
 
-        def call():
+        def call(timeout):
             started = time.monotonic()
             try:
                 clients.channel("su-0").call("stats", timeout=timeout)
@@ -482,14 +481,18 @@ def test_more_calls_than_a_channel_pools_connections_to_a_hung_unit_cost_one_tim
                 errors.append(exc)
             took.append(time.monotonic() - started)
 
-        callers = [threading.Thread(target=call) for _ in range(CHANNEL_CONNECTIONS + 4)]
-        with hung_control(services[0].unit):
-            for caller in callers:
+        holders = [threading.Thread(target=call, args=(0.5,)) for _ in range(CHANNEL_CONNECTIONS)]
+        waiters = [threading.Thread(target=call, args=(20.0,)) for _ in range(4)]
+        with hung_control(services[0].unit) as reached:
+            for caller in holders:
                 caller.start()
-            for caller in callers:
-                caller.join(10)
-        assert len(errors) == len(callers) and all(exc.unit == "su-0" for exc in errors)
-        assert max(took) < 1.75 * timeout, sorted(took)
+            assert wait_until(lambda: len(reached) == CHANNEL_CONNECTIONS, what="every connection's call hung")
+            for caller in waiters:
+                caller.start()
+            for caller in holders + waiters:
+                caller.join(30)
+        assert len(errors) == CHANNEL_CONNECTIONS + 4 and all(exc.unit == "su-0" for exc in errors)
+        assert max(took) < 10.0, sorted(took)  # ended with the first timeout, not at a waiter's own 20 s
         assert clients.ping("su-0") and clients.live_units == ["su-0"]
 
 

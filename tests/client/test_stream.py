@@ -1051,14 +1051,14 @@ def test_more_tcp_streams_than_a_channel_pools_connections_starve_no_call_and_lo
     from gputq.transport.tcp import CHANNEL_CONNECTIONS
 
     rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
-    with _stored(26, [40, 30, 50, 20], transport="tcp", routed_experts_dtype="uint16", control_timeout_s=2.0,
-                 read_timeout_s=2.0) as (config, _, clients, shard, data):
+    with _stored(26, [40, 30, 50, 20], transport="tcp", routed_experts_dtype="uint16", control_timeout_s=5.0,
+                 read_timeout_s=5.0) as (config, _, clients, shard, data):
         with Reader(clients, config) as reader, contextlib.ExitStack() as streams:
             opened = [streams.enter_context(reader.stream(shard, [[0, 1], [2, 3]], rank))
                       for _ in range(CHANNEL_CONNECTIONS + 1)]
             for stream in opened:
                 assert _check(next(stream), [0, 1], data, range(0, 2), rank)
-            assert clients.channel("su-0").call("stats", timeout=2)["keys"] == 8
+            assert clients.channel("su-0").call("stats", timeout=5)["keys"] == 8
             for stream in opened:
                 assert _check(next(stream), [2, 3], data, range(0, 2), rank)
         assert clients.lost == {} and clients.live_units == ["su-0"]

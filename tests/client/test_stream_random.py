@@ -38,11 +38,12 @@ DTYPES = ["uint8", "uint16", "int32", "packed"]
 #: The composed R3's fill: not 0, since a rank whose rows are all fill would be refused as an all-zero
 #: layer (slime's check of R3 captures). A real R3 layout covers its whole context: it has no fill run.
 R3_FILL = 3
-#: Expert counts a rollout draws from (packed: 2 to 13 bits an ID); uint8 takes those up to 256.
+#: Expert counts a rollout draws from (packed: 2 to 13 bits an ID); uint8 takes those up to 256. From 4:
+#: the composed R3's fill must be an ID.
 WIDTHS = (4, 5, 16, 17, 255, 256, 257, 1000, 4097)
 
 
-def _rollout(writer, rng, tag: str, num_experts: int = EXPERTS):
+def _rollout(writer, rng, tag: str, num_experts: int):
     """A random rollout: ``(shard, [(experts, log_probs, total)])`` with ``[L, K]`` drawn once."""
     layers, topk = int(rng.integers(1, 6)), int(rng.integers(1, 9))
     shard, data = [], []
@@ -65,7 +66,7 @@ def _split(rng, count: int) -> list[list[int]]:
     return [order[a:b] for a, b in zip([0, *cuts], [*cuts, count])]
 
 
-def _rank(rng, layers: int, num_experts: int = EXPERTS) -> ParallelSlice:
+def _rank(rng, layers: int, num_experts: int) -> ParallelSlice:
     cp, tp = int(rng.choice([1, 2, 3, 4])), int(rng.choice([1, 2, 4]))
     subset = None if rng.integers(0, 2) else \
         tuple(sorted(int(v) for v in rng.choice(layers, size=int(rng.integers(1, layers + 1)), replace=False)))
@@ -114,7 +115,7 @@ def _check_stream(reader, units, shard, data, rng, num_experts: int) -> int:
     return len(splits)
 
 
-def _composed_rollout(writer, rng, tag: str, num_experts: int = EXPERTS):
+def _composed_rollout(writer, rng, tag: str, num_experts: int):
     """1-7 stored steps and 1-5 samples composed of them: ``(shard, [(experts, log_probs, total)])``."""
     layers, topk = int(rng.integers(1, 6)), int(rng.integers(1, 9))
     experts, log_probs = [], []

@@ -28,12 +28,18 @@ def make_unit(capacity: int = 8 << 20, name: str = "su-test", **kwargs) -> Stora
 @contextlib.contextmanager
 def hung_control(unit: StorageUnit):
     """``unit``'s control calls (stats, release, leases) hang until the block ends: a hung unit whose
-    server still accepts connections and answers their handshakes."""
-    gate = threading.Event()
+    server still accepts connections and answers their handshakes. Yields the methods of the calls
+    that reached it so far (a list that grows)."""
+    gate, reached = threading.Event(), []
     original = unit.control
-    unit.control = lambda method, args=None: gate.wait(30) and original(method, args)
+
+    def hung(method, args=None):
+        reached.append(method)
+        return gate.wait(30) and original(method, args)
+
+    unit.control = hung
     try:
-        yield
+        yield reached
     finally:
         gate.set()
         unit.control = original
