@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) -m bench.fetch --transport shm
 	$(PY) -m bench.transport
 	$(PY) -m bench.put
+	$(PY) -m bench.release
 	$(VENV)/bin/gputq capacity --reference
 
 clean:

@@ -25,14 +25,15 @@ MIB = 1 << 20
 EXPERTS = 128
 
 
-def rollout(writer: Writer, samples: int, tokens: int, layers: int, topk: int) -> list[dict]:
-    """``samples`` one-step segments; IDs from a cheap pattern (random numbers would dominate the setup)."""
+def rollout(writer: Writer, samples: int, tokens: int, layers: int, topk: int, name: str = "trainer") -> list[dict]:
+    """``samples`` one-step segments, keys ``name/i``; IDs from a cheap pattern (random numbers would dominate
+    the setup)."""
     base = (np.arange((tokens - 1) * layers * topk, dtype=np.int32) * 7).reshape(tokens - 1, layers, topk)
     log_probs = -np.linspace(0.01, 5.0, tokens // 2, dtype=np.float32)
     shard = []
     for i in range(samples):
         experts = (base + i) % EXPERTS
-        refs = writer.put(f"trainer/{i}", "bench", {"routed_experts": experts, "logprobs": log_probs})
+        refs = writer.put(f"{name}/{i}", "bench", {"routed_experts": experts, "logprobs": log_probs})
         shard.append({name: Layout.from_ref(ref) for name, ref in refs.items()})
     writer.flush()
     return shard
@@ -88,14 +89,15 @@ class Pass(NamedTuple):
 
 
 def stream_pass(reader: Reader, shard, args, pp: int, cp: int, compute_s: float = 0.0,
-                compute=time.sleep) -> Pass:
+                compute=time.sleep, release: str | None = None) -> Pass:
     """One pass of a rank's stream, with ``compute(compute_s)`` standing for each micro-batch's compute where
-    ``compute_s`` is not 0: the host idles (``time.sleep``, the default) or runs Python (:func:`run_python`).
+    ``compute_s`` is not 0: the host idles (``time.sleep``, the default) or runs Python (:func:`run_python`);
+    ``release`` as :meth:`Reader.stream <gputq.client.reader.Reader.stream>` takes it.
     """
     steps = []
     started = time.perf_counter()
     with reader.stream(shard, micro_batches(len(shard), args.mb_samples), rank_slice(args, pp, cp),
-                       prefetch=args.prefetch, fields=rank_fields(args, pp)) as stream:
+                       prefetch=args.prefetch, fields=rank_fields(args, pp), release=release) as stream:
         opened = time.perf_counter() - started
         planned = stream.slice_bytes
         asked = started

@@ -137,7 +137,7 @@ class ReadContext:
         self._leftovers: queue.SimpleQueue = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
         self._reaper_end: weakref.finalize | None = None
-        self._idle: list[tuple] = []  # fetch and restore threads that closed streams gave back
+        self._idle: list[tuple] = []  # fetch, restore and release threads that closed streams gave back
         #: Set once :meth:`close` began: a stream closed by it tells its consumer so instead of ending.
         self.closed = False
 
@@ -152,8 +152,9 @@ class ReadContext:
     def channel(self, unit: str) -> UnitChannel:
         return self.clients.channel(unit)
 
-    def stream_threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """A fetch and a restore thread for one stream alone, until it gives them back (:meth:`threads_back`).
+    def stream_threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor, ThreadPoolExecutor]:
+        """A fetch, a restore and a release thread for one stream alone, until it gives them back
+        (:meth:`threads_back`); each starts at its first job.
 
         Never two streams' at once: a stream whose consumer stopped without
         closing it (a step raised out of its loop) may have work waiting for
@@ -165,7 +166,8 @@ class ReadContext:
             if self._idle:
                 return self._idle.pop()
         return (ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch"),
-                ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"))
+                ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"),
+                ThreadPoolExecutor(1, thread_name_prefix="gputq-release"))
 
     def threads_back(self, threads: tuple) -> None:
         """A closed stream's threads, with no work of it left, for the next stream; stopped once the reader

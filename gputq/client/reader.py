@@ -113,8 +113,8 @@ class Reader(Closeable):
             Micro-batches fetched ahead of the one being consumed (>= 1).
         release:
             A partition: drop each micro-batch's references once the consumer moves
-            past it (as :meth:`release`; a lost unit's go with the rollout's
-            ``release_partition``, named in the stream's ``unreleased``); ``None``: keep them.
+            past it (as :meth:`release`, in the background; ``close()`` waits; a lost
+            unit's go with ``release_partition``, named in ``unreleased``); ``None``: keep.
         total_lengths:
             Each sample's ``len(tokens)``; checked against R3's rows
             (``T - 1``), and needed to cut logprobs for CP without R3.
@@ -190,20 +190,25 @@ class Reader(Closeable):
 
     def _release_micro_batch(self, partition: str, layouts: list, index: int) -> dict:
         """Drop a streamed micro-batch's references (its index in the id: two micro-batches with the
-        same uses are two releases); returns the units it could not reach, with the reason.
+        same uses are two releases); returns the units it did not release, with the reason.
 
-        The micro-batch's bytes are read, so a lost unit's references are no reason to end the
-        step: the rollout's ``release_partition`` drops them, on the unit's return too.
+        The micro-batch's bytes are read, so a unit it missed is no reason to end the step: the
+        rollout's ``release_partition`` drops those references, on a lost unit's return too. It runs
+        on the stream's release thread, where an error would reach no one: each is logged and returned.
         """
-        release_id = self._default_release_id(uses_by_unit(layouts), partition) + f"/mb{index}"
+        uses = uses_by_unit(layouts)
         try:
-            self.release(layouts, partition, release_id=release_id)
+            self.release(layouts, partition, release_id=self._default_release_id(uses, partition) + f"/mb{index}")
         except PartialFailureError as exc:
             missed = exc.result["unreachable"]
-            log.warning("micro-batch %d's release did not reach %s; the rollout's release_partition drops "
-                        "those references", index, ", ".join(sorted(missed)))
-            return missed
-        return {}
+        except Exception as exc:  # noqa: BLE001 - the units were not asked, or answered an error: none released
+            log.warning("micro-batch %d's release failed", index, exc_info=True)
+            missed = dict.fromkeys(uses, f"{type(exc).__name__}: {exc}")
+        else:
+            return {}
+        log.warning("micro-batch %d's release did not reach %s; the rollout's release_partition drops "
+                    "those references", index, ", ".join(sorted(missed)))
+        return missed
 
     def _default_release_id(self, uses: Mapping[str, list[str]], partition: str) -> str:
         """The default release id of a shard: ``reader_id`` and a digest of its ``uses`` per unit."""

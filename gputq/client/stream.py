@@ -19,8 +19,11 @@ data-parallel shard, the trainer's own micro-batch split and the rank's
   (or, with ``hold``, until it is released);
 - with ``release``, a micro-batch's references are dropped once the
   consumer moves past it, so a step whose last use has trained is freed
-  while the rest of the shard trains (a lost unit's are left to the
-  rollout's ``release_partition``, named in :attr:`MicroBatchStream.unreleased`);
+  while the rest of the shard trains: on a thread of the stream, so that
+  the consumer never waits for the units' answer; ``close()`` (and the
+  stream's end) waits for every release under way (a lost unit's
+  references are left to the rollout's ``release_partition``, named in
+  :attr:`MicroBatchStream.unreleased`);
 - a failed background fetch raises its typed error when the consumer
   reaches the micro-batch that needed it, never earlier and never as a hang
   (every read is bounded by the read timeout).
@@ -80,6 +83,14 @@ def _wind_down(closed: threading.Event, pending: list, dropped, leases, threads_
     threads_back()
 
 
+def _drop_references(release: Callable[[list, int], dict], unreleased: dict, layouts: list, index: int) -> None:
+    """Release micro-batch ``index`` (its ``layouts``), on the stream's release thread; the units it missed go in
+    ``unreleased`` (which, not the stream, it refers to: a stream dropped unclosed is garbage meanwhile)."""
+    missed = release(layouts, index)
+    if missed:
+        unreleased[index] = missed
+
+
 def _leftovers(closed: threading.Event, restores: dict, fetches: dict, in_place: bool, leases,
                threads_back: Callable[[], None]) -> None:
     """What a stream dropped unclosed still holds, ended on its reader's reaper thread once it is garbage (see
@@ -125,7 +136,8 @@ class MicroBatch:
 
     def release(self) -> None:
         """Hand the micro-batch's buffers back to the stream, or to its reader once the stream ended (its
-        tensors are then invalid), and, with the stream's ``release`` partition, drop its references.
+        tensors are then invalid), and, with the stream's ``release`` partition, drop its references (on
+        the stream's release thread while it is open, which ``close()`` waits for; at once after).
         Idempotent.
 
         A stream made with ``hold=True`` releases nothing itself: call this
@@ -172,7 +184,7 @@ class MicroBatchStream:
         # fetch queued after them, which close() waits for, so it is the only one close() must wait for itself.
         self._placing: Future | None = None
         threads = context.stream_threads()
-        self._fetcher, restorer = threads
+        self._fetcher, restorer, self._releaser = threads
         self._threads_back = functools.partial(context.threads_back, threads)
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
@@ -184,9 +196,11 @@ class MicroBatchStream:
         self._cut_short = False  # closed by the Reader's close() before the last micro-batch was consumed
         self._failed: BaseException | None = None  # what a micro-batch raised: the stream ended there
         self._next = self._submitted = 0  # the next micro-batch to consume, and to queue a fetch for
+        #: The micro-batches whose release was issued, in order (with ``release``).
         self.released: list[int] = []
-        #: Micro-batch index -> {unit: reason} for the units its release did not reach (lost).
+        #: Micro-batch index -> {unit: reason} for the units its release did not reach (lost); complete once closed.
         self.unreleased: dict[int, dict] = {}
+        self._releasing: list[Future] = []  # the releases issued on the release thread and not known done
         self._buffers = StreamBuffers(context, plans, prefetch, units, landing=self._landing, in_place=self._in_place,
                                       ahead=self._ahead, closed=self._closed.is_set)
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
@@ -297,11 +311,16 @@ class MicroBatchStream:
             if live is None:
                 return
             self._buffers.give_back(live[1])
-            if self._release is not None and batch.index not in self.released:
-                self.released.append(batch.index)
-                missed = self._release(self._plans[batch.index].layouts, batch.index)
-                if missed:
-                    self.unreleased[batch.index] = missed
+            if self._release is None or batch.index in self.released:
+                return
+            self.released.append(batch.index)
+            drop = functools.partial(_drop_references, self._release, self.unreleased,
+                                     self._plans[batch.index].layouts, batch.index)
+            with self._queue_lock:
+                if not self._closed.is_set():  # close() waits for it
+                    self._releasing = [f for f in self._releasing if not f.done()] + [self._releaser.submit(drop)]
+                    return
+        drop()  # a held micro-batch released after the stream closed: nothing would wait for it
 
     def replay_handles(self, release_after: str = "backward") -> list[list[LayerRef]]:
         """Per micro-batch, one lazy handle per layer, for slime's ``RoutingReplay.record``.
@@ -348,6 +367,8 @@ class MicroBatchStream:
             self._reaped.detach()
             self._cut_short = self._ctx.closed and self._next < len(self._plans)
             pending = [*self._restores.values(), *self._fetches.values(), *filter(None, [self._placing])]
+            releasing, self._releasing = self._releasing, []
+        wait(releasing)  # each bounded by the control timeout
         _wind_down(self._closed, pending, list(self._fetches.values()) if self._in_place else (), self._way,
                    self._threads_back)
         self._fetches.clear()

@@ -103,7 +103,7 @@ def _stored(seed: int, lengths, *, finalize: bool = False, transport: str = "tcp
 
 
 #: The names the threads of a Reader and its streams start with.
-READ_THREADS = ("gputq-prefetch", "gputq-restore", "gputq-reader", "gputq-reaper")
+READ_THREADS = ("gputq-prefetch", "gputq-restore", "gputq-release", "gputq-reader", "gputq-reaper")
 
 
 def _threads_since(before: set, prefixes: tuple = READ_THREADS) -> list:
@@ -654,10 +654,10 @@ def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consume
         return real_outputs(buffers)
 
     def watched_threads(context):
-        fetcher, restorer = real_threads(context)
+        fetcher, restorer, releaser = real_threads(context)
         real_submit = restorer.submit
         restorer.submit = lambda *a, **k: (queuing.append(threading.current_thread()), real_submit(*a, **k))[1]
-        return fetcher, restorer
+        return fetcher, restorer, releaser
 
     monkeypatch.setattr(Restores, "restore", restored_then_told)
     monkeypatch.setattr(StreamBuffers, "new_outputs", new_outputs)
@@ -826,11 +826,65 @@ def test_release_per_micro_batch_frees_consumed_steps_only():
         with Reader(clients, config) as reader:
             stream = reader.stream(shard, [[0], [1], [2]], ParallelSlice(num_experts=EXPERTS), release="p")
             next(stream)
-            next(stream)  # moving on consumed micro-batch 0
-            assert units[0].stats()["keys"] == 4
+            next(stream)  # moving on consumed micro-batch 0: released in the background
+            assert stream.released == [0]
+            wait_until(lambda: units[0].stats()["keys"] == 4, 20, "micro-batch 0's release")
             stream.close()  # micro-batch 1 was handed out, never moved past: kept
             assert units[0].stats()["keys"] == 4
-            assert stream.released == [0]
+            assert stream.released == [0] and stream.unreleased == {}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hold", [False, True], ids=["released-by-next", "held"])
+@pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
+def test_a_consumer_never_waits_for_a_micro_batchs_release(transport, hold):
+    """Every release call hangs at the unit: the consumer still reads the whole shard, its releases issued
+    and none answered. Once the unit answers, the stream's end waits for them and every key is freed. The
+    consumer once waited for each release's answer: a round trip per micro-batch, here a control timeout."""
+    from tests.transport.units import hung_control
+
+    with _stored(9, [20, 30, 40, 25], finalize=True, transport=transport, control_timeout_s=20) as (
+            config, units, clients, shard, data):
+        rank, stored = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS), units[0].stats()["keys"]
+        with Reader(clients, config) as reader, \
+                reader.stream(shard, [[0], [1], [2], [3]], rank, release="p", hold=hold) as stream:
+            with hung_control(units[0].unit, methods=("release",)) as reached:
+                for index in range(4):
+                    mb = next(stream)
+                    assert mb.index == index and _check(mb, [index], data, range(0, 2), rank)
+                    if hold:
+                        mb.release()
+                wait_until(lambda: reached, 20, "the first release to reach the unit")
+                assert stream.released == list(range(4 if hold else 3))
+                assert reached == ["release"] and units[0].stats()["keys"] == stored  # the rest queue behind it
+            with pytest.raises(StopIteration):
+                next(stream)
+            assert stream.released == [0, 1, 2, 3] and stream.unreleased == {}
+            assert units[0].stats()["keys"] == 0
+        assert clients.lost == {}
+
+
+def test_a_release_the_unit_refuses_is_named_in_unreleased_and_logged(monkeypatch, caplog):
+    """A release runs on the stream's thread, where an error would reach no one: a unit answering one (here,
+    refusing the call) leaves the stream reading on, and the micro-batch names the unit and the error."""
+    from gputq.errors import InvalidInputError as Refused
+
+    with _stored(10, [20, 30], finalize=True) as (config, units, clients, shard, data):
+        original = units[0].unit.control
+
+        def refusing(method, args=None):
+            if method == "release":
+                raise Refused("release_id: not understood")
+            return original(method, args)
+
+        monkeypatch.setattr(units[0].unit, "control", refusing)
+        rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
+        with Reader(clients, config) as reader, reader.stream(shard, [[0], [1]], rank, release="p") as stream:
+            assert [mb.index for mb in stream if _check(mb, [mb.index], data, range(0, 2), rank)] == [0, 1]
+        assert stream.released == [0, 1] and list(stream.unreleased) == [0, 1]
+        assert stream.unreleased[1] == {"su-0": "InvalidInputError: release_id: not understood"}
+        assert "micro-batch 1's release failed" in caplog.text and clients.lost == {}
+        assert units[0].stats()["keys"] > 0
 
 
 def test_memory_is_bounded_by_the_prefetch_depth_not_the_shard():
@@ -896,11 +950,12 @@ def test_held_micro_batches_stay_valid_until_released():
             third = next(stream)  # restored into the buffers micro-batch 0 gave back
             assert _check(second, [1], data, range(0, 2), rank) and _check(third, [2], data, range(0, 2), rank)
             second.release()
-            third.release()
-            assert stream.released == [0, 1, 2]
+            stream.close()  # waits for the releases issued; a pipeline's last backward runs after it
+            assert _check(third, [2], data, range(0, 2), rank)
+            third.release()  # released at once: nothing would wait for it now
+            assert stream.released == [0, 1, 2] and clients.channel("su-0").call("stats")["keys"] == 0
             with pytest.raises(StopIteration):
                 next(stream)
-        assert clients.channel("su-0").call("stats")["keys"] == 0
 
 
 @pytest.mark.parametrize("ending", ["exhausted", "closed"])

@@ -26,14 +26,16 @@ def make_unit(capacity: int = 8 << 20, name: str = "su-test", **kwargs) -> Stora
 
 
 @contextlib.contextmanager
-def hung_control(unit: StorageUnit):
-    """``unit``'s control calls (stats, release, leases) hang until the block ends: a hung unit whose
-    server still accepts connections and answers their handshakes. Yields the methods of the calls
-    that reached it so far (a list that grows)."""
+def hung_control(unit: StorageUnit, methods: tuple | None = None):
+    """``unit``'s control calls (stats, release, leases; only ``methods`` if given) hang until the block
+    ends: a hung unit whose server still accepts connections and answers their handshakes. Yields the
+    methods of the hung calls that reached it so far (a list that grows)."""
     gate, reached = threading.Event(), []
     original = unit.control
 
     def hung(method, args=None):
+        if methods is not None and method not in methods:
+            return original(method, args)
         reached.append(method)
         return gate.wait(30) and original(method, args)
 
