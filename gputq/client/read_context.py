@@ -257,3 +257,6 @@ def _reap(leftovers: queue.SimpleQueue) -> None:
             job()
         except Exception:  # noqa: BLE001 - an unended lease costs the unit's lease timeout only
             log.warning("ending the leases of a stream dropped unclosed failed", exc_info=True)
+        # A job refers to its reader's context (to give its stream's threads back): kept while the next is
+        # awaited, it would keep a reader dropped unclosed, and so this thread and the reader's, alive for ever.
+        job = None

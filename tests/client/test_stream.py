@@ -1119,25 +1119,36 @@ def test_more_tcp_streams_than_a_channel_pools_connections_starve_no_call_and_lo
         assert clients.lost == {} and clients.live_units == ["su-0"]
 
 
+@pytest.mark.parametrize("ending", ["closed", "raised"])
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_readers_dropped_unclosed_leave_no_thread_once_garbage(transport):
+def test_readers_dropped_unclosed_leave_no_thread_once_garbage(transport, ending):
     """A trainer that opens a Reader per step and never closes it: once each is garbage, none of its threads
-    (its pool, its streams', its reaper) is left, whatever it streamed and fetched."""
+    (its pool, its streams', its reaper) is left, whatever it streamed and fetched; also where each step
+    raised out of its loop, dropping its stream unclosed too (the reaper, ending that stream, once kept the
+    job it ran while it awaited the next: the job refers to the reader's context, which so stayed alive, and
+    with it every thread of the reader)."""
     rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
     with _stored(25, [40, 30, 50, 20], transport=transport, routed_experts_dtype="uint16") as \
-            (config, _, clients, shard, data):
+            (config, units, clients, shard, data):
+        with Writer(clients, config) as writer:
+            writer.finalize(shard, "p", readers=3)  # each step releases micro-batch 0 once
         before = set(threading.enumerate())
 
         def step():
             reader = Reader(clients, config)
-            with reader.stream(shard, [[0, 1], [2, 3]], rank) as stream:
-                assert [_check(mb, [2 * mb.index, 2 * mb.index + 1], data, range(0, 2), rank)
-                        for mb in stream] == [True, True]
+            stream = reader.stream(shard, [[0, 1], [2, 3]], rank, release="p" if ending == "raised" else None)
+            assert _check(next(stream), [0, 1], data, range(0, 2), rank)
+            assert _check(next(stream), [2, 3], data, range(0, 2), rank)  # micro-batch 0 released meanwhile
+            if ending == "raised":  # out of the loop before the stream's end: the stream is dropped unclosed
+                return
+            stream.close()
             np.testing.assert_array_equal(reader.fetch(shard)[3]["rollout_routed_experts"], data[3][0])
         for _ in range(3):
             step()
         wait_until(lambda: gc.collect() >= 0 and not _threads_since(before), 10,
                    "the dropped readers' threads to end", interval=0.05)
+        # The releases the dropped streams issued ran: micro-batch 0's samples are freed, the others kept.
+        assert units[0].stats()["keys"] == (4 if ending == "raised" else 8)
 
 
 def _hold_the_fetch_of_micro_batch_1(monkeypatch) -> tuple[threading.Event, threading.Event]:
