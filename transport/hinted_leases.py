@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 from gputq.errors import HintMissedError, InvalidInputError
 from gputq.transport.base import describe_keys
@@ -71,6 +72,8 @@ class HintedLeases:
                  threads: int):
         self._leases, self.unit, self._arena_nbytes, self._directory = leases, unit, int(arena_nbytes), directory
         self._exchanges = LeaseHelpers(threads, f"gputq-shm-lease-{unit}")
+        # Dropped unclosed (its channel's clients never closed), the helper threads still end.
+        self._ended = weakref.finalize(self, self._exchanges.close)
         self.reads_ahead = self.hint_misses = 0
 
     def regions(self, keys: list, generations, capacity: float, spans: bytes | None = None):
@@ -156,4 +159,4 @@ class HintedLeases:
 
     def close(self) -> None:
         """Let the helper threads end once the exchanges handed over are done. Idempotent."""
-        self._exchanges.close()
+        self._ended()

@@ -223,3 +223,6 @@ class _Ender:
                 # Each channel's send on a thread of its own: one to a hung unit waits out its control
                 # timeout, and the leases of every other unit this process reads must not wait behind it.
                 threading.Thread(target=ends.send_scheduled, name="gputq-lease-ends", daemon=True).start()
+            # Kept while the next are awaited, the last channels' ends would keep those channels alive (a
+            # channel dropped unclosed, its connection too) until some other channel's leases end.
+            due = ends = None

@@ -72,6 +72,9 @@ class LeaseHelpers:
                 exchange.error = exc
             finally:
                 exchange.done.release()
+            # The job refers to its channel: kept while the next is awaited, it would keep a channel dropped
+            # unclosed alive, and so these threads (the channel's finalizer closes them).
+            job = fn = args = exchange = None
             # Free now, while the read's copy (if large) likely still runs: take pieces of it.
             arena_copies.help_copies()
             with self._lock:
