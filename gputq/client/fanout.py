@@ -109,6 +109,9 @@ class _Workers:
             entry = inbox.get()
             if not entry.run(before_done=lambda: self._park(inbox)):
                 self._park(inbox)  # the caller had taken the entry: nothing ran here
+            # Its task refers to the caller's objects (its clients): kept while the next is awaited, it would
+            # keep them alive, clients dropped unclosed with their connections, until this thread's next entry.
+            entry = None
 
     def _park(self, inbox: queue.SimpleQueue) -> None:
         with self._lock:

@@ -1153,30 +1153,34 @@ def test_readers_dropped_unclosed_leave_no_thread_once_garbage(transport, ending
 
 @pytest.mark.parametrize("transport", TRANSPORT_PARAMS)
 def test_clients_dropped_unclosed_leave_no_thread_and_no_connection_once_garbage(transport):
-    """A process that opens UnitClients and a Reader per step and closes neither: once they are garbage, none
-    of their threads is left, nor the unit's threads serving their connections. Over shm the channel's lease
-    helpers once kept the last exchange they ran, and the process's lease ender the last channels whose leases
-    it ended, while each awaited the next: the channels, their connections and those threads lived on."""
+    """A process that opens UnitClients and a Reader per step and closes neither (some steps raising out of
+    their loop): once they are garbage, none of their threads is left, nor the units' threads serving their
+    connections. Threads that outlive them (a channel's lease helpers over shm, the process's lease ender and
+    fan-out threads) once kept the last job they ran while they awaited the next, and with it the clients."""
     from gputq.client.clients import UnitClients
 
     rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
-    with _stored(27, [40, 30, 50, 20], transport=transport, routed_experts_dtype="uint16") as \
-            (config, units, clients, shard, data):
+    with local_units(transport, units=2, routed_experts_dtype="uint16") as (config, units, clients):
+        with Writer(clients, config) as writer:
+            shard, data = _rollout(writer, np.random.default_rng(27), [40, 30, 50, 20])
+            writer.finalize(shard, "p", readers=4)  # each step releases micro-batch 0 once
+        membership = {unit.name: unit.address() for unit in units}
         before = set(threading.enumerate())
 
         def step(ending: str):
-            reader = Reader(UnitClients({"su-0": units[0].address()}, config), config)
-            stream = reader.stream(shard, [[0, 1], [2, 3]], rank)
+            reader = Reader(UnitClients(membership, config), config)
+            stream = reader.stream(shard, [[0, 1], [2, 3]], rank, release="p")
             assert _check(next(stream), [0, 1], data, range(0, 2), rank)
+            assert _check(next(stream), [2, 3], data, range(0, 2), rank)  # micro-batch 0 released meanwhile
             if ending == "raised":  # out of the loop: the stream is dropped unclosed too
                 return
-            assert _check(next(stream), [2, 3], data, range(0, 2), rank)
             stream.close()
         for ending in ("closed", "raised", "closed", "raised"):
             step(ending)
-        ours = (*READ_THREADS, "gputq-shm-lease", "gputq-lease-ends", "gputq-tcp-conn")  # not the process's ender
+        ours = (*READ_THREADS, "gputq-shm-lease", "gputq-lease-ends", "gputq-tcp-conn")  # not the process's own
         wait_until(lambda: gc.collect() >= 0 and not _threads_since(before, ours), 10,
-                   "the dropped clients' threads and the unit's threads serving them to end", interval=0.05)
+                   "the dropped clients' threads and the units' threads serving them to end", interval=0.05)
+        assert sum(unit.stats()["keys"] for unit in units) == 4  # micro-batch 0's samples freed, by every step
 
 
 def _hold_the_fetch_of_micro_batch_1(monkeypatch) -> tuple[threading.Event, threading.Event]:
