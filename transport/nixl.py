@@ -43,6 +43,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -129,6 +130,8 @@ class NixlChannel(LeasingChannel):
             info = self._tcp.call(CONNECT, timeout=timeout)
             base, self._arena_nbytes = int(info["arena_base"]), int(info["arena_nbytes"])
             self._remote = self._local.add_remote(info["agent_metadata"])
+            # Dropped unclosed (its clients never closed), the channel still stops counting as open.
+            self._dropped = weakref.finalize(self, self._local.dropped, self._remote)
         except BaseException as exc:
             self._tcp.close()
             if isinstance(exc, GputqError) or not isinstance(exc, Exception):
@@ -335,6 +338,7 @@ class NixlChannel(LeasingChannel):
             return
         self._closed = True
         self._leases.close()
+        self._dropped.detach()
         self._local.remove_remote(self._remote)
         self._tcp.close()
 

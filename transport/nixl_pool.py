@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -345,7 +346,8 @@ class LocalAgent:
     Remote agents are reference-counted: two channels to one unit share it.
     ``pool`` holds the process's registered destination buffers; it keeps
     them while a channel is open (or a buffer lent) and frees the idle ones
-    when the last channel closes.
+    when the last channel closes. A channel collected unclosed counts as
+    closed from the next channel's close on.
     """
 
     _instance: "LocalAgent | None" = None
@@ -361,6 +363,9 @@ class LocalAgent:
         self._lock = threading.Lock()
         self._remotes: dict[str, int] = {}
         self._channels = 0
+        # The remotes of channels collected unclosed, put by their finalizers: a SimpleQueue's put is safe
+        # wherever a garbage collection runs them (inside this agent's lock too); removed at the next close.
+        self._dropped: queue.SimpleQueue = queue.SimpleQueue()
         self.pool = BufferPool(self.agent)
 
     @classmethod
@@ -379,8 +384,25 @@ class LocalAgent:
             self._channels += 1
             return name
 
+    def dropped(self, name: str) -> None:
+        """A channel collected unclosed (its finalizer): removed as :meth:`remove_remote` does, at the next one."""
+        self._dropped.put(name)
+
     def remove_remote(self, name: str) -> None:
-        """A channel closed: drop its unit's agent when unused, trim the pool after the last."""
+        """A channel closed: drop its unit's agent when unused, trim the pool after the last; the same first for
+        the channels collected unclosed since the last call."""
+        self._remove_dropped()
+        self._remove(name)
+
+    def _remove_dropped(self) -> None:
+        while True:
+            try:
+                name = self._dropped.get_nowait()
+            except queue.Empty:
+                return
+            self._remove(name)
+
+    def _remove(self, name: str) -> None:
         with self._lock:
             self._channels -= 1
             last_channel = self._channels == 0

@@ -8,6 +8,7 @@ as an InfiniBand cluster, minus the NIC.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 
@@ -501,6 +502,25 @@ def test_destination_takes_several_units_reads_without_copy(server, second_serve
     finally:
         for ch in channels:
             ch.close()
+
+
+def test_a_channel_dropped_unclosed_counts_as_closed_and_the_pool_still_frees_its_idle_buffers(server):
+    """The pool frees its idle buffers when the process's last open channel closes. A channel collected
+    unclosed (clients dropped without close) once counted as open for ever: no later close freed them."""
+    nixl = _nixl_or_skip()
+    transport, pool = nixl.NixlTransport(), nixl.local_pool()
+    dropped = _connect(server)
+    dropped.read([], np.zeros(0, np.uint8))
+    del dropped
+    gc.collect()
+    with _connect(server):
+        with transport.destination(3 << 20):
+            pass
+        before = pool.registrations
+    with _connect(server):  # the last open channel closed: the idle 4 MiB buffer went
+        with transport.destination(3 << 20):
+            pass
+        assert pool.registrations == before + 1
 
 
 def test_destination_reuses_pool_buffers_and_grows_by_doubling(server):
