@@ -152,7 +152,7 @@ class Reader(Closeable):
         plans = plan_stream(shard, micro_batches, rank, total_lengths=total_lengths, token_ranges=token_ranges,
                             fields=fields, max_bytes=self._ctx.config.max_frame_bytes)
         refuse_lost(shard, self._ctx.clients.lost)
-        dropping = None if release is None else functools.partial(self._release_micro_batch, release)
+        dropping = None if release is None else functools.partial(self._release_micro_batches, release)
         return MicroBatchStream(self._ctx, plans, prefetch, rank, hold=hold, release=dropping)
 
     def release(self, shard: Sequence[Mapping[str, Layout]], partition: str, *,
@@ -188,9 +188,9 @@ class Reader(Closeable):
                        timeout=self._ctx.config.control_timeout_s,
                        what=f"release of a shard of partition {partition!r}")
 
-    def _release_micro_batch(self, partition: str, layouts: list, index: int) -> dict:
-        """Drop a streamed micro-batch's references (its index in the id: two micro-batches with the
-        same uses are two releases); returns the units it did not release, with the reason.
+    def _release_micro_batches(self, partition: str, layouts: list, indices: list) -> dict:
+        """Drop streamed micro-batches' references, together (their indices in the id: two micro-batches
+        with the same uses are two releases); returns the units it did not release, with the reason.
 
         The micro-batch's bytes are read, so a unit it missed is no reason to end the step: the
         rollout's ``release_partition`` drops those references, on a lost unit's return too. It runs
@@ -198,16 +198,17 @@ class Reader(Closeable):
         """
         uses = uses_by_unit(layouts)
         try:
-            self.release(layouts, partition, release_id=self._default_release_id(uses, partition) + f"/mb{index}")
+            self.release(layouts, partition, release_id=self._default_release_id(uses, partition)
+                         + "/mb" + ",".join(map(str, indices)))
         except PartialFailureError as exc:
             missed = exc.result["unreachable"]
         except Exception as exc:  # noqa: BLE001 - the units were not asked, or answered an error: none released
-            log.warning("micro-batch %d's release failed", index, exc_info=True)
+            log.warning("micro-batches %s: their release failed", indices, exc_info=True)
             missed = dict.fromkeys(uses, f"{type(exc).__name__}: {exc}")
         else:
             return {}
-        log.warning("micro-batch %d's release did not reach %s; the rollout's release_partition drops "
-                    "those references", index, ", ".join(sorted(missed)))
+        log.warning("micro-batches %s: their release did not reach %s; the rollout's release_partition drops "
+                    "those references", indices, ", ".join(sorted(missed)))
         return missed
 
     def _default_release_id(self, uses: Mapping[str, list[str]], partition: str) -> str:

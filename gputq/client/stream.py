@@ -20,9 +20,10 @@ data-parallel shard, the trainer's own micro-batch split and the rank's
 - with ``release``, a micro-batch's references are dropped once the
   consumer moves past it, so a step whose last use has trained is freed
   while the rest of the shard trains: on a thread of the stream, so that
-  the consumer never waits for the units' answer; ``close()`` (and the
-  stream's end) waits for every release under way (a lost unit's
-  references are left to the rollout's ``release_partition``, named in
+  the consumer never waits for the units' answer (see
+  :mod:`gputq.client.stream_releases`); ``close()`` (and the stream's
+  end) waits for every release under way (a lost unit's references are
+  left to the rollout's ``release_partition``, named in
   :attr:`MicroBatchStream.unreleased`);
 - a failed background fetch raises its typed error when the consumer
   reaches the micro-batch that needed it, never earlier and never as a hang
@@ -50,6 +51,7 @@ from gputq.client.replay import LayerRef, LazyReplay
 from gputq.client.restores import Restores, drop_fetched, run_into
 from gputq.client.shape import SlimeShaper
 from gputq.client.stream_buffers import StreamBuffers
+from gputq.client.stream_releases import StreamReleases
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice
 from gputq.errors import ClosedError, InvalidInputError
@@ -81,14 +83,6 @@ def _wind_down(closed: threading.Event, pending: list, dropped, leases, threads_
     if leases is not None:
         leases.close()
     threads_back()
-
-
-def _drop_references(release: Callable[[list, int], dict], unreleased: dict, layouts: list, index: int) -> None:
-    """Release micro-batch ``index`` (its ``layouts``), on the stream's release thread; the units it missed go in
-    ``unreleased`` (which, not the stream, it refers to: a stream dropped unclosed is garbage meanwhile)."""
-    missed = release(layouts, index)
-    if missed:
-        unreleased[index] = missed
 
 
 def _leftovers(closed: threading.Event, restores: dict, fetches: dict, in_place: bool, leases,
@@ -172,8 +166,8 @@ class MicroBatchStream:
     """
 
     def __init__(self, context: ReadContext, plans: list, prefetch: int, rank: ParallelSlice, *,
-                 hold: bool = False, release: Callable[[list, int], dict] | None = None):
-        self._ctx, self._plans, self._depth, self._release = context, plans, prefetch, release
+                 hold: bool = False, release: Callable[[list, list], dict] | None = None):
+        self._ctx, self._plans, self._depth = context, plans, prefetch
         self._rank, self._hold = rank, hold
         units = sorted({unit for plan in plans for unit in plan.units})
         packed = any(fp.packing for plan in plans for fp in plan.fields.values())
@@ -184,7 +178,7 @@ class MicroBatchStream:
         # fetch queued after them, which close() waits for, so it is the only one close() must wait for itself.
         self._placing: Future | None = None
         threads = context.stream_threads()
-        self._fetcher, restorer, self._releaser = threads
+        self._fetcher, restorer, releaser = threads
         self._threads_back = functools.partial(context.threads_back, threads)
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
@@ -198,9 +192,10 @@ class MicroBatchStream:
         self._next = self._submitted = 0  # the next micro-batch to consume, and to queue a fetch for
         #: The micro-batches whose release was issued, in order (with ``release``).
         self.released: list[int] = []
+        self._releases = None if release is None else \
+            StreamReleases(release, [plan.layouts for plan in plans], releaser)
         #: Micro-batch index -> {unit: reason} for the units its release did not reach (lost); complete once closed.
-        self.unreleased: dict[int, dict] = {}
-        self._releasing: list[Future] = []  # the releases issued on the release thread and not known done
+        self.unreleased: dict[int, dict] = {} if self._releases is None else self._releases.unreleased
         self._buffers = StreamBuffers(context, plans, prefetch, units, landing=self._landing, in_place=self._in_place,
                                       ahead=self._ahead, closed=self._closed.is_set)
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
@@ -311,16 +306,14 @@ class MicroBatchStream:
             if live is None:
                 return
             self._buffers.give_back(live[1])
-            if self._release is None or batch.index in self.released:
+            if self._releases is None or batch.index in self.released:
                 return
             self.released.append(batch.index)
-            drop = functools.partial(_drop_references, self._release, self.unreleased,
-                                     self._plans[batch.index].layouts, batch.index)
             with self._queue_lock:
                 if not self._closed.is_set():  # close() waits for it
-                    self._releasing = [f for f in self._releasing if not f.done()] + [self._releaser.submit(drop)]
+                    self._releases.hand_over(batch.index)
                     return
-        drop()  # a held micro-batch released after the stream closed: nothing would wait for it
+        self._releases.now(batch.index)  # a held micro-batch released after the stream closed
 
     def replay_handles(self, release_after: str = "backward") -> list[list[LayerRef]]:
         """Per micro-batch, one lazy handle per layer, for slime's ``RoutingReplay.record``.
@@ -367,8 +360,8 @@ class MicroBatchStream:
             self._reaped.detach()
             self._cut_short = self._ctx.closed and self._next < len(self._plans)
             pending = [*self._restores.values(), *self._fetches.values(), *filter(None, [self._placing])]
-            releasing, self._releasing = self._releasing, []
-        wait(releasing)  # each bounded by the control timeout
+        if self._releases is not None:
+            self._releases.wait()
         _wind_down(self._closed, pending, list(self._fetches.values()) if self._in_place else (), self._way,
                    self._threads_back)
         self._fetches.clear()
