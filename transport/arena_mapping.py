@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -30,6 +31,12 @@ from gputq.transport.cuda import (
 __all__ = ["ArenaMapping"]
 
 _log = logging.getLogger(__name__)
+
+
+def _unregister(address: int) -> None:
+    """Unregister a mapping's range from CUDA."""
+    with contextlib.suppress(Exception):  # best effort at teardown
+        host_unregister(address)
 
 
 class ArenaMapping:
@@ -84,6 +91,9 @@ class ArenaMapping:
                     host_register(self.address, self.nbytes,
                                   HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED | HOST_REGISTER_READ_ONLY)
                     self._registered = True
+                    # Dropped unclosed (its channel's clients never closed), the range is still unregistered:
+                    # a finalizer runs before the mapping's attributes, its mmap among them, are cleared.
+                    self._unregister = weakref.finalize(self, _unregister, self.address)
                 except Exception as exc:  # the copy still works from pageable memory
                     self.register_error = f"{type(exc).__name__}: {exc}"
                     _log.warning("cannot page-lock the arena mapping %s (%s); GPU copies from it run "
@@ -126,8 +136,7 @@ class ArenaMapping:
     def _unmap(self) -> None:
         """Unregister and unmap now (the caller holds the lock)."""
         if self._registered:
-            with contextlib.suppress(Exception):  # best effort at teardown
-                host_unregister(self.address)
+            self._unregister()
         self._registered = False
         if self.array is None:
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import stat
 import threading
@@ -611,6 +612,33 @@ def test_the_arena_mapping_is_page_locked_read_only_and_mapped_once(served, host
     mapping.close()
     unregistered = [entry for entry in host_cuda.log if entry[0] == "unregister"]
     assert unregistered == ([("unregister", mapping.address)] if registered else [])  # once, and only if locked
+
+
+@pytest.mark.timeout(30)
+def test_a_page_locked_arena_mapping_dropped_unclosed_is_unregistered_while_still_mapped(served, host_cuda,
+                                                                                         monkeypatch):
+    """Clients dropped unclosed leave their channels' mappings to the garbage collector: a page-locked one is
+    unregistered from CUDA, its range still mapped. It once stayed registered, its pages locked, for ever."""
+    from gputq.transport import arena_mapping
+
+    _, _, channel, _ = served
+    host_cuda.read_only_register_supported = True
+    mapping = shm.ArenaMapping(channel.mapping.path, channel.mapping.nbytes)
+    assert mapping.register()
+    address, seen = mapping.address, []
+    unregister = arena_mapping.host_unregister
+
+    def checked(ptr):  # the range must still be mapped
+        with open("/proc/self/maps") as maps:
+            spans = [[int(end, 16) for end in line.split()[0].split("-")] for line in maps]
+        seen.append(any(start <= ptr < stop for start, stop in spans))
+        unregister(ptr)
+
+    monkeypatch.setattr(arena_mapping, "host_unregister", checked)
+    del mapping
+    gc.collect()
+    assert seen == [True] and [entry for entry in host_cuda.log if entry[0] == "unregister"] == [
+        ("unregister", address)]
 
 
 @pytest.mark.timeout(60)
