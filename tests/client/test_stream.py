@@ -887,9 +887,10 @@ def test_a_release_the_unit_refuses_is_named_in_unreleased_and_logged(monkeypatc
         rank = ParallelSlice(layers=range(0, 2), num_experts=EXPERTS)
         with Reader(clients, config) as reader, reader.stream(shard, [[0], [1]], rank, release="p") as stream:
             assert [mb.index for mb in stream if _check(mb, [mb.index], data, range(0, 2), rank)] == [0, 1]
-        assert stream.released == [0, 1] and list(stream.unreleased) == [0, 1]
-        assert stream.unreleased[1] == {"su-0": "InvalidInputError: release_id: not understood"}
-        assert "micro-batches [1]: their release failed" in caplog.text and clients.lost == {}
+        # One release each, or both in one where the second was handed over before the first started.
+        assert stream.released == [0, 1]
+        assert stream.unreleased == {i: {"su-0": "InvalidInputError: release_id: not understood"} for i in (0, 1)}
+        assert "their release failed" in caplog.text and clients.lost == {}
         assert units[0].stats()["keys"] > 0
 
 
