@@ -184,6 +184,9 @@ class Reader(Closeable):
             release_id = self._default_release_id(uses, partition)
         elif not isinstance(release_id, str) or not release_id:
             raise InvalidInputError(f"release_id must be a non-empty str, got {release_id!r}")
+        return self._release_uses(uses, partition, release_id)
+
+    def _release_uses(self, uses: Mapping[str, list[str]], partition: str, release_id: str) -> dict:
         return release(uses, partition, self._ctx.clients, missing_ok=True, release_id=release_id,
                        timeout=self._ctx.config.control_timeout_s,
                        what=f"release of a shard of partition {partition!r}")
@@ -198,8 +201,8 @@ class Reader(Closeable):
         """
         uses = uses_by_unit(layouts)
         try:
-            self.release(layouts, partition, release_id=self._default_release_id(uses, partition)
-                         + "/mb" + ",".join(map(str, indices)))
+            self._release_uses(uses, partition, self._default_release_id(uses, partition)
+                               + "/mb" + ",".join(map(str, indices)))
         except PartialFailureError as exc:
             missed = exc.result["unreachable"]
         except Exception as exc:  # noqa: BLE001 - the units were not asked, or answered an error: none released

@@ -306,7 +306,7 @@ class MicroBatchStream:
             if live is None:
                 return
             self._buffers.give_back(live[1])
-            if self._releases is None or batch.index in self.released:
+            if self._releases is None:  # else released once: the micro-batch was live
                 return
             self.released.append(batch.index)
             with self._queue_lock:
