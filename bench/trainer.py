@@ -334,7 +334,8 @@ def run(args) -> dict:
     return result
 
 
-def main(argv=None) -> None:
+def _parse(argv) -> argparse.Namespace:
+    """The command line, checked."""
     parser = argparse.ArgumentParser(prog="python -m bench.trainer", description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=4)
@@ -376,6 +377,11 @@ def main(argv=None) -> None:
         parser.error(f"--overlap-compute-ms must be >= 0, got {args.overlap_compute_ms}")
     if not args.switch_interval_ms >= 0:
         parser.error(f"--switch-interval-ms must be >= 0, got {args.switch_interval_ms}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
     runtime = trainer_runtime()
     print_header("gputq trainer side: streamed slices per rank", trainer=runtime,
                  layout=f"DP {args.dp} x PP {args.pp} x CP {args.cp}",
