@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check in one call, for a short GPU lease: the step timeouts add up to about 7 minutes
-# (100 + 20 + 70 + 3 x 40 + 2 x 60 s) on one H200 with 16 cores:
+# Every GPU check in one call, for a short GPU lease: the step timeouts add up to about 8 minutes
+# (100 + 20 + 70 + 3 x 40 + 45 + 2 x 60 s) on one H200 with 16 cores:
 #   1. the GPU tests (kernel vs numpy reference bit for bit, zero-copy from mapped host memory,
 #      pinned arenas, tcp staging into CUDA memory, shm reads into CUDA memory, full shard restore
 #      into GPU memory over tcp, shm (in place and copied) and rdma);
@@ -8,7 +8,9 @@
 #   3. the kernel benchmark (widen+scatter vs device copy vs naive torch, host time per launch; the
 #      unpack kernel of packed IDs vs a device copy of its output);
 #   4. a shard fetched and restored into GPU memory over shm (copied first, and in place), rdma and tcp;
-#   5. the trainer stream restored on the host over shm and tcp against its ceiling of the same run (the
+#   5. rdma reads against raw NIXL and tcp against a plain socket (bench.transport), on this machine's
+#      cores: one read, and reads leased ahead as a stream leases them;
+#   6. the trainer stream restored on the host over shm and tcp against its ceiling of the same run (the
 #      same bytes through memory or a bare socket plus numpy's widen), on this machine's cores: where the
 #      units, the fetch thread and the restore thread do not share two cores as on a small dev box;
 # then a short table last, every fetch with its ratio to the pinned copy of the same run.
@@ -79,6 +81,9 @@ for transport in shm rdma tcp; do
   timeout 40 $PY -m bench.fetch --device cuda --transport "$transport" \
       --sizes 64,256 --repeats 3 --json 2>&1 | tee "$OUT/fetch_$transport.log" | tail -7
 done
+
+step "rdma reads vs raw NIXL, tcp vs socket, on $(nproc) cores"
+timeout 45 $PY -m bench.transport --repeats 3 --json 2>&1 | tee "$OUT/transport.log" | tail -3
 
 for transport in shm tcp; do
   step "trainer stream, host restore, over $transport on $(nproc) cores"

@@ -1,11 +1,11 @@
 """The table that ends ``bench/gpu_check.sh``: one line per check, every fetch against the pinned copy,
-the host-restored trainer stream against its ceiling.
+rdma reads against raw NIXL, the host-restored trainer stream against its ceiling.
 
 ``python -m bench.gpu_summary OUT``
 
 Reads what the script's steps left in ``OUT``: ``date`` and ``gpu``, the
 GPU tests' log, and the last JSON line of ``anchors.log``, ``kernel.log``,
-``fetch_{shm,rdma,tcp}.log`` and ``trainer_{shm,tcp}.log``. A step that
+``fetch_{shm,rdma,tcp}.log``, ``transport.log`` and ``trainer_{shm,tcp}.log``. A step that
 failed, timed out or was skipped (no GPU) is a line saying so, never a
 missing table: the GPU lease that ran the script may not come back.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 __all__ = ["GOALS", "summary_rows", "main"]
 
 GOALS = ("goals: shm fetch+restore >= 0.8x pinned copy; kernel >= 0.9x device copy; host <= 50 us; "
-         "trainer stream >= 0.8x its ceiling, overlap <= 1.05")
+         "rdma reads leased ahead >= 0.9x raw NIXL; trainer stream >= 0.8x its ceiling, overlap <= 1.05")
 _FETCH_TRANSPORTS = ("shm", "rdma", "tcp")
 _TRAINER_TRANSPORTS = ("shm", "tcp")
 
@@ -88,6 +88,18 @@ def _fetch_rows(out: Path, name: str, pinned: float | None) -> list[tuple[str, s
     return rows
 
 
+def _transport_rows(out: Path) -> list[tuple[str, str]]:
+    """``bench.transport`` on this machine's cores: per shape, rdma against raw NIXL (one read; reads leased
+    ahead as a stream leases them, the first lease's round trip counted and not) and tcp against a socket."""
+    transport = _last_json(out, "transport.log")
+    if "error" in transport:
+        return [("transport", transport["error"])]
+    return [(f"rdma vs raw NIXL {r['shape']} ({r['MiB']:g} MiB)",
+             f"one read {r['rdma/nixl']:.2f}x, reads leased ahead {r['rdma ahead/nixl']:.2f}x, "
+             f"once the first lease is answered {r['rdma steady/nixl']:.2f}x ({r['nixl GB/s']:.2f} GB/s); "
+             f"tcp {r['tcp/socket']:.2f}x socket") for r in transport.get("rows", [])]
+
+
 def _trainer_rows(out: Path, name: str) -> list[tuple[str, str]]:
     """The host-restored trainer stream of ``bench.trainer`` on this machine's cores, slice by slice."""
     trainer = _last_json(out, f"trainer_{name}.log")
@@ -121,6 +133,7 @@ def summary_rows(out: Path) -> list[tuple[str, str]]:
     rows += _kernel_rows(_last_json(out, "kernel.log"))
     for name in _FETCH_TRANSPORTS:
         rows += _fetch_rows(out, name, pinned)
+    rows += _transport_rows(out)
     for name in _TRAINER_TRANSPORTS:
         rows += _trainer_rows(out, name)
     return rows

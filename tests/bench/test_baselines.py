@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import numpy as np
 import pytest
 
 from bench import fetch, put
 from bench.common import SocketBaseline, SocketWidened, baseline_bytes, page_aligned, same_host_copy_threads
+from bench.gpu_summary import summary_rows
 from gputq.transport.arena_copies import COPY_THREADS
 from gputq.transport.policy import nixl_import_error
 
@@ -123,13 +125,23 @@ def test_fetch_goals_are_judged_per_transport_on_shards_of_16_mib_and_more():
 @pytest.mark.rdma
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_transport_bench_at_tiny_sizes_reports_every_baseline(capsys):
+def test_transport_bench_at_tiny_sizes_reports_every_baseline(capsys, tmp_path):
     if nixl_import_error() is not None:
         pytest.skip(f"bench.transport needs NIXL: {nixl_import_error()}")
     from bench import transport
 
     assert transport.main(["--repeats", "1", "--scale", "256", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out
+    out = json.loads(printed.strip().splitlines()[-1])
+    # bench/gpu_check.sh keeps this output as transport.log: its table has a line per shape
+    (tmp_path / "transport.log").write_text(printed)
+    lines = [(check, result) for check, result in summary_rows(tmp_path) if check.startswith("rdma vs raw NIXL")]
+    assert [check for check, _ in lines] == ["rdma vs raw NIXL 64x256KiB (0.0625 MiB)",
+                                             "rdma vs raw NIXL 1024x16KiB (0.0625 MiB)",
+                                             "rdma vs raw NIXL 1x256MiB (1 MiB)"]
+    for _, result in lines:
+        assert re.fullmatch(r"one read [\d.]+x, reads leased ahead [\d.]+x, once the first lease is answered "
+                            r"[\d.]+x \([\d.]+ GB/s\); tcp [\d.]+x socket", result), result
     assert [r["shape"] for r in out["rows"]] == [name for name, _, _ in transport.SHAPES]
     assert [r["MiB"] for r in out["rows"]] == [0.0625, 0.0625, 1.0]
     for row in out["rows"]:

@@ -66,6 +66,7 @@ def test_every_step_is_a_line_of_the_table_even_without_a_gpu(tmp_path, capsys, 
         table[stream_row]
     assert re.fullmatch(r"\d+\.\d{3}, after the first micro-batch \d+\.\d{3}", table["trainer overlap shm"])
     assert table["trainer tcp"] == "trainer_tcp.log: missing (the step did not run)"
+    assert table["transport"] == "transport.log: missing (the step did not run)"
     main([str(tmp_path)])
     printed = capsys.readouterr().out.splitlines()
     assert printed[:2] == ["gputq GPU check 2026-12-01T10:00:00Z on GPU 0: stand-in", GOALS]
@@ -100,7 +101,13 @@ def test_gpu_rows_carry_their_ratios_to_the_copies_of_the_same_run(tmp_path):
         "overlap_ratio": 1.0412, "overlap_ratio_after_first": 1.0101, "throughput_rows": [
             {"slice_MiB": 48.0, "stream_vs_ceiling": 0.8123, "ceiling": "socket, widened as it lands",
              "ceiling_GBps": 3.3, "second_half_vs_ceiling": 0.9}]}) + "\n")
+    (tmp_path / "transport.log").write_text("...\n" + json.dumps({"rows": [
+        {"shape": "1024x16KiB", "MiB": 16.0, "rdma/nixl": 0.644, "rdma ahead/nixl": 0.864,
+         "rdma steady/nixl": 0.848, "nixl GB/s": 3.53, "tcp/socket": 0.838}]}) + "\n")
     table = dict(summary_rows(tmp_path))
+    assert table["rdma vs raw NIXL 1024x16KiB (16 MiB)"] == (
+        "one read 0.64x, reads leased ahead 0.86x, once the first lease is answered 0.85x (3.53 GB/s); "
+        "tcp 0.84x socket")
     assert table["trainer stream tcp 48 MiB"] == ("0.81x its ceiling (socket, widened as it lands, 3.3 GB/s), "
                                                   "later half 0.90x")
     assert table["trainer overlap tcp"] == "1.041, after the first micro-batch 1.010"
