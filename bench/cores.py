@@ -5,13 +5,18 @@ A pass that is slower than its baseline either spends more CPU per byte
 (:func:`kept_busy` counts it, :func:`us_per_mib` states it per MiB moved) or
 waits for cores it does not get: more runnable threads than cores at
 moments, idle cores at others (``*_waiting``, from Linux's ``schedstat``).
+This process's share is also split by thread name (``own_threads``): a
+pipeline is as fast as its busiest stage's thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 __all__ = ["Cores", "kept_busy", "us_per_mib"]
@@ -48,6 +53,23 @@ def _thread_waits(pids) -> dict | None:
     return waits
 
 
+def _thread_cpu() -> Counter | None:
+    """On-CPU nanoseconds so far of this process's threads, by name (Linux's ``schedstat``; a pool's threads
+    as one: ``gputq-restore_0`` counts as ``gputq-restore``; threads Python did not start as ``native``), or
+    None where the kernel does not say."""
+    names = {str(t.native_id): re.sub(r"_\d+$", "", t.name) for t in threading.enumerate()}
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    ns = Counter()
+    for tid in threads:
+        with contextlib.suppress(OSError):  # a thread that just exited
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                ns[names.get(tid, "native")] += int(f.read().split()[0])
+    return ns
+
+
 def _waited(before: dict | None, after: dict | None, wall: float) -> float | None:
     """Cores' worth of waiting for a core between two :func:`_thread_waits` ``wall`` seconds apart: by the
     threads alive at the end (one that exited meanwhile, a unit's connection thread, takes its part along),
@@ -68,6 +90,9 @@ class Cores:
     own_waiting: float | None
     others_waiting: float | None
     pass_s: float
+    #: This process's cores by thread name (see :func:`_thread_cpu`): its threads alive at the end, those
+    #: started meanwhile in whole; None where the kernel does not say.
+    own_threads: dict | None = None
 
 
 def kept_busy(work, pids) -> Cores:
@@ -85,16 +110,19 @@ def kept_busy(work, pids) -> Cores:
     """
     me = os.getpid()
     # The waits are read outside the CPU clocks' window: reading every thread's file costs CPU of its own.
-    own_wait, others_wait = _thread_waits((me,)), _thread_waits(pids)
+    own_wait, others_wait, threads = _thread_waits((me,)), _thread_waits(pids), _thread_cpu()
     passes, (own, others), started = 0, _cpu_seconds(pids), time.perf_counter()
     while not passes or time.perf_counter() - started < _WINDOW_S:
         work()
         passes += 1
     wall = time.perf_counter() - started
     own_after, others_after = _cpu_seconds(pids)
+    threads_after = _thread_cpu()
+    by_thread = None if threads is None or threads_after is None else \
+        {name: max(0, ns - threads.get(name, 0)) / 1e9 / wall for name, ns in sorted(threads_after.items())}
     return Cores((own_after - own) / wall, (others_after - others) / wall,
                  _waited(own_wait, _thread_waits((me,)), wall), _waited(others_wait, _thread_waits(pids), wall),
-                 wall / passes)
+                 wall / passes, by_thread)
 
 
 def us_per_mib(cores: float, pass_s: float, nbytes: int) -> int:

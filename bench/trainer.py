@@ -133,7 +133,7 @@ from bench.common import (
 )
 from bench.plots import trainer_memory_figure, write_figures
 from bench.trainer_rank import EXPERTS, MIB, bytes_read, micro_batches, rank_slice, rollout, run_python, stream_pass
-from bench.trainer_throughput import throughput, throughput_summary
+from bench.trainer_throughput import STAGE_THREADS, throughput, throughput_summary
 from gputq.client.reader import Reader
 from gputq.client.writer import Writer
 from gputq.config import GputqConfig
@@ -426,6 +426,13 @@ def _report(result: dict) -> None:
     if "restores_vs_ceiling" in result:
         print(f"the stream's restores alone (one thread, leased before the clock) reach "
               f"{result['restores_vs_ceiling']} of the ceiling, the stream {result['stream_vs_restores']} of them")
+    last = result["throughput_rows"][-1]
+    if "stream_restore_thread_us_per_MiB" in last:
+        alone = f"; its restores alone {round(1048.576 / last['restores_GBps'])} on one thread" \
+            if last.get("restores_GBps") else ""
+        print(f"the receiver's CPU a MiB by thread at scale {last['scale']}: "
+              + ", ".join(f"{stage.replace('_', ' ')} {last[f'stream_{stage}_us_per_MiB']}" for stage in STAGE_THREADS)
+              + f" of {last['stream_receiver_us_per_MiB']} us{alone}")
     if "reads_vs_baseline" in result:
         print(f"the stream's reads alone reach {result['reads_vs_baseline']} of the baseline, the stream "
               f"{result['stream_vs_reads']} of its reads alone")

@@ -31,7 +31,7 @@ from gputq.client.plan import plan_stream
 from gputq.client.read_context import ReadContext
 from gputq.client.shape import SlimeShaper
 
-__all__ = ["throughput", "throughput_summary", "second_half"]
+__all__ = ["STAGE_THREADS", "throughput", "throughput_summary", "second_half"]
 
 
 def _rank_plans(shard, args, config) -> list:
@@ -162,6 +162,11 @@ def _references(clients, config, shard, args, transport: str, nbytes: int, per_m
                        functools.partial(widening.read, nbytes), extra)
 
 
+#: The receiving process's threads of a stream by stage (their names, as the reader's pools name them): a
+#: figure each, ``stream_<stage>_us_per_MiB``.
+STAGE_THREADS = {"consumer": "MainThread", "fetch_thread": "gputq-prefetch", "restore_thread": "gputq-restore"}
+
+
 def _cpu_figures(refs: _References, loop_pass, units: list, nbytes: int) -> tuple[dict, float, float]:
     """Per side, the CPU per MiB of the receiving and the sending processes and the cores' worth of their
     threads kept waiting; and the cores the baseline and the stream kept busy."""
@@ -170,6 +175,10 @@ def _cpu_figures(refs: _References, loop_pass, units: list, nbytes: int) -> tupl
     figures = {"stream_receiver_us_per_MiB": us_per_mib(loop_use.own, loop_use.pass_s, nbytes),
                "stream_units_us_per_MiB": us_per_mib(loop_use.others, loop_use.pass_s, nbytes),
                "baseline_receiver_us_per_MiB": us_per_mib(base_use.own, base_use.pass_s, nbytes)}
+    if loop_use.own_threads is not None:  # a pipeline goes at its busiest stage's pace at best
+        figures.update({f"stream_{stage}_us_per_MiB": us_per_mib(loop_use.own_threads.get(name, 0.0),
+                                                                 loop_use.pass_s, nbytes)
+                        for stage, name in STAGE_THREADS.items()})
     if refs.baseline_pids:
         figures["baseline_sender_us_per_MiB"] = us_per_mib(base_use.others, base_use.pass_s, nbytes)
     for side, work in (("ceiling", refs.ceiling_pass), ("reads", refs.extra.get("reads"))):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from bench import e2e, fetch, trainer, trainer_rank, trainer_throughput
+from bench.trainer_throughput import STAGE_THREADS
 from bench.common import SelfTimed, remote_units, same_host_copy_threads
 from bench.trainer_rank import EXPERTS, MIB, micro_batches, rank_fields, rank_slice, rollout, run_python
 from gputq.client.reader import Reader
@@ -108,6 +109,9 @@ def test_trainer_reports_bytes_memory_and_overlap_per_rank(capsys, tmp_path):
         if os.path.exists("/proc/self/task"):  # the kernel says how long each side's threads waited for a core
             waiting = ("stream_receiver", "stream_units", "baseline_receiver", "baseline_sender")
             assert all(row[f"{side}_waiting_cores"] >= 0 for side in waiting), row
+            # and the CPU of each of the receiver's threads: over tcp the fetch thread widens as replies land
+            assert row["stream_fetch_thread_us_per_MiB"] > 0 and row["stream_consumer_us_per_MiB"] > 0, row
+            assert row["stream_restore_thread_us_per_MiB"] >= 0, row
     assert gc.get_freeze_count() == 0  # the trainer's frozen objects are thawed once the bench ends
 
 
@@ -128,6 +132,10 @@ def test_trainer_overlap_at_a_fixed_compute_over_shm(capsys, tmp_path):
         assert row["second_half_vs_ceiling"] > 0
         # the stream's restores alone, timed beside it: the same plans' widen over the leased mappings
         assert row["restores_GBps"] > 0 and row["restores_vs_ceiling"] > 0 and row["stream_vs_restores"] > 0
+        if os.path.exists("/proc/self/task"):  # in place, the restore thread widens; the fetch thread leases
+            stages = [row[f"stream_{stage}_us_per_MiB"] for stage in STAGE_THREADS]
+            assert all(us > 0 for us in stages), row
+            assert sum(stages) <= 1.1 * row["stream_receiver_us_per_MiB"] + len(stages), row  # a share of it
     assert "one_thread_widen_vs_ceiling" not in out  # no slice of 16 MiB or more here: no summary figure
     assert out["overlap"]["compute"] == "fixed" and out["overlap"]["compute_ms"] == 3.5
     assert out["overlap"]["host_compute"] == "python" and out["overlap"]["switch_interval_ms"] == 1

@@ -5,10 +5,24 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from bench.cores import kept_busy, us_per_mib
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="the kernel's schedstat is Linux's")
+def test_kept_busy_splits_this_process_by_thread_name():
+    # The work runs on a pool's thread while this one waits for it: the CPU is the pool thread's, under the
+    # pool's name without its thread number. CPU time, not wall time: a busy machine changes neither share.
+    with ThreadPoolExecutor(1, thread_name_prefix="bench-burn") as pool:
+        cores = kept_busy(lambda: pool.submit(sum, range(300_000)).result(), ())
+    threads = cores.own_threads
+    assert "bench-burn_0" not in threads and threads["bench-burn"] > 0
+    assert threads["bench-burn"] > 0.6 * cores.own and threads["bench-burn"] > 5 * threads["MainThread"], threads
+    assert sum(threads.values()) <= 1.05 * cores.own + 0.01, (threads, cores.own)
 
 
 @pytest.mark.timeout(10)
