@@ -64,6 +64,10 @@ process, which receives and restores (``*_receiver_us_per_MiB``, for the
 ceiling and the reads alone too), and the processes that send
 (``stream_units_us_per_MiB``, ``baseline_sender_us_per_MiB``): a process
 kept busy all the time bounds its side's throughput by its CPU per byte.
+The stream's receiver is split by thread as well (``stream_consumer``,
+``stream_fetch_thread``, ``stream_restore_thread``, each ``_us_per_MiB``):
+its stages run one per thread, so a thread busy the whole pass is the
+stream's pace however many cores the host has.
 ``unit_requests_per_micro_batch`` counts what the units served for one
 pass (their ``reads``: a read request over tcp, a lease over shm and rdma)
 per micro-batch. Where the kernel says (Linux), ``*_waiting_cores`` are the cores' worth
