@@ -37,10 +37,10 @@ def _cpu_seconds(pids) -> tuple[float, float]:
 _WINDOW_S = 0.25
 
 
-def _thread_waits(pids) -> dict | None:
-    """Nanoseconds each thread of ``pids`` has spent runnable but waiting for a core (Linux's ``schedstat``),
-    by ``(pid, thread id)``, or None where the kernel does not say."""
-    waits = {}
+def _thread_stats(pids) -> dict | None:
+    """Each thread of ``pids`` by ``(pid, thread id)``: its nanoseconds on a core and runnable but waiting for one
+    (Linux's ``schedstat``), or None where the kernel does not say."""
+    stats = {}
     for pid in pids:
         try:
             threads = os.listdir(f"/proc/{pid}/task")
@@ -49,34 +49,31 @@ def _thread_waits(pids) -> dict | None:
         for tid in threads:
             with contextlib.suppress(OSError):  # a thread that just exited
                 with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                    waits[(pid, tid)] = int(f.read().split()[1])
-    return waits
-
-
-def _thread_cpu() -> Counter | None:
-    """On-CPU nanoseconds so far of this process's threads, by name (Linux's ``schedstat``; a pool's threads
-    as one: ``gputq-restore_0`` counts as ``gputq-restore``; threads Python did not start as ``native``), or
-    None where the kernel does not say."""
-    names = {str(t.native_id): re.sub(r"_\d+$", "", t.name) for t in threading.enumerate()}
-    try:
-        threads = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    ns = Counter()
-    for tid in threads:
-        with contextlib.suppress(OSError):  # a thread that just exited
-            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                ns[names.get(tid, "native")] += int(f.read().split()[0])
-    return ns
+                    ran, waited = f.read().split()[:2]
+                    stats[(pid, tid)] = (int(ran), int(waited))
+    return stats
 
 
 def _waited(before: dict | None, after: dict | None, wall: float) -> float | None:
-    """Cores' worth of waiting for a core between two :func:`_thread_waits` ``wall`` seconds apart: by the
+    """Cores' worth of waiting for a core between two :func:`_thread_stats` ``wall`` seconds apart: by the
     threads alive at the end (one that exited meanwhile, a unit's connection thread, takes its part along),
     those started meanwhile in whole."""
     if before is None or after is None:
         return None
-    return sum(ns - before.get(thread, 0) for thread, ns in after.items()) / 1e9 / wall
+    return sum(ns - before.get(thread, (0, 0))[1] for thread, (_, ns) in after.items()) / 1e9 / wall
+
+
+def _by_thread(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """This process's cores by thread name between two :func:`_thread_stats` ``wall`` seconds apart, counted as
+    :func:`_waited` counts: a pool's threads as one (``gputq-restore_0`` counts as ``gputq-restore``), threads
+    Python did not start as ``native``."""
+    if before is None or after is None:
+        return None
+    names = {str(t.native_id): re.sub(r"_\d+$", "", t.name) for t in threading.enumerate()}
+    cores = Counter()
+    for (pid, tid), (ns, _) in after.items():
+        cores[names.get(tid, "native")] += (ns - before.get((pid, tid), (0, 0))[0]) / 1e9 / wall
+    return dict(sorted(cores.items()))
 
 
 @dataclass(frozen=True)
@@ -90,8 +87,7 @@ class Cores:
     own_waiting: float | None
     others_waiting: float | None
     pass_s: float
-    #: This process's cores by thread name (see :func:`_thread_cpu`): its threads alive at the end, those
-    #: started meanwhile in whole; None where the kernel does not say.
+    #: This process's cores by thread name (see :func:`_by_thread`); None where the kernel does not say.
     own_threads: dict | None = None
 
 
@@ -109,20 +105,18 @@ def kept_busy(work, pids) -> Cores:
     show.
     """
     me = os.getpid()
-    # The waits are read outside the CPU clocks' window: reading every thread's file costs CPU of its own.
-    own_wait, others_wait, threads = _thread_waits((me,)), _thread_waits(pids), _thread_cpu()
+    # The threads' schedstats are read outside the CPU clocks' window: reading every thread's file costs CPU.
+    own_stats, others_stats = _thread_stats((me,)), _thread_stats(pids)
     passes, (own, others), started = 0, _cpu_seconds(pids), time.perf_counter()
     while not passes or time.perf_counter() - started < _WINDOW_S:
         work()
         passes += 1
     wall = time.perf_counter() - started
     own_after, others_after = _cpu_seconds(pids)
-    threads_after = _thread_cpu()
-    by_thread = None if threads is None or threads_after is None else \
-        {name: max(0, ns - threads.get(name, 0)) / 1e9 / wall for name, ns in sorted(threads_after.items())}
-    return Cores((own_after - own) / wall, (others_after - others) / wall,
-                 _waited(own_wait, _thread_waits((me,)), wall), _waited(others_wait, _thread_waits(pids), wall),
-                 wall / passes, by_thread)
+    own_stats_after = _thread_stats((me,))
+    return Cores((own_after - own) / wall, (others_after - others) / wall, _waited(own_stats, own_stats_after, wall),
+                 _waited(others_stats, _thread_stats(pids), wall), wall / passes,
+                 _by_thread(own_stats, own_stats_after, wall))
 
 
 def us_per_mib(cores: float, pass_s: float, nbytes: int) -> int:

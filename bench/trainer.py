@@ -432,7 +432,7 @@ def _report(result: dict) -> None:
               f"{result['restores_vs_ceiling']} of the ceiling, the stream {result['stream_vs_restores']} of them")
     last = result["throughput_rows"][-1]
     if "stream_restore_thread_us_per_MiB" in last:
-        alone = f"; its restores alone {round(1048.576 / last['restores_GBps'])} on one thread" \
+        alone = f"; its restores alone {round(MIB / (last['restores_GBps'] * 1e3))} on one thread" \
             if last.get("restores_GBps") else ""
         print(f"the receiver's CPU a MiB by thread at scale {last['scale']}: "
               + ", ".join(f"{stage.replace('_', ' ')} {last[f'stream_{stage}_us_per_MiB']}" for stage in STAGE_THREADS)

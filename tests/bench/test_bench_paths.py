@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from bench import e2e, fetch, trainer, trainer_rank, trainer_throughput
-from bench.trainer_throughput import STAGE_THREADS
 from bench.common import SelfTimed, remote_units, same_host_copy_threads
 from bench.trainer_rank import EXPERTS, MIB, micro_batches, rank_fields, rank_slice, rollout, run_python
 from gputq.client.reader import Reader
@@ -133,7 +132,7 @@ def test_trainer_overlap_at_a_fixed_compute_over_shm(capsys, tmp_path):
         # the stream's restores alone, timed beside it: the same plans' widen over the leased mappings
         assert row["restores_GBps"] > 0 and row["restores_vs_ceiling"] > 0 and row["stream_vs_restores"] > 0
         if os.path.exists("/proc/self/task"):  # in place, the restore thread widens; the fetch thread leases
-            stages = [row[f"stream_{stage}_us_per_MiB"] for stage in STAGE_THREADS]
+            stages = [row[f"stream_{stage}_us_per_MiB"] for stage in trainer_throughput.STAGE_THREADS]
             assert all(us > 0 for us in stages), row
             assert sum(stages) <= 1.1 * row["stream_receiver_us_per_MiB"] + len(stages), row  # a share of it
     assert "one_thread_widen_vs_ceiling" not in out  # no slice of 16 MiB or more here: no summary figure
