@@ -6,12 +6,15 @@ Timeouts also derive from :class:`TimeoutError`, lost peers from
 can catch either family.
 
 The module sits below every other layer (the transports raise these errors
-too) and imports nothing. A unit's error crosses the wire by class name:
+too) and imports no other module of gputq. A unit's error crosses the wire by class name:
 :func:`gputq.transport.wire.error_from_wire` rebuilds it with its own class
 from the subclasses of :class:`GputqError` defined here.
 """
 
 from __future__ import annotations
+
+import logging
+import sys
 
 __all__ = [
     "AuthenticationError",
@@ -196,3 +199,21 @@ class UnitLostError(PeerLostError):
 
 class UnitTimeoutError(UnitLostError, GputqTimeoutError):
     """The request that found a unit hung: it timed out, and the unit is now marked lost."""
+
+
+#: Whether exceptions take notes themselves (Python 3.11 on).
+_NATIVE_NOTES = sys.version_info >= (3, 11)
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Say ``note`` with ``exc`` as ``exc.add_note`` does (not part of the tree: gputq's own use).
+
+    Python 3.10 has no ``add_note``, and its tracebacks show no notes: the
+    note is kept in ``exc.__notes__`` all the same, and logged, so that what
+    went wrong beside the exception raised is not lost there.
+    """
+    if _NATIVE_NOTES:
+        exc.add_note(note)
+        return
+    exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
+    logging.getLogger("gputq").warning("%s: %s", type(exc).__name__, note)

@@ -40,6 +40,7 @@ from gputq.errors import (
     GputqTimeoutError,
     TransferError,
     UnitLostError,
+    add_note,
 )
 from gputq.transport.base import byte_view
 
@@ -192,7 +193,7 @@ class SendQueue:
         try:
             self._clients.channel(unit).call("delete", timeout=self._config.control_timeout_s, keys=keys)
         except Exception as exc:  # the unit is gone with them, or will be: say so with the failure
-            failure.add_note(f"gputq: deleting the step's stored keys {keys} from unit {unit} failed: {exc!r}")
+            add_note(failure, f"gputq: deleting the step's stored keys {keys} from unit {unit} failed: {exc!r}")
 
     # -- waiting and failures ----------------------------------------------------------
     def flush(self, timeout: float | None = None) -> None:
@@ -227,8 +228,14 @@ class SendQueue:
             failures, self._failures = self._failures, {}
         if failures:
             first = next(iter(failures.values()))
-            raise _one_error(failures, f"{len(failures)} writes failed, first: {first!r}; keys: "
-                                       f"{sorted(failures)[:8]}") from first
+            error = _one_error(failures, f"{len(failures)} writes failed, first: {first!r}; keys: "
+                                         f"{sorted(failures)[:8]}")
+            # What each failure noted (a step's keys its undo could not delete) is said with the error raised.
+            notes = [note for failure in {id(f): f for f in failures.values()}.values()
+                     for note in getattr(failure, "__notes__", ())]
+            if notes:
+                error.__notes__ = [*getattr(error, "__notes__", ()), *notes]
+            raise error from first
 
     def close(self) -> None:
         """Send what is queued, then stop the sender threads; raise the failures not yet reported. Idempotent."""

@@ -31,7 +31,8 @@ from gputq.data.fields import FieldRegistry, logprobs_spec, routed_experts_spec,
 from gputq.data.keys import checked_name
 from gputq.data.refs import FieldRef, uses_by_unit
 from gputq.data.slices import layer_major
-from gputq.errors import ClosedError, FieldValueError, GputqError, InvalidInputError, RequestTooLargeError, TransferError
+from gputq.errors import (ClosedError, FieldValueError, GputqError, InvalidInputError, RequestTooLargeError,
+                          TransferError, add_note)
 from gputq.transport.base import Closeable
 
 __all__ = ["Writer", "CommitRegion", "stored_key"]
@@ -255,7 +256,7 @@ class Writer(Closeable):
             try:
                 region.rollback()
             except Exception as rollback_exc:  # the caller's error stays the one raised
-                exc.add_note(f"gputq: rolling back {len(region.refs)} keys also failed: {rollback_exc!r}")
+                add_note(exc, f"gputq: rolling back {len(region.refs)} keys also failed: {rollback_exc!r}")
             raise
 
     def close(self) -> None:
@@ -276,7 +277,7 @@ class Writer(Closeable):
         except GputqError as failure:  # failed writes, of whichever class they share
             if exc is None:
                 raise
-            exc.add_note(f"gputq: writes also failed: {failure}")
+            add_note(exc, f"gputq: writes also failed: {failure}")
 
 
 _LOGPROBS = logprobs_spec()

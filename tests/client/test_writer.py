@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 
 import numpy as np
 import pytest
+
+import gputq.errors
 
 from gputq.client.clients import UnitClients
 from gputq.client.reader import Reader
@@ -15,6 +19,7 @@ from gputq.errors import (
     CapacityError,
     DuplicateKeyError,
     GputqTimeoutError,
+    InvalidInputError,
     PartialFailureError,
     TransferError,
     UnknownKeyError,
@@ -80,7 +85,27 @@ def test_a_full_unit_costs_one_wait_not_one_per_queued_step_and_takes_writes_aga
         assert services[0].stats()["keys"] == 1
 
 
-def test_exit_keeps_the_callers_exception_and_notes_failed_writes():
+@pytest.fixture(params=["3.11 notes", "3.10 notes"])
+def notes(request, monkeypatch, caplog):
+    """Each test twice: with exceptions' own notes, and as on Python 3.10, which has none (kept and logged).
+    Yields the log records of the notes gputq logged."""
+    native = request.param == "3.11 notes"
+    if native and sys.version_info < (3, 11):
+        pytest.skip("exceptions take notes themselves from Python 3.11 on")
+    monkeypatch.setattr(gputq.errors, "_NATIVE_NOTES", native)
+    with caplog.at_level(logging.WARNING, logger="gputq"):
+        yield lambda: [r.getMessage() for r in caplog.records if r.name == "gputq"]
+    if native:
+        assert not any(r.name == "gputq" for r in caplog.records)
+
+
+def _noted(exc: BaseException, words: str, logged: list) -> bool:
+    """Whether ``exc`` carries a note with ``words``, logged too where exceptions take no notes."""
+    noted = [note for note in getattr(exc, "__notes__", ()) if words in note]
+    return len(noted) == 1 and (gputq.errors._NATIVE_NOTES or logged == [f"{type(exc).__name__}: {noted[0]}"])
+
+
+def test_exit_keeps_the_callers_exception_and_notes_failed_writes(notes):
     with local_units("tcp", units=1, capacity=1 << 20, put_timeout_s=0.2) as (config, _, clients):
         with pytest.raises(KeyError) as info:
             with Writer(clients, config) as writer:
@@ -88,7 +113,47 @@ def test_exit_keeps_the_callers_exception_and_notes_failed_writes():
                 writer.flush()
                 writer.put("no-room", "p", {"logprobs": np.zeros((600 << 10) // 4, np.float32)})
                 raise KeyError("local failure")
-        assert any("writes also failed" in note for note in info.value.__notes__)
+        assert _noted(info.value, "writes also failed", notes())
+
+
+def _refusing_deletes(monkeypatch, unit) -> None:
+    original = unit.control
+
+    def refusing(method, args=None):
+        if method == "delete":
+            raise InvalidInputError("delete: refused")
+        return original(method, args)
+    monkeypatch.setattr(unit, "control", refusing)
+
+
+def test_a_commit_region_whose_rollback_fails_keeps_the_callers_exception_and_notes_it(notes, monkeypatch):
+    with local_units("tcp", units=1) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            with pytest.raises(RuntimeError, match="local commit failed") as info:
+                with writer.commit_region() as region:
+                    region.put("r/0", "r", {"logprobs": np.zeros(5, np.float32)})
+                    writer.flush()
+                    _refusing_deletes(monkeypatch, services[0].unit)
+                    raise RuntimeError("local commit failed")
+        assert _noted(info.value, "rolling back 1 keys also failed: ", notes())
+        assert "delete: refused" in info.value.__notes__[0]
+
+
+def test_a_half_stored_step_whose_undo_fails_raises_its_own_error_and_notes_the_keys_left(notes, monkeypatch):
+    """The second field finds its key taken; deleting the first, which landed, is refused: the step's error
+    names the keys that could not be deleted."""
+    with local_units("tcp", units=1) as (config, services, clients):
+        with Writer(clients, config) as writer:
+            writer.put("d", "p", {"logprobs": np.zeros(4, np.float32)})
+            writer.flush()
+            _refusing_deletes(monkeypatch, services[0].unit)
+            with pytest.raises(DuplicateKeyError) as info:
+                writer.put("d", "p", {"routed_experts": np.ones((4, 2, 2), np.int32),
+                                      "logprobs": np.zeros(4, np.float32)})
+                writer.flush()
+        assert _noted(info.value, "deleting the step's stored keys ['d/routed_experts'] from unit su-0 failed",
+                      notes())
+        assert services[0].stats()["keys"] == 2
 
 
 def test_wait_and_flush_time_out_typed():
