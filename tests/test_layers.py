@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,18 @@ def test_no_comment_or_docstring_quotes_a_timing():
               for i, line in enumerate(path.read_text().splitlines(), 1)
               if _TIMING.search(line) and "DEFAULT_CALIBRATION" not in line and "source=" not in line]
     assert quoted == []
+
+
+@pytest.mark.parametrize("folder", ["gputq", "transport", "kernels", "tests", "bench", "scripts"])
+def test_every_source_compiles_without_a_warning(folder):
+    """An invalid escape in a string is a warning from 3.12 on, printed to the user's stderr (a CLI's one-line
+    error then is three) whenever the module is compiled; earlier Pythons hide it."""
+    warned = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                compile(path.read_text(), str(path), "exec")
+            except SyntaxError as exc:
+                warned.append(f"{path.relative_to(ROOT)}:{exc.lineno}: {exc.msg}")
+    assert warned == []

@@ -77,7 +77,7 @@ class TcpChannel(Channel):
     Build it with :meth:`TcpTransport.connect`. Writes, which may wait on the
     unit for arena space, use their own pool; reads and control calls use
     the other, so a reader is never starved by writers blocked on a full
-    unit. Both are capped at ``max_connections``; :meth:`pipeline`\ s take
+    unit. Both are capped at ``max_connections``; read pipelines (:meth:`pipeline`) take
     their connections from a pool of their own without a cap (the unit's
     ``max_connections`` still bounds them). A connection whose request
     failed mid-frame (timeout, lost peer, protocol error) is discarded; one
