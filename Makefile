@@ -34,6 +34,9 @@ test-slow: $(STAMP)
 test-base:
 	rm -rf .venv-base
 	$(PYTHON) -m venv .venv-base
+	# A pip that installs editable through setuptools' hook (PEP 660): an older one's setup.py develop
+	# would not map gputq.transport and gputq.kernels onto their folders.
+	.venv-base/bin/python -m pip install -q --upgrade pip
 	.venv-base/bin/python -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6"
 	.venv-base/bin/python -m pytest -m "not slow"
 
