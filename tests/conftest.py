@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from gputq.cluster.deploy import local_cluster
@@ -16,12 +14,6 @@ def nixl_usable() -> str | None:
 
     error = nixl_import_error()
     return None if error is None else f"NIXL not importable: {error}"
-
-
-def pytest_runtest_setup(item):
-    """A test marked ``ray`` starts a Ray cluster: skipped, saying what to install, where Ray is not."""
-    if item.get_closest_marker("ray") is not None and importlib.util.find_spec("ray") is None:
-        pytest.skip("needs Ray: pip install 'gputq[ray]'")
 
 
 TRANSPORT_PARAMS = [

@@ -98,6 +98,7 @@ def test_help_shows_defaults():
     assert "(default: auto)" in proc.stdout and "--check" in proc.stdout
 
 
+@needs_ray
 @pytest.mark.ray
 @pytest.mark.slow
 def test_demo_json_last_line_reports_verified():
