@@ -233,8 +233,8 @@ class SendQueue:
             # What each failure noted (a step's keys its undo could not delete) is said with the error raised.
             notes = [note for failure in {id(f): f for f in failures.values()}.values()
                      for note in getattr(failure, "__notes__", ())]
-            if notes:
-                error.__notes__ = [*getattr(error, "__notes__", ()), *notes]
+            if notes:  # the error is new: these are all its notes (already logged where notes are not native)
+                error.__notes__ = notes
             raise error from first
 
     def close(self) -> None:
