@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gputq-installed
 
-.PHONY: demo test test-busy test-slow test-base bench install-check clean
+.PHONY: demo test test-busy test-throttled test-slow test-base bench install-check clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 # timing or free cores.
 test-busy: $(STAMP)
 	$(PY) scripts/busy.py -n 2 -- $(PY) -m pytest -m "not slow"
+
+# The fast suite on half a core's worth of CPU time, as in a CI container with a CPU limit (a cgroup's CFS
+# quota: needs root).
+test-throttled: $(STAMP)
+	$(PY) scripts/busy.py -n 0 --cpus 0.5 -- $(PY) -m pytest -m "not slow"
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
