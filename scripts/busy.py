@@ -6,11 +6,12 @@ Two ways a CI machine is busy, either or both:
   spin until the command ends (or this script is interrupted) and are then
   killed.
 - ``--cpus C``: the command and everything it starts get C cores' worth of
-  CPU time (a container's CPU limit): a cgroup whose CFS quota is C periods
-  of 100 ms per period. A throttled container stops every thread of the
+  CPU time (a container's CPU limit): a cgroup whose CFS quota is C times
+  its 100 ms period. A throttled container stops every thread of the
   command for the rest of a period once the quota is spent, which burners
   beside it never do. Needs a writable cgroup ``cpu`` controller (root, v1
-  or v2); the cgroup is removed once the command ends.
+  or v2); the cgroup is removed once the command and what it left behind
+  have ended.
 
 The exit status is the command's. ``make test-busy`` runs the fast suite
 beside burners: no fast test may depend on timing or free cores.
@@ -24,11 +25,14 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 
 #: The CFS period the quota of ``--cpus`` is a share of, in microseconds.
 PERIOD_US = 100_000
 #: Where the cgroup file systems are mounted.
 CGROUP_ROOT = "/sys/fs/cgroup"
+#: Seconds the processes a command left behind get to exit before its cgroup is left in place.
+LEFT_BEHIND_S = 10.0
 
 
 def _spin() -> None:
@@ -56,10 +60,22 @@ def cpu_limit(cpus: float):
                 f.write(value)
         yield os.path.join(path, "cgroup.procs")
     finally:
+        _remove(path)
+
+
+def _remove(path: str) -> None:
+    """Remove the cgroup at ``path`` once the processes the command left behind have left it (they may still
+    be exiting: a test suite's servers), or say why not after :data:`LEFT_BEHIND_S`."""
+    deadline = time.monotonic() + LEFT_BEHIND_S
+    while True:
         try:
             os.rmdir(path)
-        except OSError as exc:  # a process the command left behind is still in it
-            print(f"busy.py: cgroup {path} not removed: {exc}", file=sys.stderr)
+            return
+        except OSError as exc:  # EBUSY while a process is still in it
+            if time.monotonic() >= deadline:
+                print(f"busy.py: cgroup {path} not removed: {exc}", file=sys.stderr)
+                return
+            time.sleep(0.1)
 
 
 def _run(command: list[str], procs: str | None) -> int:

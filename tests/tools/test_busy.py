@@ -53,6 +53,20 @@ def test_cpus_runs_the_command_in_a_cgroup_of_that_quota_removed_after():
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.skipif(not _cgroup_writable(), reason="needs root and a writable cgroup cpu controller")
+def test_cpus_waits_for_what_the_command_left_behind_before_removing_its_cgroup():
+    """The command returns at once, leaving a child in the cgroup that exits a second later (a suite's
+    server still shutting down): the cgroup goes once the child has, with nothing said."""
+    child = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1)'])"
+    left = f"import subprocess, sys; {child}; {OWN_LIMIT}"
+    done = busy("-n", "0", "--cpus", "0.5", "--", sys.executable, "-c", left)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    path = done.stdout.split()[-1]
+    v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+    assert path.startswith("/gputq-busy-") and not os.path.exists(f"/sys/fs/cgroup{'' if v2 else '/cpu'}{path}")
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("args, message", [
     (["--cpus", "0", "--", "true"], "--cpus must be between 0.01"),
     (["--cpus", "4096", "--", "true"], "--cpus must be between 0.01"),
