@@ -455,7 +455,7 @@ def test_a_unit_whose_handler_hangs_costs_one_timeout():
             for _ in range(3):  # each would wait its 30 s for the hung unit again
                 with pytest.raises(UnitLostError, match="su-0 is lost"):
                     clients.channel("su-0").call("stats", timeout=30)
-            assert time.monotonic() - started < 10
+            assert time.monotonic() - started < 2 * 0.3  # before: 4 x 0.3 s
             assert clients.live_units == ["su-1"]
         assert clients.ping("su-0") and clients.live_units == ["su-0", "su-1"]
 
@@ -648,7 +648,7 @@ def test_a_unit_at_its_connection_cap_is_busy_not_lost():
         started = time.monotonic()
         with pytest.raises(UnitBusyError, match="su-0"):
             clients.channel("su-0").call("stats", timeout=30)
-        assert time.monotonic() - started < 10  # the connect's control_timeout_s, not the request's 30 s
+        assert time.monotonic() - started < 2.0  # the connect's control_timeout_s (1 s), not the request's 30 s
         assert clients.lost == {} and clients.live_units == ["su-0"]
         answered = threading.Event()
         caller = threading.Thread(target=lambda: clients.channel("su-0").call("stats", timeout=5)

@@ -29,9 +29,14 @@ def busy(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BUSY), *args], capture_output=True, text=True, timeout=60)
 
 
-def _cgroup_writable() -> bool:
+def _cgroup_dir(path: str = "") -> str:
+    """The directory of the cgroup at ``path`` (as /proc/self/cgroup names it) in the cpu hierarchy."""
     v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
-    return os.geteuid() == 0 and os.access("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu", os.W_OK)
+    return f"/sys/fs/cgroup{'' if v2 else '/cpu'}{path}"
+
+
+def _cgroup_writable() -> bool:
+    return os.geteuid() == 0 and os.access(_cgroup_dir(), os.W_OK)
 
 
 @pytest.mark.timeout(90)
@@ -47,23 +52,29 @@ def test_cpus_runs_the_command_in_a_cgroup_of_that_quota_removed_after():
     assert done.returncode == 0, done.stderr
     quota, period, path = done.stdout.split()
     assert (quota, period) == ("30000", "100000") and path.startswith("/gputq-busy-"), done.stdout
-    v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
-    assert not os.path.exists(f"/sys/fs/cgroup{'' if v2 else '/cpu'}{path}")  # removed once the command ended
+    assert not os.path.exists(_cgroup_dir(path))  # removed once the command ended
     assert done.stderr == ""
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not _cgroup_writable(), reason="needs root and a writable cgroup cpu controller")
-def test_cpus_waits_for_what_the_command_left_behind_before_removing_its_cgroup():
-    """The command returns at once, leaving a child in the cgroup that exits a second later (a suite's
-    server still shutting down): the cgroup goes once the child has, with nothing said."""
-    child = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1)'])"
+def test_cpus_waits_for_what_the_command_left_behind_before_removing_its_cgroup(tmp_path):
+    """The command returns, leaving a child in the cgroup that exits only when the test lets it (a suite's server
+    still shutting down): busy.py keeps the cgroup while the child is in it, then removes it, with nothing said."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    child = "subprocess.Popen([sys.executable, '-c', 'import os; open(os.environ[\"GATE\"]).read(1)'])"
     left = f"import subprocess, sys; {child}; {OWN_LIMIT}"
-    done = busy("-n", "0", "--cpus", "0.5", "--", sys.executable, "-c", left)
-    assert done.returncode == 0 and done.stderr == "", done.stderr
-    path = done.stdout.split()[-1]
-    v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
-    assert path.startswith("/gputq-busy-") and not os.path.exists(f"/sys/fs/cgroup{'' if v2 else '/cpu'}{path}")
+    with subprocess.Popen([sys.executable, str(BUSY), "-n", "0", "--cpus", "0.5", "--", sys.executable, "-c", left],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "GATE": str(gate)}) as run:
+        path = run.stdout.readline().split()[-1]  # the command's line: it has returned or is about to
+        assert path.startswith("/gputq-busy-") and os.path.exists(_cgroup_dir(path))  # the child holds it
+        with open(gate, "w") as opened:  # meets the child's open: it reads this and exits
+            opened.write("x")
+        out, err = run.communicate(timeout=60)
+    assert run.returncode == 0 and err == "" and out == "", err
+    assert not os.path.exists(_cgroup_dir(path))
 
 
 @pytest.mark.timeout(90)
