@@ -127,6 +127,12 @@ class GputqConfig:
         Bytes a writer may have queued but not yet sent before ``put`` blocks.
     writer_threads:
         Background sender threads of one writer.
+    restore_threads:
+        Threads that widen one streamed micro-batch into host memory: the
+        thread restoring it and ``restore_threads - 1`` helpers, each
+        widening a share of its rows (a share at least 4 MiB restored; a
+        smaller micro-batch is widened on one). 1 widens on one thread. A
+        GPU restore runs one kernel whatever this is.
     host:
         Address StorageUnits bind; ``None`` picks the node's IP under Ray and
         127.0.0.1 otherwise.
@@ -179,6 +185,7 @@ class GputqConfig:
     max_frame_bytes: int = _LIMITS.max_frame_bytes
     writer_inflight_bytes: int = 256 * _MIB
     writer_threads: int = 2
+    restore_threads: int = 2
     host: str | None = None
     token: str | None = None
     shm_dir: str | None = None
@@ -214,7 +221,8 @@ class GputqConfig:
                 raise _error("transfer_params", "offloading routed_experts needs R3: pass "
                                                 "--use-rollout-routing-replay (use_rollout_routing_replay=True) "
                                                 "or drop routed_experts from --transfer-params")
-        for name in ("num_units", "unit_capacity_bytes", "writer_inflight_bytes", "writer_threads"):
+        for name in ("num_units", "unit_capacity_bytes", "writer_inflight_bytes", "writer_threads",
+                     "restore_threads"):
             if getattr(self, name) < 1:
                 raise _error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("put_timeout_s", "reservation_timeout_s", "read_timeout_s", "control_timeout_s",

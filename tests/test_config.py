@@ -72,6 +72,7 @@ def test_transfer_params_flag_and_env():
     ({"transport": "udp"}, "transport"),
     ({"routed_experts_dtype": "int8"}, "routed_experts_dtype"),
     ({"num_units": 0}, "num_units"),
+    ({"restore_threads": 0}, "restore_threads must be >= 1, got 0"),
     ({"read_timeout_s": 0}, "read_timeout_s"),
     ({"reservation_timeout_s": 0}, "reservation_timeout_s"),
     ({"write_aging_s": -1}, "write_aging_s"),

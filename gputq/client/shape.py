@@ -16,6 +16,7 @@ import numpy as np
 from gputq.client.read_context import ReadContext
 from gputq.client.plan import MicroPlan
 from gputq.client.plan_fields import FieldPlan
+from gputq.client.widen_shares import WidenShares
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice, pad_block
 from gputq.errors import LayoutError
@@ -36,10 +37,14 @@ class SlimeShaper:
         The reader's context: the device and its output conversion.
     rank:
         The rank's slice: its ``num_experts`` numbers the pad rows.
+    shares:
+        Who widens a large micro-batch on the host: the calling thread and its
+        helpers (see :mod:`gputq.client.widen_shares`); None, the calling thread alone.
     """
 
-    def __init__(self, context: ReadContext, rank: ParallelSlice):
+    def __init__(self, context: ReadContext, rank: ParallelSlice, shares: WidenShares | None = None):
         self._ctx, self._rank = context, rank
+        self._shares = shares if shares is not None and context.on_host else WidenShares(None, 1)
         self._pad_blocks: dict[tuple, np.ndarray] = {}
 
     def widen(self, plan: MicroPlan, staging, outputs: dict) -> dict:
@@ -48,7 +53,9 @@ class SlimeShaper:
             out = outputs[name][:fp.out_elements]
             rows = staging.nbytes // fp.row_bytes
             compact = staging[:rows * fp.row_bytes].view(fp.stored)
-            restore_scatter(compact, fp.plan, fp.width, out, fp.fill, packing=fp.packing, validate=False)
+            # Each share restored before the next field's: the widen returns once all are done.
+            self._shares(lambda share: restore_scatter(compact, share, fp.width, out, fp.fill, packing=fp.packing,
+                                                       validate=False), fp.plan, fp.width * fp.restored.itemsize)
         if not self._ctx.on_host:
             # The kernels ran on CuPy's stream; the pad rows and the check after go through torch's.
             self._ctx.synchronize()

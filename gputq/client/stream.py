@@ -52,6 +52,7 @@ from gputq.client.restores import Restores, drop_fetched, run_into
 from gputq.client.shape import SlimeShaper
 from gputq.client.stream_buffers import StreamBuffers
 from gputq.client.stream_releases import StreamReleases
+from gputq.client.widen_shares import WidenShares
 from gputq.data.fields import sample_key_of
 from gputq.data.slices import ParallelSlice
 from gputq.errors import ClosedError, InvalidInputError
@@ -178,7 +179,7 @@ class MicroBatchStream:
         # fetch queued after them, which close() waits for, so it is the only one close() must wait for itself.
         self._placing: Future | None = None
         threads = context.stream_threads()
-        self._fetcher, restorer, releaser = threads
+        self._fetcher, restorer, releaser = threads.fetch, threads.restore, threads.release
         self._threads_back = functools.partial(context.threads_back, threads)
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
@@ -200,7 +201,7 @@ class MicroBatchStream:
                                       ahead=self._ahead, closed=self._closed.is_set)
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
         self.buffer_bytes = self._buffers.nbytes
-        shaper = SlimeShaper(context, rank)
+        shaper = SlimeShaper(context, rank, WidenShares(threads.widen, context.config.restore_threads))
         self._restorer = Restores(shaper, self._buffers, restorer)
         closed = self._closed.is_set
         if self._landing:
