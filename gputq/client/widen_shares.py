@@ -55,12 +55,13 @@ def plan_shares(plan: np.ndarray, parts: int) -> list[np.ndarray]:
 
 
 class WidenShares:
-    """Run a widen's shares on the calling thread and ``helpers``' (None, or one thread: one share, in place).
+    """Run a widen's shares: the first on the calling thread, the others on ``helpers``.
 
     Parameters
     ----------
     helpers:
-        The threads that take the shares after the first; ``parts - 1`` of them.
+        The threads that take the shares after the first, ``parts - 1`` of them;
+        None: every widen runs whole on the calling thread.
     parts:
         Shares a large widen is cut into: the calling thread's and the helpers'.
     """
