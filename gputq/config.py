@@ -128,11 +128,11 @@ class GputqConfig:
     writer_threads:
         Background sender threads of one writer.
     restore_threads:
-        Threads that widen one streamed micro-batch into host memory: the
-        thread restoring it and ``restore_threads - 1`` helpers, each
-        widening a share of its rows (a share at least 4 MiB restored; a
-        smaller micro-batch is widened on one). 1 widens on one thread. A
-        GPU restore runs one kernel whatever this is.
+        Threads that widen one streamed micro-batch into host memory, each
+        a share of its rows: the thread restoring it and
+        ``restore_threads - 1`` of the process's fan-out threads (a share at
+        least 4 MiB restored; a smaller micro-batch is widened whole). 1
+        widens on one thread. A GPU restore runs one kernel whatever this is.
     host:
         Address StorageUnits bind; ``None`` picks the node's IP under Ray and
         127.0.0.1 otherwise.

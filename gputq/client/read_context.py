@@ -20,7 +20,7 @@ import queue
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from gputq.kernels import cuda_available
 from gputq.transport import get_transport
 from gputq.transport.cuda import require_cupy
 
-__all__ = ["ReadContext", "Buffers", "StreamThreads", "device_index"]
+__all__ = ["ReadContext", "Buffers", "device_index"]
 
 log = logging.getLogger(__name__)
 
@@ -106,17 +106,6 @@ class Buffers:
             self._staging = None
 
 
-class StreamThreads(NamedTuple):
-    """The threads of one stream (each starts at its first job)."""
-
-    fetch: ThreadPoolExecutor
-    restore: ThreadPoolExecutor
-    release: ThreadPoolExecutor
-    #: ``restore_threads - 1`` helpers that widen shares of a large micro-batch beside the restore thread
-    #: (see :mod:`gputq.client.widen_shares`); None with ``restore_threads=1``.
-    widen: ThreadPoolExecutor | None
-
-
 class ReadContext:
     """The narrow view of a Reader its read stages get.
 
@@ -148,7 +137,7 @@ class ReadContext:
         self._leftovers: queue.SimpleQueue = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
         self._reaper_end: weakref.finalize | None = None
-        self._idle: list[StreamThreads] = []  # the threads that closed streams gave back
+        self._idle: list[tuple] = []  # fetch, restore and release threads that closed streams gave back
         #: Set once :meth:`close` began: a stream closed by it tells its consumer so instead of ending.
         self.closed = False
 
@@ -163,9 +152,9 @@ class ReadContext:
     def channel(self, unit: str) -> UnitChannel:
         return self.clients.channel(unit)
 
-    def stream_threads(self) -> StreamThreads:
-        """A fetch, a restore and a release thread, and the widen's helpers, for one stream alone, until it
-        gives them back (:meth:`threads_back`).
+    def stream_threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor, ThreadPoolExecutor]:
+        """A fetch, a restore and a release thread for one stream alone, until it gives them back
+        (:meth:`threads_back`); each starts at its first job.
 
         Never two streams' at once: a stream whose consumer stopped without
         closing it (a step raised out of its loop) may have work waiting for
@@ -176,20 +165,18 @@ class ReadContext:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        helpers = self.config.restore_threads - 1
-        return StreamThreads(ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch"),
-                             ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"),
-                             ThreadPoolExecutor(1, thread_name_prefix="gputq-release"),
-                             ThreadPoolExecutor(helpers, thread_name_prefix="gputq-widen") if helpers else None)
+        return (ThreadPoolExecutor(1, thread_name_prefix="gputq-prefetch"),
+                ThreadPoolExecutor(1, thread_name_prefix="gputq-restore"),
+                ThreadPoolExecutor(1, thread_name_prefix="gputq-release"))
 
-    def threads_back(self, threads: StreamThreads) -> None:
+    def threads_back(self, threads: tuple) -> None:
         """A closed stream's threads, with no work of it left, for the next stream; stopped once the reader
         is closing."""
         with self._lock:
             if not self.closed:
                 self._idle.append(threads)
                 return
-        for thread in filter(None, threads):
+        for thread in threads:
             thread.shutdown(wait=True)
 
     def track(self, stream, leftovers: Callable[[], None]) -> weakref.finalize:
@@ -257,7 +244,7 @@ class ReadContext:
             reaper.join()
         with self._lock:
             idle, self._idle = self._idle, []
-        for thread in (t for threads in idle for t in threads if t is not None):
+        for thread in (t for threads in idle for t in threads):
             thread.shutdown(wait=True)
         self.pool.shutdown(wait=True)
         self.buffers.close()

@@ -38,13 +38,13 @@ class SlimeShaper:
     rank:
         The rank's slice: its ``num_experts`` numbers the pad rows.
     shares:
-        Who widens a large micro-batch on the host: the calling thread and its
-        helpers (see :mod:`gputq.client.widen_shares`); None, the calling thread alone.
+        How a large micro-batch is widened on the host: in shares on several
+        threads (see :mod:`gputq.client.widen_shares`); None, whole on the calling thread.
     """
 
     def __init__(self, context: ReadContext, rank: ParallelSlice, shares: WidenShares | None = None):
         self._ctx, self._rank = context, rank
-        self._shares = shares if shares is not None and context.on_host else WidenShares(None, 1)
+        self._shares = shares if shares is not None and context.on_host else WidenShares(1)
         self._pad_blocks: dict[tuple, np.ndarray] = {}
 
     def widen(self, plan: MicroPlan, staging, outputs: dict) -> dict:

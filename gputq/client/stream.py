@@ -179,7 +179,7 @@ class MicroBatchStream:
         # fetch queued after them, which close() waits for, so it is the only one close() must wait for itself.
         self._placing: Future | None = None
         threads = context.stream_threads()
-        self._fetcher, restorer, releaser = threads.fetch, threads.restore, threads.release
+        self._fetcher, restorer, releaser = threads
         self._threads_back = functools.partial(context.threads_back, threads)
         self._live: dict[int, tuple] = {}  # index -> (micro-batch, its output buffers)
         self._lazy: LazyReplay | None = None  # slime's replay handles, once taken
@@ -201,7 +201,7 @@ class MicroBatchStream:
                                       ahead=self._ahead, closed=self._closed.is_set)
         #: Bytes of the buffers the stream holds (more only while ``hold`` keeps micro-batches live).
         self.buffer_bytes = self._buffers.nbytes
-        shaper = SlimeShaper(context, rank, WidenShares(threads.widen, context.config.restore_threads))
+        shaper = SlimeShaper(context, rank, WidenShares(context.config.restore_threads))
         self._restorer = Restores(shaper, self._buffers, restorer)
         closed = self._closed.is_set
         if self._landing:

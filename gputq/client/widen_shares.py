@@ -5,21 +5,23 @@ that restore is the widen: a codec call per field that reads the compact
 bytes and writes four bytes an ID, outside the GIL. One thread's widen is
 then the stream's pace, while the trainer's other cores idle. The rows of
 a widen plan write disjoint output rows, so any cut of the plan restores
-the same bytes: :func:`plan_shares` cuts it, and :class:`WidenShares`
-runs the first share on the calling thread and the others on helper
-threads (``GputqConfig.restore_threads``), then waits for them all.
+the same bytes: :func:`plan_shares` cuts it into
+``GputqConfig.restore_threads`` shares, and :class:`WidenShares` widens
+them at once over :func:`~gputq.client.fanout.fan_out`, whose caller (the
+restoring thread) takes the first share, and any no idle thread took.
 
-A share costs a hand-off to a helper, and a helper woken from idle more,
-which a small widen does not repay: a field is shared only where each
+A share costs a hand-off to another thread, and a thread woken from idle
+more, which a small widen does not repay: a field is shared only where each
 share restores at least :data:`MIN_SHARE_BYTES`.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
+
+from gputq.client.fanout import fan_out
 
 __all__ = ["WidenShares", "plan_shares", "MIN_SHARE_BYTES"]
 
@@ -55,47 +57,23 @@ def plan_shares(plan: np.ndarray, parts: int) -> list[np.ndarray]:
 
 
 class WidenShares:
-    """Run a widen's shares: the first on the calling thread, the others on ``helpers``.
+    """Run a large widen in ``parts`` shares at once, on the calling thread and the process's fan-out threads
+    (:func:`~gputq.client.fanout.fan_out`: the caller runs the first share, and any share no thread has
+    taken by then; it returns once every share is done)."""
 
-    Parameters
-    ----------
-    helpers:
-        The threads that take the shares after the first, ``parts - 1`` of them;
-        None: every widen runs whole on the calling thread.
-    parts:
-        Shares a large widen is cut into: the calling thread's and the helpers'.
-    """
-
-    def __init__(self, helpers: ThreadPoolExecutor | None, parts: int):
-        self._helpers = helpers
-        self._parts = parts if helpers is not None else 1
+    def __init__(self, parts: int):
+        self._parts = parts
 
     def __call__(self, widen: Callable[[np.ndarray], object], plan: np.ndarray, row_bytes: int) -> None:
         """Run ``widen(share)`` over shares of ``plan`` whose rows restore ``row_bytes`` each; returns once
-        every share is done, raising the first share's error (the others were waited for)."""
+        every share is done, raising the first share's error (no share still writes then)."""
         rows = int(np.asarray(plan)[:, 2].sum()) if len(plan) else 0
         parts = min(self._parts, rows * row_bytes // MIN_SHARE_BYTES)
         if parts < 2:
             widen(plan)
             return
-        first, *others = plan_shares(plan, parts)
-        helped = [self._hand(widen, share) for share in others]
-        try:
-            widen(first)
-        finally:
-            failed = [f.exception() for f in helped]  # waits: no share writes once this returns
-        raised = next((exc for exc in failed if exc is not None), None)
-        if raised is not None:
-            raise raised
-
-    def _hand(self, widen: Callable, share: np.ndarray) -> Future:
-        """``widen(share)`` on a helper; here and now where the helpers are shut down (the reader closing)."""
-        try:
-            return self._helpers.submit(widen, share)
-        except RuntimeError:
-            done: Future = Future()
-            try:
-                done.set_result(widen(share))
-            except BaseException as exc:  # raised by the caller, once the others are waited for
-                done.set_exception(exc)
-            return done
+        shares = plan_shares(plan, parts)
+        done = fan_out(range(len(shares)), lambda i: widen(shares[i]))  # raises what is not a GputqError
+        failed = next((r for r in done.values() if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed

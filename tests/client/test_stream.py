@@ -103,7 +103,7 @@ def _stored(seed: int, lengths, *, finalize: bool = False, transport: str = "tcp
 
 
 #: The names the threads of a Reader and its streams start with.
-READ_THREADS = ("gputq-prefetch", "gputq-restore", "gputq-release", "gputq-widen", "gputq-reader", "gputq-reaper")
+READ_THREADS = ("gputq-prefetch", "gputq-restore", "gputq-release", "gputq-reader", "gputq-reaper")
 
 
 def _threads_since(before: set, prefixes: tuple = READ_THREADS) -> list:
@@ -630,18 +630,18 @@ def test_in_place_a_stale_key_fails_its_own_micro_batch_not_the_others_of_its_wi
 
 @pytest.mark.parametrize("restore_threads", [1, 3])
 @pytest.mark.parametrize("transport, dtype", [("shm", "uint16"), ("shm", "packed"), ("tcp", "packed")])
-def test_a_large_micro_batch_is_widened_in_shares_on_the_helper_threads(monkeypatch, transport, dtype,
-                                                                          restore_threads):
-    """Each micro-batch's widen is shared among the restoring thread and ``restore_threads - 1`` helpers where
-    every share restores at least MIN_SHARE_BYTES (shrunk here, so that these small micro-batches are
-    shared): slime's rows all the same, read in place (shm) or staged (packed over tcp)."""
-    from gputq.client import widen_shares
+def test_a_large_micro_batch_is_widened_in_shares(monkeypatch, transport, dtype, restore_threads):
+    """Each micro-batch's R3 widen runs in ``restore_threads`` shares where every share restores at least
+    MIN_SHARE_BYTES (shrunk here, so that these small micro-batches are shared): slime's rows all the same,
+    read in place (shm) or staged (packed over tcp)."""
+    from gputq.client import shape, widen_shares
 
     monkeypatch.setattr(widen_shares, "MIN_SHARE_BYTES", 256)
-    shared = []
-    real_call = widen_shares.WidenShares._hand
-    monkeypatch.setattr(widen_shares.WidenShares, "_hand",
-                        lambda self, widen, share: (shared.append(share), real_call(self, widen, share))[1])
+    widened = []
+    real_restore = shape.restore_scatter
+    monkeypatch.setattr(shape, "restore_scatter",
+                        lambda compact, plan, width, *a, **k: (widened.append(width), real_restore(
+                            compact, plan, width, *a, **k))[1])
     lengths = [37, 50, 64, 23, 41, 58, 30, 45]
     batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
     rank = ParallelSlice(layers=range(1, 4), cp_rank=1, cp_size=2, num_experts=EXPERTS)
@@ -649,15 +649,12 @@ def test_a_large_micro_batch_is_widened_in_shares_on_the_helper_threads(monkeypa
             (config, _, clients):
         with Writer(clients, config) as writer:
             shard, data = _rollout(writer, np.random.default_rng(9), lengths)
-        before = set(threading.enumerate())
         with Reader(clients, config) as reader:
             with reader.stream(shard, batches, rank) as stream:
                 assert [mb.index for mb in stream if _check(mb, batches[mb.index], data, range(1, 4), rank)] == \
                     [0, 1, 2, 3]
-            helpers = [name for name in _threads_since(before) if name == "gputq-widen"]
-    # R3's widen of each micro-batch in restore_threads shares, all but the first handed to a helper.
-    assert len(shared) == 4 * (restore_threads - 1)
-    assert len(helpers) == restore_threads - 1
+    # R3's widen (rows of TOPK IDs) of each micro-batch in restore_threads shares; logprobs' whole.
+    assert widened.count(TOPK) == 4 * restore_threads and widened.count(1) == 4
 
 
 @pytest.mark.parametrize("dtype", sorted(IN_PLACE_FORMATS))
@@ -686,10 +683,10 @@ def test_in_place_on_the_host_micro_batches_are_restored_ahead_while_the_consume
         return real_outputs(buffers)
 
     def watched_threads(context):
-        threads = real_threads(context)
-        real_submit = threads.restore.submit
-        threads.restore.submit = lambda *a, **k: (queuing.append(threading.current_thread()), real_submit(*a, **k))[1]
-        return threads
+        fetcher, restorer, releaser = real_threads(context)
+        real_submit = restorer.submit
+        restorer.submit = lambda *a, **k: (queuing.append(threading.current_thread()), real_submit(*a, **k))[1]
+        return fetcher, restorer, releaser
 
     monkeypatch.setattr(Restores, "restore", restored_then_told)
     monkeypatch.setattr(StreamBuffers, "new_outputs", new_outputs)

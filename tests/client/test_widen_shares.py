@@ -1,9 +1,8 @@
-"""A micro-batch's host widen shared among threads: the plan's cuts, the same bytes, errors after every share."""
+"""A micro-batch's host widen in shares: the plan's cuts, the same bytes, at once, errors after every share."""
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -71,41 +70,42 @@ def _widen_into(compact, width, out, threads: list):
     return widen
 
 
-def test_a_large_widen_is_shared_with_the_helpers_and_restores_the_same_bytes():
+def test_a_large_widen_in_shares_restores_the_same_bytes():
     compact, plan, width, rows = _large()
     want = np.zeros(rows * width, np.int32)
     restore_scatter(compact, plan, width, want, 7)
-    with ThreadPoolExecutor(2, thread_name_prefix="helper") as helpers:
-        for parts, shared in ((2, 2), (3, 3), (9, 6)):  # at most one share a MIN_SHARE_BYTES restored
-            out, threads = np.zeros(rows * width, np.int32), []
-            WidenShares(helpers, parts)(_widen_into(compact, width, out, threads), plan, width * 4)
-            assert np.array_equal(out, want)
-            first = plan[0].tolist()
-            assert [name for name, head in threads if head == first] == ["MainThread"]  # the first, the caller's
-            assert len(threads) == shared and sum(name.startswith("helper") for name, _ in threads) == shared - 1
+    for parts, shared in ((2, 2), (3, 3), (9, 6)):  # at most one share a MIN_SHARE_BYTES restored
+        out, threads = np.zeros(rows * width, np.int32), []
+        WidenShares(parts)(_widen_into(compact, width, out, threads), plan, width * 4)
+        assert np.array_equal(out, want)
+        assert len(threads) == shared
+        first = plan[0].tolist()
+        assert [name for name, head in threads if head == first] == ["MainThread"]  # the first, the caller's
 
 
-def test_a_small_widen_or_no_helpers_widen_on_the_calling_thread_alone():
+def test_the_shares_run_at_once():
+    """The caller's share waits until another share started: run one after another, it would wait in vain."""
+    compact, plan, width, rows = _large()
+    started, threads = threading.Event(), []
+
+    def widen(share):
+        threads.append(threading.current_thread().name)
+        if share[0].tolist() == plan[0].tolist():
+            assert started.wait(10), "the other share did not start while the caller's ran"
+        else:
+            started.set()
+
+    WidenShares(2)(widen, plan, width * 4)
+    assert threads.count("MainThread") == 1 and len(threads) == 2
+
+
+def test_a_small_widen_or_one_part_widens_whole_on_the_calling_thread():
     compact, plan, width, rows = _large(rows_per_share=1)
-    with ThreadPoolExecutor(1, thread_name_prefix="helper") as helpers:
-        for shares, row_bytes in ((WidenShares(helpers, 2), width * 2), (WidenShares(None, 4), width * 4),
-                                  (WidenShares(helpers, 1), width * 4)):
-            out, threads = np.zeros(rows * width, np.int32), []
-            # At width * 2 bytes a row, two shares would each restore less than MIN_SHARE_BYTES.
-            shares(_widen_into(compact, width, out, threads), plan, row_bytes)
-            assert threads == [("MainThread", plan[0].tolist())]
-
-
-def test_helpers_shut_down_leave_the_shares_to_the_caller():
-    compact, plan, width, rows = _large()
-    helpers = ThreadPoolExecutor(1, thread_name_prefix="helper")
-    helpers.shutdown()
-    out, threads = np.zeros(rows * width, np.int32), []
-    WidenShares(helpers, 2)(_widen_into(compact, width, out, threads), plan, width * 4)
-    assert [name for name, _ in threads] == ["MainThread"] * 2
-    want = np.zeros(rows * width, np.int32)
-    restore_scatter(compact, plan, width, want, 7)
-    assert np.array_equal(out, want)
+    # At width * 2 bytes a row, two shares would each restore less than MIN_SHARE_BYTES.
+    for shares, row_bytes in ((WidenShares(2), width * 2), (WidenShares(1), width * 4)):
+        out, threads = np.zeros(rows * width, np.int32), []
+        shares(_widen_into(compact, width, out, threads), plan, row_bytes)
+        assert threads == [("MainThread", plan[0].tolist())]
 
 
 @pytest.mark.parametrize("failing", [0, 1])
@@ -125,17 +125,15 @@ def test_a_failed_share_raises_once_every_share_is_done(failing):
         restore_scatter(compact, share, width, out, 7)  # work a caller not waiting for it would not see done
         done.append(index)
 
-    with ThreadPoolExecutor(1) as helpers:
-        with pytest.raises(PlanError, match=f"share {failing}"):
-            WidenShares(helpers, 2)(widen, plan, width * 4)
-        assert done == [1 - failing]
+    with pytest.raises(PlanError, match=f"share {failing}"):
+        WidenShares(2)(widen, plan, width * 4)
+    assert done == [1 - failing]
 
 
 def test_the_share_size_is_read_where_the_widen_runs(monkeypatch):
     """The stream tests shrink it to share their small micro-batches: it must be read at each call."""
     compact, plan, width, rows = _large(rows_per_share=1)
     monkeypatch.setattr(widen_shares, "MIN_SHARE_BYTES", 1024)
-    with ThreadPoolExecutor(1, thread_name_prefix="helper") as helpers:
-        out, threads = np.zeros(rows * width, np.int32), []
-        WidenShares(helpers, 2)(_widen_into(compact, width, out, threads), plan, width * 2)
-        assert len(threads) == 2
+    out, threads = np.zeros(rows * width, np.int32), []
+    WidenShares(2)(_widen_into(compact, width, out, threads), plan, width * 2)
+    assert len(threads) == 2
